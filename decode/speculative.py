@@ -1,0 +1,287 @@
+"""Lossless speculative decoding (Leviathan et al. 2022; Chen et al. 2023) for batch size 1.
+
+Cache invariant between rounds: the target's KV cache holds every token but the last one (the "pending" token), and
+the draft's cache holds a prefix of the sequence that misses one or two tokens; each model is fed exactly the tokens
+it has not seen yet, at explicit positions, and rejected drafts are rolled back with `cache.crop`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from decode.sampling import sample, to_target_vocab, warp_logits
+from decode.stats import GenerationStats
+
+
+@dataclass(frozen=True)
+class Warp:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return warp_logits(logits, self.temperature, self.top_k, self.top_p)
+
+
+@dataclass
+class AdaptiveGamma:
+    """Stop a draft block early when the draft is unsure, and move γ with the last block's outcome.
+
+    The draft stops once its max probability (softmax at temperature 1) falls under `min_confidence`; after each
+    block γ grows by 2 when every draft was accepted and shrinks by 1 otherwise (HF's "heuristic" schedule).
+    """
+
+    min_confidence: float = 0.4
+    min_gamma: int = 1
+    max_gamma: int = 16
+
+    def keep_drafting(self, draft_logits: torch.Tensor) -> bool:
+        return draft_logits.float().softmax(-1).max().item() >= self.min_confidence
+
+    def next_gamma(self, gamma: int, n_drafted: int, n_accepted: int) -> int:
+        step = 2 if n_accepted == n_drafted else -1
+        return max(self.min_gamma, min(self.max_gamma, gamma + step))
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+def forward_logits(model, tokens: torch.Tensor, cache: DynamicCache, start: int, keep_last: bool) -> torch.Tensor:
+    """Feed tokens [T] at positions start..start+T-1 through the cache -> logits [T, V] (or [1, V] if keep_last)."""
+    positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)
+    out = model(
+        input_ids=tokens[None],
+        position_ids=positions[None],
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1 if keep_last else 0,
+    )
+    return out.logits[0]
+
+
+def rollback(cache: DynamicCache, length: int) -> None:
+    """Crop the cache to its first `length` positions."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def verify(
+    p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling test of k drafts, all on device.
+
+    p: target probs [k+1, V]; q: draft probs [k, V]; drafts: [k].
+    Returns (accepted [k] bool, per-position next token [k+1]): for i < k the token drawn from norm(max(0, p_i − q_i))
+    used if draft i is the first rejection, and for i = k the bonus token drawn from p_k. With greedy warping p and q
+    are one-hot, so this reduces to "accept iff draft == target argmax" and the correction is the target argmax.
+    """
+    k = drafts.shape[0]
+    rows = torch.arange(k, device=drafts.device)
+    p_draft = p[rows, drafts]
+    q_draft = q[rows, drafts]
+    uniform = torch.rand(k, device=p.device, generator=generator)
+    accepted = uniform * q_draft < p_draft  # u < p/q without dividing by q
+    residual = (p[:k] - q).clamp_(min=0)
+    mass = residual.sum(-1, keepdim=True)
+    # A zero residual (p ≤ q everywhere, reachable only through rounding) falls back to p.
+    residual = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), p[:k])
+    next_tokens = sample(torch.cat([residual, p[k:]]), generator)
+    return accepted, next_tokens
+
+
+def first_stop(tokens: list[int], eos_token_ids: frozenset[int]) -> int | None:
+    """Index just past the first EOS in tokens, or None."""
+    for i, token in enumerate(tokens):
+        if token in eos_token_ids:
+            return i + 1
+    return None
+
+
+def stop_string_cut(tokenizer, generated: list[int], n_old: int, stop_strings: Sequence[str]) -> int | None:
+    """Smallest length > n_old of `generated` whose decoded text contains a stop string, or None."""
+    if not any(s in tokenizer.decode(generated) for s in stop_strings):
+        return None
+    for length in range(n_old + 1, len(generated) + 1):
+        text = tokenizer.decode(generated[:length])
+        if any(s in text for s in stop_strings):
+            return length
+    return None
+
+
+def _model_context(model) -> int | None:
+    return getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+
+
+def _output_size(model) -> int:
+    return model.get_output_embeddings().weight.shape[0]
+
+
+class SpeculativeDecoder:
+    """Speculative decoding of `target` with `draft` (HF causal LMs sharing the target's token ids)."""
+
+    def __init__(
+        self,
+        target,
+        draft,
+        gamma: int = 5,
+        *,
+        draft_token_ids: torch.Tensor | None = None,
+        adaptive: AdaptiveGamma | None = None,
+        eos_token_ids: Sequence[int] | int | None = None,
+        stop_strings: Sequence[str] | None = None,
+        tokenizer=None,
+    ):
+        if gamma < 1:
+            raise ValueError(f"gamma must be >= 1, got {gamma}")
+        if stop_strings and tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer")
+        self.target, self.draft, self.gamma, self.adaptive = target, draft, gamma, adaptive
+        self.device = next(target.parameters()).device
+        self.vocab_size = _output_size(target)
+        draft_size = _output_size(draft)
+        if draft_token_ids is None:
+            if draft_size != self.vocab_size:
+                raise ValueError(
+                    f"vocab mismatch: draft predicts {draft_size} tokens, target {self.vocab_size}; "
+                    "pass draft_token_ids for a reduced-vocab draft"
+                )
+        else:
+            draft_token_ids = torch.as_tensor(draft_token_ids, dtype=torch.long)
+            if draft_token_ids.ndim != 1 or draft_token_ids.numel() != draft_size:
+                raise ValueError(
+                    f"vocab mismatch: draft predicts {draft_size} tokens but draft_token_ids has "
+                    f"{draft_token_ids.numel()} entries"
+                )
+            if not bool((draft_token_ids[1:] > draft_token_ids[:-1]).all()) or not (
+                0 <= int(draft_token_ids[0]) and int(draft_token_ids[-1]) < self.vocab_size
+            ):
+                raise ValueError(f"draft_token_ids must be sorted, unique and inside [0, {self.vocab_size})")
+            draft_token_ids = draft_token_ids.to(self.device)
+        self.draft_token_ids = draft_token_ids
+        if isinstance(eos_token_ids, int):
+            eos_token_ids = [eos_token_ids]
+        self.eos_token_ids = frozenset(eos_token_ids or ())
+        self.stop_strings = list(stop_strings or ())
+        self.tokenizer = tokenizer
+        contexts = [c for c in (_model_context(target), _model_context(draft)) if c]
+        self.context = min(contexts) if contexts else None
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _draft_block(self, seq: list[int], draft_cache: DynamicCache, k: int, warp: Warp, generator):
+        """Propose up to k tokens autoregressively, feeding the draft the tokens it has not seen yet.
+
+        Returns (drafts [k'], q [k', V] on the target vocab, number of draft forwards).
+        """
+        unseen = torch.tensor(seq[draft_cache.get_seq_length() :], device=self.device)
+        drafts, probs = [], []
+        for i in range(k):
+            logits = forward_logits(self.draft, unseen, draft_cache, len(seq) - unseen.shape[0] + i, True)[-1]
+            if i > 0 and self.adaptive is not None and not self.adaptive.keep_drafting(logits):
+                return torch.stack(drafts), torch.stack(probs), i + 1
+            q = to_target_vocab(warp(logits), self.draft_token_ids, self.vocab_size)
+            token = sample(q, generator)
+            drafts.append(token)
+            probs.append(q)
+            unseen = token[None]
+        if not drafts:
+            return torch.empty(0, dtype=torch.long, device=self.device), torch.empty(0, self.vocab_size, device=self.device), 0
+        return torch.stack(drafts), torch.stack(probs), k
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        input_ids: Sequence[int] | torch.Tensor,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> GenerationResult:
+        input_ids = torch.as_tensor(input_ids)
+        if input_ids.ndim > 2 or (input_ids.ndim == 2 and input_ids.shape[0] != 1):
+            raise ValueError(f"batch size 1 only: got input_ids of shape {tuple(input_ids.shape)}")
+        prompt = input_ids.reshape(-1).tolist()
+        if not prompt:
+            raise ValueError("empty prompt: need at least one token")
+        if self.context is not None and len(prompt) >= self.context:
+            raise ValueError(
+                f"prompt has {len(prompt)} tokens but the model context is {self.context} positions; "
+                f"at most {self.context - 1} prompt tokens leave room to generate"
+            )
+        warp = Warp(temperature, top_k, top_p)
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        stats = GenerationStats()
+        limit = len(prompt) + max_new_tokens
+        if self.context is not None:
+            limit = min(limit, self.context)
+
+        self._sync()
+        start = time.perf_counter()
+        target_cache, draft_cache = DynamicCache(config=self.target.config), DynamicCache(config=self.draft.config)
+        if len(prompt) > 1:
+            prefix = torch.tensor(prompt[:-1], device=self.device)
+            forward_logits(self.target, prefix, target_cache, 0, True)
+            forward_logits(self.draft, prefix, draft_cache, 0, True)
+        self._sync()
+        stats.prefill_s = time.perf_counter() - start
+
+        seq, gamma = list(prompt), self.gamma
+        stats.stop_reason = "max_new_tokens" if len(prompt) + max_new_tokens <= limit else "context"
+        while len(seq) < limit:
+            t0 = time.perf_counter()
+            k = min(gamma, limit - len(seq) - 1)
+            drafts, q, draft_calls = self._draft_block(seq, draft_cache, k, warp, generator)
+            k = drafts.shape[0]
+            stats.draft_calls += draft_calls
+            self._sync()
+            t1 = time.perf_counter()
+
+            fed = torch.cat([torch.tensor(seq[-1:], device=self.device), drafts])
+            p = warp(forward_logits(self.target, fed, target_cache, len(seq) - 1, False))
+            accepted, next_tokens = verify(p, q, drafts, generator)
+            flat = torch.cat([accepted.long(), drafts, next_tokens]).tolist()  # the one sync per round
+            self._sync()
+            t2 = time.perf_counter()
+
+            n = next((i for i, ok in enumerate(flat[:k]) if not ok), k)
+            block = flat[k : k + n] + [flat[2 * k + n]]
+            stats.record_block(k, n)
+            rollback(target_cache, len(seq) + n)
+            rollback(draft_cache, len(seq) + n)
+            if self.adaptive is not None:
+                gamma = self.adaptive.next_gamma(gamma, k, n)
+
+            n_old = len(seq) - len(prompt)
+            seq.extend(block)
+            cut = first_stop(block, self.eos_token_ids)
+            if cut is not None:
+                del seq[len(seq) - len(block) + cut :]
+                stats.stop_reason = "eos"
+            if self.stop_strings:
+                cut = stop_string_cut(self.tokenizer, seq[len(prompt) :], n_old, self.stop_strings)
+                if cut is not None:
+                    del seq[len(prompt) + cut :]
+                    stats.stop_reason = "stop_string"
+            stats.draft_s += t1 - t0
+            stats.verify_s += t2 - t1
+            if stats.stop_reason in ("eos", "stop_string"):
+                break
+
+        self._sync()
+        stats.total_s = time.perf_counter() - start
+        stats.new_tokens = len(seq) - len(prompt)
+        return GenerationResult(seq[len(prompt) :], stats)
