@@ -1,0 +1,160 @@
+"""Distillation losses between a teacher (target) distribution p and a student (draft) distribution q.
+
+torchtune kd_losses style: fp32, computed only on the masked (response) positions, summed and divided by a token
+count the caller passes in. Passing the *global* count (all processes, all accumulation micro-batches) makes the
+summed gradients equal the gradient of the global per-token mean, whatever the process/micro-batch split.
+
+Every divergence works on "buckets": log-probabilities over the same columns for p and q, shape [N, C].
+
+- Full teacher logits: the buckets are the student's vocabulary.
+- Top-k teacher (`TopKTeacher`): the buckets are the k cached ids plus one *tail* bucket. The teacher's tail is
+  1 − Σ top-k p; the student's tail is its exact mass on every other column (a logsumexp with the k columns masked
+  out). Both tails are floored at `TAIL_FLOOR` (fp16 cached values can sum slightly above 1, and k may cover the
+  whole vocabulary), so no bucket is ever log 0. The loss is then the divergence
+  between these coarse-grained (k+1)-bucket distributions — by the data-processing inequality a lower bound on the
+  full-vocabulary divergence, and equal to it when the teacher's tail is zero.
+- Reduced-vocabulary student (`token_ids`): q is 0 outside the draft vocabulary, so the teacher is the target's
+  distribution *conditioned on the draft vocabulary* (restricted to `token_ids` and renormalized). That is the
+  minimizer of the forward KL under the support constraint and one of the minimizers of the TVD (it reaches the
+  largest possible acceptance Σ_S min(p, q) = p(S)). Full logits are restricted here; a top-k cache must be built from
+  restricted logits, with indices given as student columns (see distill.data).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+LossName = Literal["forward_kl", "reverse_kl", "jsd", "tvd"]
+TAIL_FLOOR = 1e-6
+
+
+@dataclass
+class TopKTeacher:
+    """Cached teacher: top-k log-probabilities (temperature 1) and their student-column indices, shape [..., k]."""
+
+    logprobs: torch.Tensor
+    indices: torch.Tensor
+
+    def __getitem__(self, mask: torch.Tensor) -> TopKTeacher:
+        return TopKTeacher(self.logprobs[mask], self.indices[mask])
+
+
+# --------------------------------------------------------------------------- divergences over buckets [N, C] -> [N]
+
+
+def _plogp_ratio(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """Σ a (log a − log b) with 0·log 0 = 0 (a bucket with zero mass adds nothing, and no nan)."""
+    terms = torch.exp(log_a) * (log_a - log_b)
+    return torch.where(torch.isneginf(log_a), torch.zeros_like(terms), terms).sum(-1)
+
+
+def forward_kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """KL(p ‖ q): mass-covering; what TRL calls β = 0."""
+    return _plogp_ratio(log_p, log_q)
+
+
+def reverse_kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """KL(q ‖ p): mode-seeking; what TRL calls β = 1."""
+    return _plogp_ratio(log_q, log_p)
+
+
+def generalized_jsd(log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> torch.Tensor:
+    """β·KL(p ‖ m) + (1 − β)·KL(q ‖ m) with m = β·p + (1 − β)·q (TRL `generalized_jsd_loss`).
+
+    As in TRL the endpoints are defined as the two KLs (the formula itself tends to 0 there): β = 0 is the forward
+    KL and β = 1 the reverse KL, exactly.
+    """
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"jsd beta must lie in [0, 1], got {beta}")
+    if beta == 0.0:
+        return forward_kl(log_p, log_q)
+    if beta == 1.0:
+        return reverse_kl(log_p, log_q)
+    log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log(1.0 - beta))
+    return beta * _plogp_ratio(log_p, log_m) + (1.0 - beta) * _plogp_ratio(log_q, log_m)
+
+
+def total_variation(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """1 − Σ min(p, q): one minus the speculative-decoding acceptance probability α, so it targets α directly."""
+    return 1.0 - torch.minimum(log_p.exp(), log_q.exp()).sum(-1)
+
+
+DIVERGENCES = {"forward_kl": forward_kl, "reverse_kl": reverse_kl, "tvd": total_variation}
+
+
+# --------------------------------------------------------------------------- teacher/student -> buckets
+
+
+def bucket_log_probs(
+    student_logits: torch.Tensor,
+    teacher: torch.Tensor | TopKTeacher,
+    *,
+    temperature: float = 1.0,
+    token_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p, log q) over common buckets, fp32, for already-selected positions (student logits [N, V_draft])."""
+    log_q = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    if isinstance(teacher, TopKTeacher):
+        if temperature != 1.0:
+            raise ValueError("a top-k teacher cache holds temperature-1 log-probs; use temperature 1 or online logits")
+        idx = teacher.indices.long()
+        log_p_top = teacher.logprobs.float()
+        log_p_tail = torch.log(torch.clamp(1.0 - log_p_top.exp().sum(-1, keepdim=True), min=TAIL_FLOOR))
+        log_q_top = log_q.gather(-1, idx)
+        log_q_tail = torch.logsumexp(log_q.scatter(-1, idx, float("-inf")), dim=-1, keepdim=True).clamp(
+            min=math.log(TAIL_FLOOR))
+        return torch.cat([log_p_top, log_p_tail], -1), torch.cat([log_q_top, log_q_tail], -1)
+    teacher_logits = teacher if token_ids is None else teacher[..., token_ids.to(teacher.device)]
+    if teacher_logits.shape[-1] != log_q.shape[-1]:
+        raise ValueError(f"teacher has {teacher_logits.shape[-1]} columns, student {log_q.shape[-1]}: pass token_ids")
+    return F.log_softmax(teacher_logits.float() / temperature, dim=-1), log_q
+
+
+def to_student_columns(target_ids: torch.Tensor, token_ids: torch.Tensor | None, ignore_index: int = -100) -> torch.Tensor:
+    """Map target token ids to draft head rows (ids outside the draft vocabulary become `ignore_index`)."""
+    if token_ids is None:
+        return target_ids
+    token_ids = token_ids.to(target_ids.device)
+    pos = torch.searchsorted(token_ids, target_ids).clamp(max=len(token_ids) - 1)
+    return torch.where(token_ids[pos] == target_ids, pos, torch.full_like(pos, ignore_index))
+
+
+# --------------------------------------------------------------------------- the training loss
+
+
+def distillation_loss(
+    student_logits: torch.Tensor,
+    teacher: torch.Tensor | TopKTeacher,
+    mask: torch.Tensor,
+    *,
+    loss: LossName = "forward_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    token_ids: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    ce_weight: float = 0.0,
+    num_tokens: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Sum of per-token divergences (+ ce_weight · cross-entropy on `labels`) over `mask`, divided by `num_tokens`.
+
+    student_logits [B, T, V_draft]; teacher [B, T, V_target] logits or a TopKTeacher [B, T, k]; mask [B, T] bool
+    (True on positions whose *next* token is a response token, already aligned with the logits); labels [B, T] in
+    student columns (see `to_student_columns`), -100 ignored. `num_tokens` defaults to mask.sum(); with an empty
+    mask the result is a zero that still carries a graph, so backward() and DDP gradient sync work as usual.
+    """
+    mask = mask.bool()
+    selected = student_logits[mask]
+    log_p, log_q = bucket_log_probs(selected, teacher[mask], temperature=temperature, token_ids=token_ids)
+    per_token = generalized_jsd(log_p, log_q, beta) if loss == "jsd" else DIVERGENCES[loss](log_p, log_q)
+    total = per_token.sum()
+    if ce_weight:
+        if labels is None:
+            raise ValueError("ce_weight > 0 needs labels")
+        total = total + ce_weight * F.cross_entropy(selected.float(), labels[mask], ignore_index=-100, reduction="sum")
+    if num_tokens is None:
+        num_tokens = mask.sum()
+    return total / torch.clamp(torch.as_tensor(num_tokens, dtype=total.dtype, device=total.device), min=1)

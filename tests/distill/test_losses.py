@@ -1,0 +1,160 @@
+import math
+
+import pytest
+import torch
+
+from distill.losses import (
+    TopKTeacher,
+    distillation_loss,
+    forward_kl,
+    generalized_jsd,
+    reverse_kl,
+    to_student_columns,
+    total_variation,
+)
+
+LN2 = math.log(2.0)
+P = torch.tensor([0.8, 0.1, 0.1])
+Q = torch.tensor([0.4, 0.4, 0.2])
+
+
+def logits(probs: torch.Tensor) -> torch.Tensor:
+    return probs.log()
+
+
+def one_position(student: torch.Tensor, teacher: torch.Tensor, **kw) -> float:
+    """The loss for a single [1, 1, V] position."""
+    return distillation_loss(student.view(1, 1, -1), teacher.view(1, 1, -1), torch.ones(1, 1, dtype=torch.bool), **kw).item()
+
+
+def test_hand_computed_divergences():
+    log_p, log_q = P.log(), Q.log()
+    # 0.8 ln 2 + 0.1 ln 1/4 + 0.1 ln 1/2 = 0.5 ln 2
+    assert forward_kl(log_p, log_q).item() == pytest.approx(0.5 * LN2, abs=1e-6)
+    # 0.4 ln 1/2 + 0.4 ln 4 + 0.2 ln 2 = 0.6 ln 2
+    assert reverse_kl(log_p, log_q).item() == pytest.approx(0.6 * LN2, abs=1e-6)
+    # 1 − (min(.8,.4) + min(.1,.4) + min(.1,.2))
+    assert total_variation(log_p, log_q).item() == pytest.approx(0.4, abs=1e-6)
+    m = [0.6, 0.25, 0.15]
+    jsd = 0.5 * sum(p * math.log(p / mi) for p, mi in zip([0.8, 0.1, 0.1], m)) + 0.5 * sum(
+        q * math.log(q / mi) for q, mi in zip([0.4, 0.4, 0.2], m))
+    assert generalized_jsd(log_p, log_q, 0.5).item() == pytest.approx(jsd, abs=1e-6)
+
+
+def test_jsd_endpoints_are_exactly_the_two_kls():
+    torch.manual_seed(0)
+    log_p = torch.log_softmax(torch.randn(7, 11), -1)
+    log_q = torch.log_softmax(torch.randn(7, 11), -1)
+    assert torch.equal(generalized_jsd(log_p, log_q, 0.0), forward_kl(log_p, log_q))
+    assert torch.equal(generalized_jsd(log_p, log_q, 1.0), reverse_kl(log_p, log_q))
+    inner = generalized_jsd(log_p, log_q, 0.3)
+    assert (inner > 0).all() and (inner < forward_kl(log_p, log_q)).all()
+
+
+def test_tvd_is_one_minus_sum_min_and_half_l1():
+    torch.manual_seed(1)
+    p = torch.softmax(torch.randn(5, 9), -1)
+    q = torch.softmax(torch.randn(5, 9), -1)
+    tvd = total_variation(p.log(), q.log())
+    torch.testing.assert_close(tvd, 1 - torch.minimum(p, q).sum(-1))
+    torch.testing.assert_close(tvd, 0.5 * (p - q).abs().sum(-1))
+
+
+def test_loss_names_and_temperature():
+    assert one_position(logits(Q), logits(P), loss="forward_kl") == pytest.approx(0.5 * LN2, abs=1e-6)
+    assert one_position(logits(Q), logits(P), loss="reverse_kl") == pytest.approx(0.6 * LN2, abs=1e-6)
+    assert one_position(logits(Q), logits(P), loss="tvd") == pytest.approx(0.4, abs=1e-6)
+    assert one_position(logits(Q), logits(P), loss="jsd", beta=0.0) == one_position(logits(Q), logits(P))
+    # temperature 2 on log-prob logits = sqrt of the probabilities, renormalized
+    p2, q2 = P.sqrt() / P.sqrt().sum(), Q.sqrt() / Q.sqrt().sum()
+    expected = (p2 * (p2 / q2).log()).sum().item()
+    assert one_position(logits(Q), logits(P), temperature=2.0) == pytest.approx(expected, abs=1e-6)
+
+
+def test_mask_and_global_token_count():
+    torch.manual_seed(2)
+    student = torch.randn(2, 3, 6, requires_grad=True)
+    teacher = torch.randn(2, 3, 6)
+    mask = torch.tensor([[1, 1, 0], [0, 1, 0]], dtype=torch.bool)
+    per_token = forward_kl(torch.log_softmax(teacher[mask], -1), torch.log_softmax(student[mask], -1))
+    assert distillation_loss(student, teacher, mask).item() == pytest.approx(per_token.mean().item(), abs=1e-6)
+    assert distillation_loss(student, teacher, mask, num_tokens=10).item() == pytest.approx(per_token.sum().item() / 10, abs=1e-6)
+    # masked-out positions may hold anything, even nan, without leaking into the loss or its gradient
+    poisoned = student.detach().clone()
+    poisoned[0, 2] = float("nan")
+    poisoned.requires_grad_(True)
+    value = distillation_loss(poisoned, teacher, mask)
+    value.backward()
+    assert torch.isfinite(value) and torch.isfinite(poisoned.grad).all()
+
+
+def test_micro_batches_with_global_count_sum_to_the_full_batch_gradient():
+    torch.manual_seed(3)
+    student = torch.randn(4, 5, 8, requires_grad=True)
+    teacher = torch.randn(4, 5, 8)
+    mask = torch.rand(4, 5) > 0.4
+    distillation_loss(student, teacher, mask, loss="tvd").backward()
+    full_grad = student.grad.clone()
+    student.grad = None
+    for rows in (slice(0, 1), slice(1, 4)):
+        distillation_loss(student[rows], teacher[rows], mask[rows], loss="tvd", num_tokens=mask.sum()).backward()
+    torch.testing.assert_close(student.grad, full_grad)
+
+
+def test_empty_mask_is_zero_with_grad():
+    student = torch.randn(2, 3, 5, requires_grad=True)
+    for loss in ("forward_kl", "reverse_kl", "jsd", "tvd"):
+        value = distillation_loss(student, torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=torch.bool), loss=loss,
+                                  num_tokens=0)
+        assert value.item() == 0.0 and value.requires_grad
+        value.backward()
+        assert torch.equal(student.grad, torch.zeros_like(student))
+
+
+def test_top_k_teacher_buckets_the_tail():
+    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    q = torch.tensor([0.25, 0.25, 0.2, 0.2, 0.1])
+    teacher = TopKTeacher(p[:2].log().view(1, 1, 2), torch.tensor([[[0, 1]]]))
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    # buckets: p = (.5, .2, tail .3), q = (.25, .25, tail .5)
+    fkl = distillation_loss(q.log().view(1, 1, 5), teacher, mask).item()
+    assert fkl == pytest.approx(0.5 * LN2 + 0.2 * math.log(0.8) + 0.3 * math.log(0.6), abs=1e-6)
+    tvd = distillation_loss(q.log().view(1, 1, 5), teacher, mask, loss="tvd").item()
+    assert tvd == pytest.approx(1 - (0.25 + 0.2 + 0.3), abs=1e-6)
+
+
+def test_top_k_over_the_whole_vocabulary_equals_full_logits():
+    torch.manual_seed(4)
+    student, teacher = torch.randn(2, 3, 7), torch.randn(2, 3, 7)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    values, indices = torch.log_softmax(teacher, -1).topk(7, dim=-1)
+    for loss in ("forward_kl", "reverse_kl", "jsd", "tvd"):
+        full = distillation_loss(student, teacher, mask, loss=loss)
+        top = distillation_loss(student, TopKTeacher(values.half(), indices.int()), mask, loss=loss)
+        assert top.item() == pytest.approx(full.item(), abs=2e-3)  # fp16 cached values
+
+
+def test_reduced_vocab_student_sees_the_teacher_conditioned_on_its_vocab():
+    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    token_ids = torch.tensor([0, 2, 3])
+    q = torch.tensor([0.5, 0.25, 0.25])
+    p_s = torch.tensor([0.5, 0.15, 0.1]) / 0.75
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    value = distillation_loss(q.log().view(1, 1, 3), p.log().view(1, 1, 5), mask, token_ids=token_ids).item()
+    assert value == pytest.approx((p_s * (p_s / q).log()).sum().item(), abs=1e-6)
+    with pytest.raises(ValueError, match="token_ids"):
+        distillation_loss(q.log().view(1, 1, 3), p.log().view(1, 1, 5), mask)
+
+
+def test_cross_entropy_mix_and_label_mapping():
+    token_ids = torch.tensor([0, 2, 3])
+    labels = to_student_columns(torch.tensor([[3, 1]]), token_ids)
+    assert labels.tolist() == [[2, -100]]
+    q = torch.tensor([0.5, 0.25, 0.25])
+    teacher = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]).log()
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    student = q.log().expand(1, 2, 3)
+    base = distillation_loss(student, teacher.expand(1, 2, 5), mask, token_ids=token_ids)
+    mixed = distillation_loss(student, teacher.expand(1, 2, 5), mask, token_ids=token_ids, labels=labels, ce_weight=0.5)
+    # one labelled token (id 3 -> column 2, q = .25), the other is outside the draft vocab; sum / 2 tokens
+    assert (mixed - base).item() == pytest.approx(0.5 * math.log(4.0) / 2, abs=1e-6)
