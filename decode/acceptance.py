@@ -1,0 +1,102 @@
+"""Analytic acceptance: α_t = Σ_x min(p_t(x), q_t(x)) = 1 − TVD(p_t, q_t) from one teacher-forced pass of both models.
+
+Also the closed forms of Leviathan et al. (2022) for i.i.d. acceptance α: expected tokens per target call and speedup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from decode.sampling import to_target_vocab, warp_logits
+
+
+@dataclass
+class AnalyticAcceptance:
+    """per_position[i][t]: α at the t-th response token of sequence i; per_sequence: their means (nan if empty)."""
+
+    per_sequence: list[float]
+    per_position: list[list[float]]
+
+    @property
+    def counts(self) -> list[int]:
+        return [len(a) for a in self.per_position]
+
+    @property
+    def sums(self) -> list[float]:
+        return [float(sum(a)) for a in self.per_position]
+
+
+@torch.inference_mode()
+def analytic_acceptance(
+    target,
+    draft,
+    sequences: Sequence[Sequence[int]],
+    response_starts: Sequence[int],
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    draft_token_ids: torch.Tensor | None = None,
+    batch_size: int = 8,
+) -> AnalyticAcceptance:
+    """α at every response token of each sequence (prompt + response; the response starts at response_starts[i]).
+
+    Sequences are right-padded and batched; both models see the same tokens and the same logit warping.
+    """
+    if len(sequences) != len(response_starts):
+        raise ValueError(f"{len(sequences)} sequences but {len(response_starts)} response starts")
+    device = next(target.parameters()).device
+    if draft_token_ids is not None:
+        draft_token_ids = torch.as_tensor(draft_token_ids, dtype=torch.long, device=device)
+    per_position: list[list[float]] = []
+    for begin in range(0, len(sequences), batch_size):
+        batch = [list(s) for s in sequences[begin : begin + batch_size]]
+        starts = response_starts[begin : begin + batch_size]
+        width = max(len(s) for s in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long, device=device)
+        mask = torch.zeros(len(batch), width, dtype=torch.long, device=device)
+        for row, seq in enumerate(batch):
+            ids[row, : len(seq)] = torch.tensor(seq, device=device)
+            mask[row, : len(seq)] = 1
+        p = warp_logits(target(input_ids=ids, attention_mask=mask).logits, temperature, top_k, top_p)
+        q = warp_logits(draft(input_ids=ids, attention_mask=mask).logits, temperature, top_k, top_p)
+        q = to_target_vocab(q, draft_token_ids, p.shape[-1])
+        alpha = torch.minimum(p, q).sum(-1).tolist()
+        # Logits at position j predict token j+1, so response tokens start..len-1 are scored at start-1..len-2.
+        per_position.extend(a[max(start, 1) - 1 : len(seq) - 1] for a, start, seq in zip(alpha, starts, batch))
+    per_sequence = [sum(a) / len(a) if a else float("nan") for a in per_position]
+    return AnalyticAcceptance(per_sequence, per_position)
+
+
+def expected_tokens_from_positions(alpha_at: Sequence[float], gamma: int) -> float:
+    """Expected tokens per target call, 1 + Σ_{k=1..γ} Π_{i≤k} α_i, from acceptance at each block position.
+
+    alpha_at[i] is the acceptance probability of block position i+1 given that the positions before it were accepted;
+    a shorter list is extended with its last value.
+    """
+    if gamma < 1 or not alpha_at:
+        raise ValueError("need gamma >= 1 and at least one acceptance value")
+    alphas = list(alpha_at[:gamma]) + [alpha_at[-1]] * max(0, gamma - len(alpha_at))
+    expected, survive = 1.0, 1.0
+    for alpha in alphas:
+        survive *= alpha
+        expected += survive
+    return expected
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Leviathan et al.: expected tokens per target call, (1 − α^(γ+1)) / (1 − α)."""
+    if alpha >= 1.0:
+        return float(gamma + 1)
+    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def expected_speedup(alpha: float, gamma: int, c: float, v: float = 1.0) -> float:
+    """Wall-clock gain over target-only decoding, (1 − α^(γ+1)) / ((1 − α)(γc + v)).
+
+    c: one draft step / one target step; v: one (γ+1)-token verify pass / one target step (1 in the paper).
+    """
+    return expected_tokens(alpha, gamma) / (gamma * c + v)
