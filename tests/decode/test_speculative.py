@@ -1,0 +1,142 @@
+import pytest
+import torch
+
+from decode import AdaptiveGamma, SpeculativeDecoder
+from tests.decode.tiny import greedy_reference, tiny_llama, word_tokenizer
+
+
+def random_prompt(seed: int, length: int = 6, vocab_size: int = 128) -> list[int]:
+    return torch.randint(0, vocab_size, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def references(target):
+    return {seed: greedy_reference(target, random_prompt(seed), 24) for seed in (0, 1, 2)}
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+@pytest.mark.parametrize("draft_name", ["random_draft", "close_draft", "target", "reduced_draft"])
+def test_greedy_equals_target_only_greedy(request, target, references, draft_name, gamma):
+    draft, token_ids = request.getfixturevalue(draft_name), None
+    if draft_name == "reduced_draft":
+        draft, token_ids = draft
+    decoder = SpeculativeDecoder(target, draft, gamma, draft_token_ids=token_ids)
+    for seed, expected in references.items():
+        result = decoder.generate(random_prompt(seed), max_new_tokens=24)
+        assert result.token_ids == expected
+        stats = result.stats
+        assert stats.new_tokens == 24 and stats.stop_reason == "max_new_tokens"
+        assert stats.accepted <= stats.verified <= stats.drafted
+        assert stats.tau == 24 / stats.target_calls
+        assert stats.draft_calls == stats.drafted
+        if draft_name == "target":  # every draft accepted: γ+1 tokens per target call
+            assert stats.accepted == stats.drafted and stats.acceptance_rate == 1.0
+            assert stats.target_calls == -(-24 // (gamma + 1))
+
+
+def test_identical_draft_accepts_everything_when_sampling(target):
+    stats = SpeculativeDecoder(target, target, 4).generate([3, 1, 4], max_new_tokens=60, temperature=1.0, seed=0).stats
+    assert stats.acceptance_rate >= 0.99  # p and q differ only by rounding between cached passes
+    assert stats.tau >= 4.5
+
+
+def test_adaptive_gamma_stays_lossless_and_grows(target, close_draft, references):
+    policy = AdaptiveGamma(min_confidence=0.3, max_gamma=8)
+    decoder = SpeculativeDecoder(target, close_draft, 2, adaptive=policy)
+    for seed, expected in references.items():
+        assert decoder.generate(random_prompt(seed), max_new_tokens=24).token_ids == expected
+    stats = SpeculativeDecoder(target, target, 2, adaptive=policy).generate([5], max_new_tokens=40).stats
+    assert len(stats.drafted_at) > 2  # γ grew while everything was accepted
+    assert policy.next_gamma(8, 8, 8) == 8 and policy.next_gamma(1, 1, 0) == 1 and policy.next_gamma(4, 4, 4) == 6
+
+
+def test_adaptive_stops_drafting_on_low_confidence(target, random_draft, references):
+    decoder = SpeculativeDecoder(target, random_draft, 6, adaptive=AdaptiveGamma(min_confidence=1.01))
+    result = decoder.generate(random_prompt(0), max_new_tokens=24)
+    assert result.token_ids == references[0]
+    assert len(result.stats.drafted_at) == 1  # one draft token per block
+    assert result.stats.draft_calls > result.stats.drafted  # plus the forwards that showed low confidence
+
+
+def test_sampling_is_reproducible_with_seed(target, close_draft):
+    decoder = SpeculativeDecoder(target, close_draft, 3)
+    first = decoder.generate([1, 2, 3], max_new_tokens=20, temperature=0.8, top_p=0.9, seed=7).token_ids
+    assert decoder.generate([1, 2, 3], max_new_tokens=20, temperature=0.8, top_p=0.9, seed=7).token_ids == first
+    assert decoder.generate([1, 2, 3], max_new_tokens=20, temperature=0.8, top_p=0.9, seed=8).token_ids != first
+
+
+def test_gamma_one(target, close_draft, references):
+    result = SpeculativeDecoder(target, close_draft, 1).generate(random_prompt(1), max_new_tokens=24)
+    assert result.token_ids == references[1]
+    assert len(result.stats.drafted_at) == 1 and result.stats.drafted == result.stats.target_calls - 1
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 4, 5, 6, 7, 11])
+def test_max_new_tokens_inside_a_block(target, references, max_new_tokens):
+    result = SpeculativeDecoder(target, target, 5).generate(random_prompt(0), max_new_tokens=max_new_tokens)
+    assert result.token_ids == references[0][:max_new_tokens]
+    assert result.stats.target_calls == -(-max_new_tokens // 6)
+
+
+def test_eos_inside_a_draft_block(target, references):
+    expected = references[2]
+    # the first position >= 2 holding a token that did not occur before: EOS lands mid-block for γ=5
+    stop = next(i for i in range(2, len(expected)) if expected[i] not in expected[:i])
+    result = SpeculativeDecoder(target, target, 5, eos_token_ids=[expected[stop]]).generate(
+        random_prompt(2), max_new_tokens=24
+    )
+    assert result.token_ids == expected[: stop + 1]
+    assert result.stats.stop_reason == "eos" and result.stats.new_tokens == stop + 1
+    assert SpeculativeDecoder(target, target, 5, eos_token_ids=expected[stop]).generate(
+        random_prompt(2), max_new_tokens=24
+    ).token_ids == expected[: stop + 1]
+
+
+def test_stop_string_inside_a_block(target, references):
+    tokenizer = word_tokenizer(128)
+    expected = references[0]
+    stop_string = tokenizer.decode(expected[5:7])  # two words; may also occur earlier
+    cut = next(n for n in range(1, 25) if stop_string in tokenizer.decode(expected[:n]))
+    decoder = SpeculativeDecoder(target, target, 5, stop_strings=[stop_string, "never-produced"], tokenizer=tokenizer)
+    result = decoder.generate(random_prompt(0), max_new_tokens=24)
+    assert result.token_ids == expected[:cut] and result.stats.stop_reason == "stop_string"
+
+
+def test_context_limit():
+    model = tiny_llama(5, context=16)
+    prompt = random_prompt(3, length=15)
+    expected = greedy_reference(model, prompt, 1)
+    result = SpeculativeDecoder(model, model, 4).generate(prompt, max_new_tokens=10)
+    assert result.token_ids == expected and result.stats.stop_reason == "context"
+    result = SpeculativeDecoder(model, model, 4).generate(prompt[:9], max_new_tokens=100)
+    assert result.token_ids == greedy_reference(model, prompt[:9], 7)  # stops at 16 tokens in all
+    with pytest.raises(ValueError, match=r"prompt has 16 tokens but the model context is 16"):
+        SpeculativeDecoder(model, model, 4).generate(prompt + [1], max_new_tokens=1)
+
+
+def test_clear_errors(target, random_draft, reduced_draft):
+    with pytest.raises(ValueError, match="gamma must be >= 1"):
+        SpeculativeDecoder(target, random_draft, 0)
+    with pytest.raises(ValueError, match="empty prompt"):
+        SpeculativeDecoder(target, random_draft, 2).generate([], max_new_tokens=3)
+    with pytest.raises(ValueError, match="batch size 1"):
+        SpeculativeDecoder(target, random_draft, 2).generate(torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="vocab mismatch: draft predicts 100 tokens, target 128"):
+        SpeculativeDecoder(target, tiny_llama(4, vocab_size=100), 2)
+    draft, token_ids = reduced_draft
+    with pytest.raises(ValueError, match="vocab mismatch: draft predicts 64 tokens, target 128"):
+        SpeculativeDecoder(target, draft, 2)
+    with pytest.raises(ValueError, match="draft_token_ids has 63 entries"):
+        SpeculativeDecoder(target, draft, 2, draft_token_ids=token_ids[:-1])
+    with pytest.raises(ValueError, match="sorted, unique"):
+        SpeculativeDecoder(target, draft, 2, draft_token_ids=token_ids.flip(0))
+    with pytest.raises(ValueError, match="stop_strings need a tokenizer"):
+        SpeculativeDecoder(target, target, 2, stop_strings=["x"])
+
+
+def test_timings_are_recorded(target, close_draft):
+    stats = SpeculativeDecoder(target, close_draft, 3).generate([1, 2, 3, 4], max_new_tokens=12).stats
+    assert stats.prefill_s > 0 and stats.draft_s > 0 and stats.verify_s > 0
+    assert stats.total_s >= stats.prefill_s + stats.draft_s + stats.verify_s
+    assert stats.tokens_per_s == stats.new_tokens / stats.total_s
+    assert set(stats.to_dict()) >= {"new_tokens", "tau", "draft_s", "verify_s", "overhead_s", "tokens_per_s"}
