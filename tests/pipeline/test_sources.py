@@ -1,0 +1,60 @@
+import json
+
+import pytest
+import torch
+
+from pipeline.sources import (SourceError, TokenizerMismatch, check_tokenizer_compat, checkpoint_info,
+                              fingerprint_dir, locate, resolve_model, save_checkpoint)
+from tests.conftest import make_tiny_model, make_tokenizer
+
+
+def test_local_checkpoint_resolves_with_a_stable_fingerprint(tiny_checkpoint):
+    resolved = resolve_model(str(tiny_checkpoint), device="cpu")
+    assert resolved.model.config.num_hidden_layers == 2 and resolved.token_ids is None
+    assert resolved.fingerprint == fingerprint_dir(tiny_checkpoint) == locate(str(tiny_checkpoint)).fingerprint
+    assert len(resolved.fingerprint) == 16
+
+
+def test_fingerprint_changes_with_weights_not_with_software_version(tmp_path, tiny_tokenizer):
+    a = save_checkpoint(make_tiny_model(len(tiny_tokenizer), seed=0), tiny_tokenizer, tmp_path / "a")
+    b = save_checkpoint(make_tiny_model(len(tiny_tokenizer), seed=1), tiny_tokenizer, tmp_path / "b")
+    assert fingerprint_dir(a) != fingerprint_dir(b)
+    before = fingerprint_dir(a)
+    config = json.loads((a / "config.json").read_text())
+    config["transformers_version"] = "0.0.0"
+    (a / "config.json").write_text(json.dumps(config))
+    assert fingerprint_dir(a) == before
+
+
+def test_reduced_vocabulary_draft_round_trips(tmp_path, tiny_tokenizer):
+    model = make_tiny_model(len(tiny_tokenizer))
+    token_ids = torch.tensor([0, 2, 5, 9, 11])
+    model.config.tie_word_embeddings = False
+    model.lm_head = torch.nn.Linear(64, len(token_ids), bias=False)
+    out = save_checkpoint(model, tiny_tokenizer, tmp_path / "reduced", token_ids=token_ids)
+    resolved = resolve_model(str(out), device="cpu")
+    assert torch.equal(resolved.token_ids, token_ids)
+    assert resolved.model.lm_head.weight.shape == (5, 64)
+    assert torch.equal(resolved.model.lm_head.weight, model.lm_head.weight)
+    logits = resolved.model(torch.tensor([[1, 3, 4]])).logits
+    assert logits.shape == (1, 3, 5)
+    info = checkpoint_info(locate(str(out)))
+    assert info["draft_vocab_size"] == 5 and info["layers"] == 2 and info["hidden_size"] == 64
+
+
+def test_unknown_sources_fail_clearly(tmp_path):
+    with pytest.raises(SourceError, match="empty"):
+        locate("")
+    with pytest.raises(SourceError, match="GGUF file not found"):
+        locate(str(tmp_path / "missing.gguf"))
+    (tmp_path / "not_a_model").mkdir()
+    with pytest.raises(SourceError, match="no config.json"):
+        locate(str(tmp_path / "not_a_model"))
+    with pytest.raises(SourceError, match="not in the MLflow registry"):
+        locate("models:/nothing@champion")
+
+
+def test_tokenizer_mismatch_names_the_first_differing_token():
+    check_tokenizer_compat(make_tokenizer(), make_tokenizer())
+    with pytest.raises(TokenizerMismatch, match=r"id 49: target has 'w0', draft has '\[UNK\]'"):
+        check_tokenizer_compat(make_tokenizer(extra_words=3), make_tokenizer())
