@@ -16,8 +16,11 @@ Every divergence works on "buckets": log-probabilities over the same columns for
 - Reduced-vocabulary student (`token_ids`): q is 0 outside the draft vocabulary, so the teacher is the target's
   distribution *conditioned on the draft vocabulary* (restricted to `token_ids` and renormalized). That is the
   minimizer of the forward KL under the support constraint and one of the minimizers of the TVD (it reaches the
-  largest possible acceptance Σ_S min(p, q) = p(S)). Full logits are restricted here; a top-k cache must be built from
-  restricted logits, with indices given as student columns (see distill.data).
+  largest possible acceptance Σ_S min(p, q) = p(S)). Full teacher logits are restricted to `token_ids` here.
+- Reduced-vocabulary student with a top-k teacher: the cache holds the target's full-vocabulary top-k, with indices
+  mapped to student columns and -1 for ids the student cannot emit. Their mass joins the teacher's tail, whose
+  student counterpart is the student's mass on its own unlisted columns: still a coarse-graining of the two
+  full-vocabulary distributions (q = 0 outside the draft vocabulary), with the same argmax on the listed ids.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ TAIL_FLOOR = 1e-6
 
 @dataclass
 class TopKTeacher:
-    """Cached teacher: top-k log-probabilities (temperature 1) and their student-column indices, shape [..., k]."""
+    """Cached teacher [..., k]: top-k log-probs (temperature 1) and their student columns (-1: outside its vocab)."""
 
     logprobs: torch.Tensor
     indices: torch.Tensor
@@ -101,9 +104,13 @@ def bucket_log_probs(
     if isinstance(teacher, TopKTeacher):
         if temperature != 1.0:
             raise ValueError("a top-k teacher cache holds temperature-1 log-probs; use temperature 1 or online logits")
-        idx = teacher.indices.long()
-        log_p_top = teacher.logprobs.float()
+        # Entries outside the student's vocabulary (index -1) point at an extra, empty column: zero mass on both
+        # sides, so the teacher's share of them lands in its tail.
+        outside = teacher.indices < 0
+        idx = torch.where(outside, log_q.shape[-1], teacher.indices.long())
+        log_p_top = teacher.logprobs.float().masked_fill(outside, float("-inf"))
         log_p_tail = torch.log(torch.clamp(1.0 - log_p_top.exp().sum(-1, keepdim=True), min=TAIL_FLOOR))
+        log_q = F.pad(log_q, (0, 1), value=float("-inf"))
         log_q_top = log_q.gather(-1, idx)
         log_q_tail = torch.logsumexp(log_q.scatter(-1, idx, float("-inf")), dim=-1, keepdim=True).clamp(
             min=math.log(TAIL_FLOOR))

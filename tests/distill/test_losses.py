@@ -158,3 +158,19 @@ def test_cross_entropy_mix_and_label_mapping():
     mixed = distillation_loss(student, teacher.expand(1, 2, 5), mask, token_ids=token_ids, labels=labels, ce_weight=0.5)
     # one labelled token (id 3 -> column 2, q = .25), the other is outside the draft vocab; sum / 2 tokens
     assert (mixed - base).item() == pytest.approx(0.5 * math.log(4.0) / 2, abs=1e-6)
+
+
+def test_top_k_ids_outside_a_reduced_vocab_join_the_teacher_tail():
+    # target p over 5 ids, student vocab {0, 2, 3}; cached top-2 target ids (0, 1): id 1 is not in the draft vocab
+    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    q = torch.tensor([0.5, 0.25, 0.25])  # over target ids 0, 2, 3
+    columns = to_student_columns(torch.tensor([[[0, 1]]]), torch.tensor([0, 2, 3]), ignore_index=-1)
+    assert columns.tolist() == [[[0, -1]]]
+    teacher = TopKTeacher(p[:2].log().view(1, 1, 2), columns)
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    # buckets: p = (.5, tail .5), q = (.5, tail .5)
+    assert distillation_loss(q.log().view(1, 1, 3), teacher, mask).item() == pytest.approx(0.0, abs=1e-6)
+    assert distillation_loss(q.log().view(1, 1, 3), teacher, mask, loss="tvd").item() == pytest.approx(0.0, abs=1e-6)
+    q2 = torch.tensor([0.25, 0.5, 0.25])  # buckets (.25, .75)
+    value = distillation_loss(q2.log().view(1, 1, 3), teacher, mask, loss="reverse_kl").item()
+    assert value == pytest.approx(0.25 * math.log(0.5) + 0.75 * math.log(1.5), abs=1e-6)
