@@ -259,3 +259,67 @@ def traffic_drift(
     js = float(jensenshannon(p, q, base=2) ** 2)
     psi = float(np.sum((q - p) * np.log(q / p)))
     return TrafficDrift(js, psi, js >= threshold, threshold, int(p.size), int(ref.sum()), int(cur.sum()))
+
+
+@dataclass(frozen=True)
+class PromptAcceptance:
+    """Per-prompt acceptance of one draft/target pair: acc[i] accepted (or summed alpha) of n[i] drafted."""
+
+    acc: np.ndarray
+    n: np.ndarray
+
+    @classmethod
+    def of(cls, acc: ArrayLike, n: ArrayLike) -> PromptAcceptance:
+        return cls(np.asarray(acc, dtype=np.float64), np.asarray(n, dtype=np.float64))
+
+    @property
+    def acceptance(self) -> float:
+        return _ratio(self.acc, self.n)
+
+    def __len__(self) -> int:
+        return int(self.acc.size)
+
+
+@dataclass(frozen=True)
+class AcceptanceCheck:
+    """The monitor's acceptance evidence, each test run at level / (number of tests) (Bonferroni).
+
+    paired: the champion on the baseline's own prompts, now vs at baseline (the draft/target pair
+    changed); unpaired: the champion on recent traffic vs the baseline (the traffic changed).
+    """
+
+    paired: DropTest | None
+    unpaired: DropTest | None
+
+    @property
+    def alarm(self) -> bool:
+        return any(t.alarm for t in (self.paired, self.unpaired) if t is not None)
+
+    def to_dict(self) -> dict:
+        return {"paired": self.paired and self.paired.to_dict(), "unpaired": self.unpaired and self.unpaired.to_dict(),
+                "alarm": self.alarm}
+
+
+def acceptance_check(
+    baseline: PromptAcceptance,
+    remeasured: PromptAcceptance | None,
+    recent: PromptAcceptance | None,
+    margin: float,
+    level: float,
+    method: Method = "bootstrap",
+    seed: int = 0,
+    n_bootstrap: int = 2000,
+) -> AcceptanceCheck:
+    """Run the paired test (baseline prompts re-measured now) and/or the unpaired test (recent traffic)."""
+    n_tests = (remeasured is not None) + (recent is not None)
+    if n_tests == 0:
+        raise ValueError("acceptance_check needs a re-measurement of the baseline prompts or recent traffic")
+    per_test = level / n_tests
+    paired = unpaired = None
+    if remeasured is not None:
+        paired = paired_drop_test(baseline.acc, baseline.n, remeasured.acc, remeasured.n, margin, per_test,
+                                  method, seed, n_bootstrap)
+    if recent is not None:
+        unpaired = unpaired_drop_test(baseline.acc, baseline.n, recent.acc, recent.n, margin, per_test,
+                                      method, seed + 1, n_bootstrap)
+    return AcceptanceCheck(paired, unpaired)

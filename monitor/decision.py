@@ -1,0 +1,104 @@
+"""OK or DRIFT, and why: from the target fingerprint, the acceptance tests and the traffic drift.
+
+DRIFT needs evidence that the champion got slower: a significant acceptance drop (paired or
+unpaired test) or acceptance below break-even. A changed fingerprint or shifted traffic alone is
+reported as a note, not an alarm: the draft may still fit. The cause of a DRIFT is what changed
+alongside it: the target (fingerprint differs from the champion's tag), the traffic (token drift
+above threshold), both, or neither ("unexplained").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from scipy.optimize import brentq
+
+from decode.acceptance import expected_speedup
+from monitor.stats import AcceptanceCheck, TrafficDrift
+
+EXIT_OK, EXIT_ERROR, EXIT_DRIFT = 0, 2, 3
+
+
+class Status(str, Enum):
+    OK = "OK"
+    DRIFT = "DRIFT"
+
+
+class Cause(str, Enum):
+    TARGET_CHANGED = "target_changed"
+    TRAFFIC_SHIFTED = "traffic_shifted"
+    BOTH = "both"
+    UNEXPLAINED = "unexplained"
+
+
+@dataclass(frozen=True)
+class Decision:
+    status: Status
+    cause: Cause | None  # None when OK
+    reasons: list[str] = field(default_factory=list)  # why DRIFT (empty when OK)
+    notes: list[str] = field(default_factory=list)  # changes that did not (yet) hurt acceptance
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_DRIFT if self.status is Status.DRIFT else EXIT_OK
+
+    def to_dict(self) -> dict:
+        return {"status": self.status.value, "cause": self.cause and self.cause.value,
+                "reasons": self.reasons, "notes": self.notes, "exit_code": self.exit_code}
+
+
+def break_even_alpha(gamma: int, c: float, v: float = 1.0) -> float:
+    """Acceptance at which speculative decoding is exactly as fast as the target alone.
+
+    Solves expected_speedup(alpha, gamma, c, v) = 1; 0.0 if it always pays, 1.0 if it never does.
+    """
+    gain = lambda alpha: expected_speedup(alpha, gamma, c, v) - 1.0  # noqa: E731
+    if gain(0.0) >= 0:
+        return 0.0
+    if gain(1.0 - 1e-12) <= 0:
+        return 1.0
+    return float(brentq(gain, 0.0, 1.0 - 1e-12, xtol=1e-10))
+
+
+def decide(
+    *,
+    champion_target_fingerprint: str | None,
+    current_target_fingerprint: str,
+    acceptance: AcceptanceCheck,
+    drift: TrafficDrift | None,
+    current_acceptance: float,
+    break_even: float,
+    acceptance_source: str = "analytic",
+) -> Decision:
+    """The decision table. `current_acceptance` is the live acceptance when measured, else the analytic one."""
+    target_changed = champion_target_fingerprint is not None and champion_target_fingerprint != current_target_fingerprint
+    traffic_shifted = drift is not None and drift.drifted
+    reasons: list[str] = []
+    for name, test in (("paired (baseline prompts)", acceptance.paired), ("unpaired (recent traffic)", acceptance.unpaired)):
+        if test is not None and test.alarm:
+            reasons.append(f"{name}: acceptance {test.baseline_acceptance:.3f} -> {test.current_acceptance:.3f}, "
+                           f"drop {test.drop:.3f} > margin {test.margin:.3f} (p={test.p_value:.2g})")
+    if current_acceptance < break_even:
+        reasons.append(f"{acceptance_source} acceptance {current_acceptance:.3f} below break-even {break_even:.3f}")
+
+    notes: list[str] = []
+    if champion_target_fingerprint is None:
+        notes.append("champion has no target fingerprint tag")
+    if target_changed:
+        notes.append(f"target fingerprint {champion_target_fingerprint} -> {current_target_fingerprint}")
+    if traffic_shifted:
+        notes.append(f"traffic shifted: JS divergence {drift.js_divergence:.3f} >= {drift.threshold:.3f} "
+                     f"(PSI {drift.psi:.2f})")
+
+    if not reasons:
+        return Decision(Status.OK, None, [], notes)
+    if target_changed and traffic_shifted:
+        cause = Cause.BOTH
+    elif target_changed:
+        cause = Cause.TARGET_CHANGED
+    elif traffic_shifted:
+        cause = Cause.TRAFFIC_SHIFTED
+    else:
+        cause = Cause.UNEXPLAINED
+    return Decision(Status.DRIFT, cause, reasons, notes)
