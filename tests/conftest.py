@@ -57,8 +57,9 @@ def tiny_checkpoint(tmp_path, tiny_tokenizer):
 
 
 @pytest.fixture(autouse=True)
-def isolated_home(tmp_path, monkeypatch):
-    """Caches and MLflow stores of a test stay in its tmp dir."""
-    monkeypatch.setenv("DRAFTOPS_HOME", str(tmp_path / "draftops_home"))
+def isolated_home(request, tmp_path, monkeypatch):
+    """Caches and MLflow stores of a test stay in its tmp dir; integration tests share the real model cache."""
+    if request.node.get_closest_marker("integration") is None:
+        monkeypatch.setenv("DRAFTOPS_HOME", str(tmp_path / "draftops_home"))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     return tmp_path

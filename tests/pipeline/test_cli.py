@@ -1,0 +1,30 @@
+import json
+
+from pipeline.cli import main
+
+
+def test_models_info_json(tiny_checkpoint, capsys):
+    assert main(["models", "info", str(tiny_checkpoint), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["layers"], info["hidden_size"], info["vocab_size"]) == (2, 64, 50)
+    # embeddings (tied head) + per layer: q,o 64x64, k,v 64x32, mlp 3x64x128, two norms; final norm
+    assert info["parameters"] == 50 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64
+    assert len(info["fingerprint"]) == 16 and info["path"] == str(tiny_checkpoint.resolve())
+
+
+def test_traffic_stats_reports_counts_and_malformed_lines(tmp_path, tiny_checkpoint, capsys):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"id": "1", "category": "qa", "prompt": "what is the answer"}\n{broken\n'
+                    '{"id": "2", "category": "code", "prompt": "write code"}\n')
+    assert main(["traffic", "stats", str(path), "--tokenizer", str(tiny_checkpoint)]) == 2
+    assert f"{path}:2:" in capsys.readouterr().err
+    assert main(["traffic", "stats", str(path), "--tokenizer", str(tiny_checkpoint), "--skip-malformed",
+                 "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["requests"] == 2 and stats["malformed"] == 1 and stats["categories"] == {"code": 1, "qa": 1}
+    assert stats["train"] + stats["heldout"] == 2 and stats["prompt_tokens"]["p100"] == 9
+
+
+def test_unknown_source_is_a_clean_error(capsys):
+    assert main(["models", "info", "/nonexistent/model.gguf"]) == 2
+    assert "GGUF file not found" in capsys.readouterr().err
