@@ -14,7 +14,6 @@ from enum import Enum
 
 from scipy.optimize import brentq
 
-from decode.acceptance import expected_speedup
 from monitor.stats import AcceptanceCheck, TrafficDrift
 
 EXIT_OK, EXIT_ERROR, EXIT_DRIFT = 0, 2, 3
@@ -53,6 +52,8 @@ def break_even_alpha(gamma: int, c: float, v: float = 1.0) -> float:
 
     Solves expected_speedup(alpha, gamma, c, v) = 1; 0.0 if it always pays, 1.0 if it never does.
     """
+    from decode.acceptance import expected_speedup  # imports torch; the service does not need it to start
+
     gain = lambda alpha: expected_speedup(alpha, gamma, c, v) - 1.0  # noqa: E731
     if gain(0.0) >= 0:
         return 0.0

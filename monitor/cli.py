@@ -1,0 +1,110 @@
+"""`draftops monitor check | serve | simulate | rollback`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+
+
+def check_command(args) -> int:
+    from monitor.check import run_check
+    from monitor.service import EXIT_BUSY, CheckBusy, check_lock
+    from pipeline.config import load_config
+
+    _setup_logging()
+    cfg = load_config(args.config, args.overrides)
+    try:
+        with check_lock(cfg):
+            report = run_check(cfg)
+    except CheckBusy as exc:
+        print(f"draftops: {exc}; not checking", file=sys.stderr)
+        return EXIT_BUSY
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.summary())
+    return report.exit_code
+
+
+def serve_command(args) -> int:
+    from monitor.service import serve
+
+    _setup_logging()
+    return serve(args.config, run_now=args.run_now)
+
+
+def simulate_command(args) -> int:
+    from monitor.simulate import power_figure, simulate_checks
+    from monitor.service import state_dir
+    from pipeline.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    m = cfg.monitor
+    pairs = _read_pairs(args.pairs) if args.pairs else None
+    result = simulate_checks(args.n or m.heldout_requests, m.level, m.margin, drops=m.simulate_drops,
+                             n_checks=args.checks or m.simulate_checks, pairs=pairs, method=m.test_method,
+                             n_bootstrap=min(m.n_bootstrap, 1000), seed=cfg.seed)
+    out = Path(args.out) if args.out else state_dir(cfg) / "simulation"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "simulation.json").write_text(json.dumps(result.to_dict(), indent=2))
+    power_figure(result).savefig(out / "power.png", dpi=120)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else f"{result.summary()}\nwritten to {out}")
+    return 0
+
+
+def _read_pairs(path: str) -> list[tuple[float, float]]:
+    """Per-prompt (accepted, drafted): a JSON list of pairs, or an object with 'accepted' and 'drafted' lists."""
+    data = json.loads(Path(path).read_text())
+    if isinstance(data, dict):
+        return list(zip(data["accepted"], data["drafted"]))
+    return [tuple(p) for p in data]
+
+
+def rollback_command(args) -> int:
+    from monitor.check import rollback
+    from pipeline.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    version = rollback(cfg, to_version=args.to_version)
+    print(f"{cfg.tracking.registered_model}@champion -> version {version}")
+    return 0
+
+
+def add_commands(subparsers) -> None:
+    monitor = subparsers.add_parser("monitor", help="check the champion draft for drift, on demand or nightly")
+    actions = monitor.add_subparsers(dest="action", required=True)
+
+    def with_config(parser: argparse.ArgumentParser, overrides: bool = True) -> argparse.ArgumentParser:
+        parser.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
+        if overrides:
+            parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+        return parser
+
+    check = with_config(actions.add_parser(
+        "check", help="measure the champion now; exit 0 OK, 3 DRIFT, 2 error, 75 another check running"))
+    check.add_argument("--json", action="store_true")
+    check.set_defaults(handler=check_command)
+
+    serve = with_config(actions.add_parser("serve", help="run the check on the configured cron schedule"),
+                        overrides=False)
+    serve.add_argument("--run-now", action="store_true", help="also run one check right away")
+    serve.set_defaults(handler=serve_command)
+
+    simulate = with_config(actions.add_parser(
+        "simulate", help="false-alarm rate and power of the check at the configured N and level"))
+    simulate.add_argument("--pairs", help="JSON per-prompt (accepted, drafted) pairs to resample (default: a "
+                                          "beta-binomial model with per-prompt heterogeneity)")
+    simulate.add_argument("--n", type=int, help="prompts per measurement (default monitor.heldout_requests)")
+    simulate.add_argument("--checks", type=int, help="simulated checks per point (default monitor.simulate_checks)")
+    simulate.add_argument("--out", help="folder for simulation.json and power.png (default <state_dir>/simulation)")
+    simulate.add_argument("--json", action="store_true")
+    simulate.set_defaults(handler=simulate_command)
+
+    rollback = with_config(actions.add_parser("rollback", help="move the champion alias back to the previous one"))
+    rollback.add_argument("--to-version", help="a specific version instead of the previous champion")
+    rollback.set_defaults(handler=rollback_command)
