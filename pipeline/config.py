@@ -60,7 +60,7 @@ class DistillConfig(Section):
     draft_vocab_size: int = Field(
         8192, ge=0, description="Keep the N most frequent ids of the target's responses (+ special tokens) in the "
         "draft's lm_head; 0 keeps the full vocabulary.")
-    train_embeddings: bool = Field(False, description="Also train the (full-vocabulary) input embeddings.")
+    train_embeddings: bool = Field(False, description="Also train the input embeddings (always, when tied to the head).")
     # data
     train_prompts: int = Field(0, ge=0, description="Train-split prompts used; 0: all of them.")
     responses_per_prompt: int = Field(
