@@ -391,15 +391,13 @@ def make_accelerator(cfg: DraftopsConfig):
     from accelerate import Accelerator
     from accelerate.utils import is_bf16_available
 
+    # cpu=True also when "auto" finds no accelerator: under torchrun that is what makes the ranks form a gloo group.
+    cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.accelerator.is_available())
     mixed = cfg.distill.mixed_precision
-    accelerator = Accelerator(cpu=cfg.device == "cpu", mixed_precision="no")
-    usable = {"no": True, "fp16": accelerator.device.type == "cuda", "bf16": is_bf16_available()}[mixed]
-    if mixed != "no" and usable:
-        accelerator = Accelerator(cpu=cfg.device == "cpu", mixed_precision=mixed)
-    elif not usable:
-        accelerator.print(f"draftops distill: mixed_precision={mixed} is not available on {accelerator.device}; "
-                          "training in full precision")
-    return accelerator
+    usable = {"no": True, "fp16": not cpu, "bf16": is_bf16_available()}[mixed]
+    if not usable:
+        print(f"draftops distill: mixed_precision={mixed} is not available here; training in full precision")
+    return Accelerator(cpu=cpu, mixed_precision=mixed if usable else "no")
 
 
 def prepare_data(cfg: DraftopsConfig, accelerator, target, timings: Timings) -> TrainingData:
@@ -455,7 +453,8 @@ def run_distill(cfg: DraftopsConfig, *, register: bool = True) -> DistillResult:
         embeddings.requires_grad_(cfg.distill.train_embeddings)
     accelerator.print(f"draftops distill: draft of {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M parameters "
                       f"({sum(p.numel() for p in draft.parameters() if p.requires_grad) / 1e6:.1f}M trained), "
-                      f"lm_head over {draft.lm_head.out_features} ids; job folder {job_dir}")
+                      f"lm_head over {draft.lm_head.out_features} ids; {accelerator.num_processes} process(es) on "
+                      f"{accelerator.device}; job folder {job_dir}")
     history, evals, best = train_loop(cfg, accelerator, target.model, target.tokenizer, draft, data, job_dir, timings)
     accelerator.wait_for_everyone()
 
@@ -481,6 +480,7 @@ def run_distill(cfg: DraftopsConfig, *, register: bool = True) -> DistillResult:
                     cfg, result, target_fingerprint=target.fingerprint, target_source=cfg.target)
         print_summary(cfg, result)
     accelerator.wait_for_everyone()
+    accelerator.end_training()  # tears the process group down cleanly (gloo ranks abort at exit otherwise)
     return result
 
 

@@ -1,0 +1,29 @@
+"""`draftops distill --config FILE [key=value ...]`: distill, evaluate, export and register a draft."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def distill_command(args) -> int:
+    if args.accelerate_config:
+        # Several processes (DDP): accelerate starts them, each runs the same job (distill.train.main).
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.accelerate_config,
+                   "-m", "distill.train"] + (["--config", args.config] if args.config else []) + args.overrides
+        return subprocess.call(command)
+    from distill.train import main
+
+    return main((["--config", args.config] if args.config else []) + args.overrides)
+
+
+def add_commands(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "distill", help="train a draft from the target's own responses and logits, export and register it",
+        description="Generate (or reuse) the target's responses to the train split of the traffic, distill a draft "
+                    "on them with accelerate, keep the best checkpoint by simulated τ on held-out requests, export "
+                    "it and register a new version in MLflow. Killed runs resume from their last checkpoint.")
+    parser.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
+    parser.add_argument("--accelerate-config", default=None, metavar="FILE",
+                        help="run under `accelerate launch --config_file FILE` (e.g. configs/accelerate/cpu_2proc.yaml)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. distill.loss=tvd distill.epochs=2")
+    parser.set_defaults(handler=distill_command)
