@@ -1,0 +1,98 @@
+"""Speculative sampling must reproduce the target's warped distribution exactly, whatever the draft.
+
+Tiny vocab (16), a 1-token prompt, γ=2 and 3 new tokens, so the first block exercises acceptance at both draft
+positions, the residual resample and the bonus token. The empirical first- and second-token marginals and their
+joint are compared with the exact distributions by a chi-square test.
+"""
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from decode import SpeculativeDecoder
+from decode.sampling import warp_logits
+from tests.decode.tiny import perturbed_copy, tiny_llama
+
+VOCAB = 16
+PROMPT = [3]
+SAMPLES = 1000
+
+
+@torch.no_grad()
+def exact_first_two(target, temperature, top_k, top_p) -> tuple[np.ndarray, np.ndarray]:
+    """p(x1) [V] and the joint p(x1, x2) [V, V] of the target's warped sampling distribution."""
+    first = warp_logits(target(torch.tensor([PROMPT])).logits[0, -1], temperature, top_k, top_p).double()
+    pairs = torch.tensor([PROMPT + [x] for x in range(VOCAB)])
+    second = warp_logits(target(pairs).logits[:, -1], temperature, top_k, top_p).double()
+    return first.numpy(), (first[:, None] * second).numpy()
+
+
+def assert_matches(observed: np.ndarray, expected_probs: np.ndarray) -> None:
+    """Chi-square goodness of fit; impossible outcomes must never occur; cells expecting < 5 are pooled."""
+    observed, expected = observed.ravel(), expected_probs.ravel() * observed.sum()
+    assert observed[expected_probs.ravel() == 0].sum() == 0
+    small = expected < 5
+    obs = np.append(observed[~small], observed[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    result = chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum())
+    assert result.pvalue > 1e-3, result
+
+
+def mask_logits(model, tokens: list[int]) -> torch.nn.Module:
+    """Give `tokens` zero probability in `model` (a hook on its lm_head)."""
+    mask = torch.zeros(VOCAB, dtype=torch.float64)
+    mask[tokens] = float("-inf")
+    model.lm_head.register_forward_hook(lambda module, args, out: out + mask)
+    return model
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(10, vocab_size=VOCAB, init_range=0.15)
+
+
+def run_case(target, draft, warp: dict, token_ids=None, gamma: int = 2) -> float:
+    decoder = SpeculativeDecoder(target, draft, gamma, draft_token_ids=token_ids)
+    pairs = np.zeros((VOCAB, VOCAB))
+    accepted = verified = 0
+    for seed in range(SAMPLES):
+        result = decoder.generate(PROMPT, max_new_tokens=3, seed=seed, **warp)
+        pairs[result.token_ids[0], result.token_ids[1]] += 1
+        accepted, verified = accepted + result.stats.accepted, verified + result.stats.verified
+    first, joint = exact_first_two(target, **warp)
+    assert_matches(pairs.sum(1), first)
+    assert_matches(pairs.sum(0), joint.sum(0))
+    assert_matches(pairs, joint)
+    return accepted / verified
+
+
+WARPS = {
+    "t1": dict(temperature=1.0, top_k=0, top_p=1.0),
+    "t0.7_topk": dict(temperature=0.7, top_k=6, top_p=1.0),
+    "top_p": dict(temperature=1.0, top_k=0, top_p=0.8),
+}
+
+
+@pytest.mark.parametrize("warp", [WARPS["t1"], WARPS["top_p"]], ids=["t1", "top_p"])
+def test_lossless_with_close_draft(target, warp):
+    alpha = run_case(target, perturbed_copy(target, seed=11, noise=0.15), warp)
+    assert 0.2 < alpha < 0.95  # both acceptances and rejections happened
+
+
+def test_lossless_with_random_draft_low_temperature_top_k(target):
+    run_case(target, tiny_llama(12, vocab_size=VOCAB, init_range=0.15), WARPS["t0.7_topk"])
+
+
+def test_lossless_with_reduced_vocab_draft(target):
+    token_ids = torch.arange(0, VOCAB, 2)
+    draft = tiny_llama(13, vocab_size=VOCAB, draft_vocab=len(token_ids), init_range=0.15)
+    run_case(target, draft, WARPS["t1"], token_ids)
+
+
+def test_lossless_with_disjoint_support_draft():
+    target = mask_logits(tiny_llama(10, vocab_size=VOCAB, init_range=0.15), list(range(8, VOCAB)))
+    token_ids = torch.arange(8, VOCAB)  # the draft only proposes tokens the target never emits
+    draft = tiny_llama(14, vocab_size=VOCAB, draft_vocab=len(token_ids), init_range=0.15)
+    assert run_case(target, draft, WARPS["t1"], token_ids) == 0.0
