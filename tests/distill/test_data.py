@@ -1,0 +1,68 @@
+import torch
+
+from distill.data import cached_responses, collate, generate_responses, teacher_forced_topk
+from pipeline.traffic import Request
+from tests.conftest import make_tiny_model, make_tokenizer
+
+PROMPTS = [[1, 10, 11, 12], [1, 20, 21], [1, 30, 31, 32, 33, 34], [1, 5], [1, 6, 7, 8]]
+
+
+def setup():
+    tokenizer = make_tokenizer()
+    return make_tiny_model(len(tokenizer), seed=0), tokenizer
+
+
+def test_greedy_responses_with_recorded_top_k_match_a_teacher_forced_pass():
+    model, tokenizer = setup()
+    out = generate_responses(model, tokenizer, PROMPTS, max_new_tokens=6, temperature=0.0, batch_size=2, seed=0,
+                             topk=5)
+    assert len(out) == len(PROMPTS) and out.prompt_ids == PROMPTS
+    assert out.offsets.tolist() == [0] + torch.tensor([len(r) for r in out.response_ids]).cumsum(0).tolist()
+    forced = teacher_forced_topk(model, [p + r for p, r in zip(PROMPTS, out.response_ids)], [len(p) for p in PROMPTS], 5)
+    for i, response in enumerate(out.response_ids):
+        assert 1 <= len(response) <= 6
+        assert 2 not in response[:-1]  # a response stops at its first EOS
+        values, ids = out.teacher_rows(i)
+        assert values.dtype == torch.float16 and ids.dtype == torch.int32 and values.shape == (len(response), 5)
+        assert ids[:, 0].tolist() == response  # greedy: the response token is the target's top-1
+        torch.testing.assert_close(values.float(), forced[i][0].float(), atol=2e-3, rtol=0)
+        assert torch.equal(ids, forced[i][1])
+    # batching and left padding do not change greedy responses
+    again = generate_responses(model, tokenizer, PROMPTS, max_new_tokens=6, temperature=0.0, batch_size=5, seed=0,
+                               topk=5)
+    assert again.response_ids == out.response_ids
+
+
+def test_sampled_responses_are_reproducible_and_cached(monkeypatch):
+    model, tokenizer = setup()
+    requests = [Request(f"q{i}", "c", ({"role": "user", "content": "x"},)) for i in range(len(PROMPTS))]
+    kw = dict(samples=3, max_new_tokens=5, temperature=1.0, batch_size=2, seed=7, topk=4)
+    first, path, hit = cached_responses(model, tokenizer, "fp", requests, PROMPTS, **kw)
+    assert not hit and path.parent.name == "responses" and path.name.startswith("fp-")
+    assert len(first) == 15 and first.request_ids[:2] == ["q0#0", "q1#0"] and first.request_ids[-1] == "q4#2"
+    assert first.offsets[-1] == first.num_response_tokens == first.topk_logprobs.shape[0]
+    monkeypatch.setattr("distill.data.generate_responses", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    second, path2, hit = cached_responses(model, tokenizer, "fp", requests, PROMPTS, **kw)
+    assert hit and path2 == path and second.response_ids == first.response_ids
+    assert torch.equal(second.topk_indices, first.topk_indices)
+
+
+def test_collate_aligns_mask_labels_and_teacher_with_response_tokens():
+    model, tokenizer = setup()
+    out = generate_responses(model, tokenizer, PROMPTS[:2], max_new_tokens=4, temperature=0.0, batch_size=2, seed=0,
+                             topk=3)
+    token_ids = torch.tensor(sorted(set(out.response_ids[0])))
+    batch = collate(out, [0, 1], pad_id=0, token_ids=token_ids, with_teacher=True, topk=2)
+    for row in range(2):
+        prompt, response = out.prompt_ids[row], out.response_ids[row]
+        positions = batch["loss_mask"][row].nonzero().flatten().tolist()
+        assert positions == list(range(len(prompt) - 1, len(prompt) + len(response) - 1))
+        assert batch["input_ids"][row, positions[0] + 1:positions[-1] + 2].tolist() == response
+        values, ids = out.teacher_rows(row)
+        assert torch.equal(batch["teacher"].logprobs[row, positions], values[:, :2])
+        columns = batch["teacher"].indices[row, positions]
+        expected = [[token_ids.tolist().index(t) if t in token_ids else -1 for t in r] for r in ids[:, :2].tolist()]
+        assert columns.tolist() == expected
+        labels = batch["labels"][row, positions].tolist()
+        assert labels == [token_ids.tolist().index(t) if t in token_ids else -100 for t in response]
+    assert batch["labels"][0, 0] == -100 and not batch["loss_mask"][1, -1]
