@@ -1,0 +1,79 @@
+import math
+
+import pytest
+import torch
+
+from decode import SpeculativeDecoder
+from decode.acceptance import analytic_acceptance, expected_tokens, expected_tokens_from_positions
+from decode.sampling import to_target_vocab, warp_logits
+from decode.stats import acceptance_ci, ratio_ci
+
+SEQUENCES = [[5, 9, 17, 33, 2, 64, 7], [1, 2, 3], [100, 101, 7, 8, 9, 10, 11, 12, 13]]
+STARTS = [3, 1, 9]  # the last sequence has an empty response
+
+
+@torch.no_grad()
+def alpha_by_hand(target, draft, seq, start, token_ids=None, **warp):
+    """Σ_x min(p, q) one sequence at a time, without padding."""
+    ids = torch.tensor([seq])
+    p = warp_logits(target(ids).logits[0], **warp)
+    q = to_target_vocab(warp_logits(draft(ids).logits[0], **warp), token_ids, p.shape[-1])
+    return torch.minimum(p, q).sum(-1)[start - 1 : len(seq) - 1].tolist()
+
+
+@pytest.mark.parametrize("warp", [dict(temperature=1.0), dict(temperature=0.7, top_k=10, top_p=0.9)])
+def test_matches_unpadded_computation(target, close_draft, warp):
+    result = analytic_acceptance(target, close_draft, SEQUENCES, STARTS, batch_size=2, **warp)
+    for seq, start, values in zip(SEQUENCES, STARTS, result.per_position):
+        assert values == pytest.approx(alpha_by_hand(target, close_draft, seq, start, **warp), abs=1e-9)
+    assert result.counts == [4, 2, 0]
+    assert result.per_sequence[0] == pytest.approx(sum(result.per_position[0]) / 4)
+    assert math.isnan(result.per_sequence[2])
+    assert all(0.0 <= a <= 1.0 for a in result.per_position[0]) and min(result.per_position[0]) < 1.0
+
+
+def test_reduced_vocab_draft(target, reduced_draft):
+    draft, token_ids = reduced_draft
+    result = analytic_acceptance(target, draft, SEQUENCES[:2], STARTS[:2], draft_token_ids=token_ids)
+    expected = alpha_by_hand(target, draft, SEQUENCES[0], STARTS[0], token_ids, temperature=1.0)
+    assert result.per_position[0] == pytest.approx(expected, abs=1e-9)
+
+
+def test_identical_draft_has_alpha_one_and_greedy_is_argmax_agreement(target, close_draft):
+    assert analytic_acceptance(target, target, SEQUENCES, STARTS).per_sequence[:2] == pytest.approx([1.0, 1.0])
+    greedy = analytic_acceptance(target, close_draft, SEQUENCES, STARTS, temperature=0.0)
+    with torch.no_grad():
+        ids = torch.tensor([SEQUENCES[0]])
+        agree = (target(ids).logits[0].argmax(-1) == close_draft(ids).logits[0].argmax(-1)).double()
+    assert greedy.per_position[0] == agree[2:6].tolist()
+
+
+def test_mismatched_lengths_raise(target):
+    with pytest.raises(ValueError, match="2 sequences but 1 response starts"):
+        analytic_acceptance(target, target, SEQUENCES[:2], STARTS[:1])
+
+
+def test_live_acceptance_agrees_with_analytic(target, close_draft):
+    """α̂ = accepted / verified from sampling at temperature 1 vs mean Σ min(p, q) over the text it generated."""
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 128, (int(n),), generator=generator).tolist() for n in torch.randint(3, 9, (40,))]
+    decoder = SpeculativeDecoder(target, close_draft, 3)
+    results = [decoder.generate(p, max_new_tokens=24, temperature=1.0, seed=i) for i, p in enumerate(prompts)]
+    live = acceptance_ci([r.stats.accepted for r in results], [r.stats.verified for r in results])
+
+    analytic = analytic_acceptance(
+        target, close_draft, [p + r.token_ids for p, r in zip(prompts, results)], [len(p) for p in prompts]
+    )
+    predicted = ratio_ci(analytic.sums, analytic.counts)
+    assert live.overlaps(predicted), (live, predicted)
+    assert abs(live.value - predicted.value) < 0.06
+    assert 0.5 < predicted.value < 0.95
+
+    # the per-position acceptance the decoder logged predicts its τ
+    stats = [r.stats for r in results]
+    accepted_at = torch.tensor([s.accepted_at for s in stats]).sum(0)
+    drafted_at = torch.tensor([s.drafted_at for s in stats]).sum(0)
+    conditional = (accepted_at / torch.cat([drafted_at[:1], accepted_at[:-1]])).tolist()
+    tau = sum(s.new_tokens for s in stats) / sum(s.target_calls for s in stats)
+    assert expected_tokens_from_positions(conditional, 3) == pytest.approx(tau, rel=0.1)
+    assert expected_tokens(predicted.value, 3) == pytest.approx(tau, rel=0.15)
