@@ -14,7 +14,7 @@ from enum import Enum
 
 from scipy.optimize import brentq
 
-from monitor.stats import AcceptanceCheck, TrafficDrift
+from monitor.stats import AcceptanceCheck, DropTest, PromptAcceptance, TrafficDrift, paired_drop_test
 
 EXIT_OK, EXIT_ERROR, EXIT_DRIFT = 0, 2, 3
 
@@ -66,7 +66,7 @@ def decide(
     *,
     champion_target_fingerprint: str | None,
     current_target_fingerprint: str,
-    acceptance: AcceptanceCheck,
+    acceptance: AcceptanceCheck | None,
     drift: TrafficDrift | None,
     current_acceptance: float,
     break_even: float,
@@ -76,7 +76,9 @@ def decide(
     target_changed = champion_target_fingerprint is not None and champion_target_fingerprint != current_target_fingerprint
     traffic_shifted = drift is not None and drift.drifted
     reasons: list[str] = []
-    for name, test in (("paired (baseline prompts)", acceptance.paired), ("unpaired (recent traffic)", acceptance.unpaired)):
+    tests = (("paired (baseline prompts)", acceptance and acceptance.paired),
+             ("unpaired (recent traffic)", acceptance and acceptance.unpaired))
+    for name, test in tests:
         if test is not None and test.alarm:
             reasons.append(f"{name}: acceptance {test.baseline_acceptance:.3f} -> {test.current_acceptance:.3f}, "
                            f"drop {test.drop:.3f} > margin {test.margin:.3f} (p={test.p_value:.2g})")
@@ -103,3 +105,21 @@ def decide(
     else:
         cause = Cause.UNEXPLAINED
     return Decision(Status.DRIFT, cause, reasons, notes)
+
+
+def challenger_gate(
+    champion: PromptAcceptance,
+    challenger: PromptAcceptance,
+    margin: float,
+    level: float,
+    method: str = "bootstrap",
+    seed: int = 0,
+    n_bootstrap: int = 2000,
+) -> DropTest:
+    """Promotion gate on the SAME held-out prompts: `alarm` (promote) iff the challenger's acceptance
+    exceeds the champion's by more than `margin`, significantly at `level` (paired one-sided test).
+
+    It is the paired drop test read from the challenger's side: drop = challenger - champion.
+    """
+    return paired_drop_test(challenger.acc, challenger.n, champion.acc, champion.n, margin, level, method, seed,
+                            n_bootstrap)

@@ -141,7 +141,8 @@ def simulate_checks(
 
     def one_check(drop: float, i: int):
         baseline, remeasured, recent = prompts.draw(rng, n_prompts, drop)
-        check = acceptance_check(baseline, remeasured, recent, margin, level, method, seed + i, n_bootstrap)
+        check = acceptance_check((baseline, remeasured), (baseline, recent), margin, level, method, seed + i,
+                                 n_bootstrap)
         return check, baseline, recent
 
     null_alarms = paired_alarms = unpaired_alarms = naive_alarms = 0

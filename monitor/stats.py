@@ -301,25 +301,25 @@ class AcceptanceCheck:
 
 
 def acceptance_check(
-    baseline: PromptAcceptance,
-    remeasured: PromptAcceptance | None,
-    recent: PromptAcceptance | None,
+    paired: tuple[PromptAcceptance, PromptAcceptance] | None,
+    unpaired: tuple[PromptAcceptance, PromptAcceptance] | None,
     margin: float,
     level: float,
     method: Method = "bootstrap",
     seed: int = 0,
     n_bootstrap: int = 2000,
 ) -> AcceptanceCheck:
-    """Run the paired test (baseline prompts re-measured now) and/or the unpaired test (recent traffic)."""
-    n_tests = (remeasured is not None) + (recent is not None)
+    """Run the paired test (baseline, re-measured on the same prompts) and/or the unpaired test (baseline, recent)."""
+    n_tests = (paired is not None) + (unpaired is not None)
     if n_tests == 0:
-        raise ValueError("acceptance_check needs a re-measurement of the baseline prompts or recent traffic")
+        raise ValueError("acceptance_check needs a paired or an unpaired comparison")
     per_test = level / n_tests
-    paired = unpaired = None
-    if remeasured is not None:
-        paired = paired_drop_test(baseline.acc, baseline.n, remeasured.acc, remeasured.n, margin, per_test,
-                                  method, seed, n_bootstrap)
-    if recent is not None:
-        unpaired = unpaired_drop_test(baseline.acc, baseline.n, recent.acc, recent.n, margin, per_test,
-                                      method, seed + 1, n_bootstrap)
-    return AcceptanceCheck(paired, unpaired)
+    paired_test = unpaired_test = None
+    if paired is not None:
+        base, now = paired
+        paired_test = paired_drop_test(base.acc, base.n, now.acc, now.n, margin, per_test, method, seed, n_bootstrap)
+    if unpaired is not None:
+        base, now = unpaired
+        unpaired_test = unpaired_drop_test(base.acc, base.n, now.acc, now.n, margin, per_test, method, seed + 1,
+                                           n_bootstrap)
+    return AcceptanceCheck(paired_test, unpaired_test)

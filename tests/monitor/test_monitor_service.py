@@ -23,7 +23,7 @@ CRASH = "tests.monitor.jobs:crash"
 def write_config(tmp_path, **monitor) -> Path:
     path = tmp_path / "monitor.yaml"
     data = {
-        "tracking": {"uri": f"sqlite:///{tmp_path}/mlflow.db", "system_metrics": False},
+        "tracking": {"uri": f"sqlite:///{tmp_path}/mlflow.db", "system_metrics": False},  # where mlflow_uri puts its db
         "monitor": {"state_dir": str(tmp_path / "state"), **monitor},
     }
     path.write_text(yaml.safe_dump(data))
@@ -139,7 +139,7 @@ def test_lock_never_runs_two_checks_at_once(tmp_path):
     assert [line.split()[0] for line in runs_log(waiting)] == ["start", "end", "start", "end"]
 
 
-def test_crashing_check_leaves_service_up_and_is_tracked_as_failed(tmp_path):
+def test_crashing_check_leaves_service_up_and_is_tracked_as_failed(tmp_path, mlflow_uri):
     import mlflow
     from mlflow import MlflowClient
 

@@ -1,0 +1,294 @@
+"""One monitor check: does the champion draft still fit the current target and traffic?
+
+1. Resolve the target (fingerprint) and `models:/NAME@champion` (its target-fingerprint tag, its baseline).
+2. No baseline yet: measure one on the most recent N held-out requests, record it, report OK.
+3. Else measure now: the champion on the baseline's own prompts (paired test) and on the most recent
+   held-out requests the baseline has not seen (unpaired test, token drift); live acceptance on a
+   few requests when configured.
+4. Decide OK / DRIFT with its cause (monitor.decision).
+5. On DRIFT with retraining on: distill a challenger, measure both on the same held-out prompts and
+   promote it only if it beats the champion by `promote_margin` (paired test); it brings its baseline.
+6. Log the check as a run in the `draftops-monitor` experiment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from monitor import registry
+from monitor.decision import EXIT_ERROR, Decision, Status, challenger_gate, decide
+from monitor.measure import Measurement, heldout_by_recency, measure_analytic, measure_live
+from monitor.stats import AcceptanceCheck, DropTest, TrafficDrift, acceptance_check, traffic_drift
+from pipeline.config import DraftopsConfig
+
+log = logging.getLogger("draftops.monitor")
+
+Measure = Callable[[DraftopsConfig, object, object, list], Measurement]
+
+
+@dataclass
+class RetrainOutcome:
+    challenger_version: str
+    gate: DropTest  # drop = challenger - champion acceptance on the same held-out prompts
+    promoted: bool
+    previous_champion: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"challenger_version": self.challenger_version, "gate": self.gate.to_dict(),
+                "promoted": self.promoted, "previous_champion": self.previous_champion}
+
+
+@dataclass
+class CheckReport:
+    decision: Decision
+    registered_model: str
+    champion_version: str
+    target_fingerprint: str
+    champion_target_fingerprint: str | None
+    acceptance: AcceptanceCheck | None = None
+    drift: TrafficDrift | None = None
+    current_acceptance: float | None = None
+    acceptance_source: str = "analytic"
+    break_even: float = 0.0
+    n_baseline_prompts: int = 0
+    n_recent_prompts: int = 0
+    baseline_recorded: bool = False
+    retrain: RetrainOutcome | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    run_id: str | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return self.decision.exit_code
+
+    def to_dict(self) -> dict:
+        return {
+            **self.decision.to_dict(),
+            "registered_model": self.registered_model, "champion_version": self.champion_version,
+            "target_fingerprint": self.target_fingerprint,
+            "champion_target_fingerprint": self.champion_target_fingerprint,
+            "acceptance": self.acceptance and self.acceptance.to_dict(), "drift": self.drift and self.drift.to_dict(),
+            "current_acceptance": self.current_acceptance, "acceptance_source": self.acceptance_source,
+            "break_even": self.break_even, "n_baseline_prompts": self.n_baseline_prompts,
+            "n_recent_prompts": self.n_recent_prompts, "baseline_recorded": self.baseline_recorded,
+            "retrain": self.retrain and self.retrain.to_dict(), "timings": self.timings, "run_id": self.run_id,
+        }
+
+    def summary(self) -> str:
+        d = self.decision
+        lines = [f"{d.status.value}{f' ({d.cause.value})' if d.cause else ''}: "
+                 f"{self.registered_model}@champion = version {self.champion_version}"]
+        if self.baseline_recorded:
+            lines.append(f"  baseline recorded on {self.n_baseline_prompts} held-out prompts "
+                         f"(acceptance {self.current_acceptance:.3f})")
+        for name, test in (("paired", self.acceptance and self.acceptance.paired),
+                           ("unpaired", self.acceptance and self.acceptance.unpaired)):
+            if test is not None:
+                lines.append(f"  {name}: {test.baseline_acceptance:.3f} -> {test.current_acceptance:.3f}, drop "
+                             f"{test.drop:+.3f} [{test.ci_low:+.3f}, {test.ci_high:+.3f}], p={test.p_value:.3g} "
+                             f"({test.n_current_prompts} prompts)")
+        if self.drift is not None:
+            lines.append(f"  traffic: JS {self.drift.js_divergence:.3f} bits (threshold {self.drift.threshold}), "
+                         f"PSI {self.drift.psi:.2f}")
+        lines += [f"  reason: {r}" for r in d.reasons] + [f"  note: {n}" for n in d.notes]
+        if self.retrain is not None:
+            r = self.retrain
+            lines.append(f"  challenger version {r.challenger_version}: gain {r.gate.drop:+.3f} "
+                         f"(p={r.gate.p_value:.3g}) -> {'PROMOTED' if r.promoted else 'not promoted'}")
+        if self.run_id:
+            lines.append(f"  MLflow run {self.run_id} (experiment draftops-monitor)")
+        return "\n".join(lines)
+
+
+class _Timer(dict):
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        self[name] = self.get(name, 0.0) + time.perf_counter() - start
+
+
+def load_models(cfg: DraftopsConfig, draft_source: str):
+    """(target, draft) as ResolvedModels on the configured device; tokenizers must agree."""
+    from pipeline.sources import check_tokenizer_compat, resolve_model
+
+    target = resolve_model(cfg.target, device=cfg.device, dtype=cfg.dtype)
+    draft = resolve_model(draft_source, device=target.model.device, dtype=cfg.dtype)
+    check_tokenizer_compat(target.tokenizer, draft.tokenizer)
+    return target, draft
+
+
+def evaluate(cfg: DraftopsConfig, baseline: registry.Baseline, current_fingerprint: str,
+             champion_fingerprint: str | None, remeasured: Measurement | None, recent: Measurement | None,
+             live: Measurement | None) -> tuple[AcceptanceCheck | None, TrafficDrift | None, float, str, Decision]:
+    """Tests and decision from measurements alone (no models, no registry)."""
+    m = cfg.monitor
+    base = baseline.measurement
+    acceptance = None
+    if remeasured is not None or recent is not None:
+        acceptance = acceptance_check(
+            (base.subset(remeasured.request_ids).values, remeasured.values) if remeasured is not None else None,
+            (base.values, recent.values) if recent is not None else None,
+            m.margin, m.level, m.test_method, cfg.seed, m.n_bootstrap)
+    drift = None
+    if recent is not None and base.token_counts and recent.token_counts:
+        drift = traffic_drift(base.token_counts, recent.token_counts, m.drift_threshold, m.drift_buckets)
+    if live is not None:
+        current, source = live.acceptance, "live"
+    else:
+        now = recent if recent is not None else remeasured
+        current, source = (now.acceptance, "analytic") if now is not None else (base.acceptance, "baseline")
+    decision = decide(champion_target_fingerprint=champion_fingerprint, current_target_fingerprint=current_fingerprint,
+                      acceptance=acceptance, drift=drift, current_acceptance=current, break_even=m.break_even_alpha,
+                      acceptance_source=source)
+    return acceptance, drift, current, source, decision
+
+
+def _enough(requests: list) -> list | None:
+    return requests if len(requests) >= 2 else None
+
+
+def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Measure = measure_analytic,
+              measure_live_fn: Measure = measure_live, retrain: Callable[[DraftopsConfig], str] | None = None
+              ) -> CheckReport:
+    """One check (see the module docstring). `load`, `measure*` and `retrain` are the model-facing steps."""
+    import mlflow
+
+    from pipeline.tracking import setup_mlflow, start_run
+
+    if retrain is None:
+        from monitor.retrain import distill_challenger as retrain
+    setup_mlflow(cfg)
+    m, name = cfg.monitor, cfg.tracking.registered_model
+    timer = _Timer()
+    champ = registry.champion(name)
+    champion_fingerprint = champ.tags.get(registry.TARGET_FINGERPRINT_TAG)
+    with timer("load_models"):
+        target, draft = load(cfg, f"models:/{name}/{champ.version}")
+    heldout = heldout_by_recency(cfg)
+    recent_requests = heldout[-m.heldout_requests:]
+    baseline = registry.load_baseline(champ)
+    report = CheckReport(Decision(Status.OK, None), name, champ.version, target.fingerprint, champion_fingerprint,
+                         break_even=m.break_even_alpha, timings=timer)
+    to_record: list[tuple[str, registry.Baseline]] = []
+
+    if baseline is None:
+        with timer("measure_baseline"):
+            measured = measure(cfg, target, draft, recent_requests)
+        to_record.append((champ.version, registry.new_baseline(target.fingerprint, measured)))
+        report.baseline_recorded, report.current_acceptance = True, measured.acceptance
+        report.n_baseline_prompts = len(measured.request_ids)
+        report.decision = Decision(Status.OK, None, [], [f"no baseline for version {champ.version}: recorded one"])
+    else:
+        by_id = {r.id: r for r in heldout}
+        seen = set(baseline.measurement.request_ids)
+        paired_requests = _enough([by_id[i] for i in baseline.measurement.request_ids if i in by_id])
+        new_requests = _enough([r for r in recent_requests if r.id not in seen])
+        with timer("measure_paired"):
+            remeasured = measure(cfg, target, draft, paired_requests) if paired_requests else None
+        with timer("measure_recent"):
+            recent = measure(cfg, target, draft, new_requests) if new_requests else None
+        live = None
+        if m.live_requests:
+            with timer("measure_live"):
+                live = measure_live_fn(cfg, target, draft, (new_requests or paired_requests or [])[:m.live_requests])
+        (report.acceptance, report.drift, report.current_acceptance, report.acceptance_source,
+         report.decision) = evaluate(cfg, baseline, target.fingerprint, champion_fingerprint, remeasured, recent,
+                                     live)
+        report.n_baseline_prompts = len(remeasured.request_ids) if remeasured else 0
+        report.n_recent_prompts = len(recent.request_ids) if recent else 0
+        if report.decision.status is Status.DRIFT and m.retrain:
+            with timer("retrain"):
+                version = retrain(cfg)
+            with timer("gate"):
+                report.retrain, challenger_baseline = gate_challenger(cfg, target, draft, version, recent_requests,
+                                                                      load=load, measure=measure)
+            if report.retrain.promoted:
+                report.retrain.previous_champion = registry.promote(name, version)
+                to_record.append((version, challenger_baseline))
+
+    with start_run(cfg, "monitor", run_name=f"check-{report.decision.status.value.lower()}",
+                   tags=_run_tags(report)) as run:
+        report.run_id = run.info.run_id
+        for version, new in to_record:
+            registry.save_baseline(name, version, new)
+        mlflow.log_metrics(_run_metrics(report))
+        mlflow.log_dict(report.to_dict(), "monitor/report.json")
+    log.info("monitor check: %s", report.summary())
+    return report
+
+
+def gate_challenger(cfg: DraftopsConfig, target, champion_draft, challenger_version: str, requests: list, *,
+                    load: Callable = load_models, measure: Measure = measure_analytic
+                    ) -> tuple[RetrainOutcome, registry.Baseline]:
+    """Measure champion and challenger on the same held-out prompts; promote only a significant gain."""
+    _, challenger = load(cfg, f"models:/{cfg.tracking.registered_model}/{challenger_version}")
+    champion_m = measure(cfg, target, champion_draft, requests)
+    challenger_m = measure(cfg, target, challenger, requests)
+    common = [r for r in champion_m.request_ids if r in set(challenger_m.request_ids)]
+    gate = challenger_gate(champion_m.subset(common).values, challenger_m.subset(common).values,
+                           cfg.monitor.promote_margin, cfg.monitor.level, cfg.monitor.test_method, cfg.seed,
+                           cfg.monitor.n_bootstrap)
+    return (RetrainOutcome(challenger_version, gate, gate.alarm),
+            registry.new_baseline(target.fingerprint, challenger_m))
+
+
+def _run_tags(report: CheckReport) -> dict[str, str]:
+    d = report.decision
+    tags = {"draftops.monitor.decision": d.status.value, "draftops.monitor.cause": d.cause.value if d.cause else "",
+            "draftops.monitor.champion_version": report.champion_version,
+            "draftops.target_fingerprint": report.target_fingerprint,
+            "draftops.monitor.champion_target_fingerprint": report.champion_target_fingerprint or ""}
+    if report.retrain is not None:
+        tags["draftops.monitor.challenger_version"] = report.retrain.challenger_version
+        tags["draftops.monitor.promoted"] = str(report.retrain.promoted).lower()
+    return tags
+
+
+def _run_metrics(report: CheckReport) -> dict[str, float]:
+    out: dict[str, float] = {f"time_{k}_s": v for k, v in report.timings.items()}
+    out["target_changed"] = float(report.champion_target_fingerprint not in (None, report.target_fingerprint))
+    out["drift"] = float(report.decision.status is Status.DRIFT)
+    if report.current_acceptance is not None:
+        out[f"acceptance_{report.acceptance_source}"] = report.current_acceptance
+    for name, test in (("paired", report.acceptance and report.acceptance.paired),
+                       ("unpaired", report.acceptance and report.acceptance.unpaired)):
+        if test is not None:
+            out.update({f"{name}_acceptance_baseline": test.baseline_acceptance,
+                        f"{name}_acceptance_now": test.current_acceptance, f"{name}_drop": test.drop,
+                        f"{name}_drop_ci_low": test.ci_low, f"{name}_drop_ci_high": test.ci_high,
+                        f"{name}_p_value": test.p_value, f"{name}_prompts": test.n_current_prompts})
+    if report.drift is not None:
+        out.update({"drift_js": report.drift.js_divergence, "drift_psi": report.drift.psi})
+    if report.retrain is not None:
+        out.update({"gate_gain": report.retrain.gate.drop, "gate_p_value": report.retrain.gate.p_value,
+                    "promoted": float(report.retrain.promoted)})
+    return out
+
+
+def scheduled_check(cfg: DraftopsConfig) -> int:
+    """What the service runs (under its lock): a check with retraining as configured; returns the exit code."""
+    try:
+        return run_check(cfg).exit_code
+    except registry.RegistryError as exc:
+        log.error("monitor check: %s", exc)
+        return EXIT_ERROR
+
+
+def rollback(cfg: DraftopsConfig, to_version: str | None = None) -> str:
+    """Move the champion alias back (to previous-champion or `to_version`) and record it as a monitor run."""
+    from pipeline.tracking import setup_mlflow, start_run
+
+    setup_mlflow(cfg)
+    name = cfg.tracking.registered_model
+    before = registry.champion(name).version
+    after = registry.rollback(name, to_version)
+    with start_run(cfg, "monitor", run_name="rollback",
+                   tags={"draftops.monitor.decision": "ROLLBACK", "draftops.monitor.rolled_back_from": before,
+                         "draftops.monitor.champion_version": after}):
+        pass
+    return after

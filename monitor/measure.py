@@ -1,0 +1,103 @@
+"""Per-prompt acceptance of a draft against a target, on chosen held-out requests.
+
+Analytic: the target's greedy response to each prompt (cached per target fingerprint by
+distill.data), then one teacher-forced pass of both models; prompt i contributes the sum of
+alpha_t = sum_x min(p_t, q_t) over its response tokens (acc) and their number (n). Live: real
+speculative decoding; prompt i contributes accepted and verified draft tokens.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from monitor.stats import PromptAcceptance
+from pipeline.config import DraftopsConfig
+
+
+@dataclass
+class Measurement:
+    """Per-prompt acceptance plus the prompts' token frequencies (the traffic profile for drift)."""
+
+    request_ids: list[str]
+    acc: list[float]
+    n: list[float]
+    token_counts: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def values(self) -> PromptAcceptance:
+        return PromptAcceptance.of(self.acc, self.n)
+
+    @property
+    def acceptance(self) -> float:
+        return self.values.acceptance
+
+    def subset(self, request_ids: list[str]) -> Measurement:
+        """The given requests' values, in that order (token counts are kept whole)."""
+        index = {r: i for i, r in enumerate(self.request_ids)}
+        rows = [index[r] for r in request_ids]
+        return Measurement(list(request_ids), [self.acc[i] for i in rows], [self.n[i] for i in rows],
+                           self.token_counts)
+
+    def to_dict(self) -> dict:
+        return {"request_ids": self.request_ids, "acc": self.acc, "n": self.n,
+                "token_counts": {str(k): v for k, v in self.token_counts.items()}}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Measurement:
+        return cls(list(data["request_ids"]), [float(x) for x in data["acc"]], [float(x) for x in data["n"]],
+                   {int(k): int(v) for k, v in data.get("token_counts", {}).items()})
+
+
+def heldout_by_recency(cfg: DraftopsConfig) -> list:
+    """All held-out requests, oldest first (by timestamp, then file order); the last N are the most recent."""
+    from pipeline.traffic import load_traffic
+
+    traffic = load_traffic(cfg.traffic.path, skip_malformed=cfg.traffic.skip_malformed)
+    heldout = traffic.split("heldout", cfg.traffic.heldout_fraction)
+    return sorted(heldout, key=lambda r: (r.ts or "", r.line))
+
+
+def prompt_token_counts(prompts: list[list[int]]) -> dict[int, int]:
+    return dict(Counter(t for p in prompts for t in p))
+
+
+def measure_analytic(cfg: DraftopsConfig, target, draft, requests: list) -> Measurement:
+    """Analytic per-prompt acceptance of `draft` (a ResolvedModel) against `target` on `requests`."""
+    from decode.acceptance import analytic_acceptance
+    from distill.data import cached_responses
+    from pipeline.traffic import encode_prompts
+
+    prompts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
+    responses, _, _ = cached_responses(
+        target.model, target.tokenizer, target.fingerprint, requests, prompts, samples=1,
+        max_new_tokens=cfg.decode.max_new_tokens, temperature=cfg.distill.generation_temperature,
+        batch_size=cfg.distill.generation_batch_size, seed=cfg.seed, topk=1)
+    sequences = [p + r for p, r in zip(prompts, responses.response_ids)]
+    result = analytic_acceptance(
+        target.model, draft.model, sequences, [len(p) for p in prompts], temperature=cfg.decode.temperature,
+        top_k=cfg.decode.top_k, top_p=cfg.decode.top_p, draft_token_ids=draft.token_ids)
+    keep = [i for i, n in enumerate(result.counts) if n > 0]  # an empty response drafts nothing
+    return Measurement([requests[i].id for i in keep], [result.sums[i] for i in keep],
+                       [float(result.counts[i]) for i in keep], prompt_token_counts(prompts))
+
+
+def measure_live(cfg: DraftopsConfig, target, draft, requests: list) -> Measurement:
+    """Live per-prompt acceptance (accepted / verified draft tokens) from real speculative decoding."""
+    from decode.speculative import SpeculativeDecoder
+    from distill.data import eos_ids
+    from pipeline.traffic import encode_prompts
+
+    prompts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
+    decoder = SpeculativeDecoder(target.model, draft.model, cfg.decode.gamma, draft_token_ids=draft.token_ids,
+                                 eos_token_ids=eos_ids(target.model, target.tokenizer))
+    ids, acc, n = [], [], []
+    for request, prompt in zip(requests, prompts):
+        stats = decoder.generate(prompt, max_new_tokens=cfg.decode.max_new_tokens,
+                                 temperature=cfg.decode.temperature, top_k=cfg.decode.top_k,
+                                 top_p=cfg.decode.top_p, seed=cfg.seed).stats
+        if stats.verified:
+            ids.append(request.id)
+            acc.append(float(stats.accepted))
+            n.append(float(stats.verified))
+    return Measurement(ids, acc, n, prompt_token_counts(prompts))

@@ -1,0 +1,184 @@
+"""The check's orchestration, promotion gate and rollback, with fake models on a temporary sqlite MLflow store."""
+import hashlib
+import json
+from dataclasses import dataclass
+
+import mlflow
+import numpy as np
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+from monitor import registry
+from monitor.check import rollback, run_check, scheduled_check
+from monitor.decision import Cause, Status, challenger_gate
+from monitor.measure import Measurement
+from monitor.stats import PromptAcceptance
+from pipeline.config import load_config
+
+NAME = "draftops-draft"
+
+
+@dataclass
+class FakeModel:
+    fingerprint: str = ""
+    version: str = ""
+
+
+class World:
+    """What the fakes read: the current target, and each draft version's quality relative to the first champion."""
+
+    def __init__(self):
+        self.target_fingerprint = "fp-A"
+        self.quality = {"1": 0.0}  # acceptance offset per draft version
+        self.target_penalty = {"fp-A": 0.0}  # acceptance lost by every draft on this target
+        self.measured = []
+
+    def load(self, cfg, draft_source):
+        return FakeModel(fingerprint=self.target_fingerprint), FakeModel(version=draft_source.rsplit("/", 1)[1])
+
+    def measure(self, cfg, target, draft, requests):
+        self.measured.append((draft.version, len(requests)))
+        rates, counts = [], {}
+        for r in requests:
+            h = int(hashlib.sha256(r.id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+            code = r.category == "code"
+            rate = 0.55 + 0.3 * h + self.quality[draft.version] - self.target_penalty[target.fingerprint]
+            rates.append(min(max(rate - (0.15 if code else 0.0), 0.0), 1.0))
+            for t in range(100, 140) if code else range(1, 41):
+                counts[t] = counts.get(t, 0) + 1
+        return Measurement([r.id for r in requests], [64 * a for a in rates], [64.0] * len(requests), counts)
+
+    def retrain_with(self, quality):
+        def retrain(cfg):
+            client = MlflowClient()
+            version = str(client.create_model_version(NAME, source="file:///nonexistent", tags={
+                registry.TARGET_FINGERPRINT_TAG: self.target_fingerprint}).version)
+            client.set_registered_model_alias(NAME, registry.CHALLENGER, version)
+            self.quality[version] = quality
+            return version
+        return retrain
+
+
+def write_traffic(path, start, count, category="chat"):
+    with open(path, "a") as f:
+        for i in range(start, start + count):
+            f.write(json.dumps({"id": f"req-{i:05d}", "category": category, "ts": f"2026-10-01T{i // 60:02d}:{i % 60:02d}:00Z",
+                                "messages": [{"role": "user", "content": f"question {i}"}]}) + "\n")
+
+
+@pytest.fixture
+def setup(tmp_path, mlflow_uri):
+    traffic = tmp_path / "traffic.jsonl"
+    write_traffic(traffic, 0, 120)
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump({
+        "traffic": {"path": str(traffic), "heldout_fraction": 0.5},
+        "tracking": {"uri": mlflow_uri, "system_metrics": False},
+        "monitor": {"heldout_requests": 30, "state_dir": str(tmp_path / "state"), "n_bootstrap": 500},
+    }))
+    cfg = load_config(cfg_path)
+    client = MlflowClient()
+    client.create_registered_model(NAME)
+    client.create_model_version(NAME, source="file:///nonexistent", tags={registry.TARGET_FINGERPRINT_TAG: "fp-A"})
+    client.set_registered_model_alias(NAME, registry.CHAMPION, "1")
+    return cfg, World(), traffic
+
+
+def check(cfg, world, **kw):
+    return run_check(cfg, load=world.load, measure=world.measure, **kw)
+
+
+def champion_version():
+    return str(MlflowClient().get_model_version_by_alias(NAME, registry.CHAMPION).version)
+
+
+def test_first_check_records_baseline_then_ok(setup):
+    cfg, world, _ = setup
+    first = check(cfg, world)
+    assert first.baseline_recorded and first.decision.status is Status.OK and first.exit_code == 0
+    assert first.n_baseline_prompts == 30
+    stored = registry.load_baseline(MlflowClient().get_model_version(NAME, "1"))
+    assert stored.target_fingerprint == "fp-A" and len(stored.measurement.request_ids) == 30
+
+    second = check(cfg, world)
+    assert second.decision.status is Status.OK and not second.baseline_recorded
+    assert second.acceptance.paired.drop == pytest.approx(0.0) and not second.acceptance.alarm
+    assert second.acceptance.unpaired is None  # no held-out request the baseline has not seen
+    run = MlflowClient().get_run(second.run_id)
+    assert run.data.tags["draftops.monitor.decision"] == "OK"
+    assert run.data.metrics["paired_drop"] == pytest.approx(0.0)
+    assert mlflow.get_experiment(run.info.experiment_id).name == "draftops-monitor"
+
+
+def test_target_change_drifts_and_worse_challenger_is_never_promoted(setup):
+    cfg, world, _ = setup
+    check(cfg, world)
+    world.target_fingerprint = "fp-B"
+    world.target_penalty["fp-B"] = 0.08
+    cfg = cfg.model_copy(update={"monitor": cfg.monitor.model_copy(update={"retrain": True})})
+    report = check(cfg, world, retrain=world.retrain_with(quality=-0.1))  # challenger even worse
+    assert report.decision.status is Status.DRIFT and report.decision.cause is Cause.TARGET_CHANGED
+    assert report.exit_code == 3
+    assert report.acceptance.paired.drop == pytest.approx(0.08)
+    assert report.retrain.challenger_version == "2" and not report.retrain.promoted
+    assert report.retrain.gate.drop == pytest.approx(-0.1)
+    assert champion_version() == "1"
+    assert MlflowClient().get_run(report.run_id).data.tags["draftops.monitor.promoted"] == "false"
+
+    # a challenger better by less than promote_margin is not promoted either
+    report = check(cfg, world, retrain=world.retrain_with(quality=0.005))
+    assert not report.retrain.promoted and champion_version() == "1"
+
+
+def test_better_challenger_is_promoted_with_its_baseline_and_rollback_restores(setup):
+    cfg, world, _ = setup
+    check(cfg, world)
+    world.target_fingerprint = "fp-B"
+    world.target_penalty["fp-B"] = 0.08
+    cfg = cfg.model_copy(update={"monitor": cfg.monitor.model_copy(update={"retrain": True})})
+    report = check(cfg, world, retrain=world.retrain_with(quality=0.1))
+    assert report.retrain.promoted and report.retrain.previous_champion == "1"
+    assert report.retrain.gate.drop == pytest.approx(0.1)
+    assert champion_version() == "2"
+    client = MlflowClient()
+    assert str(client.get_model_version_by_alias(NAME, registry.PREVIOUS).version) == "1"
+    assert registry.load_baseline(client.get_model_version(NAME, "2")).target_fingerprint == "fp-B"
+    assert check(cfg, world).decision.status is Status.OK  # the new champion is judged against its own baseline
+
+    assert rollback(cfg) == "1"
+    assert champion_version() == "1"
+    assert str(client.get_model_version_by_alias(NAME, registry.PREVIOUS).version) == "2"
+    assert "draftops.monitor.rolled_back_at" in client.get_model_version(NAME, "2").tags
+    assert rollback(cfg, to_version="2") == "2" and champion_version() == "2"
+
+
+def test_traffic_shift_is_attributed_to_traffic(setup):
+    cfg, world, traffic = setup
+    check(cfg, world)
+    write_traffic(traffic, 1000, 120, category="code")  # newer requests, other tokens, harder for the draft
+    report = check(cfg, world)
+    assert report.decision.status is Status.DRIFT and report.decision.cause is Cause.TRAFFIC_SHIFTED
+    assert not report.acceptance.paired.alarm and report.acceptance.unpaired.alarm
+    assert report.drift.drifted and report.drift.js_divergence > 0.5
+    assert report.n_recent_prompts == 30
+
+
+def test_no_champion_is_an_error_exit(setup, tmp_path):
+    cfg, _, _ = setup
+    MlflowClient().delete_registered_model_alias(NAME, registry.CHAMPION)
+    assert scheduled_check(cfg) == 2
+    with pytest.raises(registry.RegistryError):
+        rollback(cfg)
+
+
+def test_challenger_gate_on_random_prompts():
+    rng = np.random.default_rng(0)
+    n = rng.integers(32, 128, 200).astype(float)
+    alpha = rng.beta(6, 3, 200)
+    champion = PromptAcceptance.of(rng.binomial(n.astype(int), alpha), n)
+    better = PromptAcceptance.of(rng.binomial(n.astype(int), np.clip(alpha + 0.05, 0, 1)), n)
+    worse = PromptAcceptance.of(rng.binomial(n.astype(int), np.clip(alpha - 0.05, 0, 1)), n)
+    assert challenger_gate(champion, better, 0.01, 0.05).alarm
+    assert not challenger_gate(champion, worse, 0.01, 0.05).alarm
+    assert not challenger_gate(champion, champion, 0.0, 0.05).alarm
