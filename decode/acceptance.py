@@ -44,7 +44,8 @@ def analytic_acceptance(
 ) -> AnalyticAcceptance:
     """α at every response token of each sequence (prompt + response; the response starts at response_starts[i]).
 
-    Sequences are right-padded and batched; both models see the same tokens and the same logit warping.
+    Sequences are right-padded and batched; both models see the same tokens and the same logit warping. Only the
+    logits from the first scored position on are computed, and they are warped one sequence at a time.
     """
     if len(sequences) != len(response_starts):
         raise ValueError(f"{len(sequences)} sequences but {len(response_starts)} response starts")
@@ -61,12 +62,19 @@ def analytic_acceptance(
         for row, seq in enumerate(batch):
             ids[row, : len(seq)] = torch.tensor(seq, device=device)
             mask[row, : len(seq)] = 1
-        p = warp_logits(target(input_ids=ids, attention_mask=mask).logits, temperature, top_k, top_p)
-        q = warp_logits(draft(input_ids=ids, attention_mask=mask).logits, temperature, top_k, top_p)
-        q = to_target_vocab(q, draft_token_ids, p.shape[-1])
-        alpha = torch.minimum(p, q).sum(-1).tolist()
-        # Logits at position j predict token j+1, so response tokens start..len-1 are scored at start-1..len-2.
-        per_position.extend(a[max(start, 1) - 1 : len(seq) - 1] for a, start, seq in zip(alpha, starts, batch))
+        # Logits at position j predict token j+1: response tokens start..len-1 are scored at start-1..len-2.
+        first = min(max(start, 1) - 1 for start in starts)
+        p_logits = target(input_ids=ids, attention_mask=mask, logits_to_keep=width - first).logits
+        q_logits = draft(input_ids=ids, attention_mask=mask, logits_to_keep=width - first).logits
+        for row, (seq, start) in enumerate(zip(batch, starts)):
+            scored = slice(max(start, 1) - 1 - first, len(seq) - 1 - first)
+            if scored.start >= scored.stop:
+                per_position.append([])
+                continue
+            p = warp_logits(p_logits[row, scored], temperature, top_k, top_p)
+            q = warp_logits(q_logits[row, scored], temperature, top_k, top_p)
+            q = to_target_vocab(q, draft_token_ids, p.shape[-1])
+            per_position.append(torch.minimum(p, q).sum(-1).tolist())
     per_sequence = [sum(a) / len(a) if a else float("nan") for a in per_position]
     return AnalyticAcceptance(per_sequence, per_position)
 

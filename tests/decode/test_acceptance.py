@@ -29,6 +29,8 @@ def test_matches_unpadded_computation(target, close_draft, warp):
     assert result.counts == [4, 2, 0]
     assert result.per_sequence[0] == pytest.approx(sum(result.per_position[0]) / 4)
     assert math.isnan(result.per_sequence[2])
+    alone = analytic_acceptance(target, close_draft, SEQUENCES[:1], STARTS[:1], **warp)  # prompt logits skipped
+    assert alone.per_position[0] == pytest.approx(result.per_position[0], abs=1e-9)
     assert all(0.0 <= a <= 1.0 for a in result.per_position[0]) and min(result.per_position[0]) < 1.0
 
 
