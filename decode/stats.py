@@ -18,7 +18,9 @@ class GenerationStats:
 
     `verified` counts draft tokens that met an accept/reject test (drafts after the first rejection never do), so
     accepted / verified estimates the per-token acceptance α, while accepted / drafted is the draft's efficiency.
-    `accepted_at[i] / drafted_at[i]` is the probability that the first i+1 tokens of a block were all accepted.
+    Per block position i: `drafted_at[i]` blocks drafted it, `verified_at[i]` tested it (all before it accepted),
+    `accepted_at[i]` accepted it; accepted_at[i] / verified_at[i] is the acceptance at position i given that
+    position i was reached.
     """
 
     new_tokens: int = 0
@@ -26,6 +28,7 @@ class GenerationStats:
     verified: int = 0
     accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)
+    verified_at: list[int] = field(default_factory=list)
     drafted_at: list[int] = field(default_factory=list)
     target_calls: int = 0
     draft_calls: int = 0
@@ -42,10 +45,12 @@ class GenerationStats:
         self.target_calls += 1
         grow = n_drafted - len(self.drafted_at)
         if grow > 0:
-            self.drafted_at.extend([0] * grow)
-            self.accepted_at.extend([0] * grow)
+            for counts in (self.drafted_at, self.verified_at, self.accepted_at):
+                counts.extend([0] * grow)
         for i in range(n_drafted):
             self.drafted_at[i] += 1
+        for i in range(min(n_accepted + 1, n_drafted)):
+            self.verified_at[i] += 1
         for i in range(n_accepted):
             self.accepted_at[i] += 1
 
@@ -159,11 +164,10 @@ def _summarize(stats: Sequence[GenerationStats], *, confidence: float, seed: int
         return ratio_ci(num, den, confidence=confidence, seed=seed).to_dict()
 
     depth = max((len(s.drafted_at) for s in stats), default=0)
-    accepted_at = np.zeros(depth)
-    drafted_at = np.zeros(depth)
+    accepted_at, verified_at = np.zeros(depth), np.zeros(depth)
     for s in stats:
         accepted_at[: len(s.accepted_at)] += s.accepted_at
-        drafted_at[: len(s.drafted_at)] += s.drafted_at
+        verified_at[: len(s.verified_at)] += s.verified_at
     return {
         "n_prompts": len(stats),
         "new_tokens": sum(s.new_tokens for s in stats),
@@ -171,9 +175,7 @@ def _summarize(stats: Sequence[GenerationStats], *, confidence: float, seed: int
         "draft_efficiency": ci([s.accepted for s in stats], [s.drafted for s in stats]),
         "tau": ci([s.new_tokens for s in stats], [s.target_calls for s in stats]),
         "tokens_per_s": ci([s.new_tokens for s in stats], [s.total_s for s in stats]),
-        "block_prefix_accepted": [
-            float(a / d) if d else float("nan") for a, d in zip(accepted_at, drafted_at)
-        ],
+        "acceptance_at_position": [float(a / v) if v else float("nan") for a, v in zip(accepted_at, verified_at)],
         "time_s": {
             name: float(sum(getattr(s, name) for s in stats))
             for name in ("prefill_s", "draft_s", "verify_s", "overhead_s", "total_s")

@@ -74,8 +74,7 @@ def test_live_acceptance_agrees_with_analytic(target, close_draft):
     # the per-position acceptance the decoder logged predicts its τ
     stats = [r.stats for r in results]
     accepted_at = torch.tensor([s.accepted_at for s in stats]).sum(0)
-    drafted_at = torch.tensor([s.drafted_at for s in stats]).sum(0)
-    conditional = (accepted_at / torch.cat([drafted_at[:1], accepted_at[:-1]])).tolist()
+    conditional = (accepted_at / torch.tensor([s.verified_at for s in stats]).sum(0)).tolist()
     tau = sum(s.new_tokens for s in stats) / sum(s.target_calls for s in stats)
     assert expected_tokens_from_positions(conditional, 3) == pytest.approx(tau, rel=0.1)
     assert expected_tokens(predicted.value, 3) == pytest.approx(tau, rel=0.15)

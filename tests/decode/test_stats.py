@@ -13,7 +13,7 @@ def test_record_block_counts_trials_and_positions():
     stats.record_block(3, 3)  # all accepted: 3 trials
     stats.record_block(2, 0)
     assert (stats.drafted, stats.accepted, stats.verified, stats.target_calls) == (8, 4, 6, 3)
-    assert stats.drafted_at == [3, 3, 2] and stats.accepted_at == [2, 1, 1]
+    assert stats.drafted_at == [3, 3, 2] and stats.accepted_at == [2, 1, 1] and stats.verified_at == [3, 2, 1]
     stats.new_tokens = 7
     assert stats.tau == 7 / 3
     assert stats.acceptance_rate == 4 / 6
@@ -61,13 +61,13 @@ def test_ratio_ci_covers_truth_for_correlated_prompts():
 
 def test_aggregate_stats_per_category():
     a = GenerationStats(new_tokens=6, accepted=4, verified=5, drafted=6, target_calls=2, total_s=1.0,
-                        accepted_at=[2, 2], drafted_at=[2, 2])
+                        accepted_at=[2, 2], verified_at=[2, 2], drafted_at=[2, 2])
     b = GenerationStats(new_tokens=2, accepted=0, verified=2, drafted=4, target_calls=2, total_s=1.0,
-                        accepted_at=[0, 0], drafted_at=[2, 2])
+                        accepted_at=[0, 0], verified_at=[2, 0], drafted_at=[2, 2])
     summary = aggregate_stats([a, b, a], ["code", "chat", "code"])
     assert summary["acceptance_rate"]["value"] == 8 / 12
     assert summary["tau"]["value"] == 14 / 6
-    assert summary["block_prefix_accepted"] == [4 / 6, 4 / 6]
+    assert summary["acceptance_at_position"] == [4 / 6, 1.0]
     assert summary["per_category"]["code"]["acceptance_rate"]["value"] == 0.8
     assert summary["per_category"]["chat"]["tau"]["value"] == 1.0
 
