@@ -2,7 +2,6 @@
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -12,16 +11,15 @@ pytestmark = pytest.mark.integration
 
 
 def test_default_target_imports_from_gguf_and_fingerprint_is_cached():
+    """The second resolution reuses the converted checkpoint and the fingerprint cache (timed in the README, not here)."""
     local = locate("smollm2-135m-instruct")  # converts once (~30 s), then reuses the cache
     first = local.fingerprint
-    start = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "pipeline.cli", "models", "info", "smollm2-135m-instruct", "--json"],
                          capture_output=True, text=True, check=True)
-    elapsed = time.perf_counter() - start
     info = json.loads(out.stdout)
     assert (info["layers"], info["hidden_size"], info["vocab_size"]) == (30, 576, 49152)
-    assert info["fingerprint"] == first
-    assert elapsed < 5.0, f"cached `models info` took {elapsed:.1f} s"
+    assert info["fingerprint"] == first and info["path"] == str(local.path)
+    assert "dequantizing" not in out.stdout + out.stderr
 
 
 def test_default_target_generates_and_is_compatible_with_itself():
