@@ -1,0 +1,187 @@
+"""`draftops bench`: target-only greedy vs HF assisted generation vs this decoder on the same prompts.
+
+The three methods run interleaved (their order rotates per prompt) so that machine load hits all of them alike.
+The step costs c and v are measured separately to compare the measured speedup with Leviathan's prediction.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from decode.acceptance import expected_speedup
+from decode.evaluate import eos_token_ids
+from decode.speculative import SpeculativeDecoder, forward_logits, rollback
+from decode.stats import aggregate_stats, ratio_ci
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> tuple[object, float]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out, time.perf_counter() - start
+
+
+@torch.inference_mode()
+def hf_generate(model, prompt: list[int], *, max_new_tokens: int, eos_ids: list[int], pad_id: int,
+                assistant=None, gamma: int | None = None) -> list[int]:
+    """HF greedy `generate`, optionally with assisted generation (γ constant, no confidence early-exit)."""
+    ids = torch.tensor([prompt], device=_device(model))
+    kwargs = dict(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_ids or None, pad_token_id=pad_id,
+                  attention_mask=torch.ones_like(ids))
+    if assistant is not None:
+        # HF's candidate generator reads these from the assistant's own generation config.
+        assistant.generation_config.num_assistant_tokens = gamma
+        assistant.generation_config.num_assistant_tokens_schedule = "constant"
+        assistant.generation_config.assistant_confidence_threshold = 0.0
+        kwargs.update(assistant_model=assistant, num_assistant_tokens=gamma, num_assistant_tokens_schedule="constant")
+    return model.generate(ids, **kwargs)[0, len(prompt):].tolist()
+
+
+@torch.inference_mode()
+def step_costs(target, draft, prompt: list[int], gamma: int, reps: int = 20) -> dict[str, float]:
+    """Median seconds of one cached target step, one draft step and one (γ+1)-token verify; c and v as ratios."""
+
+    def cost(model, n_tokens: int) -> float:
+        device = _device(model)
+        cache = DynamicCache(config=model.config)
+        forward_logits(model, torch.tensor(prompt, device=device), cache, 0, True)
+        tokens = torch.tensor(prompt[-1:] * n_tokens, device=device)
+        times = []
+        for _ in range(reps + 2):
+            _, seconds = timed(lambda: forward_logits(model, tokens, cache, len(prompt), n_tokens == 1), device)
+            rollback(cache, len(prompt))
+            times.append(seconds)
+        return statistics.median(times[2:])
+
+    target_step, draft_step, verify = cost(target, 1), cost(draft, 1), cost(target, gamma + 1)
+    return {"target_step_s": target_step, "draft_step_s": draft_step, "verify_s": verify,
+            "c": draft_step / target_step, "v": verify / target_step}
+
+
+def paired_speedup(tokens_a, seconds_a, tokens_b, seconds_b, *, seed: int = 0, n_boot: int = 2000) -> dict:
+    """Throughput of a over throughput of b on the same prompts, with a bootstrap over prompts."""
+    ta, sa, tb, sb = (np.asarray(x, dtype=np.float64) for x in (tokens_a, seconds_a, tokens_b, seconds_b))
+    value = (ta.sum() / sa.sum()) / (tb.sum() / sb.sum())
+    picks = np.random.default_rng(seed).integers(0, len(ta), size=(n_boot, len(ta)))
+    boot = (ta[picks].sum(1) / sa[picks].sum(1)) / (tb[picks].sum(1) / sb[picks].sum(1))
+    low, high = np.percentile(boot, [2.5, 97.5])
+    return {"value": float(value), "low": float(low), "high": float(high), "n_prompts": len(ta)}
+
+
+def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[str], *, gamma: int,
+              max_new_tokens: int, seed: int = 0) -> dict:
+    """target and draft are `pipeline.sources.ResolvedModel`s. Greedy decoding throughout."""
+    eos = eos_token_ids(target.model, target.tokenizer)
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else (eos or [0])[0]
+    decoder = SpeculativeDecoder(target.model, draft.model, gamma, draft_token_ids=draft.token_ids, eos_token_ids=eos)
+    common = dict(max_new_tokens=max_new_tokens, eos_ids=eos, pad_id=pad)
+    methods: dict[str, Callable[[list[int]], object]] = {
+        "target_only": lambda p: hf_generate(target.model, p, **common),
+        "speculative": lambda p: decoder.generate(p, max_new_tokens=max_new_tokens),
+    }
+    notes = []
+    if draft.token_ids is None:
+        methods["hf_assisted"] = lambda p: hf_generate(target.model, p, assistant=draft.model, gamma=gamma, **common)
+    else:
+        notes.append("HF assisted generation skipped: it needs a full-vocabulary draft")
+
+    device = _device(target.model)
+    for run in methods.values():  # warm-up
+        run(prompts[0])
+    outputs = {name: [] for name in methods}
+    seconds = {name: [] for name in methods}
+    stats = []
+    names = list(methods)
+    for i, prompt in enumerate(prompts):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            out, s = timed(lambda: methods[name](prompt), device)
+            if name == "speculative":
+                stats.append(out.stats)
+                out = out.token_ids
+            outputs[name].append(out)
+            seconds[name].append(s)
+
+    tokens = {name: [len(o) for o in outs] for name, outs in outputs.items()}
+    results = {}
+    for name in names:
+        results[name] = {
+            "new_tokens": int(sum(tokens[name])),
+            "seconds": float(sum(seconds[name])),
+            "tokens_per_s": ratio_ci(tokens[name], seconds[name], seed=seed).to_dict(),
+            "same_output_as_target": sum(o == t for o, t in zip(outputs[name], outputs["target_only"])),
+        }
+        if name != "target_only":
+            results[name]["speedup"] = paired_speedup(
+                tokens[name], seconds[name], tokens["target_only"], seconds["target_only"], seed=seed)
+
+    costs = step_costs(target.model, draft.model, prompts[0], gamma)
+    summary = aggregate_stats(stats, categories, seed=seed)
+    alpha, tau = summary["acceptance_rate"]["value"], summary["tau"]["value"]
+    c, v = costs["c"], costs["v"]
+    return {
+        "n_prompts": len(prompts),
+        "settings": {"gamma": gamma, "max_new_tokens": max_new_tokens, "greedy": True, "device": str(device)},
+        "methods": results,
+        "alpha": summary["acceptance_rate"],
+        "tau": summary["tau"],
+        "costs": costs,
+        "predicted_speedup": expected_speedup(alpha, gamma, c, v),
+        "overhead_free_bound": tau / (gamma * c + v),
+        "speculative_time_s": summary["time_s"],
+        "per_category": summary.get("per_category", {}),
+        "notes": notes,
+    }
+
+
+def markdown(report: dict) -> str:
+    s = report["settings"]
+    lines = [
+        "# draftops bench",
+        "",
+        f"{report['n_prompts']} prompts, greedy, γ={s['gamma']}, max_new_tokens={s['max_new_tokens']}, "
+        f"device {s['device']}. Intervals: 95% bootstrap over prompts.",
+        "",
+        "| method | new tokens | seconds | tokens/s | speedup vs target | same output as target |",
+        "|---|---:|---:|---|---|---:|",
+    ]
+    for name, r in report["methods"].items():
+        tps = r["tokens_per_s"]
+        speedup = r.get("speedup")
+        speedup_text = f"{speedup['value']:.2f}x [{speedup['low']:.2f}, {speedup['high']:.2f}]" if speedup else "1"
+        lines.append(f"| {name} | {r['new_tokens']} | {r['seconds']:.2f} | {tps['value']:.1f} "
+                     f"[{tps['low']:.1f}, {tps['high']:.1f}] | {speedup_text} | "
+                     f"{r['same_output_as_target']}/{report['n_prompts']} |")
+    a, t, k = report["alpha"], report["tau"], report["costs"]
+    time_s = report["speculative_time_s"]
+    lines += [
+        "",
+        f"- acceptance α̂ = {a['value']:.3f} [{a['low']:.3f}, {a['high']:.3f}]; "
+        f"tokens per target call τ = {t['value']:.2f} [{t['low']:.2f}, {t['high']:.2f}]",
+        f"- step costs: target {k['target_step_s'] * 1e3:.2f} ms, draft {k['draft_step_s'] * 1e3:.2f} ms, "
+        f"verify of γ+1 tokens {k['verify_s'] * 1e3:.2f} ms -> c = {k['c']:.3f}, v = {k['v']:.3f}",
+        f"- Leviathan's prediction (1−α^(γ+1))/((1−α)(γc+v)) = {report['predicted_speedup']:.2f}x; "
+        f"overhead-free bound τ/(γc+v) = {report['overhead_free_bound']:.2f}x",
+        f"- speculative time split: draft {time_s['draft_s']:.2f} s, verify {time_s['verify_s']:.2f} s, "
+        f"prefill {time_s['prefill_s']:.2f} s, overhead {time_s['overhead_s']:.2f} s",
+    ]
+    if report["per_category"]:
+        lines += ["", "| category | prompts | α̂ | τ |", "|---|---:|---|---|"]
+        for name, c in report["per_category"].items():
+            lines.append(f"| {name} | {c['n_prompts']} | {c['acceptance_rate']['value']:.3f} "
+                         f"[{c['acceptance_rate']['low']:.3f}, {c['acceptance_rate']['high']:.3f}] | "
+                         f"{c['tau']['value']:.2f} |")
+    lines += [f"- note: {n}" for n in report["notes"]]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,193 @@
+"""`draftops decode | eval | bench`: speculative decoding, acceptance evaluation and benchmarks from the shell."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _load(args):
+    """Config (with overrides), then target and draft on the same device and dtype, tokenizers checked."""
+    from pipeline.config import load_config
+    from pipeline.sources import check_tokenizer_compat, resolve_model
+
+    cfg = load_config(args.config, args.overrides)
+    target = resolve_model(args.target or cfg.target, device=cfg.device, dtype=cfg.dtype)
+    parameter = next(target.model.parameters())
+    draft = resolve_model(args.draft, device=parameter.device, dtype=parameter.dtype)
+    check_tokenizer_compat(target.tokenizer, draft.tokenizer)
+    return cfg, target, draft
+
+
+def _pick(value, default):
+    return default if value is None else value
+
+
+def _requests(cfg, args):
+    from pipeline.traffic import load_traffic
+
+    traffic = load_traffic(_pick(args.traffic, cfg.traffic.path), skip_malformed=cfg.traffic.skip_malformed)
+    requests = traffic.split(args.split, cfg.traffic.heldout_fraction)
+    if args.limit:
+        requests = requests[: args.limit]
+    if not requests:
+        raise ValueError(f"no requests in the {args.split} split of {traffic.path}")
+    return traffic, requests
+
+
+def _error(exc: Exception) -> int:
+    print(f"draftops: error: {exc}", file=sys.stderr)
+    return 2
+
+
+def decode_command(args) -> int:
+    from decode.evaluate import eos_token_ids
+    from decode.speculative import AdaptiveGamma, SpeculativeDecoder
+    from pipeline.traffic import Request, encode_prompt
+
+    try:
+        messages = [{"role": "user", "content": args.prompt}] if args.prompt is not None else json.loads(args.messages)
+    except json.JSONDecodeError as exc:
+        return _error(f"--messages is not valid JSON: {exc}")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                 for m in messages):
+        return _error('--messages must be a JSON list of {"role": ..., "content": ...} objects')
+    cfg, target, draft = _load(args)
+    d = cfg.decode
+    prompt = encode_prompt(Request("cli", "cli", tuple(messages)), target.tokenizer, cfg.traffic.max_prompt_tokens)
+    try:
+        decoder = SpeculativeDecoder(
+            target.model, draft.model, _pick(args.gamma, d.gamma), draft_token_ids=draft.token_ids,
+            adaptive=AdaptiveGamma() if d.adaptive else None,
+            eos_token_ids=eos_token_ids(target.model, target.tokenizer))
+        result = decoder.generate(
+            prompt, max_new_tokens=_pick(args.max_new_tokens, d.max_new_tokens),
+            temperature=_pick(args.temperature, d.temperature), top_k=_pick(args.top_k, d.top_k),
+            top_p=_pick(args.top_p, d.top_p), seed=_pick(args.seed, cfg.seed))
+    except ValueError as exc:
+        return _error(exc)
+    text = target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    if args.json:
+        print(json.dumps({"text": text, "token_ids": result.token_ids, "prompt_tokens": len(prompt),
+                          "stats": result.stats.to_dict()}, indent=2))
+    else:
+        s = result.stats
+        print(text)
+        print(f"\n[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance {s.acceptance_rate:.3f}, "
+              f"τ {s.tau:.2f}, stop: {s.stop_reason}]", file=sys.stderr)
+    return 0
+
+
+def eval_command(args) -> int:
+    import mlflow
+
+    from decode.evaluate import evaluate, flat_metrics, per_position_figure
+    from pipeline.tracking import log_figure, start_run
+    from pipeline.traffic import encode_prompts
+
+    cfg, target, draft = _load(args)
+    d = cfg.decode
+    try:
+        traffic, requests = _requests(cfg, args)
+        prompts, truncated = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
+        report = evaluate(
+            target, draft, prompts, [r.category for r in requests], gamma=_pick(args.gamma, d.gamma),
+            max_new_tokens=_pick(args.max_new_tokens, d.max_new_tokens),
+            temperature=_pick(args.temperature, d.temperature), top_k=d.top_k, top_p=d.top_p,
+            adaptive=d.adaptive, seed=cfg.seed)
+    except ValueError as exc:
+        return _error(exc)
+    report.update(target=target.source, draft=draft.source, traffic=str(traffic.path), split=args.split,
+                  truncated_prompts=truncated)
+    tags = {"draftops.draft_source": draft.source, "draftops.draft_fingerprint": draft.fingerprint,
+            "draftops.target_fingerprint": target.fingerprint}
+    with start_run(cfg, "eval", run_name=f"eval-{Path(draft.source).name}", tags=tags) as run:
+        mlflow.log_params({"split": args.split, "n_prompts": report["n_prompts"], **report["settings"],
+                           "traffic_fingerprint": traffic.fingerprint(args.split, cfg.traffic.heldout_fraction)})
+        mlflow.log_metrics(flat_metrics(report))
+        mlflow.log_dict(report, "eval/report.json")
+        log_figure(per_position_figure(report), "eval/per_position.png")
+        report["mlflow_run_id"] = run.info.run_id
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        live, analytic = report["live"]["acceptance_rate"], report["analytic"]["alpha"]
+        print(f"prompts: {report['n_prompts']} ({args.split})")
+        print(f"live acceptance α̂: {live['value']:.3f} [{live['low']:.3f}, {live['high']:.3f}]")
+        print(f"analytic α:        {analytic['value']:.3f} [{analytic['low']:.3f}, {analytic['high']:.3f}]")
+        print(f"τ: {report['live']['tau']['value']:.2f} (predicted from α: {report['predicted_tau']['from_analytic_alpha']:.2f})")
+        for name, summary in report["live"].get("per_category", {}).items():
+            print(f"  {name:<16} α̂ {summary['acceptance_rate']['value']:.3f}  "
+                  f"α {report['analytic']['per_category'][name]['value']:.3f}  τ {summary['tau']['value']:.2f}")
+        print(f"MLflow run: {report['mlflow_run_id']}")
+    return 0
+
+
+def bench_command(args) -> int:
+    from decode.bench import markdown, run_bench
+    from pipeline.traffic import encode_prompts
+
+    cfg, target, draft = _load(args)
+    try:
+        _, requests = _requests(cfg, args)
+        prompts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
+        report = run_bench(target, draft, prompts, [r.category for r in requests],
+                           gamma=_pick(args.gamma, cfg.decode.gamma),
+                           max_new_tokens=_pick(args.max_new_tokens, cfg.decode.max_new_tokens), seed=cfg.seed)
+    except ValueError as exc:
+        return _error(exc)
+    report.update(target=target.source, draft=draft.source)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    (out / "bench.md").write_text(markdown(report))
+    print(json.dumps(report, indent=2) if args.json else markdown(report) + f"\nwritten to {out}")
+    return 0
+
+
+def _common(parser, *, traffic: bool) -> None:
+    parser.add_argument("--target", default=None, help="target model source (default: the config's target)")
+    parser.add_argument("--draft", required=True, help="draft model source (checkpoint dir, models:/NAME@ALIAS, ...)")
+    parser.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
+    parser.add_argument("--gamma", type=int, default=None, help="draft tokens per target call (default: decode.gamma)")
+    parser.add_argument("--max-new-tokens", type=int, default=None)
+    if traffic:
+        parser.add_argument("--traffic", default=None, help="traffic JSONL (default: the config's traffic.path)")
+        parser.add_argument("--split", choices=["heldout", "train", "all"], default="heldout")
+        parser.add_argument("--limit", type=int, default=None, help="use the first N requests of the split")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. device=cpu")
+
+
+def add_commands(subparsers) -> None:
+    decode = subparsers.add_parser("decode", help="generate a reply with speculative decoding",
+                                   description="Lossless speculative decoding of one chat prompt; prints the reply "
+                                               "and the acceptance, τ and speed of this generation.")
+    _common(decode, traffic=False)
+    source = decode.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="a user message")
+    source.add_argument("--messages", help='a JSON chat, e.g. \'[{"role": "user", "content": "hi"}]\'')
+    decode.add_argument("--temperature", type=float, default=None, help="0 is greedy (default: decode.temperature)")
+    decode.add_argument("--top-k", type=int, default=None)
+    decode.add_argument("--top-p", type=float, default=None)
+    decode.add_argument("--seed", type=int, default=None)
+    decode.set_defaults(handler=decode_command)
+
+    evaluate = subparsers.add_parser(
+        "eval", help="live and analytic acceptance of a draft on traffic, logged to MLflow",
+        description="Decode the traffic's prompts speculatively (live acceptance, τ, tokens/s) and score the same "
+                    "text with one teacher-forced pass of both models (analytic α); prompt-level 95% intervals, "
+                    "per category and per draft position; logged to MLflow experiment draftops-eval.")
+    _common(evaluate, traffic=True)
+    evaluate.add_argument("--temperature", type=float, default=None, help="0 is greedy (default: decode.temperature)")
+    evaluate.set_defaults(handler=eval_command)
+
+    bench = subparsers.add_parser(
+        "bench", help="target-only vs HF assisted generation vs draftops speculative decoding",
+        description="Greedy decoding of the same prompts, interleaved: HF generate on the target alone, HF "
+                    "assisted generation with the draft, and this decoder. Reports tokens/s, speedups, α, τ, the "
+                    "measured step costs c and v, Leviathan's predicted speedup and the overhead-free bound.")
+    _common(bench, traffic=True)
+    bench.add_argument("--out", default="outputs/bench", help="folder for bench.md and bench.json")
+    bench.set_defaults(handler=bench_command)

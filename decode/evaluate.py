@@ -1,0 +1,138 @@
+"""`draftops eval`: live acceptance from speculative decoding next to analytic α over the text it produced."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+from decode.acceptance import analytic_acceptance, expected_tokens, expected_tokens_from_positions
+from decode.speculative import AdaptiveGamma, SpeculativeDecoder
+from decode.stats import aggregate_stats, ratio_ci
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """The generation config's EOS ids plus the tokenizer's."""
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def evaluate(
+    target,
+    draft,
+    prompts: Sequence[list[int]],
+    categories: Sequence[str],
+    *,
+    gamma: int,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    adaptive: bool = False,
+    seed: int = 0,
+) -> dict:
+    """Decode every prompt speculatively, then score the same text analytically; prompt-level CIs throughout.
+
+    target and draft are `pipeline.sources.ResolvedModel`s (anything with .model, .tokenizer, .token_ids).
+    """
+    decoder = SpeculativeDecoder(
+        target.model, draft.model, gamma, draft_token_ids=draft.token_ids,
+        adaptive=AdaptiveGamma() if adaptive else None, eos_token_ids=eos_token_ids(target.model, target.tokenizer),
+    )
+    warp = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    results = [
+        decoder.generate(p, max_new_tokens=max_new_tokens, seed=seed + i, **warp) for i, p in enumerate(prompts)
+    ]
+    stats = [r.stats for r in results]
+    analytic = analytic_acceptance(
+        target.model, draft.model, [p + r.token_ids for p, r in zip(prompts, results)], [len(p) for p in prompts],
+        draft_token_ids=draft.token_ids, **warp,
+    )
+    live = aggregate_stats(stats, categories, seed=seed)
+    alpha = ratio_ci(analytic.sums, analytic.counts, seed=seed)
+    by_category = {
+        name: ratio_ci(
+            [s for s, c in zip(analytic.sums, categories) if c == name],
+            [n for n, c in zip(analytic.counts, categories) if c == name],
+            seed=seed,
+        ).to_dict()
+        for name in sorted(set(categories))
+    }
+    live_at = [a for a in live["acceptance_at_position"] if a == a]  # drop nan
+    return {
+        "n_prompts": len(prompts),
+        "settings": {"gamma": gamma, "max_new_tokens": max_new_tokens, "adaptive": adaptive, "seed": seed, **warp},
+        "live": live,
+        "analytic": {
+            "alpha": alpha.to_dict(),
+            "per_category": by_category,
+            "alpha_by_token": mean_by_index(analytic.per_position),
+        },
+        "predicted_tau": {
+            "from_analytic_alpha": expected_tokens(alpha.value, gamma) if alpha.value == alpha.value else None,
+            "from_live_positions": expected_tokens_from_positions(live_at, gamma) if live_at else None,
+            "measured": live["tau"]["value"],
+        },
+    }
+
+
+def mean_by_index(rows: Sequence[Sequence[float]], min_count: int = 3) -> list[float]:
+    """Mean over sequences at each index, up to the last index that min_count sequences reach."""
+    depth = max((len(r) for r in rows), default=0)
+    out = []
+    for t in range(depth):
+        values = [r[t] for r in rows if len(r) > t]
+        if len(values) < min_count:
+            break
+        out.append(float(np.mean(values)))
+    return out
+
+
+def per_position_figure(report: dict):
+    """Left: live acceptance at each draft-block position vs analytic α. Right: analytic α along the response."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+    live_at = report["live"]["acceptance_at_position"]
+    left.bar(range(1, len(live_at) + 1), live_at, color="tab:blue", label="live, given position reached")
+    alpha = report["analytic"]["alpha"]
+    left.axhspan(alpha["low"], alpha["high"], color="tab:orange", alpha=0.3, label="analytic α (95% CI)")
+    left.set(xlabel="draft position in block", ylabel="acceptance", ylim=(0, 1.05))
+    left.legend(loc="lower left", fontsize=8)
+    by_token = report["analytic"]["alpha_by_token"]
+    right.plot(range(len(by_token)), by_token, color="tab:orange")
+    right.set(xlabel="response token", ylabel="analytic α (mean over prompts)", ylim=(0, 1.05))
+    fig.tight_layout()
+    return fig
+
+
+def flat_metrics(report: dict) -> dict[str, float]:
+    """MLflow metrics: overall and per-category acceptance, τ and speed."""
+    live, analytic = report["live"], report["analytic"]
+    metrics = {
+        "alpha_live": live["acceptance_rate"]["value"],
+        "alpha_live_low": live["acceptance_rate"]["low"],
+        "alpha_live_high": live["acceptance_rate"]["high"],
+        "alpha_analytic": analytic["alpha"]["value"],
+        "alpha_analytic_low": analytic["alpha"]["low"],
+        "alpha_analytic_high": analytic["alpha"]["high"],
+        "draft_efficiency": live["draft_efficiency"]["value"],
+        "tau": live["tau"]["value"],
+        "tokens_per_s": live["tokens_per_s"]["value"],
+        "new_tokens": float(live["new_tokens"]),
+    }
+    for name, summary in live.get("per_category", {}).items():
+        key = re.sub(r"[^0-9A-Za-z_.-]", "_", name)
+        metrics[f"alpha_live.{key}"] = summary["acceptance_rate"]["value"]
+        metrics[f"tau.{key}"] = summary["tau"]["value"]
+        metrics[f"alpha_analytic.{key}"] = analytic["per_category"][name]["value"]
+    for i, value in enumerate(live["acceptance_at_position"]):
+        metrics[f"alpha_live_at_position.{i + 1}"] = value
+    return {k: float(v) for k, v in metrics.items() if v is not None and v == v}

@@ -1,0 +1,74 @@
+import json
+
+import mlflow
+import pytest
+
+from pipeline.cli import main
+from pipeline.sources import save_checkpoint
+from tests.conftest import make_tiny_model, make_tokenizer
+
+PROMPTS = [("math", "what is one and two"), ("code", "write python code to sort a list"),
+           ("math", "sum three four five"), ("code", "explain the function please"),
+           ("chat", "hello world how is the story"), ("chat", "write a short poem")]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("decode_cli")
+    tokenizer = make_tokenizer()
+    target = save_checkpoint(make_tiny_model(len(tokenizer), seed=0), tokenizer, root / "target")
+    draft = save_checkpoint(make_tiny_model(len(tokenizer), seed=1, layers=1), tokenizer, root / "draft")
+    traffic = root / "traffic.jsonl"
+    traffic.write_text("".join(json.dumps({"id": f"r{i}", "category": c, "prompt": p}) + "\n"
+                               for i, (c, p) in enumerate(PROMPTS)))
+    return str(target), str(draft), str(traffic)
+
+
+def run_json(capsys, argv) -> dict:
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_decode_prompt(checkpoints, capsys):
+    target, draft, _ = checkpoints
+    out = run_json(capsys, ["decode", "--target", target, "--draft", draft, "--prompt", "what is one and two",
+                            "--max-new-tokens", "7", "--gamma", "3", "--json", "device=cpu"])
+    assert len(out["token_ids"]) <= 7 and out["stats"]["new_tokens"] == len(out["token_ids"])
+    assert out["stats"]["accepted"] <= out["stats"]["verified"] <= out["stats"]["drafted"]
+    same = run_json(capsys, ["decode", "--target", target, "--draft", target, "--messages",
+                             '[{"role": "user", "content": "what is one and two"}]', "--max-new-tokens", "7",
+                             "--temperature", "1", "--seed", "3", "--json", "device=cpu"])
+    assert same["stats"]["acceptance_rate"] == pytest.approx(1.0, abs=0.01)
+
+
+def test_decode_rejects_bad_messages(checkpoints, capsys):
+    target, draft, _ = checkpoints
+    assert main(["decode", "--target", target, "--draft", draft, "--messages", "[{oops", "device=cpu"]) == 2
+    assert "--messages is not valid JSON" in capsys.readouterr().err
+
+
+def test_eval_logs_live_and_analytic_acceptance(checkpoints, capsys):
+    target, draft, traffic = checkpoints
+    report = run_json(capsys, ["eval", "--target", target, "--draft", draft, "--traffic", traffic, "--split", "all",
+                               "--limit", "5", "--max-new-tokens", "6", "--temperature", "1", "--json",
+                               "device=cpu", "tracking.system_metrics=false"])
+    assert report["n_prompts"] == 5
+    assert set(report["live"]["per_category"]) == set(report["analytic"]["per_category"]) == {"math", "code", "chat"}
+    assert 0.0 <= report["analytic"]["alpha"]["value"] <= 1.0
+    run = mlflow.get_run(report["mlflow_run_id"])
+    assert run.data.metrics["alpha_analytic"] == pytest.approx(report["analytic"]["alpha"]["value"])
+    assert "alpha_live.math" in run.data.metrics
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "eval")}
+    assert artifacts == {"eval/report.json", "eval/per_position.png"}
+
+
+def test_bench_writes_reports(checkpoints, capsys, tmp_path):
+    target, draft, traffic = checkpoints
+    report = run_json(capsys, ["bench", "--target", target, "--draft", draft, "--traffic", traffic, "--split", "all",
+                               "--limit", "3", "--max-new-tokens", "6", "--gamma", "2", "--out", str(tmp_path),
+                               "--json", "device=cpu"])
+    assert set(report["methods"]) == {"target_only", "speculative", "hf_assisted"}
+    assert report["costs"]["c"] > 0 and report["costs"]["v"] > 0
+    assert report["predicted_speedup"] > 0 and report["overhead_free_bound"] > 0
+    assert json.loads((tmp_path / "bench.json").read_text())["n_prompts"] == 3
+    assert "Leviathan's prediction" in (tmp_path / "bench.md").read_text()
