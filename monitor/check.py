@@ -149,7 +149,13 @@ def evaluate(cfg: DraftopsConfig, baseline: registry.Baseline, current_fingerpri
 
 
 def _enough(requests: list) -> list | None:
+    """A prompt-level test needs at least two prompts."""
     return requests if len(requests) >= 2 else None
+
+
+def _enough_measured(measurement: Measurement | None, minimum: int = 2) -> Measurement | None:
+    """Prompts with an empty response drop out of a measurement; too few left means no measurement."""
+    return measurement if measurement is not None and len(measurement.request_ids) >= minimum else None
 
 
 def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Measure = measure_analytic,
@@ -193,12 +199,17 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
         with timer("measure_recent"):
             recent = measure(cfg, target, draft, new_requests) if new_requests else None
         live = None
-        if m.live_requests:
+        live_requests = (new_requests or paired_requests or [])[:m.live_requests]
+        if live_requests:
             with timer("measure_live"):
-                live = measure_live_fn(cfg, target, draft, (new_requests or paired_requests or [])[:m.live_requests])
+                live = _enough_measured(measure_live_fn(cfg, target, draft, live_requests), minimum=1)
+        remeasured, recent = _enough_measured(remeasured), _enough_measured(recent)
         (report.acceptance, report.drift, report.current_acceptance, report.acceptance_source,
          report.decision) = evaluate(cfg, baseline, target.fingerprint, champion_fingerprint, remeasured, recent,
                                      live)
+        if report.acceptance is None:
+            report.decision.notes.append("nothing to compare: the baseline's prompts left the traffic and there are "
+                                         "no new held-out requests")
         report.n_baseline_prompts = len(remeasured.request_ids) if remeasured else 0
         report.n_recent_prompts = len(recent.request_ids) if recent else 0
         if report.decision.status is Status.DRIFT and m.retrain:

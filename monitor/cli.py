@@ -16,7 +16,9 @@ def _setup_logging() -> None:
 
 def check_command(args) -> int:
     from monitor.check import run_check
-    from monitor.service import EXIT_BUSY, CheckBusy, check_lock
+    from monitor.decision import EXIT_ERROR
+    from monitor.registry import RegistryError
+    from monitor.service import EXIT_BUSY, CheckBusy, check_lock, log_failed_check
     from pipeline.config import load_config
 
     _setup_logging()
@@ -27,6 +29,14 @@ def check_command(args) -> int:
     except CheckBusy as exc:
         print(f"draftops: {exc}; not checking", file=sys.stderr)
         return EXIT_BUSY
+    except RegistryError as exc:
+        print(f"draftops: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as exc:
+        logging.getLogger("draftops.monitor").exception("monitor check failed")
+        log_failed_check(cfg, exc)
+        print(f"draftops: error: monitor check failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.summary())
     return report.exit_code
 

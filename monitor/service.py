@@ -67,7 +67,7 @@ def check_lock(cfg: DraftopsConfig, timeout: float | None = None) -> Iterator[No
         lock.release()
 
 
-def _log_failed_run(cfg: DraftopsConfig, error: BaseException) -> None:
+def log_failed_check(cfg: DraftopsConfig, error: BaseException) -> None:
     """Record a crashed check as a FAILED run in the monitor experiment, when tracking is reachable."""
 
     class _Failed(Exception):
@@ -108,7 +108,7 @@ def run_scheduled_check(config_path: str, check: str = DEFAULT_CHECK) -> int:
     except Exception as exc:
         log.exception("monitor check failed")
         if cfg is not None:
-            _log_failed_run(cfg, exc)
+            log_failed_check(cfg, exc)
         return EXIT_ERROR
 
 

@@ -182,3 +182,18 @@ def test_challenger_gate_on_random_prompts():
     assert challenger_gate(champion, better, 0.01, 0.05).alarm
     assert not challenger_gate(champion, worse, 0.01, 0.05).alarm
     assert not challenger_gate(champion, champion, 0.0, 0.05).alarm
+
+
+def test_cli_rollback_and_check_without_champion(setup, tmp_path, capsys):
+    from pipeline.cli import main
+
+    cfg, _, _ = setup
+    cfg_path = tmp_path / "cfg.yaml"
+    client = MlflowClient()
+    client.create_model_version(NAME, source="file:///nonexistent")
+    registry.promote(NAME, "2")
+    assert main(["monitor", "rollback", "--config", str(cfg_path)]) == 0
+    assert "version 1" in capsys.readouterr().out and champion_version() == "1"
+    client.delete_registered_model_alias(NAME, registry.CHAMPION)
+    assert main(["monitor", "check", "--config", str(cfg_path)]) == 2
+    assert "no 'champion' alias" in capsys.readouterr().err

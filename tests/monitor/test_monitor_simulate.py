@@ -58,3 +58,20 @@ def test_power_figure(default_result):
     line = fig.axes[0].lines[0]
     np.testing.assert_allclose(line.get_xdata(), [0, 2, 5, 10])
     assert line.get_ydata()[0] == default_result.false_alarm_rate
+
+
+def test_simulate_command_writes_json_and_plot(tmp_path, capsys):
+    import json
+
+    from pipeline.cli import main
+
+    pairs = tmp_path / "pairs.json"
+    pairs.write_text(json.dumps({"accepted": [30, 50, 20, 64, 41, 12], "drafted": [64, 64, 32, 64, 64, 48]}))
+    code = main(["monitor", "simulate", "--pairs", str(pairs), "--n", "32", "--checks", "20", "--out",
+                 str(tmp_path / "sim"), "--json", "monitor.test_method=delta"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["source"] == "pairs" and result["n_checks"] == 20 and result["n_prompts"] == 32
+    assert set(result["power"]) == {"0.02", "0.05", "0.1"}
+    assert json.loads((tmp_path / "sim" / "simulation.json").read_text()) == result
+    assert (tmp_path / "sim" / "power.png").stat().st_size > 1000
