@@ -146,8 +146,15 @@ class SpeculativeDecoder:
             raise ValueError("stop_strings need a tokenizer")
         self.target, self.draft, self.gamma, self.adaptive = target, draft, gamma, adaptive
         self.device = next(target.parameters()).device
+        if next(draft.parameters()).device != self.device:
+            raise ValueError(f"target is on {self.device} but draft on {next(draft.parameters()).device}")
         self.vocab_size = _output_size(target)
         draft_size = _output_size(draft)
+        draft_inputs = draft.get_input_embeddings().num_embeddings
+        if draft_inputs < self.vocab_size:
+            raise ValueError(
+                f"vocab mismatch: draft embeds {draft_inputs} token ids but the target emits {self.vocab_size}"
+            )
         if draft_token_ids is None:
             if draft_size != self.vocab_size:
                 raise ValueError(
@@ -196,7 +203,8 @@ class SpeculativeDecoder:
             probs.append(q)
             unseen = token[None]
         if not drafts:
-            return torch.empty(0, dtype=torch.long, device=self.device), torch.empty(0, self.vocab_size, device=self.device), 0
+            no_drafts = torch.empty(0, dtype=torch.long, device=self.device)
+            return no_drafts, torch.empty(0, self.vocab_size, device=self.device), 0
         return torch.stack(drafts), torch.stack(probs), k
 
     @torch.inference_mode()
@@ -215,6 +223,8 @@ class SpeculativeDecoder:
         prompt = input_ids.reshape(-1).tolist()
         if not prompt:
             raise ValueError("empty prompt: need at least one token")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if self.context is not None and len(prompt) >= self.context:
             raise ValueError(
                 f"prompt has {len(prompt)} tokens but the model context is {self.context} positions; "

@@ -121,8 +121,13 @@ def test_clear_errors(target, random_draft, reduced_draft):
         SpeculativeDecoder(target, random_draft, 2).generate([], max_new_tokens=3)
     with pytest.raises(ValueError, match="batch size 1"):
         SpeculativeDecoder(target, random_draft, 2).generate(torch.zeros(2, 3, dtype=torch.long))
-    with pytest.raises(ValueError, match="vocab mismatch: draft predicts 100 tokens, target 128"):
+    with pytest.raises(ValueError, match="vocab mismatch: draft embeds 100 token ids but the target emits 128"):
         SpeculativeDecoder(target, tiny_llama(4, vocab_size=100), 2)
+    with pytest.raises(ValueError, match="vocab mismatch: draft predicts 200 tokens, target 128"):
+        SpeculativeDecoder(target, tiny_llama(4, vocab_size=200), 2)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
+        SpeculativeDecoder(target, random_draft, 2).generate([1], max_new_tokens=-1)
+    assert SpeculativeDecoder(target, random_draft, 2).generate([1], max_new_tokens=0).token_ids == []
     draft, token_ids = reduced_draft
     with pytest.raises(ValueError, match="vocab mismatch: draft predicts 64 tokens, target 128"):
         SpeculativeDecoder(target, draft, 2)
