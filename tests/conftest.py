@@ -1,6 +1,8 @@
 """Shared fixtures: tiny models built from config and a small word-level tokenizer with a chat template."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -63,3 +65,14 @@ def isolated_home(request, tmp_path, monkeypatch):
         monkeypatch.setenv("DRAFTOPS_HOME", str(tmp_path / "draftops_home"))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     return tmp_path
+
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def shared_data(name: str) -> Path:
+    """A public prompt set from ../shared/data, used by path (never copied into the repo); skips where absent."""
+    path = SHARED_DATA / name
+    if not path.exists():
+        pytest.skip(f"{path} is not available on this machine")
+    return path

@@ -1,0 +1,38 @@
+"""Speculative decoding of the real SmolLM2-135M-Instruct target (slow: `make test-integration`)."""
+import pytest
+import torch
+
+from decode import SpeculativeDecoder
+from decode.evaluate import eos_token_ids
+from distill.init import draft_from_target_layers, reduce_vocabulary
+from pipeline.sources import resolve_model
+from pipeline.traffic import encode_prompts, load_traffic
+from tests.conftest import shared_data
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def target():
+    return resolve_model("smollm2-135m-instruct", device="cpu")
+
+
+def test_greedy_equals_target_only_on_spec_bench(target):
+    """Any draft must leave greedy output unchanged: here a 2-layer cut of the target with an 8k-row head."""
+    torch.manual_seed(0)
+    draft = draft_from_target_layers(target.model, [0, 1]).eval()
+    token_ids = torch.arange(8192)
+    reduce_vocabulary(draft, token_ids, target.model.get_output_embeddings().weight.detach())
+    eos = eos_token_ids(target.model, target.tokenizer)
+    decoder = SpeculativeDecoder(target.model, draft, gamma=4, draft_token_ids=token_ids, eos_token_ids=eos)
+    requests = load_traffic(shared_data("spec_bench.jsonl")).requests[::18][:20]
+    prompts, _ = encode_prompts(requests, target.tokenizer, max_prompt_tokens=384)
+    accepted = 0
+    for request, prompt in zip(requests, prompts):
+        ids = torch.tensor([prompt])
+        reference = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
+                                          do_sample=False, eos_token_id=eos, pad_token_id=eos[0])[0, len(prompt):]
+        result = decoder.generate(prompt, max_new_tokens=32)
+        assert result.token_ids == reference.tolist(), f"{request.id} diverged from target-only greedy decoding"
+        accepted += result.stats.accepted
+    assert len(prompts) == 20 and accepted > 0
