@@ -32,5 +32,19 @@ test-integration: setup
 distill: setup
 	.venv/bin/draftops distill --config $(CONFIG) $(ARGS)
 
+# Benchmarks on the public Spec-Bench prompts beside the repo (../shared/data), by path; never copied in.
+BENCH_TRAFFIC ?= ../shared/data/spec_bench.jsonl
+DRAFT ?= models:/draftops-draft@champion
+bench: setup
+	.venv/bin/draftops bench --config $(CONFIG) --draft $(DRAFT) --traffic $(BENCH_TRAFFIC) --split all \
+		--limit 30 --max-new-tokens 128 --out outputs/bench $(ARGS)
+
+monitor: setup
+	.venv/bin/draftops monitor serve --config $(CONFIG) $(ARGS)
+
+ui: setup
+	@echo "MLflow UI: http://127.0.0.1:5000  (store: $${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db})"
+	.venv/bin/mlflow ui --backend-store-uri $${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db} --host 127.0.0.1 --port 5000
+
 clean:
 	rm -rf .venv *.egg-info .pytest_cache
