@@ -112,11 +112,11 @@ class _Timer(dict):
         self[name] = self.get(name, 0.0) + time.perf_counter() - start
 
 
-def load_models(cfg: DraftopsConfig, draft_source: str):
-    """(target, draft) as ResolvedModels on the configured device; tokenizers must agree."""
+def load_models(cfg: DraftopsConfig, draft_source: str, target=None):
+    """(target, draft) as ResolvedModels on the configured device (reusing `target` if given); tokenizers must agree."""
     from pipeline.sources import check_tokenizer_compat, resolve_model
 
-    target = resolve_model(cfg.target, device=cfg.device, dtype=cfg.dtype)
+    target = target or resolve_model(cfg.target, device=cfg.device, dtype=cfg.dtype)
     draft = resolve_model(draft_source, device=target.model.device, dtype=cfg.dtype)
     check_tokenizer_compat(target.tokenizer, draft.tokenizer)
     return target, draft
@@ -213,14 +213,19 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
         report.n_baseline_prompts = len(remeasured.request_ids) if remeasured else 0
         report.n_recent_prompts = len(recent.request_ids) if recent else 0
         if report.decision.status is Status.DRIFT and m.retrain:
-            with timer("retrain"):
-                version = retrain(cfg)
-            with timer("gate"):
-                report.retrain, challenger_baseline = gate_challenger(cfg, target, draft, version, recent_requests,
-                                                                      load=load, measure=measure)
-            if report.retrain.promoted:
-                report.retrain.previous_champion = registry.promote(name, version)
-                to_record.append((version, challenger_baseline))
+            try:
+                with timer("retrain"):
+                    version = retrain(cfg)
+                with timer("gate"):
+                    report.retrain, challenger_baseline = gate_challenger(
+                        cfg, target, draft, version, recent_requests, load=load, measure=measure)
+            except Exception as exc:  # the DRIFT stands and is tracked even when re-distillation fails
+                log.exception("monitor: retraining failed")
+                report.decision.notes.append(f"retraining failed: {type(exc).__name__}: {exc}")
+            else:
+                if report.retrain.promoted:
+                    report.retrain.previous_champion = registry.promote(name, version)
+                    to_record.append((version, challenger_baseline))
 
     with start_run(cfg, "monitor", run_name=f"check-{report.decision.status.value.lower()}",
                    tags=_run_tags(report)) as run:
@@ -237,7 +242,7 @@ def gate_challenger(cfg: DraftopsConfig, target, champion_draft, challenger_vers
                     load: Callable = load_models, measure: Measure = measure_analytic
                     ) -> tuple[RetrainOutcome, registry.Baseline]:
     """Measure champion and challenger on the same held-out prompts; promote only a significant gain."""
-    _, challenger = load(cfg, f"models:/{cfg.tracking.registered_model}/{challenger_version}")
+    _, challenger = load(cfg, f"models:/{cfg.tracking.registered_model}/{challenger_version}", target)
     champion_m = measure(cfg, target, champion_draft, requests)
     challenger_m = measure(cfg, target, challenger, requests)
     common = [r for r in champion_m.request_ids if r in set(challenger_m.request_ids)]

@@ -34,7 +34,7 @@ class World:
         self.target_penalty = {"fp-A": 0.0}  # acceptance lost by every draft on this target
         self.measured = []
 
-    def load(self, cfg, draft_source):
+    def load(self, cfg, draft_source, target=None):
         return FakeModel(fingerprint=self.target_fingerprint), FakeModel(version=draft_source.rsplit("/", 1)[1])
 
     def measure(self, cfg, target, draft, requests):
@@ -129,6 +129,13 @@ def test_target_change_drifts_and_worse_challenger_is_never_promoted(setup):
     # a challenger better by less than promote_margin is not promoted either
     report = check(cfg, world, retrain=world.retrain_with(quality=0.005))
     assert not report.retrain.promoted and champion_version() == "1"
+
+    def failing_retrain(cfg):
+        raise RuntimeError("distillation diverged")
+
+    report = check(cfg, world, retrain=failing_retrain)  # a failed retrain leaves the DRIFT standing
+    assert report.exit_code == 3 and report.retrain is None and champion_version() == "1"
+    assert "retraining failed: RuntimeError: distillation diverged" in report.decision.notes
 
 
 def test_better_challenger_is_promoted_with_its_baseline_and_rollback_restores(setup):
