@@ -2,6 +2,7 @@ import json
 
 import mlflow
 import pytest
+import torch
 
 from pipeline.cli import main
 from pipeline.sources import save_checkpoint
@@ -18,10 +19,14 @@ def checkpoints(tmp_path_factory):
     tokenizer = make_tokenizer()
     target = save_checkpoint(make_tiny_model(len(tokenizer), seed=0), tokenizer, root / "target")
     draft = save_checkpoint(make_tiny_model(len(tokenizer), seed=1, layers=1), tokenizer, root / "draft")
+    reduced = make_tiny_model(len(tokenizer), seed=2, layers=1)
+    token_ids = torch.arange(0, len(tokenizer), 2)
+    reduced.lm_head = torch.nn.Linear(64, len(token_ids), bias=False)
+    reduced_dir = save_checkpoint(reduced, tokenizer, root / "reduced", token_ids=token_ids)
     traffic = root / "traffic.jsonl"
     traffic.write_text("".join(json.dumps({"id": f"r{i}", "category": c, "prompt": p}) + "\n"
                                for i, (c, p) in enumerate(PROMPTS)))
-    return str(target), str(draft), str(traffic)
+    return str(target), str(draft), str(traffic), str(reduced_dir)
 
 
 def run_json(capsys, argv) -> dict:
@@ -30,7 +35,7 @@ def run_json(capsys, argv) -> dict:
 
 
 def test_decode_prompt(checkpoints, capsys):
-    target, draft, _ = checkpoints
+    target, draft, _, _ = checkpoints
     out = run_json(capsys, ["decode", "--target", target, "--draft", draft, "--prompt", "what is one and two",
                             "--max-new-tokens", "7", "--gamma", "3", "--json", "device=cpu"])
     assert len(out["token_ids"]) <= 7 and out["stats"]["new_tokens"] == len(out["token_ids"])
@@ -42,13 +47,13 @@ def test_decode_prompt(checkpoints, capsys):
 
 
 def test_decode_rejects_bad_messages(checkpoints, capsys):
-    target, draft, _ = checkpoints
+    target, draft, _, _ = checkpoints
     assert main(["decode", "--target", target, "--draft", draft, "--messages", "[{oops", "device=cpu"]) == 2
     assert "--messages is not valid JSON" in capsys.readouterr().err
 
 
 def test_eval_logs_live_and_analytic_acceptance(checkpoints, capsys):
-    target, draft, traffic = checkpoints
+    target, draft, traffic, _ = checkpoints
     report = run_json(capsys, ["eval", "--target", target, "--draft", draft, "--traffic", traffic, "--split", "all",
                                "--limit", "5", "--max-new-tokens", "6", "--temperature", "1", "--json",
                                "device=cpu", "tracking.system_metrics=false"])
@@ -63,7 +68,7 @@ def test_eval_logs_live_and_analytic_acceptance(checkpoints, capsys):
 
 
 def test_bench_writes_reports(checkpoints, capsys, tmp_path):
-    target, draft, traffic = checkpoints
+    target, draft, traffic, _ = checkpoints
     report = run_json(capsys, ["bench", "--target", target, "--draft", draft, "--traffic", traffic, "--split", "all",
                                "--limit", "3", "--max-new-tokens", "6", "--gamma", "2", "--out", str(tmp_path),
                                "--json", "device=cpu"])
@@ -72,3 +77,12 @@ def test_bench_writes_reports(checkpoints, capsys, tmp_path):
     assert report["predicted_speedup"] > 0 and report["overhead_free_bound"] > 0
     assert json.loads((tmp_path / "bench.json").read_text())["n_prompts"] == 3
     assert "Leviathan's prediction" in (tmp_path / "bench.md").read_text()
+
+
+def test_bench_with_reduced_vocab_draft_skips_hf_assisted(checkpoints, capsys, tmp_path):
+    target, _, traffic, reduced = checkpoints
+    report = run_json(capsys, ["bench", "--target", target, "--draft", reduced, "--traffic", traffic, "--split", "all",
+                               "--limit", "2", "--max-new-tokens", "5", "--out", str(tmp_path), "--json",
+                               "device=cpu"])
+    assert set(report["methods"]) == {"target_only", "speculative"}
+    assert report["notes"] == ["HF assisted generation skipped: it needs a full-vocabulary draft"]
