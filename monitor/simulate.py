@@ -92,7 +92,12 @@ class SimulationResult:
 
 
 class _Prompts:
-    """Draws baseline / re-measured / recent per-prompt values for one simulated check."""
+    """Draws baseline / re-measured / recent per-prompt values for one simulated check.
+
+    From real pairs: baseline and recent prompts are resampled observations (recent ones thinned by
+    the drop); a re-measurement of a baseline prompt draws a fresh continuation rate around its
+    observed rate, since one observation per prompt cannot show its own re-measurement noise.
+    """
 
     def __init__(self, pairs: Sequence[tuple[float, float]] | None, model: BetaBinomialTraffic):
         self.model = model
