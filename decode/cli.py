@@ -116,7 +116,8 @@ def eval_command(args) -> int:
         print(f"prompts: {report['n_prompts']} ({args.split})")
         print(f"live acceptance α̂: {live['value']:.3f} [{live['low']:.3f}, {live['high']:.3f}]")
         print(f"analytic α:        {analytic['value']:.3f} [{analytic['low']:.3f}, {analytic['high']:.3f}]")
-        print(f"τ: {report['live']['tau']['value']:.2f} (predicted from α: {report['predicted_tau']['from_analytic_alpha']:.2f})")
+        predicted = report["predicted_tau"]["from_analytic_alpha"]
+        print(f"τ: {report['live']['tau']['value']:.2f} (predicted from analytic α: {predicted:.2f})")
         for name, summary in report["live"].get("per_category", {}).items():
             print(f"  {name:<16} α̂ {summary['acceptance_rate']['value']:.3f}  "
                   f"α {report['analytic']['per_category'][name]['value']:.3f}  τ {summary['tau']['value']:.2f}")
