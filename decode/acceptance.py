@@ -108,3 +108,20 @@ def expected_speedup(alpha: float, gamma: int, c: float, v: float = 1.0) -> floa
     c: one draft step / one target step; v: one (γ+1)-token verify pass / one target step (1 in the paper).
     """
     return expected_tokens(alpha, gamma) / (gamma * c + v)
+
+
+def break_even_alpha(gamma: int, c: float, v: float = 1.0) -> float:
+    """Acceptance at which speculative decoding is exactly as fast as the target alone.
+
+    Solves expected_speedup(alpha, gamma, c, v) = 1; 0.0 if it always pays, 1.0 if it never does (γc + v ≥ γ + 1).
+    """
+    from scipy.optimize import brentq
+
+    def gain(alpha: float) -> float:
+        return expected_speedup(alpha, gamma, c, v) - 1.0
+
+    if gain(0.0) >= 0:
+        return 0.0
+    if gain(1.0) <= 0:
+        return 1.0
+    return float(brentq(gain, 0.0, 1.0, xtol=1e-10))

@@ -82,17 +82,24 @@ def paired_speedup(tokens_a, seconds_a, tokens_b, seconds_b, *, seed: int = 0, n
 
 
 def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[str], *, gamma: int,
-              max_new_tokens: int, seed: int = 0) -> dict:
-    """target and draft are `pipeline.sources.ResolvedModel`s. Greedy decoding throughout."""
+              max_new_tokens: int, gamma_schedule: Sequence[tuple[int, int]] | None = None, seed: int = 0) -> dict:
+    """target and draft are `pipeline.sources.ResolvedModel`s. Greedy decoding throughout.
+
+    With a γ schedule, this decoder follows it; HF assisted generation and the cost model use the fixed `gamma`.
+    """
     eos = eos_token_ids(target.model, target.tokenizer)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else (eos or [0])[0]
-    decoder = SpeculativeDecoder(target.model, draft.model, gamma, draft_token_ids=draft.token_ids, eos_token_ids=eos)
+    decoder = SpeculativeDecoder(target.model, draft.model, gamma, draft_token_ids=draft.token_ids,
+                                 gamma_schedule=gamma_schedule, eos_token_ids=eos)
     common = dict(max_new_tokens=max_new_tokens, eos_ids=eos, pad_id=pad)
     methods: dict[str, Callable[[list[int]], object]] = {
         "target_only": lambda p: hf_generate(target.model, p, **common),
         "speculative": lambda p: decoder.generate(p, max_new_tokens=max_new_tokens),
     }
     notes = []
+    if gamma_schedule:
+        notes.append(f"this decoder follows the γ schedule {[list(e) for e in gamma_schedule]}; "
+                     f"HF assisted and the cost model use γ={gamma}")
     if draft.token_ids is None:
         methods["hf_assisted"] = lambda p: hf_generate(target.model, p, assistant=draft.model, gamma=gamma, **common)
     else:
@@ -133,7 +140,8 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     c, v = costs["c"], costs["v"]
     return {
         "n_prompts": len(prompts),
-        "settings": {"gamma": gamma, "max_new_tokens": max_new_tokens, "greedy": True, "device": str(device)},
+        "settings": {"gamma": gamma, "max_new_tokens": max_new_tokens, "greedy": True, "device": str(device),
+                     **({"gamma_schedule": [list(e) for e in gamma_schedule]} if gamma_schedule else {})},
         "methods": results,
         "alpha": summary["acceptance_rate"],
         "tau": summary["tau"],

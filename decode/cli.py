@@ -7,13 +7,23 @@ import sys
 from pathlib import Path
 
 
-def _load(args):
-    """Config (with overrides), then target and draft on the same device and dtype, tokenizers checked."""
+def _load_target(args):
     from pipeline.config import load_config
-    from pipeline.sources import check_tokenizer_compat, resolve_model
+    from pipeline.sources import resolve_model
 
     cfg = load_config(args.config, args.overrides)
-    target = resolve_model(args.target or cfg.target, device=cfg.device, dtype=cfg.dtype)
+    return cfg, resolve_model(args.target or cfg.target, device=cfg.device, dtype=cfg.dtype)
+
+
+def _load(args):
+    """Config (with overrides), then target and draft on the same device and dtype, tokenizers checked."""
+    from decode.ngram import PROMPT_LOOKUP
+    from pipeline.sources import check_tokenizer_compat, resolve_model
+
+    if args.draft == PROMPT_LOOKUP:
+        raise ValueError(f"--draft {PROMPT_LOOKUP} works with `draftops decode` and `draftops sweep`; "
+                         "this command needs a draft model")
+    cfg, target = _load_target(args)
     parameter = next(target.model.parameters())
     draft = resolve_model(args.draft, device=parameter.device, dtype=parameter.dtype)
     check_tokenizer_compat(target.tokenizer, draft.tokenizer)
@@ -22,6 +32,11 @@ def _load(args):
 
 def _pick(value, default):
     return default if value is None else value
+
+
+def _schedule(args, cfg):
+    """The config's γ schedule, unless --gamma asks for a fixed γ."""
+    return cfg.decode.gamma_schedule if args.gamma is None else None
 
 
 def _requests(cfg, args):
@@ -43,6 +58,7 @@ def _error(exc: Exception) -> int:
 
 def decode_command(args) -> int:
     from decode.evaluate import eos_token_ids
+    from decode.ngram import PROMPT_LOOKUP, PromptLookupDrafter
     from decode.speculative import AdaptiveGamma, SpeculativeDecoder
     from pipeline.traffic import Request, encode_prompt
 
@@ -53,13 +69,18 @@ def decode_command(args) -> int:
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
                                                  for m in messages):
         return _error('--messages must be a JSON list of {"role": ..., "content": ...} objects')
-    cfg, target, draft = _load(args)
+    if args.draft == PROMPT_LOOKUP:
+        cfg, target = _load_target(args)
+        draft, token_ids = PromptLookupDrafter.for_model(target.model), None
+    else:
+        cfg, target, resolved = _load(args)
+        draft, token_ids = resolved.model, resolved.token_ids
     d = cfg.decode
     prompt = encode_prompt(Request("cli", "cli", tuple(messages)), target.tokenizer, cfg.traffic.max_prompt_tokens)
     try:
         decoder = SpeculativeDecoder(
-            target.model, draft.model, _pick(args.gamma, d.gamma), draft_token_ids=draft.token_ids,
-            adaptive=AdaptiveGamma() if d.adaptive else None,
+            target.model, draft, _pick(args.gamma, d.gamma), draft_token_ids=token_ids,
+            adaptive=AdaptiveGamma() if d.adaptive else None, gamma_schedule=_schedule(args, cfg),
             eos_token_ids=eos_token_ids(target.model, target.tokenizer))
         result = decoder.generate(
             prompt, max_new_tokens=_pick(args.max_new_tokens, d.max_new_tokens),
@@ -86,7 +107,10 @@ def eval_command(args) -> int:
     from pipeline.tracking import log_figure, start_run
     from pipeline.traffic import encode_prompts
 
-    cfg, target, draft = _load(args)
+    try:
+        cfg, target, draft = _load(args)
+    except ValueError as exc:
+        return _error(exc)
     d = cfg.decode
     try:
         traffic, requests = _requests(cfg, args)
@@ -95,7 +119,7 @@ def eval_command(args) -> int:
             target, draft, prompts, [r.category for r in requests], gamma=_pick(args.gamma, d.gamma),
             max_new_tokens=_pick(args.max_new_tokens, d.max_new_tokens),
             temperature=_pick(args.temperature, d.temperature), top_k=d.top_k, top_p=d.top_p,
-            adaptive=d.adaptive, seed=cfg.seed)
+            adaptive=d.adaptive, gamma_schedule=_schedule(args, cfg), seed=cfg.seed)
     except ValueError as exc:
         return _error(exc)
     report.update(target=target.source, draft=draft.source, traffic=str(traffic.path), split=args.split,
@@ -129,12 +153,12 @@ def bench_command(args) -> int:
     from decode.bench import markdown, run_bench
     from pipeline.traffic import encode_prompts
 
-    cfg, target, draft = _load(args)
     try:
+        cfg, target, draft = _load(args)
         _, requests = _requests(cfg, args)
         prompts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
         report = run_bench(target, draft, prompts, [r.category for r in requests],
-                           gamma=_pick(args.gamma, cfg.decode.gamma),
+                           gamma=_pick(args.gamma, cfg.decode.gamma), gamma_schedule=_schedule(args, cfg),
                            max_new_tokens=_pick(args.max_new_tokens, cfg.decode.max_new_tokens), seed=cfg.seed)
     except ValueError as exc:
         return _error(exc)
@@ -149,7 +173,8 @@ def bench_command(args) -> int:
 
 def _common(parser, *, traffic: bool) -> None:
     parser.add_argument("--target", default=None, help="target model source (default: the config's target)")
-    parser.add_argument("--draft", required=True, help="draft model source (checkpoint dir, models:/NAME@ALIAS, ...)")
+    parser.add_argument("--draft", required=True, help="draft model source (checkpoint dir, models:/NAME@ALIAS, ...; "
+                                                       "`decode` also takes prompt-lookup: n-gram drafting, no model)")
     parser.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
     parser.add_argument("--gamma", type=int, default=None, help="draft tokens per target call (default: decode.gamma)")
     parser.add_argument("--max-new-tokens", type=int, default=None)

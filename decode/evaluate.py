@@ -33,6 +33,7 @@ def evaluate(
     top_k: int = 0,
     top_p: float = 1.0,
     adaptive: bool = False,
+    gamma_schedule: Sequence[tuple[int, int]] | None = None,
     seed: int = 0,
 ) -> dict:
     """Decode every prompt speculatively, then score the same text analytically; prompt-level CIs throughout.
@@ -41,7 +42,8 @@ def evaluate(
     """
     decoder = SpeculativeDecoder(
         target.model, draft.model, gamma, draft_token_ids=draft.token_ids,
-        adaptive=AdaptiveGamma() if adaptive else None, eos_token_ids=eos_token_ids(target.model, target.tokenizer),
+        adaptive=AdaptiveGamma() if adaptive else None, gamma_schedule=gamma_schedule,
+        eos_token_ids=eos_token_ids(target.model, target.tokenizer),
     )
     warp = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     results = [
@@ -65,7 +67,8 @@ def evaluate(
     live_at = [a for a in live["acceptance_at_position"] if a == a]  # drop nan
     return {
         "n_prompts": len(prompts),
-        "settings": {"gamma": gamma, "max_new_tokens": max_new_tokens, "adaptive": adaptive, "seed": seed, **warp},
+        "settings": {"gamma": gamma, "max_new_tokens": max_new_tokens, "adaptive": adaptive, "seed": seed, **warp,
+                     **({"gamma_schedule": [list(e) for e in gamma_schedule]} if gamma_schedule else {})},
         "live": live,
         "analytic": {
             "alpha": alpha.to_dict(),

@@ -3,6 +3,9 @@
 Cache invariant between rounds: the target's KV cache holds every token but the last one (the "pending" token), and
 the draft's cache holds a prefix of the sequence that misses one or two tokens; each model is fed exactly the tokens
 it has not seen yet, at explicit positions, and rejected drafts are rolled back with `cache.crop`.
+
+The proposals come from a drafter: `ModelDrafter` wraps a draft LM; a model-free proposer (decode.ngram) has the
+same three methods, `start`, `propose` and `rollback`, and returns one-hot q for its deterministic proposals.
 """
 
 from __future__ import annotations
@@ -125,6 +128,90 @@ def _output_size(model) -> int:
     return model.get_output_embeddings().weight.shape[0]
 
 
+def scheduled_gamma(schedule: Sequence[tuple[int, int]], length: int) -> int:
+    """γ of the first (max_context, γ) entry whose max_context is at least `length`; the last γ beyond them."""
+    for max_context, gamma in schedule:
+        if length <= max_context:
+            return gamma
+    return schedule[-1][1]
+
+
+def check_gamma_schedule(schedule: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    schedule = [(int(m), int(g)) for m, g in schedule]
+    if not schedule or any(g < 1 for _, g in schedule) or any(a[0] >= b[0] for a, b in zip(schedule, schedule[1:])):
+        raise ValueError(
+            f"gamma_schedule must be non-empty [(max_context, gamma), ...] with increasing max_context and gamma >= 1, "
+            f"got {schedule}")
+    return schedule
+
+
+class ModelDrafter:
+    """A draft LM proposing tokens autoregressively through its own KV cache (the drafter the decoder wraps)."""
+
+    def __init__(self, draft, vocab_size: int, device: torch.device, *, token_ids: torch.Tensor | None = None,
+                 adaptive: AdaptiveGamma | None = None):
+        if next(draft.parameters()).device != device:
+            raise ValueError(f"target is on {device} but draft on {next(draft.parameters()).device}")
+        draft_size = _output_size(draft)
+        draft_inputs = draft.get_input_embeddings().num_embeddings
+        if draft_inputs < vocab_size:
+            raise ValueError(
+                f"vocab mismatch: draft embeds {draft_inputs} token ids but the target emits {vocab_size}"
+            )
+        if token_ids is None:
+            if draft_size != vocab_size:
+                raise ValueError(
+                    f"vocab mismatch: draft predicts {draft_size} tokens, target {vocab_size}; "
+                    "pass draft_token_ids for a reduced-vocab draft"
+                )
+        else:
+            token_ids = torch.as_tensor(token_ids, dtype=torch.long)
+            if token_ids.ndim != 1 or token_ids.numel() != draft_size:
+                raise ValueError(
+                    f"vocab mismatch: draft predicts {draft_size} tokens but draft_token_ids has "
+                    f"{token_ids.numel()} entries"
+                )
+            if not bool((token_ids[1:] > token_ids[:-1]).all()) or not (
+                0 <= int(token_ids[0]) and int(token_ids[-1]) < vocab_size
+            ):
+                raise ValueError(f"draft_token_ids must be sorted, unique and inside [0, {vocab_size})")
+            token_ids = token_ids.to(device)
+        self.model, self.vocab_size, self.device = draft, vocab_size, device
+        self.token_ids, self.adaptive = token_ids, adaptive
+        self.context = _model_context(draft)
+
+    def start(self, prompt: list[int]) -> DynamicCache:
+        """The draft's cache after every prompt token but the last."""
+        cache = DynamicCache(config=self.model.config)
+        if len(prompt) > 1:
+            forward_logits(self.model, torch.tensor(prompt[:-1], device=self.device), cache, 0, True)
+        return cache
+
+    def propose(self, cache: DynamicCache, seq: list[int], k: int, warp: Warp, generator):
+        """Up to k drafts, feeding the draft the tokens it has not seen yet.
+
+        Returns (drafts [k'], q [k', V] on the target vocab, number of draft forwards).
+        """
+        unseen = torch.tensor(seq[cache.get_seq_length() :], device=self.device)
+        drafts, probs = [], []
+        for i in range(k):
+            logits = forward_logits(self.model, unseen, cache, len(seq) - unseen.shape[0] + i, True)[-1]
+            if i > 0 and self.adaptive is not None and not self.adaptive.keep_drafting(logits):
+                return torch.stack(drafts), torch.stack(probs), i + 1
+            q = to_target_vocab(warp(logits), self.token_ids, self.vocab_size)
+            token = sample(q, generator)
+            drafts.append(token)
+            probs.append(q)
+            unseen = token[None]
+        if not drafts:
+            no_drafts = torch.empty(0, dtype=torch.long, device=self.device)
+            return no_drafts, torch.empty(0, self.vocab_size, device=self.device), 0
+        return torch.stack(drafts), torch.stack(probs), k
+
+    def rollback(self, cache: DynamicCache, length: int) -> None:
+        rollback(cache, length)
+
+
 class SpeculativeDecoder:
     """Speculative decoding of `target` with `draft` (HF causal LMs sharing the target's token ids)."""
 
@@ -136,76 +223,43 @@ class SpeculativeDecoder:
         *,
         draft_token_ids: torch.Tensor | None = None,
         adaptive: AdaptiveGamma | None = None,
+        gamma_schedule: Sequence[tuple[int, int]] | None = None,
         eos_token_ids: Sequence[int] | int | None = None,
         stop_strings: Sequence[str] | None = None,
         tokenizer=None,
     ):
+        """draft: an HF causal LM, or a model-free drafter (e.g. decode.ngram.PromptLookupDrafter).
+
+        gamma_schedule: [(max_context, γ), ...] picks γ per round from the current sequence length (prompt + generated
+        so far) instead of the fixed `gamma`; see `draftops sweep`, which recommends one.
+        """
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
         if stop_strings and tokenizer is None:
             raise ValueError("stop_strings need a tokenizer")
-        self.target, self.draft, self.gamma, self.adaptive = target, draft, gamma, adaptive
+        if gamma_schedule is not None:
+            if adaptive is not None:
+                raise ValueError("use either adaptive or gamma_schedule, not both")
+            gamma_schedule = check_gamma_schedule(gamma_schedule)
+        self.target, self.gamma, self.adaptive, self.gamma_schedule = target, gamma, adaptive, gamma_schedule
         self.device = next(target.parameters()).device
-        if next(draft.parameters()).device != self.device:
-            raise ValueError(f"target is on {self.device} but draft on {next(draft.parameters()).device}")
         self.vocab_size = _output_size(target)
-        draft_size = _output_size(draft)
-        draft_inputs = draft.get_input_embeddings().num_embeddings
-        if draft_inputs < self.vocab_size:
-            raise ValueError(
-                f"vocab mismatch: draft embeds {draft_inputs} token ids but the target emits {self.vocab_size}"
-            )
-        if draft_token_ids is None:
-            if draft_size != self.vocab_size:
-                raise ValueError(
-                    f"vocab mismatch: draft predicts {draft_size} tokens, target {self.vocab_size}; "
-                    "pass draft_token_ids for a reduced-vocab draft"
-                )
-        else:
-            draft_token_ids = torch.as_tensor(draft_token_ids, dtype=torch.long)
-            if draft_token_ids.ndim != 1 or draft_token_ids.numel() != draft_size:
-                raise ValueError(
-                    f"vocab mismatch: draft predicts {draft_size} tokens but draft_token_ids has "
-                    f"{draft_token_ids.numel()} entries"
-                )
-            if not bool((draft_token_ids[1:] > draft_token_ids[:-1]).all()) or not (
-                0 <= int(draft_token_ids[0]) and int(draft_token_ids[-1]) < self.vocab_size
-            ):
-                raise ValueError(f"draft_token_ids must be sorted, unique and inside [0, {self.vocab_size})")
-            draft_token_ids = draft_token_ids.to(self.device)
-        self.draft_token_ids = draft_token_ids
+        if isinstance(draft, torch.nn.Module):
+            draft = ModelDrafter(draft, self.vocab_size, self.device, token_ids=draft_token_ids, adaptive=adaptive)
+        elif draft_token_ids is not None:
+            raise ValueError("draft_token_ids applies to draft models only")
+        self.drafter = draft
         if isinstance(eos_token_ids, int):
             eos_token_ids = [eos_token_ids]
         self.eos_token_ids = frozenset(eos_token_ids or ())
         self.stop_strings = list(stop_strings or ())
         self.tokenizer = tokenizer
-        contexts = [c for c in (_model_context(target), _model_context(draft)) if c]
+        contexts = [c for c in (_model_context(target), draft.context) if c]
         self.context = min(contexts) if contexts else None
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-    def _draft_block(self, seq: list[int], draft_cache: DynamicCache, k: int, warp: Warp, generator):
-        """Propose up to k tokens autoregressively, feeding the draft the tokens it has not seen yet.
-
-        Returns (drafts [k'], q [k', V] on the target vocab, number of draft forwards).
-        """
-        unseen = torch.tensor(seq[draft_cache.get_seq_length() :], device=self.device)
-        drafts, probs = [], []
-        for i in range(k):
-            logits = forward_logits(self.draft, unseen, draft_cache, len(seq) - unseen.shape[0] + i, True)[-1]
-            if i > 0 and self.adaptive is not None and not self.adaptive.keep_drafting(logits):
-                return torch.stack(drafts), torch.stack(probs), i + 1
-            q = to_target_vocab(warp(logits), self.draft_token_ids, self.vocab_size)
-            token = sample(q, generator)
-            drafts.append(token)
-            probs.append(q)
-            unseen = token[None]
-        if not drafts:
-            no_drafts = torch.empty(0, dtype=torch.long, device=self.device)
-            return no_drafts, torch.empty(0, self.vocab_size, device=self.device), 0
-        return torch.stack(drafts), torch.stack(probs), k
 
     @torch.inference_mode()
     def generate(
@@ -241,11 +295,10 @@ class SpeculativeDecoder:
 
         self._sync()
         start = time.perf_counter()
-        target_cache, draft_cache = DynamicCache(config=self.target.config), DynamicCache(config=self.draft.config)
+        target_cache = DynamicCache(config=self.target.config)
         if len(prompt) > 1:
-            prefix = torch.tensor(prompt[:-1], device=self.device)
-            forward_logits(self.target, prefix, target_cache, 0, True)
-            forward_logits(self.draft, prefix, draft_cache, 0, True)
+            forward_logits(self.target, torch.tensor(prompt[:-1], device=self.device), target_cache, 0, True)
+        draft_state = self.drafter.start(prompt)
         self._sync()
         stats.prefill_s = time.perf_counter() - start
 
@@ -253,8 +306,10 @@ class SpeculativeDecoder:
         stats.stop_reason = "max_new_tokens" if len(prompt) + max_new_tokens <= limit else "context"
         while len(seq) < limit:
             t0 = time.perf_counter()
+            if self.gamma_schedule is not None:
+                gamma = scheduled_gamma(self.gamma_schedule, len(seq))
             k = min(gamma, limit - len(seq) - 1)
-            drafts, q, draft_calls = self._draft_block(seq, draft_cache, k, warp, generator)
+            drafts, q, draft_calls = self.drafter.propose(draft_state, seq, k, warp, generator)
             k = drafts.shape[0]
             stats.draft_calls += draft_calls
             self._sync()
@@ -271,7 +326,7 @@ class SpeculativeDecoder:
             block = flat[k : k + n] + [flat[2 * k + n]]
             stats.record_block(k, n)
             rollback(target_cache, len(seq) + n)
-            rollback(draft_cache, len(seq) + n)
+            self.drafter.rollback(draft_state, len(seq) + n)
             if self.adaptive is not None:
                 gamma = self.adaptive.next_gamma(gamma, k, n)
 

@@ -39,6 +39,9 @@ class TrackingConfig(Section):
 class DecodeConfig(Section):
     gamma: int = Field(5, ge=1, description="Draft tokens proposed per target call.")
     adaptive: bool = Field(False, description="Stop drafting early when the draft is unsure.")
+    gamma_schedule: list[tuple[int, int]] | None = Field(None, description=(
+        "[[max_context, gamma], ...] with increasing max_context: γ by current sequence length (prompt + generated; "
+        "the last γ beyond), instead of gamma. `draftops sweep` writes one."))
     max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0, description="0 is greedy.")
     top_k: int = Field(0, ge=0, description="0 disables top-k.")

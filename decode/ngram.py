@@ -1,0 +1,54 @@
+"""Prompt lookup (n-gram) drafting: no draft model, the proposals are copied from the text so far.
+
+The drafter finds the most recent earlier occurrence of the sequence's last n tokens (longest n first) and proposes
+the tokens that followed it (Saxena 2023, "prompt lookup decoding"; HF's PromptLookupCandidateGenerator). A proposal
+is a deterministic function of the prefix, so its q is one-hot and the min(1, p/q) test stays lossless: a draft x is
+accepted with probability p(x), and a rejection resamples from p with x removed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PROMPT_LOOKUP = "prompt-lookup"  # the draft "source" that names this drafter on the command line
+
+
+class PromptLookupDrafter:
+    """Model-free drafter for `SpeculativeDecoder(target, PromptLookupDrafter.for_model(target), γ)`."""
+
+    context = None  # no positions of its own: the target's context is the limit
+
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu", *, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.vocab_size, self.device = vocab_size, torch.device(device)
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    @classmethod
+    def for_model(cls, target, **kwargs) -> PromptLookupDrafter:
+        return cls(target.get_output_embeddings().weight.shape[0], next(target.parameters()).device, **kwargs)
+
+    def lookup(self, seq: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier match of seq's last n tokens (n = max_ngram..min_ngram)."""
+        if k < 1 or len(seq) < 2:
+            return []
+        tokens = torch.tensor(seq)
+        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
+            windows = tokens[:-1].unfold(0, n, 1)  # every n-gram that has at least one token after it
+            hits = (windows == tokens[-n:]).all(1).nonzero()
+            if hits.numel():
+                start = int(hits[-1]) + n
+                return seq[start : start + k]
+        return []
+
+    def start(self, prompt: list[int]) -> None:
+        return None
+
+    def propose(self, state, seq: list[int], k: int, warp, generator):
+        """(drafts [k'], one-hot q [k', V], 0 model forwards); k' < k when the match runs out or nothing matches."""
+        drafts = torch.tensor(self.lookup(seq, k), dtype=torch.long, device=self.device)
+        q = torch.nn.functional.one_hot(drafts, self.vocab_size).float()
+        return drafts, q, 0
+
+    def rollback(self, state, length: int) -> None:
+        pass

@@ -1,0 +1,83 @@
+"""Prompt lookup drafting: what it proposes, and that decoding with it is lossless (greedy and sampled)."""
+
+import numpy as np
+import pytest
+import torch
+
+from decode import SpeculativeDecoder
+from decode.ngram import PromptLookupDrafter
+from decode.sampling import warp_logits
+from tests.decode.test_lossless import assert_matches
+from tests.decode.tiny import greedy_reference, tiny_llama
+
+
+def test_lookup_proposes_the_continuation_of_the_latest_longest_match():
+    drafter = PromptLookupDrafter(100, max_ngram=3)
+    #      0  1  2  3  4  5  6  7  8  9  10
+    seq = [7, 1, 2, 3, 9, 1, 2, 4, 5, 1, 2]
+    assert drafter.lookup(seq, 2) == [4, 5]  # "1 2" last occurred at 5..6 (the 3-gram "5 1 2" never did)
+    assert drafter.lookup(seq + [4], 5) == [5, 1, 2, 4]  # "1 2 4" at 5..7: what followed, up to the end
+    assert drafter.lookup([1, 2, 3], 4) == []  # no earlier occurrence of 3
+    assert drafter.lookup([5], 4) == [] and drafter.lookup(seq, 0) == []
+    assert PromptLookupDrafter(100, max_ngram=2, min_ngram=2).lookup([1, 2, 3, 2], 2) == []  # 1-grams not allowed
+    drafts, q, forwards = drafter.propose(None, seq, 2, None, None)
+    assert drafts.tolist() == [4, 5] and forwards == 0
+    assert torch.equal(q, torch.nn.functional.one_hot(torch.tensor([4, 5]), 100).float())
+    with pytest.raises(ValueError, match="min_ngram"):
+        PromptLookupDrafter(100, max_ngram=1, min_ngram=2)
+
+
+def repetitive_prompt(seed: int) -> list[int]:
+    torch.manual_seed(seed)
+    phrase = torch.randint(0, 128, (5,)).tolist()
+    return phrase + torch.randint(0, 128, (3,)).tolist() + phrase
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 6])
+def test_greedy_equals_target_only_greedy(target, gamma):
+    drafter = PromptLookupDrafter.for_model(target)
+    decoder = SpeculativeDecoder(target, drafter, gamma)
+    accepted = 0
+    for seed in range(4):
+        prompt = repetitive_prompt(seed)
+        result = decoder.generate(prompt, max_new_tokens=30)
+        assert result.token_ids == greedy_reference(target, prompt, 30)
+        stats = result.stats
+        assert stats.draft_calls == 0 and stats.accepted <= stats.verified <= stats.drafted
+        accepted += stats.accepted
+    assert accepted > 0  # lookups were taken, not only plain target steps
+
+
+def test_gamma_schedule_with_lookup_stays_lossless(target):
+    prompt = repetitive_prompt(0)
+    decoder = SpeculativeDecoder(target, PromptLookupDrafter.for_model(target), 2, gamma_schedule=[(20, 1), (40, 4)])
+    result = decoder.generate(prompt, max_new_tokens=30)
+    assert result.token_ids == greedy_reference(target, prompt, 30)
+    assert len(result.stats.drafted_at) <= 4
+
+
+VOCAB = 16
+PROMPT = [3, 5, 3, 5, 3]  # the first block proposes "5 3": both draft positions and the bonus token are exercised
+
+
+@torch.no_grad()
+def exact_first_two(target) -> tuple[np.ndarray, np.ndarray]:
+    first = warp_logits(target(torch.tensor([PROMPT])).logits[0, -1]).double()
+    second = warp_logits(target(torch.tensor([PROMPT + [x] for x in range(VOCAB)])).logits[:, -1]).double()
+    return first.numpy(), (first[:, None] * second).numpy()
+
+
+def test_lossless_when_sampling():
+    target = tiny_llama(10, vocab_size=VOCAB, init_range=0.15)
+    decoder = SpeculativeDecoder(target, PromptLookupDrafter.for_model(target), 2)
+    pairs = np.zeros((VOCAB, VOCAB))
+    accepted = verified = 0
+    for seed in range(1000):
+        result = decoder.generate(PROMPT, max_new_tokens=3, temperature=1.0, seed=seed)
+        pairs[result.token_ids[0], result.token_ids[1]] += 1
+        accepted, verified = accepted + result.stats.accepted, verified + result.stats.verified
+    first, joint = exact_first_two(target)
+    assert_matches(pairs.sum(1), first)
+    assert_matches(pairs.sum(0), joint.sum(0))
+    assert_matches(pairs, joint)
+    assert 0.0 < accepted / verified < 1.0  # both acceptances and rejections happened
