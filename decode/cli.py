@@ -171,6 +171,61 @@ def bench_command(args) -> int:
     return 0
 
 
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def sweep_command(args) -> int:
+    import mlflow
+
+    from decode.sweep import figures, load_drafts, markdown, run_sweep, write_decode_config
+    from pipeline.tracking import log_figure, start_run
+
+    cfg, target = _load_target(args)
+    notes: list[str] = []
+    try:
+        drafts = load_drafts([s.strip() for s in args.drafts.split(",") if s.strip()], target, notes)
+        _, requests = _requests(cfg, args)
+        report = run_sweep(
+            target, drafts, requests, gammas=_int_list(args.gammas), contexts=_int_list(args.contexts),
+            lengths=_int_list(args.max_new_tokens), max_prompt_tokens=cfg.traffic.max_prompt_tokens,
+            analytic_prompts=args.analytic_prompts, measure_prompts=args.measure_prompts, reps=args.reps,
+            seed=cfg.seed, log=lambda line: print(f"[sweep] {line}", file=sys.stderr, flush=True))
+    except ValueError as exc:
+        return _error(exc)
+    report.update(target=target.source, traffic=str(args.traffic or cfg.traffic.path), notes=notes)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config_path = write_decode_config(cfg, report["recommendation"], out / "decode_config.yaml")
+    report["recommendation"]["config_path"] = str(config_path)
+    (out / "sweep.json").write_text(json.dumps(report, indent=2))
+    (out / "sweep.md").write_text(markdown(report))
+    tags = {"draftops.target_fingerprint": target.fingerprint, "draftops.drafts": ",".join(report["drafts"])}
+    with start_run(cfg, "sweep", run_name="sweep", tags=tags) as run:
+        s = report["settings"]
+        mlflow.log_params({"drafts": ",".join(report["drafts"]), "gammas": s["gammas"], "contexts": s["contexts"],
+                           "max_new_tokens": s["max_new_tokens"], "analytic_prompts": s["analytic_prompts"],
+                           "measure_prompts": s["measure_prompts"], "recommended_draft": report["recommendation"]["draft"],
+                           "gamma_schedule": report["recommendation"]["gamma_schedule"]})
+        metrics = {"gap_mean_abs": report["gap"]["mean_abs"], "gap_mean": report["gap"]["mean"]}
+        for b in report["best"]:
+            metrics[f"best_speedup.ctx{b['context']}.gen{b['max_new_tokens']}"] = b["predicted_speedup"]
+            metrics[f"break_even_alpha.ctx{b['context']}.gen{b['max_new_tokens']}"] = b["break_even_alpha"]
+        mlflow.log_metrics(metrics)
+        for name in ("sweep.json", "sweep.md", "decode_config.yaml"):
+            mlflow.log_artifact(str(out / name), "sweep")
+        for name, fig in figures(report).items():
+            fig.savefig(out / name, dpi=120)
+            log_figure(fig, f"sweep/{name}")
+        report["mlflow_run_id"] = run.info.run_id
+    (out / "sweep.json").write_text(json.dumps(report, indent=2))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(markdown(report) + f"\nwritten to {out}; MLflow run {report['mlflow_run_id']}")
+    return 0
+
+
 def _common(parser, *, traffic: bool) -> None:
     parser.add_argument("--target", default=None, help="target model source (default: the config's target)")
     parser.add_argument("--draft", required=True, help="draft model source (checkpoint dir, models:/NAME@ALIAS, ...; "
@@ -217,3 +272,28 @@ def add_commands(subparsers) -> None:
     _common(bench, traffic=True)
     bench.add_argument("--out", default="outputs/bench", help="folder for bench.md and bench.json")
     bench.set_defaults(handler=bench_command)
+
+    sweep = subparsers.add_parser(
+        "sweep", help="the boundary map: where speculative decoding pays on this machine, with which draft and γ",
+        description="Measure step, verify and prefill costs by context length, and acceptance on the traffic, per "
+                    "draft; predict the speedup of every (draft, γ, context, generation length) cell, decode a subset "
+                    "for real, and report the best (draft, γ), the break-even acceptance, the measured/predicted gap "
+                    "and a recommended γ schedule (written as a decoder config). Logged to MLflow (draftops-sweep).")
+    sweep.add_argument("--target", default=None, help="target model source (default: the config's target)")
+    sweep.add_argument("--drafts", required=True,
+                       help="comma-separated: model sources, target-layers:N (the target's first N layers), "
+                            "prompt-lookup (n-gram drafting); a trailing ? skips a source that does not resolve")
+    sweep.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
+    sweep.add_argument("--traffic", default=None, help="traffic JSONL (default: the config's traffic.path)")
+    sweep.add_argument("--split", choices=["heldout", "train", "all"], default="all")
+    sweep.add_argument("--limit", type=int, default=None, help="use the first N requests of the split")
+    sweep.add_argument("--gammas", default="1,2,3,4,6,8")
+    sweep.add_argument("--contexts", default="128,512,1024,2048", help="prompt lengths (tokens) of the cells")
+    sweep.add_argument("--max-new-tokens", default="32,128,512", help="generation lengths of the cells")
+    sweep.add_argument("--analytic-prompts", type=int, default=8, help="traffic prompts for the acceptance walk")
+    sweep.add_argument("--measure-prompts", type=int, default=3, help="prompts decoded for real per measured cell")
+    sweep.add_argument("--reps", type=int, default=10, help="timed repetitions per step-cost measurement")
+    sweep.add_argument("--out", default="outputs/sweep", help="folder for sweep.md/json, plots, decode_config.yaml")
+    sweep.add_argument("--json", action="store_true")
+    sweep.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. device=cpu")
+    sweep.set_defaults(handler=sweep_command)

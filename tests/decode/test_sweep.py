@@ -1,0 +1,161 @@
+"""The sweep: γ schedules in the decoder, the greedy walk (exact target calls), the cost model and the CLI."""
+
+import json
+
+import mlflow
+import pytest
+import torch
+import yaml
+
+from decode import SpeculativeDecoder
+from decode.acceptance import analytic_acceptance, break_even_alpha, expected_speedup, expected_tokens
+from decode.ngram import PromptLookupDrafter
+from decode.speculative import scheduled_gamma
+from decode.sweep import (at_context, cell_break_even_alpha, greedy_target_only, lookup_block, model_block,
+                          predicted_seconds, spread, walk)
+from pipeline.cli import main
+from pipeline.config import load_config
+from pipeline.sources import save_checkpoint
+from pipeline.traffic import Request
+from tests.conftest import make_tiny_model, make_tokenizer
+from tests.decode.tiny import greedy_reference
+
+
+def prompt_of(seed: int, length: int = 8) -> list[int]:
+    torch.manual_seed(seed)
+    phrase = torch.randint(0, 128, (4,)).tolist()
+    return (phrase + torch.randint(0, 128, (length,)).tolist() + phrase)[:length + 4]
+
+
+def test_scheduled_gamma():
+    schedule = [(16, 4), (64, 2)]
+    assert [scheduled_gamma(schedule, n) for n in (1, 16, 17, 64, 65, 1000)] == [4, 4, 2, 2, 2, 2]
+
+
+def test_gamma_schedule_in_the_decoder(target, close_draft):
+    prompt = prompt_of(0)
+    decoder = SpeculativeDecoder(target, close_draft, 5, gamma_schedule=[(len(prompt) + 10, 1), (500, 3)])
+    stats = decoder.generate(prompt, max_new_tokens=30).stats
+    assert decoder.generate(prompt, max_new_tokens=30).token_ids == greedy_reference(target, prompt, 30)
+    assert len(stats.drafted_at) == 3  # γ=1 early, γ=3 later, never 5
+    assert stats.drafted_at[0] > stats.drafted_at[1]
+    for bad in ([], [(10, 0)], [(20, 2), (10, 3)]):
+        with pytest.raises(ValueError, match="gamma_schedule must be"):
+            SpeculativeDecoder(target, close_draft, 2, gamma_schedule=bad)
+    from decode import AdaptiveGamma
+    with pytest.raises(ValueError, match="either adaptive or gamma_schedule"):
+        SpeculativeDecoder(target, close_draft, 2, adaptive=AdaptiveGamma(), gamma_schedule=[(10, 2)])
+
+
+def test_greedy_target_only_matches_uncached_reference(target):
+    assert greedy_target_only(target, prompt_of(1), 12) == greedy_reference(target, prompt_of(1), 12)
+    assert greedy_target_only(target, prompt_of(1), 0) == []
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 6])
+def test_walk_gives_the_decoders_exact_counts(target, close_draft, gamma):
+    """Under greedy decoding the walk over teacher-forced matches replays the decoder round by round."""
+    n = 40
+    for seed in range(3):
+        prompt = prompt_of(seed)
+        response = greedy_target_only(target, prompt, n)
+        matches = analytic_acceptance(target, close_draft, [prompt + response], [len(prompt)], temperature=0.0)
+        for draft, block in ((close_draft, model_block(matches.per_position[0])),
+                             (PromptLookupDrafter.for_model(target), None)):
+            block = block or lookup_block(draft, prompt, response)
+            stats = SpeculativeDecoder(target, draft, gamma).generate(prompt, max_new_tokens=n).stats
+            w = walk(block, n, gamma)
+            assert (w.calls, w.drafted, w.verified, w.accepted) == (
+                stats.target_calls, stats.drafted, stats.verified, stats.accepted)
+
+
+def test_break_even_alpha():
+    assert break_even_alpha(1, 0.1, 1.2) == pytest.approx(0.3)  # (1 + α) / (c + v) = 1
+    alpha = break_even_alpha(4, 0.2, 1.4)
+    assert expected_speedup(alpha, 4, 0.2, 1.4) == pytest.approx(1.0)
+    assert break_even_alpha(3, 0.0, 1.0) == 0.0 and break_even_alpha(2, 1.0, 2.0) == 1.0
+
+
+def test_cell_break_even_pays_back_the_draft_prefill():
+    k = {"target_step_s": 0.04, "draft_round_s": 4 * 0.004, "verify_s": 0.06, "target_prefill_s": 0.5,
+         "draft_prefill_s": 0.1, "c": 0.1, "v": 1.5}
+    alpha = cell_break_even_alpha(k, 4, 128)
+    target_s, spec_s = predicted_seconds(k, 128, 128 / expected_tokens(alpha, 4))
+    assert target_s == pytest.approx(spec_s)
+    assert alpha > break_even_alpha(4, 0.1, 1.5)  # the prefill raises the bar
+    assert cell_break_even_alpha(k, 4, 2) == 1.0  # 2 tokens cannot pay for a 100 ms draft prefill
+
+
+def test_spread_and_at_context():
+    requests = [Request(f"r{i}", c, (), None) for i, c in enumerate("aaabbc")]
+    assert [r.id for r in spread(requests, 4)] == ["r0", "r3", "r5", "r1"]
+    assert at_context([7, 8, 9], [1, 2, 3, 4], 6) == [2, 3, 4, 7, 8, 9]
+    assert at_context([7, 8, 9], [1, 2], 7) == [1, 2, 1, 2, 7, 8, 9]
+    assert at_context([7, 8, 9], [1], 2) == [8, 9]
+
+
+PROMPTS = ["what is one and two", "write python code to sort a list", "sum three four five",
+           "explain the function please", "hello world how is the story", "write a short poem"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sweep_cli")
+    tokenizer = make_tokenizer()
+    target = save_checkpoint(make_tiny_model(len(tokenizer), seed=0), tokenizer, root / "target")
+    draft = save_checkpoint(make_tiny_model(len(tokenizer), seed=1, layers=1), tokenizer, root / "draft")
+    traffic = root / "traffic.jsonl"
+    traffic.write_text("".join(json.dumps({"id": f"r{i}", "category": ["math", "code"][i % 2], "prompt": p}) + "\n"
+                               for i, p in enumerate(PROMPTS)))
+    return str(target), str(draft), str(traffic)
+
+
+def test_sweep_cli(checkpoints, capsys, tmp_path):
+    target, draft, traffic = checkpoints
+    assert main(["sweep", "--target", target, "--traffic", traffic, "--drafts",
+                 f"{draft},target-layers:1,prompt-lookup,models:/absent@champion?", "--gammas", "1,3",
+                 "--contexts", "16,40", "--max-new-tokens", "4,8", "--analytic-prompts", "3",
+                 "--measure-prompts", "2", "--reps", "2", "--out", str(tmp_path), "--json", "device=cpu",
+                 "tracking.system_metrics=false"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    drafts = [draft, "target-layers:1", "prompt-lookup"]
+    assert list(report["drafts"]) == drafts and "optional draft models:/absent@champion skipped" in report["notes"][0]
+    assert len(report["cells"]) == 3 * 2 * 2 * 2 and len(report["best"]) == 4
+    assert all(c["predicted_speedup"] > 0 and 0 <= c["break_even_alpha"] <= 1 for c in report["cells"])
+    costs = report["costs"]
+    assert costs["contexts"] == [16, 40] and set(costs["target"]["v"]) == {"1", "2", "3", "4"}
+    assert costs["target"]["v"]["1"] == [1.0, 1.0] and costs["drafts"]["prompt-lookup"]["prefill_s"] == [0.0, 0.0]
+    per_gamma = report["acceptance"][draft]["per_gamma"]
+    assert set(per_gamma) == {"1", "3"} and set(per_gamma["3"]) == {"4", "8"}
+    assert "analytic_alpha" in report["acceptance"][draft] and "analytic_alpha" not in report["acceptance"]["prompt-lookup"]
+    # every γ of every draft at (16, 4), plus each draft's best γ at (40, 8)
+    measured = {(m["draft"], m["gamma"], m["context"], m["max_new_tokens"]) for m in report["measured"]}
+    assert {(d, g, 16, 4) for d in drafts for g in (1, 3)} <= measured and len(measured) == 9
+    assert all(m["same_output_as_target"] == 2 for m in report["measured"])  # lossless
+    assert report["gap"]["mean_abs"] >= 0
+    recommendation = report["recommendation"]
+    assert recommendation["draft"] in drafts
+    tuned = load_config(tmp_path / "decode_config.yaml")
+    assert [list(e) for e in tuned.decode.gamma_schedule] == recommendation["gamma_schedule"]
+    assert (tmp_path / "decode_config.yaml").read_text().startswith("# Written by `draftops sweep`")
+    names = {"sweep.json", "sweep.md", "decode_config.yaml", "speedup_vs_gamma.png", "speedup_heatmap.png",
+             "break_even_alpha.png", "measured_vs_predicted.png"}
+    assert names <= {p.name for p in tmp_path.iterdir()}
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(report["mlflow_run_id"], "sweep")}
+    assert artifacts == {f"sweep/{n}" for n in names}
+    assert "## Recommendation" in (tmp_path / "sweep.md").read_text()
+
+    # the written config drives the decoder
+    assert main(["decode", "--config", str(tmp_path / "decode_config.yaml"), "--target", target, "--draft",
+                 "prompt-lookup", "--prompt", "what is one and two", "--max-new-tokens", "6", "--json",
+                 "device=cpu"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["new_tokens"] == 6
+
+
+def test_sweep_cli_errors(checkpoints, capsys, tmp_path):
+    target, _, traffic = checkpoints
+    assert main(["sweep", "--target", target, "--traffic", traffic, "--drafts", "prompt-lookup", "--contexts", "500",
+                 "--max-new-tokens", "32", "--out", str(tmp_path), "device=cpu"]) == 2
+    assert "exceed the target's 512 positions" in capsys.readouterr().err
+    assert main(["eval", "--target", target, "--draft", "prompt-lookup", "--traffic", traffic, "device=cpu"]) == 2
+    assert "this command needs a draft model" in capsys.readouterr().err
