@@ -82,4 +82,4 @@ def log_and_register(cfg: DraftopsConfig, result, *, target_fingerprint: str, ta
             result.export_dir, cfg.tracking.registered_model, tags=tags,
             description=f"{cfg.distill.loss} distillation of {target_source}: α(T=0) {m['alpha_t0']:.3f}, "
                         f"α(T=1) {m['alpha_t1']:.3f}, τ {m['tau']:.2f} at γ={cfg.decode.gamma}")
-        return run.info.run_id, version.version, alias
+        return run.info.run_id, str(version.version), alias

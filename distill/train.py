@@ -173,7 +173,7 @@ def job_key(cfg: DraftopsConfig, data_fingerprint: str) -> str:
     settings = cfg.to_dict()
     settings.pop("tracking", None)
     settings.pop("monitor", None)
-    for key in ("resume", "checkpoint_every", "keep_checkpoints", "output_dir"):
+    for key in ("resume", "register_model", "checkpoint_every", "keep_checkpoints", "output_dir"):
         settings["distill"].pop(key, None)
     return hashlib.sha256(json.dumps([settings, data_fingerprint], sort_keys=True).encode()).hexdigest()[:12]
 
@@ -433,7 +433,7 @@ def prepare_data(cfg: DraftopsConfig, accelerator, target, timings: Timings) -> 
     return TrainingData(train, heldout, token_ids, fingerprint)
 
 
-def run_distill(cfg: DraftopsConfig, *, register: bool = True) -> DistillResult:
+def run_distill(cfg: DraftopsConfig) -> DistillResult:
     """The whole job. Every process runs it (under `accelerate launch`); only the main one exports and registers."""
     from accelerate.utils import set_seed
 
@@ -474,10 +474,14 @@ def run_distill(cfg: DraftopsConfig, *, register: bool = True) -> DistillResult:
                           "train_responses": len(data.train), "train_tokens": data.train.num_response_tokens}
         with timings.measure("export"):
             export_draft(draft, target.tokenizer, export_dir, token_ids=data.token_ids, cfg=cfg)
-        if register:
+        if cfg.distill.register_model:
             with timings.measure("register"):
                 result.run_id, result.version, result.alias = log_and_register(
                     cfg, result, target_fingerprint=target.fingerprint, target_source=cfg.target)
+        (job_dir / "result.json").write_text(json.dumps(
+            {"metrics": result.metrics, "history": history, "evals": evals, "timings": result.timings,
+             "export_dir": str(export_dir), "run_id": result.run_id, "version": result.version,
+             "alias": result.alias}, indent=1))
         print_summary(cfg, result)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # tears the process group down cleanly (gloo ranks abort at exit otherwise)

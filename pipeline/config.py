@@ -53,6 +53,7 @@ class DistillConfig(Section):
 
     output_dir: str = Field("outputs/distill", description="Where checkpoints and the exported draft go.")
     resume: bool = Field(True, description="Continue from the last checkpoint of an identical job in output_dir.")
+    register_model: bool = Field(True, description="Log the run to MLflow and register the exported draft.")
     # draft initialization
     init: Literal["target_layers", "checkpoint", "config"] = Field(
         "target_layers", description="target_layers: copy init_layers + embeddings, norm, head from the target; "

@@ -1,0 +1,147 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from distill.train import (NonFiniteLoss, global_batch_indices, latest_checkpoint, micro_batch, run_distill,
+                           simulated_tau)
+from pipeline.config import save_config
+from tests.distill.tiny_job import tiny_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_data_order_is_a_pure_function_of_seed_and_step():
+    steps = [global_batch_indices(10, s, 4, seed=3) for s in range(4)]
+    assert steps == [global_batch_indices(10, s, 4, seed=3) for s in range(4)]
+    assert len(set(steps[0] + steps[1])) == 8  # one epoch: no example twice, the 2 leftovers dropped
+    assert steps[2] != steps[0] and len(set(steps[2] + steps[3])) == 8  # epoch 2: a new permutation
+    assert global_batch_indices(10, 0, 4, seed=4) != steps[0]
+    batch = list(range(8))
+    # 2 processes × 2 micro-batches and 1 process × 4 micro-batches cover the same examples
+    two = [micro_batch(batch, m, r, 2, 2) for m in range(2) for r in range(2)]
+    one = [micro_batch(batch, m, 0, 1, 2) for m in range(4)]
+    assert two == one == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_simulated_tau_walks_blocks_of_gamma():
+    assert simulated_tau([[1.0] * 12], gamma=5) == 6.0  # two calls of 5 accepted + 1
+    # γ=2 over [1, 0, 1, 1]: call 1 accepts 1 then rejects (2 tokens), call 2 accepts the last 2 (2 tokens left)
+    assert simulated_tau([[1.0, 0.0, 1.0, 1.0]], gamma=2) == 2.0
+    assert simulated_tau([[0.0] * 5], gamma=4) == 1.0
+    mixed = simulated_tau([[0.5] * 400], gamma=3, rollouts=50)
+    assert mixed == pytest.approx((1 - 0.5 ** 4) / (1 - 0.5), rel=0.05)  # Leviathan's closed form
+
+
+def test_distill_end_to_end_exports_registers_and_serves_as_assistant(isolated_home):
+    from mlflow import MlflowClient
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.sources import resolve_model
+    from pipeline.tracking import setup_mlflow
+
+    cfg = tiny_config(isolated_home, "distill.max_steps=8")
+    result = run_distill(cfg)
+    assert len(result.history) == 8 and [e["step"] for e in result.evals] == [4, 8]
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in result.history)
+    assert result.alias == "champion" and result.version == "1"
+    assert set(result.timings) >= {"generation_with_teacher_topk", "training", "eval", "export", "register"}
+
+    setup_mlflow(cfg)
+    version = MlflowClient().get_model_version(cfg.tracking.registered_model, "1")
+    target = resolve_model(cfg.target)
+    assert version.tags["draftops.target_fingerprint"] == target.fingerprint
+    assert version.tags["draftops.data_fingerprint"] == result.data_fingerprint
+    assert float(version.tags["tau"]) == pytest.approx(result.metrics["tau"], abs=1e-4)
+    assert {"alpha_t0", "alpha_t1", "loss", "draftops.git_sha"} <= set(version.tags)
+
+    # the registered version resolves to the reduced-vocabulary draft
+    draft = resolve_model(f"models:/{cfg.tracking.registered_model}@champion")
+    assert torch.equal(draft.token_ids, result.token_ids) and draft.model.lm_head.out_features == len(result.token_ids)
+    local = resolve_model(str(result.export_dir))
+    assert local.fingerprint == draft.fingerprint
+
+    # the HF copy works as transformers' assistant_model: greedy output identical to the target alone
+    assistant = AutoModelForCausalLM.from_pretrained(result.export_dir / "hf_assistant").eval()
+    prompt = torch.tensor([[1, 10, 11, 12, 13]])
+    alone = target.model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assisted = target.model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                                     assistant_model=assistant)
+    assert torch.equal(alone, assisted)
+
+
+def test_nan_loss_stops_the_run_and_registers_nothing(isolated_home, monkeypatch):
+    cfg = tiny_config(isolated_home, "distill.max_steps=4")
+    monkeypatch.setattr("distill.train.distillation_loss", lambda logits, *a, **k: logits.sum() * float("nan"))
+    with pytest.raises(NonFiniteLoss, match="nan at step 1"):
+        run_distill(cfg)
+    assert not (isolated_home / "mlflow.db").exists()
+    assert not list((isolated_home / "out").glob("*/draft"))
+
+
+def test_kill_9_then_resume_matches_an_uninterrupted_run(isolated_home):
+    overrides = ("distill.max_steps=24", "distill.eval_every=6", "distill.checkpoint_every=2", "distill.register_model=false")
+    killed_cfg = tiny_config(isolated_home, *overrides, f"distill.output_dir={isolated_home}/killed")
+    config_file = save_config(killed_cfg, isolated_home / "killed.yaml")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "distill.train", "--config", str(config_file)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    checkpoints = next_checkpoints = None
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        found = list((isolated_home / "killed").glob("*/checkpoints"))
+        if found and latest_checkpoint(found[0]) is not None:
+            checkpoints = found[0]
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    proc.wait()
+    assert checkpoints is not None, f"no checkpoint appeared before the run ended: {proc.stderr.read()[-2000:]}"
+    killed_at = json.loads((latest_checkpoint(checkpoints) / "trainer_state.json").read_text())["step"]
+    assert 2 <= killed_at < 24
+
+    resumed = run_distill(killed_cfg)
+    straight = run_distill(tiny_config(isolated_home, *overrides, f"distill.output_dir={isolated_home}/straight"))
+    assert [h["step"] for h in resumed.history] == list(range(1, 25))
+    torch.testing.assert_close([h["loss"] for h in resumed.history], [h["loss"] for h in straight.history],
+                               rtol=1e-6, atol=1e-7)
+    assert resumed.evals == straight.evals
+    a = load_file(str(resumed.job_dir / "best" / "model.safetensors"))
+    b = load_file(str(straight.job_dir / "best" / "model.safetensors"))
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-7)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_gloo_processes_match_one_process_with_the_same_global_batch(isolated_home):
+    """configs/accelerate/cpu_2proc.yaml really starts 2 ranks, and 2 ranks × batch 2 trace the same loss curve as
+    1 process × batch 2 × 2 accumulation steps (same examples per step, token-normalized losses summed over ranks)."""
+    common = ("distill.max_steps=6", "distill.batch_size=2", "distill.register_model=false")
+    one = run_distill(tiny_config(isolated_home, *common, "distill.grad_accum=2", f"distill.output_dir={isolated_home}/one"))
+    config_file = save_config(tiny_config(isolated_home, *common, f"distill.output_dir={isolated_home}/two"),
+                              isolated_home / "two.yaml")
+    launched = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "configs/accelerate/cpu_2proc.yaml"),
+         "--main_process_port", str(free_port()), "-m", "distill.train", "--config", str(config_file)],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert "2 process(es)" in launched.stdout  # accelerate saw a world of 2 gloo ranks
+    two = json.loads(next((isolated_home / "two").glob("*/result.json")).read_text())
+    # only the float summation order differs
+    torch.testing.assert_close([h["loss"] for h in two["history"]], [h["loss"] for h in one.history],
+                               rtol=1e-5, atol=1e-7)
+    assert [e["alpha_t1"] for e in two["evals"]] == pytest.approx([e["alpha_t1"] for e in one.evals], abs=1e-5)
