@@ -39,6 +39,13 @@ bench: setup
 	.venv/bin/draftops bench --config $(CONFIG) --draft $(DRAFT) --traffic $(BENCH_TRAFFIC) --split all \
 		--limit 30 --max-new-tokens 128 --out outputs/bench $(ARGS)
 
+# The boundary map on the default pair: the registered champion (if any), the target's first 2 layers (full head, and
+# a head cut to the 8192 most frequent traffic tokens), prompt lookup. About 10 minutes on an idle 2-core CPU.
+SWEEP_DRAFTS ?= models:/draftops-draft@champion?,target-layers:2,target-layers:2:8192,prompt-lookup
+sweep: setup
+	.venv/bin/draftops sweep --config $(CONFIG) --drafts '$(SWEEP_DRAFTS)' --traffic $(BENCH_TRAFFIC) \
+		--out outputs/sweep $(ARGS)
+
 monitor: setup
 	.venv/bin/draftops monitor serve --config $(CONFIG) $(ARGS)
 

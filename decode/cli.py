@@ -12,6 +12,11 @@ def _load_target(args):
     from pipeline.sources import resolve_model
 
     cfg = load_config(args.config, args.overrides)
+    sources = [args.target or cfg.target, getattr(args, "draft", None) or getattr(args, "drafts", None) or ""]
+    if any("models:/" in source for source in sources):
+        from pipeline.tracking import setup_mlflow
+
+        setup_mlflow(cfg)  # registry sources resolve against the configured store
     return cfg, resolve_model(args.target or cfg.target, device=cfg.device, dtype=cfg.dtype)
 
 
@@ -181,11 +186,17 @@ def sweep_command(args) -> int:
     from decode.sweep import figures, load_drafts, markdown, run_sweep, write_decode_config
     from pipeline.tracking import log_figure, start_run
 
+    from pipeline.traffic import encode_prompts
+
     cfg, target = _load_target(args)
     notes: list[str] = []
     try:
-        drafts = load_drafts([s.strip() for s in args.drafts.split(",") if s.strip()], target, notes)
         _, requests = _requests(cfg, args)
+        sources = [s.strip() for s in args.drafts.split(",") if s.strip()]
+        texts = []
+        if any(s.startswith("target-layers:") and s.count(":") == 2 for s in sources):
+            texts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
+        drafts = load_drafts(sources, target, notes, texts)
         report = run_sweep(
             target, drafts, requests, gammas=_int_list(args.gammas), contexts=_int_list(args.contexts),
             lengths=_int_list(args.max_new_tokens), max_prompt_tokens=cfg.traffic.max_prompt_tokens,
@@ -281,8 +292,9 @@ def add_commands(subparsers) -> None:
                     "and a recommended γ schedule (written as a decoder config). Logged to MLflow (draftops-sweep).")
     sweep.add_argument("--target", default=None, help="target model source (default: the config's target)")
     sweep.add_argument("--drafts", required=True,
-                       help="comma-separated: model sources, target-layers:N (the target's first N layers), "
-                            "prompt-lookup (n-gram drafting); a trailing ? skips a source that does not resolve")
+                       help="comma-separated: model sources, target-layers:N[:V] (the target's first N layers; "
+                            "V: keep the V most frequent traffic prompt tokens in the head), prompt-lookup (n-gram "
+                            "drafting); a trailing ? skips a source that does not resolve")
     sweep.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
     sweep.add_argument("--traffic", default=None, help="traffic JSONL (default: the config's traffic.path)")
     sweep.add_argument("--split", choices=["heldout", "train", "all"], default="all")

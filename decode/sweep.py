@@ -17,6 +17,7 @@ EOS does not stop any generation here, so every cell generates exactly G tokens.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from decode.ngram import PROMPT_LOOKUP, PromptLookupDrafter
 from decode.speculative import SpeculativeDecoder, forward_logits, rollback
 from decode.stats import aggregate_stats, ratio_ci
 
-TARGET_LAYERS = "target-layers:"  # `target-layers:N`: the target's first N layers with its embeddings, norm and head
+TARGET_LAYERS = "target-layers:"  # `target-layers:N[:V]`: the target's first N layers, embeddings, norm and head
 
 
 @dataclass
@@ -47,12 +48,14 @@ class Draft:
         return isinstance(self.drafter, torch.nn.Module)
 
 
-def load_drafts(sources: Sequence[str], target, notes: list[str]) -> list[Draft]:
-    """Draft sources: `prompt-lookup`, `target-layers:N`, or any model source; a trailing `?` makes one optional.
+def load_drafts(sources: Sequence[str], target, notes: list[str], vocab_texts: Sequence[list[int]] = ()) -> list[Draft]:
+    """Draft sources: `prompt-lookup`, `target-layers:N[:V]`, or any model source; a trailing `?` makes one optional.
 
-    target is a `pipeline.sources.ResolvedModel`; drafts land on its device and dtype.
+    `target-layers:N:V` keeps V rows of the head: the V most frequent ids in vocab_texts (token id lists, e.g. the
+    traffic's prompts) plus the special tokens. target is a `pipeline.sources.ResolvedModel`; drafts land on its
+    device and dtype.
     """
-    from distill.init import draft_from_target_layers
+    from distill.init import draft_from_target_layers, frequent_token_ids, reduce_vocabulary
     from pipeline.sources import SourceError, check_tokenizer_compat, resolve_model
 
     parameter = next(target.model.parameters())
@@ -62,9 +65,15 @@ def load_drafts(sources: Sequence[str], target, notes: list[str]) -> list[Draft]
         if name == PROMPT_LOOKUP:
             drafts.append(Draft(name, PromptLookupDrafter.for_model(target.model)))
         elif name.startswith(TARGET_LAYERS):
-            n_layers = int(name[len(TARGET_LAYERS):])
-            model = draft_from_target_layers(target.model, list(range(n_layers)))
-            drafts.append(Draft(name, model.to(parameter.device).eval()))
+            n_layers, _, vocab = name[len(TARGET_LAYERS):].partition(":")
+            model = draft_from_target_layers(target.model, list(range(int(n_layers)))).to(parameter.device)
+            token_ids = None
+            if vocab:
+                if not vocab_texts:
+                    raise ValueError(f"{name}: a reduced head needs token texts to count")
+                token_ids = frequent_token_ids(vocab_texts, int(vocab), target.tokenizer.all_special_ids)
+                reduce_vocabulary(model, token_ids, target.model.get_output_embeddings().weight.detach())
+            drafts.append(Draft(name, model.eval(), token_ids))
         else:
             try:
                 resolved = resolve_model(name, device=parameter.device, dtype=parameter.dtype)
@@ -449,20 +458,32 @@ def run_sweep(target, drafts: Sequence[Draft], requests: Sequence, *, gammas: Se
     analytic, measured = prompts[:analytic_prompts], prompts[analytic_prompts:] or prompts[:measure_prompts]
     filler = [t for p in prompts[::-1] for t in p]
     model = target.model
+    phases: dict[str, float] = {}  # seconds per phase, for sizing runs
+    started = time.perf_counter()
 
-    log(f"target-only greedy responses: {len(analytic)} prompts x {max(lengths)} tokens")
+    def phase(name: str, message: str) -> None:
+        """Close the running phase, open `name`."""
+        elapsed = time.perf_counter() - started
+        if phases:
+            phases[list(phases)[-1]] = elapsed - sum(phases.values())
+        phases[name] = 0.0
+        log(f"{message} ({elapsed:.0f} s)")
+
+    phase("responses", f"target-only greedy responses: {len(analytic)} prompts x {max(lengths)} tokens")
     responses = [greedy_target_only(model, p, max(lengths)) for p in analytic]
     acceptance = {}
+    phase("acceptance", f"acceptance walks: {', '.join(names)}")
     for d in drafts:
-        log(f"acceptance walk: {d.name}")
         acceptance[d.name] = acceptance_table(model, d, analytic, responses, gammas, lengths, seed=seed)
-    log(f"step costs at contexts {contexts}")
+    phase("costs", f"step costs at contexts {contexts}")
     cost_tokens = at_context([], filler, max(contexts) + max(gammas) + 1)
     costs = measure_costs(model, drafts, cost_tokens, contexts, max(gammas), reps=reps)
     cells = predict_cells(costs, acceptance, gammas, contexts, lengths)
     plan = measured_plan(cells, names, gammas, contexts, lengths)
-    log(f"decoding {len(plan)} cells for real on {len(measured)} prompts")
+    phase("measured", f"decoding {len(plan)} cells for real on {len(measured)} prompts")
     measured_cells = measure_cells(model, drafts, plan, measured, filler, seed=seed)
+    phase("done", "sweep measured")
+    del phases["done"]
     by_key = {(c["draft"], c["gamma"], c["context"], c["max_new_tokens"]): c for c in cells}
     for m in measured_cells:
         predicted = by_key[(m["draft"], m["gamma"], m["context"], m["max_new_tokens"])]["predicted_speedup"]
@@ -473,6 +494,7 @@ def run_sweep(target, drafts: Sequence[Draft], requests: Sequence, *, gammas: Se
         "settings": {"gammas": gammas, "contexts": contexts, "max_new_tokens": lengths, "greedy": True,
                      "analytic_prompts": len(analytic), "measure_prompts": len(measured), "reps": reps,
                      "device": str(next(model.parameters()).device)},
+        "phase_seconds": phases,
         "drafts": {d.name: {"kind": "model" if d.is_model else "lookup",
                             "reduced_vocab": None if d.token_ids is None else len(d.token_ids)} for d in drafts},
         "costs": costs,

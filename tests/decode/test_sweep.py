@@ -113,13 +113,14 @@ def checkpoints(tmp_path_factory):
 def test_sweep_cli(checkpoints, capsys, tmp_path):
     target, draft, traffic = checkpoints
     assert main(["sweep", "--target", target, "--traffic", traffic, "--drafts",
-                 f"{draft},target-layers:1,prompt-lookup,models:/absent@champion?", "--gammas", "1,3",
+                 f"{draft},target-layers:1:20,prompt-lookup,models:/absent@champion?", "--gammas", "1,3",
                  "--contexts", "16,40", "--max-new-tokens", "4,8", "--analytic-prompts", "3",
                  "--measure-prompts", "2", "--reps", "2", "--out", str(tmp_path), "--json", "device=cpu",
                  "tracking.system_metrics=false"]) == 0
     report = json.loads(capsys.readouterr().out)
-    drafts = [draft, "target-layers:1", "prompt-lookup"]
-    assert list(report["drafts"]) == drafts and "optional draft models:/absent@champion skipped" in report["notes"][0]
+    drafts = [draft, "target-layers:1:20", "prompt-lookup"]
+    assert list(report["drafts"]) == drafts and report["drafts"]["target-layers:1:20"]["reduced_vocab"] >= 20
+    assert "optional draft models:/absent@champion skipped" in report["notes"][0]
     assert len(report["cells"]) == 3 * 2 * 2 * 2 and len(report["best"]) == 4
     assert all(c["predicted_speedup"] > 0 and 0 <= c["break_even_alpha"] <= 1 for c in report["cells"])
     costs = report["costs"]
