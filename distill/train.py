@@ -66,12 +66,35 @@ class DistillResult:
 # --------------------------------------------------------------------------- data order
 
 
-def global_batch_indices(n_examples: int, step: int, global_batch: int, seed: int) -> list[int]:
-    """Example indices of optimizer step `step`: epoch e is a permutation seeded by (seed, e); the tail is dropped."""
+def global_batch_indices(n_examples: int, step: int, global_batch: int, seed: int,
+                         lengths: list[int] | None = None, group: int = 8) -> list[int]:
+    """Example indices of optimizer step `step`: epoch e is a permutation seeded by (seed, e); the tail is dropped.
+
+    With `lengths`, each run of `group` global batches of the permutation is sorted by length before it is cut
+    (HF's group_by_length idea), so micro-batches hold similar lengths and little padding.
+    """
     steps_per_epoch = n_examples // global_batch
     epoch, within = divmod(step, steps_per_epoch)
-    order = torch.randperm(n_examples, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-    return order[within * global_batch:(within + 1) * global_batch].tolist()
+    order = torch.randperm(n_examples, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
+    order = order[:steps_per_epoch * global_batch]
+    if lengths is not None:
+        span = group * global_batch
+        begin = within // group * span
+        order[begin:begin + span] = sorted(order[begin:begin + span], key=lambda i: (-lengths[i], i))
+    return order[within * global_batch:(within + 1) * global_batch]
+
+
+class ResponseLogits(torch.nn.Module):
+    """The draft's logits at the masked (response) positions only, [N, V_draft]: the head and the loss skip prompt
+    and padding positions. The module accelerate wraps (DDP), so gradient sync still sees every parameter."""
+
+    def __init__(self, draft):
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, input_ids, attention_mask, loss_mask):
+        hidden = self.draft.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.draft.lm_head(hidden[loss_mask])
 
 
 def micro_batch(indices: list[int], micro: int, rank: int, num_processes: int, batch_size: int) -> list[int]:
@@ -293,7 +316,7 @@ def train_loop(cfg: DraftopsConfig, accelerator, target, tokenizer, draft, data:
     # Not passed to prepare(): accelerate would step it once per process and change the schedule with the world size.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(
         s, warmup=d.warmup_steps, total=total_steps, min_ratio=d.min_lr_ratio))
-    model, optimizer = accelerator.prepare(draft, optimizer)
+    model, optimizer = accelerator.prepare(ResponseLogits(draft), optimizer)
     accelerator.register_for_checkpointing(scheduler)
 
     checkpoints, best_dir = job_dir / "checkpoints", job_dir / "best"
@@ -306,17 +329,18 @@ def train_loop(cfg: DraftopsConfig, accelerator, target, tokenizer, draft, data:
 
     bar = tqdm(total=total_steps, initial=state["step"], desc="distill", unit="step",
                disable=not accelerator.is_local_main_process, dynamic_ncols=True)
+    lengths = [len(p) + len(r) for p, r in zip(data.train.prompt_ids, data.train.response_ids)]
     tokens_seen, started = 0, time.perf_counter()
     for step in range(state["step"], total_steps):
         with timings.measure("training"):
-            indices = global_batch_indices(n, step, global_batch, cfg.seed)
+            indices = global_batch_indices(n, step, global_batch, cfg.seed, lengths)
             onpolicy = d.onpolicy_fraction > 0 and random.Random(f"{cfg.seed}-{step}").random() < d.onpolicy_fraction
             micro_batches = []
             for micro in range(d.grad_accum):
                 rows = micro_batch(indices, micro, rank, P, d.batch_size)
                 if onpolicy:
                     sampled = draft_continuations(
-                        accelerator.unwrap_model(model), tokenizer, [data.train.prompt_ids[i] for i in rows],
+                        draft, tokenizer, [data.train.prompt_ids[i] for i in rows],
                         token_ids=data.token_ids, max_new_tokens=d.max_new_tokens, temperature=d.onpolicy_temperature,
                         seed=cfg.seed * 1_000_003 + step * 97 + micro * 7 + rank)
                     batch = collate(sampled, list(range(len(rows))), pad_id=pad_id, token_ids=data.token_ids,
@@ -331,18 +355,20 @@ def train_loop(cfg: DraftopsConfig, accelerator, target, tokenizer, draft, data:
             for micro, batch in enumerate(micro_batches):
                 input_ids = batch["input_ids"].to(accelerator.device)
                 attention_mask = batch["attention_mask"].to(accelerator.device)
+                loss_mask = batch["loss_mask"].to(accelerator.device)
                 if "teacher" in batch:
-                    teacher = batch["teacher"]
+                    teacher = batch["teacher"][batch["loss_mask"]]
                     teacher = type(teacher)(teacher.logprobs.to(accelerator.device), teacher.indices.to(accelerator.device))
                 else:
                     with torch.no_grad():
-                        teacher = target(input_ids=input_ids, attention_mask=attention_mask).logits
+                        teacher = target(input_ids=input_ids, attention_mask=attention_mask).logits[loss_mask]
                 sync = micro == d.grad_accum - 1
                 with nullcontext() if sync else accelerator.no_sync(model):
-                    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+                    logits = model(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask)
+                    selected = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
                     loss = distillation_loss(
-                        logits, teacher, batch["loss_mask"].to(accelerator.device), loss=d.loss, beta=d.jsd_beta,
-                        temperature=d.temperature, token_ids=data.token_ids, labels=batch["labels"].to(accelerator.device),
+                        logits, teacher, selected, loss=d.loss, beta=d.jsd_beta, temperature=d.temperature,
+                        token_ids=data.token_ids, labels=batch["labels"].to(accelerator.device)[loss_mask],
                         ce_weight=d.ce_weight, num_tokens=global_tokens)
                     # DDP averages gradients over processes; the loss is already a share of the global token mean.
                     accelerator.backward(loss * P)
@@ -366,7 +392,7 @@ def train_loop(cfg: DraftopsConfig, accelerator, target, tokenizer, draft, data:
         if state["step"] % d.eval_every == 0 or state["step"] == total_steps:
             with timings.measure("eval"):
                 if accelerator.is_main_process:
-                    unwrapped = accelerator.unwrap_model(model).eval()
+                    unwrapped = accelerator.unwrap_model(model).draft.eval()
                     metrics = {"step": state["step"], **cached_eval(unwrapped, data.heldout, data.token_ids,
                                                                      cfg.decode.gamma)}
                     unwrapped.train()
@@ -463,7 +489,6 @@ def run_distill(cfg: DraftopsConfig) -> DistillResult:
     if accelerator.is_main_process:
         from safetensors.torch import load_model
 
-        draft = accelerator.unwrap_model(draft)
         load_model(draft, str(job_dir / "best" / "model.safetensors"))
         draft.eval()
         with timings.measure("eval"):
