@@ -68,7 +68,7 @@ class DistillConfig(Section):
     # data
     train_prompts: int = Field(0, ge=0, description="Train-split prompts used; 0: all of them.")
     responses_per_prompt: int = Field(
-        3, ge=1, description="Target responses per prompt: the first greedy, the others sampled.")
+        4, ge=1, description="Target responses per prompt: the first greedy, the others sampled.")
     eval_prompts: int = Field(24, ge=1, description="Held-out prompts for α/τ evaluation.")
     max_new_tokens: int = Field(128, ge=1, description="Longest target response generated.")
     generation_temperature: float = Field(0.8, gt=0.0, description="Temperature of the sampled responses.")
