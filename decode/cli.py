@@ -207,7 +207,8 @@ def sweep_command(args) -> int:
     report.update(target=target.source, traffic=str(args.traffic or cfg.traffic.path), notes=notes)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    config_path = write_decode_config(cfg, report["recommendation"], out / "decode_config.yaml")
+    config_path = write_decode_config(cfg, report["recommendation"], out / "decode_config.yaml",
+                                      target.source)
     report["recommendation"]["config_path"] = str(config_path)
     (out / "sweep.json").write_text(json.dumps(report, indent=2))
     (out / "sweep.md").write_text(markdown(report))

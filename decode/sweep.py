@@ -29,7 +29,7 @@ from transformers import DynamicCache
 from decode.acceptance import analytic_acceptance, break_even_alpha
 from decode.bench import paired_speedup, timed
 from decode.ngram import PROMPT_LOOKUP, PromptLookupDrafter
-from decode.speculative import SpeculativeDecoder, forward_logits, rollback
+from decode.speculative import SpeculativeDecoder, Warp, forward_logits, rollback, verify
 from decode.stats import aggregate_stats, ratio_ci
 
 TARGET_LAYERS = "target-layers:"  # `target-layers:N[:V]`: the target's first N layers, embeddings, norm and head
@@ -46,6 +46,10 @@ class Draft:
     @property
     def is_model(self) -> bool:
         return isinstance(self.drafter, torch.nn.Module)
+
+    def proposer(self, target_model):
+        """What the decoder drafts with: the model wrapped in a `ModelDrafter`, or the model-free drafter itself."""
+        return SpeculativeDecoder(target_model, self.drafter, 1, draft_token_ids=self.token_ids).drafter
 
 
 def load_drafts(sources: Sequence[str], target, notes: list[str], vocab_texts: Sequence[list[int]] = ()) -> list[Draft]:
@@ -216,51 +220,62 @@ def acceptance_table(target_model, draft: Draft, prompts, responses, gammas, len
 
 @torch.inference_mode()
 def measure_costs(target_model, drafts: Sequence[Draft], tokens: list[int], contexts: Sequence[int],
-                  max_gamma: int, reps: int = 10) -> dict:
-    """Seconds at each context length L (cache filled with L tokens): target prefill, step and n-token verify for
-    n = 1..max_gamma+1; per draft its prefill and its step (draft model) or round (prompt lookup: one lookup)."""
+                  gammas: Sequence[int], reps: int = 10) -> dict:
+    """Median seconds at each context length L, through the decoder's own functions (greedy warp).
+
+    Target: prefill of L tokens, one greedy step, and a verify round of n = 2..γmax+1 tokens (forward with every
+    logit, warp, acceptance test, the one sync). Per draft: its prefill (`start`) and one round of γ proposals
+    (`propose`: forwards, warps and sampling of a draft model, or one lookup) for every γ.
+    """
     device = next(target_model.parameters()).device
+    vocab_size = target_model.get_output_embeddings().weight.shape[0]
+    warp, max_gamma = Warp(), max(gammas)
 
-    def prefill(model, length: int) -> tuple[DynamicCache, float]:
-        cache = DynamicCache(config=model.config)
-        prefix = torch.tensor(tokens[:length], device=device)
-        _, seconds = timed(lambda: forward_logits(model, prefix, cache, 0, True), device)
-        return cache, seconds
-
-    def median_forward(model, cache, length: int, n: int) -> float:
-        fed = torch.tensor(tokens[length : length + n], device=device)
+    def median_s(run: Callable[[], object], undo: Callable[[], None]) -> float:
         times = []
         for _ in range(reps + 2):
-            _, seconds = timed(lambda: forward_logits(model, fed, cache, length, n == 1), device)
-            rollback(cache, length)
-            times.append(seconds)
+            times.append(timed(run, device)[1])
+            undo()
         return statistics.median(times[2:])
 
-    target = {"prefill_s": [], "verify_s": {str(n): [] for n in range(1, max_gamma + 2)}}
-    per_draft = {d.name: {"prefill_s": [], "step_s": []} for d in drafts}
+    target = {"prefill_s": [], "step_s": [], "verify_s": {str(n): [] for n in range(2, max_gamma + 2)}}
+    per_draft = {d.name: {"prefill_s": [], "round_s": {str(g): [] for g in gammas}} for d in drafts}
     for length in contexts:
-        cache, seconds = prefill(target_model, length)
-        target["prefill_s"].append(seconds)
-        for n in range(1, max_gamma + 2):
-            target["verify_s"][str(n)].append(median_forward(target_model, cache, length, n))
+        cache = DynamicCache(config=target_model.config)
+        prefix = torch.tensor(tokens[:length], device=device)
+        target["prefill_s"].append(timed(lambda: forward_logits(target_model, prefix, cache, 0, True), device)[1])
+        fed = torch.tensor(tokens[length : length + max_gamma + 1], device=device)
+
+        def undo() -> None:
+            rollback(cache, length)
+
+        def step() -> int:
+            return forward_logits(target_model, fed[:1], cache, length, True)[-1].argmax().item()
+
+        target["step_s"].append(median_s(step, undo))
+        for n in range(2, max_gamma + 2):
+            proposals = fed[1:n]
+            q = torch.nn.functional.one_hot(proposals, vocab_size).float()
+
+            def verify_round() -> list:
+                p = warp(forward_logits(target_model, fed[:n], cache, length, False))
+                accepted, next_tokens = verify(p, q, proposals, None)
+                return torch.cat([accepted.long(), proposals, next_tokens]).tolist()
+
+            target["verify_s"][str(n)].append(median_s(verify_round, undo))
         del cache
+        seq = tokens[: length + 1]
         for d in drafts:
-            if d.is_model:
-                cache, seconds = prefill(d.drafter, length)
-                step = median_forward(d.drafter, cache, length, 1)
-            else:
-                seconds, seq = 0.0, tokens[:length]
-                times = [timed(lambda: d.drafter.propose(None, seq, max_gamma, None, None), device)[1]
-                         for _ in range(reps + 2)]
-                step = statistics.median(times[2:])
+            drafter = d.proposer(target_model)
+            state, seconds = timed(lambda: drafter.start(seq), device)
             per_draft[d.name]["prefill_s"].append(seconds)
-            per_draft[d.name]["step_s"].append(step)
-    target["step_s"] = target["verify_s"]["1"]
+            for gamma in gammas:
+                per_draft[d.name]["round_s"][str(gamma)].append(median_s(
+                    lambda: drafter.propose(state, seq, gamma, warp, None), lambda: drafter.rollback(state, length)))
     target["v"] = {n: [s / t for s, t in zip(values, target["step_s"])] for n, values in target["verify_s"].items()}
-    for d in drafts:
-        costs = per_draft[d.name]
-        costs["kind"] = "model" if d.is_model else "lookup"
-        costs["c"] = [s / t for s, t in zip(costs["step_s"], target["step_s"])]
+    for costs in per_draft.values():
+        costs["c"] = {g: [s / (int(g) * t) for s, t in zip(values, target["step_s"])]
+                      for g, values in costs["round_s"].items()}
     return {"contexts": list(contexts), "target": target, "drafts": per_draft}
 
 
@@ -279,8 +294,7 @@ def cell_costs(costs: dict, draft: str, gamma: int, context: int, new_tokens: in
     t = costs["target"]
     d = costs["drafts"][draft]
     step = _at(costs, t["step_s"], mean)
-    draft_step = _at(costs, d["step_s"], mean)
-    round_s = gamma * draft_step if d["kind"] == "model" else draft_step
+    round_s = _at(costs, d["round_s"][str(gamma)], mean)
     verify = _at(costs, t["verify_s"][str(gamma + 1)], mean)
     return {"target_step_s": step, "draft_round_s": round_s, "verify_s": verify,
             "target_prefill_s": _at(costs, t["prefill_s"], context),
@@ -477,7 +491,7 @@ def run_sweep(target, drafts: Sequence[Draft], requests: Sequence, *, gammas: Se
         acceptance[d.name] = acceptance_table(model, d, analytic, responses, gammas, lengths, seed=seed)
     phase("costs", f"step costs at contexts {contexts}")
     cost_tokens = at_context([], filler, max(contexts) + max(gammas) + 1)
-    costs = measure_costs(model, drafts, cost_tokens, contexts, max(gammas), reps=reps)
+    costs = measure_costs(model, drafts, cost_tokens, contexts, gammas, reps=reps)
     cells = predict_cells(costs, acceptance, gammas, contexts, lengths)
     plan = measured_plan(cells, names, gammas, contexts, lengths)
     phase("measured", f"decoding {len(plan)} cells for real on {len(measured)} prompts")
@@ -537,13 +551,13 @@ def figures(report: dict) -> dict:
                               [m["speedup"]["high"] - m["speedup"]["value"] for m in meas]],
                         fmt="o", color=colors[d], capsize=3)
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-    ax.set(xlabel="γ (draft tokens per target call)", ylabel="speedup vs target alone",
+    ax.set(xlabel="γ (draft tokens per target call)", ylabel="speedup vs target alone", xticks=s["gammas"],
            title=f"context {small}, {short} new tokens (dots: measured, 95% CI)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     out["speedup_vs_gamma.png"] = fig
 
-    fig, axes = plt.subplots(1, len(drafts), figsize=(4.2 * len(drafts), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(drafts), figsize=(4.2 * len(drafts) + 1, 3.8), squeeze=False, layout="constrained")
     values = [c["predicted_speedup"] for c in cells]
     norm = TwoSlopeNorm(vcenter=1.0, vmin=min(min(values), 0.99), vmax=max(max(values), 1.01))
     for ax, d in zip(axes[0], drafts):
@@ -565,7 +579,7 @@ def figures(report: dict) -> dict:
     c_max = max(1.0, 1.2 * max(c["c"] for c in cells))
     grid_c = np.linspace(0, c_max, 60)
     for gamma in s["gammas"]:
-        v = costs["target"]["v"][str(gamma + 1)][0]
+        v = costs["target"]["v"][str(gamma + 1)][0]  # at the smallest context
         ax.plot(grid_c, [break_even_alpha(gamma, c, v) for c in grid_c], lw=1, label=f"γ={gamma}")
     for d in drafts:
         here = [c for c in cells if c["draft"] == d and c["context"] == small and c["max_new_tokens"] == max(
@@ -610,18 +624,20 @@ def markdown(report: dict) -> str:
         "",
     ]
     top = str(max(int(n) for n in costs["target"]["v"]))
+    g_low, g_high = str(min(s["gammas"])), str(max(s["gammas"]))
     lines += [
         f"| context | target prefill | target step | v(2) | v({top}) | "
-        + " | ".join(f"{d}: c" for d in report["drafts"]) + " |",
-        "|---:|---:|---:|---:|---:|" + "---:|" * len(report["drafts"]),
+        + " | ".join(f"{d}: prefill, c(γ={g_low}), c(γ={g_high})" for d in report["drafts"]) + " |",
+        "|---:|---:|---:|---:|---:|" + "---|" * len(report["drafts"]),
     ]
     for i, context in enumerate(costs["contexts"]):
         t = costs["target"]
         lines.append(f"| {context} | {t['prefill_s'][i] * 1e3:.1f} | {t['step_s'][i] * 1e3:.2f} | "
-                     f"{t['v']['2'][i]:.2f} | {t['v'][top][i]:.2f} | "
-                     + " | ".join(f"{costs['drafts'][d]['c'][i]:.3f}" for d in report["drafts"]) + " |")
-    lines += ["", "(prompt lookup's c is one lookup per round, whatever γ.)", "",
-              "## Acceptance on the traffic (walk over target-greedy responses)", "",
+                     f"{t['v']['2'][i]:.2f} | {t['v'][top][i]:.2f} | " + " | ".join(
+                         f"{c['prefill_s'][i] * 1e3:.1f}, {c['c'][g_low][i]:.3f}, {c['c'][g_high][i]:.3f}"
+                         for c in costs["drafts"].values()) + " |")
+    lines += ["", "c(γ) = one round of γ proposals / (γ target steps); v(n) = verify round of n tokens / target step.",
+              "", "## Acceptance on the traffic (walk over target-greedy responses)", "",
               "| draft | γ | " + " | ".join(f"α / τ, {n} tok" for n in s["max_new_tokens"]) + " |",
               "|---|---:|" + "---|" * len(s["max_new_tokens"])]
     for d, table in report["acceptance"].items():
@@ -655,12 +671,14 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_decode_config(cfg, recommendation: dict, path: Path) -> Path:
-    """The config with the recommended γ schedule (decode.gamma: its first γ), for `draftops decode/eval/bench`."""
+def write_decode_config(cfg, recommendation: dict, path: Path, target: str) -> Path:
+    """The config with the swept target and the recommended γ schedule (decode.gamma: its first γ), for
+    `draftops decode/eval/bench`."""
     from pipeline.config import save_config
 
     schedule = recommendation["gamma_schedule"]
     tuned = cfg.model_copy(deep=True)
+    tuned.target = target
     tuned.decode.gamma = schedule[0][1]
     tuned.decode.gamma_schedule = [tuple(entry) for entry in schedule]
     save_config(tuned, path)
