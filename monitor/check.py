@@ -188,7 +188,11 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
         to_record.append((champ.version, registry.new_baseline(target.fingerprint, measured)))
         report.baseline_recorded, report.current_acceptance = True, measured.acceptance
         report.n_baseline_prompts = len(measured.request_ids)
-        report.decision = Decision(Status.OK, None, [], [f"no baseline for version {champ.version}: recorded one"])
+        notes = [f"no baseline for version {champ.version}: recorded one"]
+        if champion_fingerprint not in (None, target.fingerprint):
+            notes.append(f"the champion was distilled for target {champion_fingerprint}, the baseline is measured on "
+                         f"{target.fingerprint}: a drop caused by that change cannot be seen")
+        report.decision = Decision(Status.OK, None, [], notes)
     else:
         by_id = {r.id: r for r in heldout}
         seen = set(baseline.measurement.request_ids)
