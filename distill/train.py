@@ -499,6 +499,7 @@ def run_distill(cfg: DraftopsConfig) -> DistillResult:
                           "train_responses": len(data.train), "train_tokens": data.train.num_response_tokens}
         with timings.measure("export"):
             export_draft(draft, target.tokenizer, export_dir, token_ids=data.token_ids, cfg=cfg)
+            point_latest(Path(cfg.distill.output_dir) / "latest", export_dir)
         if cfg.distill.register_model:
             with timings.measure("register"):
                 result.run_id, result.version, result.alias = log_and_register(
@@ -513,6 +514,14 @@ def run_distill(cfg: DraftopsConfig) -> DistillResult:
     return result
 
 
+def point_latest(link: Path, export_dir: Path) -> None:
+    """`<output_dir>/latest` → the last exported draft (a relative symlink, replaced atomically)."""
+    tmp = link.with_name(link.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(os.path.relpath(export_dir, link.parent))
+    os.replace(tmp, link)
+
+
 def print_summary(cfg: DraftopsConfig, result: DistillResult) -> None:
     from pipeline.tracking import tracking_uri
 
@@ -522,7 +531,7 @@ def print_summary(cfg: DraftopsConfig, result: DistillResult) -> None:
           f"τ(γ={cfg.decode.gamma}) T=0 {m['tau_t0']:.2f}, T=1 {m['tau_t1']:.2f}")
     print("  time: " + "  ".join(f"{k} {v:.0f}s" for k, v in result.timings.items())
           + f"  (total {sum(result.timings.values()):.0f}s)")
-    print(f"  draft:        {result.export_dir}")
+    print(f"  draft:        {result.export_dir}  (also {Path(cfg.distill.output_dir) / 'latest'})")
     if (result.export_dir / "hf_assistant").exists():
         print(f"  HF assistant: {result.export_dir / 'hf_assistant'}")
     if result.version:

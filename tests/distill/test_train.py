@@ -69,8 +69,8 @@ def test_distill_end_to_end_exports_registers_and_serves_as_assistant(isolated_h
     # the registered version resolves to the reduced-vocabulary draft
     draft = resolve_model(f"models:/{cfg.tracking.registered_model}@champion")
     assert torch.equal(draft.token_ids, result.token_ids) and draft.model.lm_head.out_features == len(result.token_ids)
-    local = resolve_model(str(result.export_dir))
-    assert local.fingerprint == draft.fingerprint
+    local = resolve_model(str(isolated_home / "out" / "latest"))
+    assert local.path == result.export_dir.resolve() and local.fingerprint == draft.fingerprint
 
     # the HF copy works as transformers' assistant_model: greedy output identical to the target alone
     assistant = AutoModelForCausalLM.from_pretrained(result.export_dir / "hf_assistant").eval()
