@@ -166,15 +166,26 @@ def load_responses(path: Path) -> ResponseSet:
 def cached_responses(model, tokenizer, target_fingerprint: str, requests: list, prompts: list[list[int]], *,
                      samples: int, max_new_tokens: int, temperature: float, batch_size: int, seed: int, topk: int,
                      progress: bool = False) -> tuple[ResponseSet, Path, bool]:
-    """The target's responses to `prompts` (`samples` each: the first greedy, the rest sampled), cached on disk.
+    """The target's responses to `prompts` (`samples` each: the first greedy, the rest sampled), cached on disk,
+    with the teacher's top-`topk` per response token.
 
-    Returns (responses, cache dir, whether it came from the cache). Request ids are `<request id>#<sample>`.
+    A cache holding a larger k is sliced; one holding a smaller k gets its teacher top-k recomputed once by a
+    teacher-forced pass and rewritten. Returns (responses, cache dir, whether the responses came from the cache).
+    Request ids are `<request id>#<sample>`.
     """
-    key = prompts_hash(prompts, samples=samples, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                       topk=topk)
+    key = prompts_hash(prompts, samples=samples, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     path = response_cache_dir(target_fingerprint, key)
     if (path / TOPK_FILE).exists():
-        return load_responses(path), path, True
+        responses = load_responses(path)
+        if responses.topk_indices.shape[1] < topk:
+            rows = teacher_forced_topk(model, [p + r for p, r in zip(responses.prompt_ids, responses.response_ids)],
+                                       [len(p) for p in responses.prompt_ids], topk)
+            responses.topk_logprobs = torch.cat([v for v, _ in rows])
+            responses.topk_indices = torch.cat([i for _, i in rows])
+            save_responses(responses, path)
+        responses.topk_logprobs = responses.topk_logprobs[:, :topk]
+        responses.topk_indices = responses.topk_indices[:, :topk]
+        return responses, path, True
     parts = []
     for sample in range(samples):
         part = generate_responses(model, tokenizer, prompts, max_new_tokens=max_new_tokens,

@@ -27,7 +27,7 @@ import torch
 
 from distill.data import ResponseSet, cached_responses, collate, eos_ids
 from distill.init import frequent_token_ids, init_draft
-from distill.losses import distillation_loss
+from distill.losses import distillation_loss, to_student_columns
 from pipeline.config import DraftopsConfig
 
 STATE_FILE = "trainer_state.json"
@@ -161,11 +161,9 @@ def cached_eval(draft, responses: ResponseSet, token_ids: torch.Tensor | None, g
 
 def _draft_probs_at(probs: torch.Tensor, target_ids: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
     """q at the given target ids (0 for ids outside a reduced vocabulary)."""
-    if token_ids is None:
-        return probs.gather(-1, target_ids)
-    token_ids = token_ids.to(probs.device)
-    pos = torch.searchsorted(token_ids, target_ids).clamp(max=len(token_ids) - 1)
-    return torch.where(token_ids[pos] == target_ids, probs.gather(-1, pos), torch.zeros_like(target_ids, dtype=probs.dtype))
+    columns = to_student_columns(target_ids, token_ids, ignore_index=-1)
+    return torch.where(columns >= 0, probs.gather(-1, columns.clamp(min=0)), torch.zeros((), dtype=probs.dtype,
+                                                                                          device=probs.device))
 
 
 def summarize_acceptance(greedy: list[list[float]], sampled: list[list[float]], gamma: int) -> dict:

@@ -45,6 +45,15 @@ def test_sampled_responses_are_reproducible_and_cached(monkeypatch):
     second, path2, hit = cached_responses(model, tokenizer, "fp", requests, PROMPTS, **kw)
     assert hit and path2 == path and second.response_ids == first.response_ids
     assert torch.equal(second.topk_indices, first.topk_indices)
+    # a smaller k is a slice of the cache; a larger one is computed once by a teacher-forced pass, then reused
+    smaller, _, _ = cached_responses(model, tokenizer, "fp", requests, PROMPTS, **{**kw, "topk": 2})
+    assert torch.equal(smaller.topk_indices, first.topk_indices[:, :2])
+    larger, path3, hit = cached_responses(model, tokenizer, "fp", requests, PROMPTS, **{**kw, "topk": 6})
+    assert hit and path3 == path and larger.topk_indices.shape == (first.num_response_tokens, 6)
+    assert torch.equal(larger.topk_indices[:, :4], first.topk_indices)
+    monkeypatch.setattr("distill.data.teacher_forced_topk", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    again, _, _ = cached_responses(model, tokenizer, "fp", requests, PROMPTS, **{**kw, "topk": 6})
+    assert torch.equal(again.topk_logprobs, larger.topk_logprobs)
 
 
 def test_collate_aligns_mask_labels_and_teacher_with_response_tokens():
