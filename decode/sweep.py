@@ -220,62 +220,84 @@ def acceptance_table(target_model, draft: Draft, prompts, responses, gammas, len
 
 @torch.inference_mode()
 def measure_costs(target_model, drafts: Sequence[Draft], tokens: list[int], contexts: Sequence[int],
-                  gammas: Sequence[int], reps: int = 10) -> dict:
+                  gammas: Sequence[int], reps: int = 10, prefill_reps: int = 3) -> dict:
     """Median seconds at each context length L, through the decoder's own functions (greedy warp).
 
     Target: prefill of L tokens, one greedy step, and a verify round of n = 2..γmax+1 tokens (forward with every
     logit, warp, acceptance test, the one sync). Per draft: its prefill (`start`) and one round of γ proposals
-    (`propose`: forwards, warps and sampling of a draft model, or one lookup) for every γ.
+    (`propose`: forwards, warps and sampling of a draft model, or one lookup) for every γ. Every repetition times
+    every quantity once, so a burst of load on the shared machine hits them alike; c and v are medians of the
+    per-repetition ratios to that repetition's target step.
     """
     device = next(target_model.parameters()).device
     vocab_size = target_model.get_output_embeddings().weight.shape[0]
     warp, max_gamma = Warp(), max(gammas)
+    proposers = {d.name: d.proposer(target_model) for d in drafts}
 
-    def median_s(run: Callable[[], object], undo: Callable[[], None]) -> float:
-        times = []
-        for _ in range(reps + 2):
-            times.append(timed(run, device)[1])
-            undo()
-        return statistics.median(times[2:])
+    def prefill(start: Callable[[], object]) -> tuple[object, float]:
+        runs = [timed(start, device) for _ in range(prefill_reps)]
+        return runs[-1][0], statistics.median(seconds for _, seconds in runs)
 
-    target = {"prefill_s": [], "step_s": [], "verify_s": {str(n): [] for n in range(2, max_gamma + 2)}}
-    per_draft = {d.name: {"prefill_s": [], "round_s": {str(g): [] for g in gammas}} for d in drafts}
-    for length in contexts:
+    def target_prefill(length: int) -> DynamicCache:
         cache = DynamicCache(config=target_model.config)
-        prefix = torch.tensor(tokens[:length], device=device)
-        target["prefill_s"].append(timed(lambda: forward_logits(target_model, prefix, cache, 0, True), device)[1])
-        fed = torch.tensor(tokens[length : length + max_gamma + 1], device=device)
+        forward_logits(target_model, torch.tensor(tokens[:length], device=device), cache, 0, True)
+        return cache
 
-        def undo() -> None:
-            rollback(cache, length)
+    def step(cache, length: int) -> Callable[[], int]:
+        fed = torch.tensor(tokens[length : length + 1], device=device)
+        return lambda: forward_logits(target_model, fed, cache, length, True)[-1].argmax().item()
 
-        def step() -> int:
-            return forward_logits(target_model, fed[:1], cache, length, True)[-1].argmax().item()
+    def verify_round(cache, length: int, n: int) -> Callable[[], list]:
+        fed = torch.tensor(tokens[length : length + n], device=device)
+        q = torch.nn.functional.one_hot(fed[1:], vocab_size).float()
 
-        target["step_s"].append(median_s(step, undo))
+        def run() -> list:
+            p = warp(forward_logits(target_model, fed, cache, length, False))
+            accepted, next_tokens = verify(p, q, fed[1:], None)
+            return torch.cat([accepted.long(), fed[1:], next_tokens]).tolist()
+
+        return run
+
+    # (quantity key, context index) -> (run, undo)
+    timers: dict[tuple[str, int], tuple[Callable, Callable]] = {}
+    prefill_s: dict[str, list[float]] = {"target": [], **{name: [] for name in proposers}}
+    for i, length in enumerate(contexts):
+        cache, seconds = prefill(lambda: target_prefill(length))
+        prefill_s["target"].append(seconds)
+        undo = (lambda c, n: lambda: rollback(c, n))(cache, length)
+        timers[("step", i)] = (step(cache, length), undo)
         for n in range(2, max_gamma + 2):
-            proposals = fed[1:n]
-            q = torch.nn.functional.one_hot(proposals, vocab_size).float()
-
-            def verify_round() -> list:
-                p = warp(forward_logits(target_model, fed[:n], cache, length, False))
-                accepted, next_tokens = verify(p, q, proposals, None)
-                return torch.cat([accepted.long(), proposals, next_tokens]).tolist()
-
-            target["verify_s"][str(n)].append(median_s(verify_round, undo))
-        del cache
+            timers[(f"verify{n}", i)] = (verify_round(cache, length, n), undo)
         seq = tokens[: length + 1]
-        for d in drafts:
-            drafter = d.proposer(target_model)
-            state, seconds = timed(lambda: drafter.start(seq), device)
-            per_draft[d.name]["prefill_s"].append(seconds)
+        for name, drafter in proposers.items():
+            state, seconds = prefill(lambda: drafter.start(seq))
+            prefill_s[name].append(seconds)
             for gamma in gammas:
-                per_draft[d.name]["round_s"][str(gamma)].append(median_s(
-                    lambda: drafter.propose(state, seq, gamma, warp, None), lambda: drafter.rollback(state, length)))
-    target["v"] = {n: [s / t for s, t in zip(values, target["step_s"])] for n, values in target["verify_s"].items()}
-    for costs in per_draft.values():
-        costs["c"] = {g: [s / (int(g) * t) for s, t in zip(values, target["step_s"])]
-                      for g, values in costs["round_s"].items()}
+                run = (lambda d, st, sq, g: lambda: d.propose(st, sq, g, warp, None))(drafter, state, seq, gamma)
+                undo_draft = (lambda d, st, n: lambda: d.rollback(st, n))(drafter, state, length)
+                timers[(f"{name}|{gamma}", i)] = (run, undo_draft)
+    samples: dict[tuple[str, int], list[float]] = {key: [] for key in timers}
+    for rep in range(reps + 2):
+        for key, (run, undo) in timers.items():
+            seconds = timed(run, device)[1]
+            undo()
+            if rep >= 2:  # warm-up
+                samples[key].append(seconds)
+
+    def seconds_of(key: str) -> list[float]:
+        return [statistics.median(samples[(key, i)]) for i in range(len(contexts))]
+
+    def ratio_to_step(key: str, divisor: int = 1) -> list[float]:
+        return [statistics.median(s / (divisor * t) for s, t in zip(samples[(key, i)], samples[("step", i)]))
+                for i in range(len(contexts))]
+
+    verify_keys = [str(n) for n in range(2, max_gamma + 2)]
+    target = {"prefill_s": prefill_s["target"], "step_s": seconds_of("step"),
+              "verify_s": {n: seconds_of(f"verify{n}") for n in verify_keys},
+              "v": {n: ratio_to_step(f"verify{n}") for n in verify_keys}}
+    per_draft = {name: {"prefill_s": prefill_s[name],
+                        "round_s": {str(g): seconds_of(f"{name}|{g}") for g in gammas},
+                        "c": {str(g): ratio_to_step(f"{name}|{g}", g) for g in gammas}} for name in proposers}
     return {"contexts": list(contexts), "target": target, "drafts": per_draft}
 
 
@@ -288,18 +310,17 @@ def _at(costs: dict, values: Sequence[float], length: float) -> float:
 
 
 def cell_costs(costs: dict, draft: str, gamma: int, context: int, new_tokens: int) -> dict:
-    """Seconds of one target step, one draft round of γ tokens and one (γ+1)-token verify at the mean context of the
-    generation, the prefills at the prompt, and c, v as ratios to the target step."""
+    """c, v and the target step at the mean context of the generation, the prefills at the prompt; a draft round of
+    γ tokens and a (γ+1)-token verify in seconds as c·γ and v times the target step."""
     mean = context + new_tokens / 2
     t = costs["target"]
     d = costs["drafts"][draft]
     step = _at(costs, t["step_s"], mean)
-    round_s = _at(costs, d["round_s"][str(gamma)], mean)
-    verify = _at(costs, t["verify_s"][str(gamma + 1)], mean)
-    return {"target_step_s": step, "draft_round_s": round_s, "verify_s": verify,
+    c = _at(costs, d["c"][str(gamma)], mean)
+    v = _at(costs, t["v"][str(gamma + 1)], mean)
+    return {"target_step_s": step, "draft_round_s": gamma * c * step, "verify_s": v * step,
             "target_prefill_s": _at(costs, t["prefill_s"], context),
-            "draft_prefill_s": _at(costs, d["prefill_s"], context),
-            "c": round_s / gamma / step, "v": verify / step}
+            "draft_prefill_s": _at(costs, d["prefill_s"], context), "c": c, "v": v}
 
 
 def predicted_seconds(k: dict, new_tokens: int, calls: float) -> tuple[float, float]:
