@@ -222,14 +222,25 @@ def save_training_state(accelerator, checkpoints: Path, step: int, state: dict, 
     accelerator.wait_for_everyone()
 
 
-def save_best(draft, best_dir: Path) -> None:
-    from safetensors.torch import save_model
-
+def save_best(accelerator, model, best_dir: Path) -> None:
+    """The draft's full weights (gathered by accelerate under FSDP; tied tensors stored once), renamed into place."""
     tmp = best_dir.with_name(best_dir.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_model(draft, str(tmp / "model.safetensors"))  # save_model: tied embeddings/head are stored once
-    shutil.rmtree(best_dir, ignore_errors=True)
-    os.replace(tmp, best_dir)
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.save_model(model, str(tmp), safe_serialization=True)  # a collective: every rank calls it
+    if accelerator.is_main_process:
+        shutil.rmtree(best_dir, ignore_errors=True)
+        os.replace(tmp, best_dir)
+    accelerator.wait_for_everyone()
+
+
+def load_best(cfg: DraftopsConfig, target_model, token_ids: torch.Tensor | None, best_dir: Path):
+    """A fresh, plain (unsharded) draft holding the best weights: what export sees whatever the distribution was."""
+    from safetensors.torch import load_model
+
+    draft = init_draft(cfg.distill, target_model, token_ids=token_ids)
+    load_model(ResponseLogits(draft), str(best_dir / "model.safetensors"))
+    return draft.eval()
 
 
 # --------------------------------------------------------------------------- on-policy batches
@@ -326,7 +337,7 @@ def train_loop(cfg: DraftopsConfig, accelerator, target, tokenizer, draft, data:
         accelerator.print(f"draftops distill: resuming from {last} (step {state['step']} of {total_steps})")
 
     bar = tqdm(total=total_steps, initial=state["step"], desc="distill", unit="step",
-               disable=not accelerator.is_local_main_process, dynamic_ncols=True)
+               disable=not accelerator.is_main_process, dynamic_ncols=True)
     lengths = [len(p) + len(r) for p, r in zip(data.train.prompt_ids, data.train.response_ids)]
     tokens_seen, started = 0, time.perf_counter()
     for step in range(state["step"], total_steps):
@@ -389,18 +400,18 @@ def train_loop(cfg: DraftopsConfig, accelerator, target, tokenizer, draft, data:
 
         if state["step"] % d.eval_every == 0 or state["step"] == total_steps:
             with timings.measure("eval"):
+                # Every rank evaluates (identical inputs): with FSDP the forward needs all of them.
+                evaluated = accelerator.unwrap_model(model).draft.eval()
+                metrics = {"step": state["step"], **cached_eval(evaluated, data.heldout, data.token_ids,
+                                                                 cfg.decode.gamma)}
+                evaluated.train()
+                state["evals"].append(metrics)
+                if state["best"] is None or metrics[select] > state["best"][select]:
+                    state["best"] = metrics
+                    save_best(accelerator, model, best_dir)
                 if accelerator.is_main_process:
-                    unwrapped = accelerator.unwrap_model(model).draft.eval()
-                    metrics = {"step": state["step"], **cached_eval(unwrapped, data.heldout, data.token_ids,
-                                                                     cfg.decode.gamma)}
-                    unwrapped.train()
-                    state["evals"].append(metrics)
-                    if state["best"] is None or metrics[select] > state["best"][select]:
-                        state["best"] = metrics
-                        save_best(unwrapped, best_dir)
                     bar.write(f"step {state['step']}: α(T=0) {metrics['alpha_t0']:.3f}  α(T=1) ≥ "
                               f"{metrics['alpha_t1']:.3f}  τ(γ={cfg.decode.gamma}, T=0) {metrics['tau_t0']:.2f}")
-                accelerator.wait_for_everyone()
         if state["step"] % d.checkpoint_every == 0 and state["step"] < total_steps:
             with timings.measure("checkpoints"):
                 save_training_state(accelerator, checkpoints, state["step"], state, d.keep_checkpoints)
@@ -485,10 +496,7 @@ def run_distill(cfg: DraftopsConfig) -> DistillResult:
     export_dir = job_dir / "draft"
     result = DistillResult(export_dir, job_dir, {}, history, evals, timings.seconds, data.token_ids, data.fingerprint)
     if accelerator.is_main_process:
-        from safetensors.torch import load_model
-
-        load_model(draft, str(job_dir / "best" / "model.safetensors"))
-        draft.eval()
+        draft = load_best(cfg, target.model, data.token_ids, job_dir / "best")
         with timings.measure("eval"):
             exact = exact_eval(target.model, draft, data.heldout, data.token_ids, cfg.decode.gamma)
         select = "tau_t0" if cfg.decode.temperature == 0 else "tau_t1"

@@ -69,6 +69,10 @@ def test_distill_end_to_end_exports_registers_and_serves_as_assistant(isolated_h
     # the registered version resolves to the reduced-vocabulary draft
     draft = resolve_model(f"models:/{cfg.tracking.registered_model}@champion")
     assert torch.equal(draft.token_ids, result.token_ids) and draft.model.lm_head.out_features == len(result.token_ids)
+    best = load_file(str(result.job_dir / "best" / "model.safetensors"))  # the export is the best-τ checkpoint
+    exported = draft.model.state_dict()
+    for name in ("model.layers.0.mlp.up_proj.weight", "model.norm.weight", "lm_head.weight"):
+        assert torch.equal(best[f"draft.{name}"], exported[name]), name
     local = resolve_model(str(isolated_home / "out" / "latest"))
     assert local.path == result.export_dir.resolve() and local.fingerprint == draft.fingerprint
 
