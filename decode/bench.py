@@ -16,6 +16,7 @@ from transformers import DynamicCache
 
 from decode.acceptance import expected_speedup
 from decode.evaluate import eos_token_ids
+from decode.ngram import PromptLookupDrafter
 from decode.speculative import SpeculativeDecoder, forward_logits, rollback
 from decode.stats import aggregate_stats, ratio_ci
 
@@ -36,8 +37,9 @@ def timed(fn: Callable[[], object], device: torch.device) -> tuple[object, float
 
 @torch.inference_mode()
 def hf_generate(model, prompt: list[int], *, max_new_tokens: int, eos_ids: list[int], pad_id: int,
-                assistant=None, gamma: int | None = None) -> list[int]:
-    """HF greedy `generate`, optionally with assisted generation (γ constant, no confidence early-exit)."""
+                assistant=None, gamma: int | None = None, lookup: PromptLookupDrafter | None = None) -> list[int]:
+    """HF greedy `generate`, optionally with assisted generation (γ constant, no confidence early-exit) or with
+    HF's prompt lookup decoding (γ tokens from n-grams of up to lookup.max_ngram tokens)."""
     ids = torch.tensor([prompt], device=_device(model))
     kwargs = dict(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_ids or None, pad_token_id=pad_id,
                   attention_mask=torch.ones_like(ids))
@@ -47,12 +49,17 @@ def hf_generate(model, prompt: list[int], *, max_new_tokens: int, eos_ids: list[
         assistant.generation_config.num_assistant_tokens_schedule = "constant"
         assistant.generation_config.assistant_confidence_threshold = 0.0
         kwargs.update(assistant_model=assistant, num_assistant_tokens=gamma, num_assistant_tokens_schedule="constant")
+    if lookup is not None:
+        kwargs.update(prompt_lookup_num_tokens=gamma, max_matching_ngram_size=lookup.max_ngram)
     return model.generate(ids, **kwargs)[0, len(prompt):].tolist()
 
 
 @torch.inference_mode()
 def step_costs(target, draft, prompt: list[int], gamma: int, reps: int = 20) -> dict[str, float]:
-    """Median seconds of one cached target step, one draft step and one (γ+1)-token verify; c and v as ratios."""
+    """Median seconds of one cached target step, one draft step and one (γ+1)-token verify; c and v as ratios.
+
+    A prompt lookup draft's step is one lookup of γ tokens divided by γ (one lookup per round).
+    """
 
     def cost(model, n_tokens: int) -> float:
         device = _device(model)
@@ -66,7 +73,12 @@ def step_costs(target, draft, prompt: list[int], gamma: int, reps: int = 20) -> 
             times.append(seconds)
         return statistics.median(times[2:])
 
-    target_step, draft_step, verify = cost(target, 1), cost(draft, 1), cost(target, gamma + 1)
+    if isinstance(draft, PromptLookupDrafter):
+        lookups = [timed(lambda: draft.lookup(prompt, gamma), torch.device("cpu"))[1] for _ in range(reps + 2)]
+        draft_step = statistics.median(lookups[2:]) / gamma
+    else:
+        draft_step = cost(draft, 1)
+    target_step, verify = cost(target, 1), cost(target, gamma + 1)
     return {"target_step_s": target_step, "draft_step_s": draft_step, "verify_s": verify,
             "c": draft_step / target_step, "v": verify / target_step}
 
@@ -83,13 +95,15 @@ def paired_speedup(tokens_a, seconds_a, tokens_b, seconds_b, *, seed: int = 0, n
 
 def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[str], *, gamma: int,
               max_new_tokens: int, gamma_schedule: Sequence[tuple[int, int]] | None = None, seed: int = 0) -> dict:
-    """target and draft are `pipeline.sources.ResolvedModel`s. Greedy decoding throughout.
+    """target is a `pipeline.sources.ResolvedModel`, draft one too or a `PromptLookupDrafter`. Greedy throughout.
 
     With a γ schedule, this decoder follows it; HF assisted generation and the cost model use the fixed `gamma`.
     """
     eos = eos_token_ids(target.model, target.tokenizer)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else (eos or [0])[0]
-    decoder = SpeculativeDecoder(target.model, draft.model, gamma, draft_token_ids=draft.token_ids,
+    lookup = draft if isinstance(draft, PromptLookupDrafter) else None
+    drafter, token_ids = (lookup, None) if lookup else (draft.model, draft.token_ids)
+    decoder = SpeculativeDecoder(target.model, drafter, gamma, draft_token_ids=token_ids,
                                  gamma_schedule=gamma_schedule, eos_token_ids=eos)
     common = dict(max_new_tokens=max_new_tokens, eos_ids=eos, pad_id=pad)
     methods: dict[str, Callable[[list[int]], object]] = {
@@ -100,7 +114,9 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     if gamma_schedule:
         notes.append(f"this decoder follows the γ schedule {[list(e) for e in gamma_schedule]}; "
                      f"HF assisted and the cost model use γ={gamma}")
-    if draft.token_ids is None:
+    if lookup is not None:
+        methods["hf_prompt_lookup"] = lambda p: hf_generate(target.model, p, gamma=gamma, lookup=lookup, **common)
+    elif token_ids is None:
         methods["hf_assisted"] = lambda p: hf_generate(target.model, p, assistant=draft.model, gamma=gamma, **common)
     else:
         notes.append("HF assisted generation skipped: it needs a full-vocabulary draft")
@@ -134,7 +150,7 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
             results[name]["speedup"] = paired_speedup(
                 tokens[name], seconds[name], tokens["target_only"], seconds["target_only"], seed=seed)
 
-    costs = step_costs(target.model, draft.model, prompts[0], gamma)
+    costs = step_costs(target.model, drafter, prompts[0], gamma)
     summary = aggregate_stats(stats, categories, seed=seed)
     alpha, tau = summary["acceptance_rate"]["value"], summary["tau"]["value"]
     c, v = costs["c"], costs["v"]

@@ -26,7 +26,7 @@ def _load(args):
     from pipeline.sources import check_tokenizer_compat, resolve_model
 
     if args.draft == PROMPT_LOOKUP:
-        raise ValueError(f"--draft {PROMPT_LOOKUP} works with `draftops decode` and `draftops sweep`; "
+        raise ValueError(f"--draft {PROMPT_LOOKUP} works with `draftops decode`, `bench` and `sweep`; "
                          "this command needs a draft model")
     cfg, target = _load_target(args)
     parameter = next(target.model.parameters())
@@ -156,10 +156,15 @@ def eval_command(args) -> int:
 
 def bench_command(args) -> int:
     from decode.bench import markdown, run_bench
+    from decode.ngram import PROMPT_LOOKUP, PromptLookupDrafter
     from pipeline.traffic import encode_prompts
 
     try:
-        cfg, target, draft = _load(args)
+        if args.draft == PROMPT_LOOKUP:
+            cfg, target = _load_target(args)
+            draft = PromptLookupDrafter.for_model(target.model)
+        else:
+            cfg, target, draft = _load(args)
         _, requests = _requests(cfg, args)
         prompts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
         report = run_bench(target, draft, prompts, [r.category for r in requests],
@@ -167,7 +172,7 @@ def bench_command(args) -> int:
                            max_new_tokens=_pick(args.max_new_tokens, cfg.decode.max_new_tokens), seed=cfg.seed)
     except ValueError as exc:
         return _error(exc)
-    report.update(target=target.source, draft=draft.source)
+    report.update(target=target.source, draft=args.draft if args.draft == PROMPT_LOOKUP else draft.source)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(report, indent=2))
@@ -241,7 +246,7 @@ def sweep_command(args) -> int:
 def _common(parser, *, traffic: bool) -> None:
     parser.add_argument("--target", default=None, help="target model source (default: the config's target)")
     parser.add_argument("--draft", required=True, help="draft model source (checkpoint dir, models:/NAME@ALIAS, ...; "
-                                                       "`decode` also takes prompt-lookup: n-gram drafting, no model)")
+                                                       "`decode` and `bench` also take prompt-lookup: n-gram drafting, no model)")
     parser.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
     parser.add_argument("--gamma", type=int, default=None, help="draft tokens per target call (default: decode.gamma)")
     parser.add_argument("--max-new-tokens", type=int, default=None)

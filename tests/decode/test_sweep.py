@@ -162,3 +162,15 @@ def test_sweep_cli_errors(checkpoints, capsys, tmp_path):
     assert "exceed the target's 512 positions" in capsys.readouterr().err
     assert main(["eval", "--target", target, "--draft", "prompt-lookup", "--traffic", traffic, "device=cpu"]) == 2
     assert "this command needs a draft model" in capsys.readouterr().err
+
+
+def test_bench_with_prompt_lookup(checkpoints, capsys, tmp_path):
+    target, _, traffic = checkpoints
+    assert main(["bench", "--target", target, "--draft", "prompt-lookup", "--traffic", traffic, "--split", "all",
+                 "--limit", "3", "--max-new-tokens", "8", "--gamma", "3", "--out", str(tmp_path), "--json",
+                 "device=cpu"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["methods"]) == {"target_only", "speculative", "hf_prompt_lookup"}
+    assert report["methods"]["speculative"]["same_output_as_target"] == 3
+    assert report["methods"]["hf_prompt_lookup"]["same_output_as_target"] == 3
+    assert report["draft"] == "prompt-lookup" and 0 < report["costs"]["c"] < 1
