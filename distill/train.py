@@ -501,7 +501,7 @@ def run_distill(cfg: DraftopsConfig) -> DistillResult:
             exact = exact_eval(target.model, draft, data.heldout, data.token_ids, cfg.decode.gamma)
         select = "tau_t0" if cfg.decode.temperature == 0 else "tau_t1"
         result.metrics = {**exact, "tau": exact[select], "best_step": best["step"],
-                          "loss": history[best["step"] - 1]["loss"] if best["step"] <= len(history) else float("nan"),
+                          "loss": history[best["step"] - 1]["loss"],
                           "train_responses": len(data.train), "train_tokens": data.train.num_response_tokens}
         with timings.measure("export"):
             export_draft(draft, target.tokenizer, export_dir, token_ids=data.token_ids, cfg=cfg)
