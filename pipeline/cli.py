@@ -53,6 +53,18 @@ def traffic_stats(args) -> int:
     return 0
 
 
+def config_show(args) -> int:
+    import yaml
+
+    from pipeline.config import load_config, reference_markdown
+
+    if args.reference:
+        print(reference_markdown(), end="")
+    else:
+        print(yaml.safe_dump(load_config(args.config, args.overrides).to_dict(), sort_keys=False), end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="draftops",
@@ -73,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--skip-malformed", action="store_true", help="skip and count bad lines instead of failing")
     stats.add_argument("--json", action="store_true")
     stats.set_defaults(handler=traffic_stats)
+
+    config = sub.add_parser("config", help="show the resolved config, or the reference of every key")
+    config.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
+    config.add_argument("--reference", action="store_true", help="Markdown table of every key, default and meaning")
+    config.add_argument("overrides", nargs="*", metavar="key=value")
+    config.set_defaults(handler=config_show)
 
     for name in COMMAND_MODULES:
         try:

@@ -220,3 +220,22 @@ def save_config(cfg: DraftopsConfig, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     return path
+
+
+def iter_fields(model: type[Section] = DraftopsConfig, prefix: str = ""):
+    """(dotted key, pydantic field) for every leaf setting, in schema order."""
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, Section):
+            yield from iter_fields(field.annotation, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", field
+
+
+def reference_markdown() -> str:
+    """The config reference table of the README, generated from the schema so that the two cannot disagree."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    for key, field in iter_fields():
+        default = field.get_default(call_default_factory=True)
+        meaning = (field.description or "").replace("|", "\\|").replace("\n", " ")
+        rows.append(f"| `{key}` | `{yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()}` | {meaning} |")
+    return "\n".join(rows) + "\n"

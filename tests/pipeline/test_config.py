@@ -46,3 +46,14 @@ def test_bad_override_names_key_and_command_line():
 def test_saved_config_loads_back_identically(tmp_path):
     cfg = load_config(None, ["seed=7", "decode.top_k=20"])
     assert load_config(save_config(cfg, tmp_path / "run" / "config.yaml")) == cfg
+
+
+def test_reference_lists_every_key_with_its_default():
+    from pipeline.config import iter_fields, reference_markdown
+
+    table = reference_markdown()
+    keys = [key for key, _ in iter_fields()]
+    assert {"decode.gamma", "traffic.heldout_fraction", "distill.loss", "monitor.schedule"} <= set(keys)
+    for key in keys:
+        assert f"| `{key}` |" in table
+    assert "| `decode.gamma` | `5` | Draft tokens proposed per target call. |" in table
