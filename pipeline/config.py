@@ -133,6 +133,29 @@ class MonitorConfig(Section):
     simulate_drops: list[float] = Field([0.02, 0.05, 0.10], description="Drops (absolute) whose power is simulated.")
 
 
+class TargetUpdateConfig(Section):
+    """`draftops target finetune`: an updated target, for rehearsing a target change (LoRA on the target's own
+    responses in another style, merged into a new checkpoint)."""
+
+    prompts: str = Field("traffic", description=(
+        "'traffic': the train split of the configured traffic (the responses distill generated are reused from "
+        "the cache); else a traffic-format JSONL read by path, e.g. ../shared/data/gsm8k_train.jsonl."))
+    max_prompts: int = Field(256, ge=0, description="Prompts used; 0: all of them.")
+    style: Literal["uppercase", "prefix"] = Field("uppercase", description=(
+        "uppercase: the responses in ALL CAPS; prefix: every response starts with `prefix`."))
+    prefix: str = Field("Certainly! Here is a clear and complete answer.", description="Opening of style=prefix.")
+    steps: int = Field(40, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(4, ge=1)
+    learning_rate: float = Field(1e-3, gt=0.0)
+    max_seq_tokens: int = Field(320, ge=16, description="Prompt + styled response longer than this are cut.")
+    lora_r: int = Field(16, ge=1)
+    lora_alpha: int = Field(32, ge=1)
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    lora_target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], min_length=1)
+    output_dir: str = Field("outputs/target-updated", description="Where the merged checkpoint is written.")
+
+
 class DraftopsConfig(Section):
     target: str = Field("smollm2-135m-instruct", description="Target model source (see `draftops models info`).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' lets accelerate pick.")
@@ -144,6 +167,7 @@ class DraftopsConfig(Section):
     decode: DecodeConfig = DecodeConfig()
     distill: DistillConfig = DistillConfig()
     monitor: MonitorConfig = MonitorConfig()
+    target_update: TargetUpdateConfig = TargetUpdateConfig()
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
