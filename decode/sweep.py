@@ -1,10 +1,11 @@
 """`draftops sweep`: the boundary map. Where speculative decoding pays on this machine, and which draft and γ win.
 
-Measured once per draft: the target's step time t(L), prefill time and verify time of n = 1..γmax+1 tokens with the KV
-cache filled to each context length L; the draft's step (or, model-free, lookup) time and prefill time; and greedy
-acceptance on the traffic, from one teacher-forced pass per draft over target-greedy responses (prompt lookup: its
-lookups replayed over the same responses). Under greedy decoding, replaying the block process over those per-token
-outcomes ("the walk") gives exactly the target calls the decoder needs for every γ and generation length G.
+Measured with the KV cache filled to each context length L, through the decoder's own functions: the target's prefill,
+greedy step t(L) and verify round of n = 2..γmax+1 tokens (v(n) = verify / t); per draft its prefill and one round of
+γ proposals for every γ (c(γ) = round / (γ t); prompt lookup's round is one lookup). Greedy acceptance on the traffic
+comes from one teacher-forced pass per draft over target-greedy responses (prompt lookup: its lookups replayed over
+the same responses); replaying the block process over those per-token outcomes ("the walk") gives exactly the target
+calls the greedy decoder makes, for every γ and generation length G (tested against the decoder).
 
 Predicted time of a request (prompt of L tokens, G new tokens), with costs at the mean context L + G/2:
     target alone:  P_t(L) + (G − 1) t
