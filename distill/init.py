@@ -67,11 +67,24 @@ def reduce_vocabulary(draft, token_ids: torch.Tensor, head_weight: torch.Tensor)
     draft.lm_head = head
 
 
+def remap_vocabulary(draft, draft_ids: torch.Tensor, token_ids: torch.Tensor, head_weight: torch.Tensor) -> None:
+    """Give a reduced-vocabulary `draft` the head over `token_ids` (in place): rows of ids it already has are kept,
+    the others are head_weight[id] (the target's head)."""
+    old_head = draft.get_output_embeddings().weight.detach()
+    reduce_vocabulary(draft, token_ids, head_weight)
+    position = {int(t): row for row, t in enumerate(draft_ids)}
+    kept = [(row, position[int(t)]) for row, t in enumerate(token_ids) if int(t) in position]
+    if kept:
+        new_rows, old_rows = (torch.tensor(x, device=old_head.device) for x in zip(*kept))
+        with torch.no_grad():
+            draft.lm_head.weight[new_rows] = old_head[old_rows].to(draft.lm_head.weight.dtype)
+
+
 def init_draft(cfg: DistillConfig, target, *, token_ids: torch.Tensor | None = None):
     """The draft described by `cfg` (init, init_layers, init_checkpoint, init_config), in train mode.
 
-    With `token_ids`, the head is cut to those rows, taken from the target's head (or, for a checkpoint that already
-    has a reduced head, the checkpoint must carry the same ids).
+    With `token_ids`, the head is cut to those rows, taken from the target's head; a checkpoint with a reduced head
+    over other ids keeps its rows for the ids both share (`remap_vocabulary`).
     """
     if cfg.init == "target_layers":
         draft = draft_from_target_layers(target, cfg.init_layers)
@@ -86,8 +99,10 @@ def init_draft(cfg: DistillConfig, target, *, token_ids: torch.Tensor | None = N
         draft = loaded.model
         if loaded.token_ids is not None:
             if token_ids is None or not torch.equal(loaded.token_ids, token_ids.cpu()):
-                raise ValueError(f"{cfg.init_checkpoint} has a reduced vocabulary of {len(loaded.token_ids)} ids; "
-                                 "use it with the same draft vocabulary")
+                # a warm start for a changed target: its frequent tokens changed, the ids both heads share keep
+                # the checkpoint's trained rows, new ids start from the target's head
+                new_ids = token_ids if token_ids is not None else torch.arange(target.config.vocab_size)
+                remap_vocabulary(draft, loaded.token_ids, new_ids, target.get_output_embeddings().weight.detach())
             return draft.train()
     draft = draft.to(target.device)
     if token_ids is not None:

@@ -69,8 +69,14 @@ def test_init_from_a_saved_checkpoint(tmp_path, target):
     again = init_draft(cfg, small, token_ids=token_ids)
     for name, value in reduced.state_dict().items():
         assert torch.equal(value, again.state_dict()[name]), name
-    with pytest.raises(ValueError, match="reduced vocabulary of 5 ids"):
-        init_draft(cfg, small, token_ids=torch.tensor([0, 1, 2]))
+    # another vocabulary (a changed target): shared ids keep the checkpoint's rows, new ids get the target's
+    remapped = init_draft(cfg, small, token_ids=torch.tensor([0, 2, 8, 9]))
+    head = small.get_output_embeddings().weight
+    assert remapped.lm_head.weight.shape == (4, head.shape[1])
+    for row, old_row in ((0, 0), (1, 2), (2, 4)):
+        assert torch.equal(remapped.lm_head.weight[row], reduced.lm_head.weight[old_row])
+    assert torch.equal(remapped.lm_head.weight[3], head[9])
+    assert torch.equal(remapped.model.layers[0].self_attn.q_proj.weight, reduced.model.layers[0].self_attn.q_proj.weight)
     with pytest.raises(ValueError, match="init_checkpoint"):
         init_draft(DistillConfig(init="checkpoint"), small)
 
