@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 
 from distill.init import full_vocab_copy
+from pipeline import metrics
 from pipeline.config import DraftopsConfig
 
 HF_ASSISTANT_DIR = "hf_assistant"
@@ -55,31 +56,81 @@ def flat_params(cfg: DraftopsConfig) -> dict[str, str]:
     return {k: str(v)[:500] for k, v in params.items()}
 
 
+def describe_draft(cfg: DraftopsConfig, result, info: dict, *, target_fingerprint: str, target_source: str) -> str:
+    """The model version's description: what the draft is, what it learned from, and how well it does."""
+    d, m = cfg.distill, result.metrics
+    init = {"target_layers": f"target layers {d.init_layers} (+ embeddings, final norm, head)",
+            "checkpoint": f"checkpoint {d.init_checkpoint}",
+            "config": f"random init from the target's config {d.init_config or ''}".rstrip()}[d.init]
+    vocab = (f"reduced vocabulary of {info['draft_vocab_size']} of {info['vocab_size']} target tokens"
+             if info["draft_vocab_size"] else f"full vocabulary of {info['vocab_size']} tokens")
+    return "\n".join([
+        f"Draft for `{target_source}` (target fingerprint `{target_fingerprint}`).",
+        "",
+        f"- **model**: {info['layers']} layers, hidden {info['hidden_size']}, {info['parameters'] / 1e6:.1f}M "
+        f"parameters, {vocab}",
+        f"- **init**: {init}",
+        f"- **training**: {d.loss} distillation ({d.teacher} teacher), best step {m['best_step']}, "
+        f"loss {m['loss']:.4f}",
+        f"- **data**: {m['train_responses']} target responses ({m['train_tokens']} tokens) to the train split of "
+        f"`{cfg.traffic.path}`, data fingerprint `{result.data_fingerprint}`",
+        f"- **held-out acceptance**: α(T=0) {m['alpha_t0']:.3f}, α(T=1) {m['alpha_t1']:.3f}, "
+        f"τ {m['tau']:.2f} at γ={cfg.decode.gamma}",
+        "",
+        "Tags hold the figures under the names of `pipeline.metrics`; `draftops.distill_run` links the run that made "
+        "this version, `draftops.latest_eval_run` the latest `draftops eval` of it.",
+    ])
+
+
+def version_figures(cfg: DraftopsConfig, result, info: dict) -> dict[str, float]:
+    """The figures a version carries both as registration-run metrics and as version tags."""
+    m = result.metrics
+    return metrics.finite({
+        metrics.ALPHA_T0: m["alpha_t0"], metrics.ALPHA_T1: m["alpha_t1"],
+        metrics.tau_at(cfg.decode.gamma): m["tau"],
+        metrics.TRAIN_FINAL_LOSS: m["loss"],
+        metrics.DRAFT_PARAMS: info["parameters"], metrics.DRAFT_LAYERS: info["layers"],
+        metrics.DRAFT_VOCAB_SIZE: info["draft_vocab_size"] or info["vocab_size"],
+    })
+
+
 def log_and_register(cfg: DraftopsConfig, result, *, target_fingerprint: str, target_source: str) -> tuple:
     """One MLflow run in `draftops-distill` with params, curves, plots and lineage; then a registered version."""
     import mlflow
+    from mlflow import MlflowClient
 
+    from pipeline.sources import checkpoint_info, locate
     from pipeline.tracking import git_sha, log_figure, register_checkpoint, start_run
 
     m = result.metrics
+    info = checkpoint_info(locate(str(result.export_dir)))
+    figures = version_figures(cfg, result, info)
     lineage = {"draftops.target_fingerprint": target_fingerprint, "draftops.target_source": target_source,
                "draftops.data_fingerprint": result.data_fingerprint}
     with start_run(cfg, "distill", tags=lineage) as run:
         mlflow.log_params(flat_params(cfg))
         for h in result.history:
-            mlflow.log_metrics({"loss": h["loss"], "lr": h["lr"], "grad_norm": h["grad_norm"]}, step=h["step"])
+            mlflow.log_metrics({metrics.TRAIN_LOSS: h["loss"], metrics.TRAIN_LR: h["lr"],
+                                metrics.TRAIN_GRAD_NORM: h["grad_norm"]}, step=h["step"])
         for e in result.evals:
-            mlflow.log_metrics({f"heldout_{k}": v for k, v in e.items() if k != "step"}, step=e["step"])
-        mlflow.log_metrics({f"final_{k}": v for k, v in m.items() if isinstance(v, (int, float))})
-        mlflow.log_metrics({f"time_{k}_s": v for k, v in result.timings.items()})
+            mlflow.log_metrics(metrics.finite({f"train/heldout_{k}": v for k, v in e.items() if k != "step"}),
+                               step=e["step"])
+        mlflow.log_metrics(figures)
+        mlflow.log_metrics(metrics.finite({metrics.TRAIN_BEST_STEP: m["best_step"],
+                                           metrics.TRAIN_RESPONSES: m["train_responses"],
+                                           metrics.TRAIN_TOKENS: m["train_tokens"]}))
+        mlflow.log_metrics({metrics.seconds(k): v for k, v in result.timings.items()})
         log_figure(curves_figure(result.history, result.evals, cfg.decode.gamma), "plots/distill_curves.png")
         mlflow.log_dict({"token_ids": None if result.token_ids is None else result.token_ids.tolist()},
                         "data/draft_vocab.json")
         tags = {**lineage, "draftops.source": "distill", "draftops.git_sha": git_sha(),
-                "alpha_t0": f"{m['alpha_t0']:.4f}", "alpha_t1": f"{m['alpha_t1']:.4f}", "tau": f"{m['tau']:.4f}",
-                "gamma": str(cfg.decode.gamma), "loss": f"{m['loss']:.5f}", "loss_kind": cfg.distill.loss}
+                metrics.DISTILL_RUN_TAG: run.info.run_id, "gamma": str(cfg.decode.gamma),
+                "loss_kind": cfg.distill.loss, **{k: metrics.tag_value(v) for k, v in figures.items()}}
         version, alias = register_checkpoint(
             result.export_dir, cfg.tracking.registered_model, tags=tags,
-            description=f"{cfg.distill.loss} distillation of {target_source}: α(T=0) {m['alpha_t0']:.3f}, "
-                        f"α(T=1) {m['alpha_t1']:.3f}, τ {m['tau']:.2f} at γ={cfg.decode.gamma}")
+            description=describe_draft(cfg, result, info, target_fingerprint=target_fingerprint,
+                                       target_source=target_source))
+        MlflowClient().set_tag(run.info.run_id, "mlflow.note.content",
+                               f"Registered as version {version.version} of {cfg.tracking.registered_model} "
+                               f"({alias}).")
         return run.info.run_id, str(version.version), alias

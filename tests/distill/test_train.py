@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from distill.train import (NonFiniteLoss, global_batch_indices, latest_checkpoint, micro_batch, run_distill,
                            simulated_tau)
+from pipeline import metrics
 from pipeline.config import save_config
 from tests.distill.tiny_job import tiny_config
 
@@ -63,8 +64,15 @@ def test_distill_end_to_end_exports_registers_and_serves_as_assistant(isolated_h
     target = resolve_model(cfg.target)
     assert version.tags["draftops.target_fingerprint"] == target.fingerprint
     assert version.tags["draftops.data_fingerprint"] == result.data_fingerprint
-    assert float(version.tags["tau"]) == pytest.approx(result.metrics["tau"], abs=1e-4)
-    assert {"alpha_t0", "alpha_t1", "loss", "draftops.git_sha"} <= set(version.tags)
+    assert float(version.tags[metrics.tau_at(cfg.decode.gamma)]) == pytest.approx(result.metrics["tau"], abs=1e-4)
+    assert float(version.tags[metrics.ALPHA_T0]) == pytest.approx(result.metrics["alpha_t0"], abs=1e-4)
+    assert int(version.tags[metrics.DRAFT_VOCAB_SIZE]) == len(result.token_ids)
+    assert {metrics.ALPHA_T1, metrics.DRAFT_PARAMS, "draftops.git_sha"} <= set(version.tags)
+    assert version.tags[metrics.DISTILL_RUN_TAG] == result.run_id
+    assert f"reduced vocabulary of {len(result.token_ids)} of" in version.description and target.fingerprint in version.description
+    run = MlflowClient().get_run(result.run_id)
+    assert run.data.metrics[metrics.ALPHA_T0] == pytest.approx(result.metrics["alpha_t0"])
+    assert run.data.metrics[metrics.DRAFT_VOCAB_SIZE] == len(result.token_ids)
 
     # the registered version resolves to the reduced-vocabulary draft
     draft = resolve_model(f"models:/{cfg.tracking.registered_model}@champion")

@@ -1,0 +1,121 @@
+"""The one metric vocabulary of draftops: every stage logs its figures to MLflow under these names.
+
+A draft version's registration run (distill), every eval and bench of it, and every monitor check use the same
+names for the same quantities, so MLflow's compare view lines them up column by column. Metric names are
+`<group>/<quantity>[/<category>]`; MLflow's UI groups the charts by the part before the first slash.
+
+| name | meaning |
+|---|---|
+| `acceptance/alpha_t0` | α at temperature 0: greedy agreement of draft and target on held-out traffic |
+| `acceptance/alpha_t1` | α at temperature 1: E[Σ min(p, q)] = 1 − TVD |
+| `acceptance/alpha_t0/<category>` | the same per traffic category |
+| `acceptance/live` | acceptance measured while decoding (accepted / proposed draft tokens) |
+| `acceptance/tau_gamma<γ>` | tokens per target call at γ draft tokens |
+| `acceptance/pos_<i>` | live acceptance at draft position i (given the position was reached) |
+| `speed/...` | tokens per second, speedup vs the target alone, cost ratios c and v |
+| `draft/...` | the draft's size: parameters, layers, vocabulary |
+| `train/...` | training curves (per step) |
+| `time/<phase>_s` | seconds spent in a phase |
+| `monitor/...` | one monitor check: acceptance now vs baseline, the drop test, traffic drift, retraining |
+"""
+from __future__ import annotations
+
+import re
+
+# acceptance
+ALPHA_T0 = "acceptance/alpha_t0"
+ALPHA_T1 = "acceptance/alpha_t1"
+ALPHA_LIVE = "acceptance/live"
+ALPHA_LIVE_LOW = "acceptance/live_ci_low"
+ALPHA_LIVE_HIGH = "acceptance/live_ci_high"
+DRAFT_EFFICIENCY = "acceptance/draft_efficiency"
+
+# speed
+SPEEDUP = "speed/speedup_vs_target"
+SPEEDUP_LOW = "speed/speedup_vs_target_ci_low"
+SPEEDUP_HIGH = "speed/speedup_vs_target_ci_high"
+SPEEDUP_HF_ASSISTED = "speed/hf_assisted_speedup_vs_target"
+SPEEDUP_PREDICTED = "speed/predicted_speedup"
+COST_RATIO_C = "speed/cost_ratio_c"
+VERIFY_RATIO_V = "speed/verify_ratio_v"
+TOKENS_PER_S = "speed/tokens_per_s"
+TARGET_TOKENS_PER_S = "speed/target_tokens_per_s"
+NEW_TOKENS = "speed/new_tokens"
+
+# the draft itself
+DRAFT_PARAMS = "draft/params"
+DRAFT_LAYERS = "draft/layers"
+DRAFT_VOCAB_SIZE = "draft/vocab_size"
+
+# training (per step)
+TRAIN_LOSS = "train/loss"
+TRAIN_LR = "train/lr"
+TRAIN_GRAD_NORM = "train/grad_norm"
+TRAIN_FINAL_LOSS = "train/final_loss"
+TRAIN_BEST_STEP = "train/best_step"
+TRAIN_RESPONSES = "train/responses"
+TRAIN_TOKENS = "train/tokens"
+
+# monitor: one check
+MONITOR_ACCEPTANCE_NOW = "monitor/acceptance_now"
+MONITOR_ACCEPTANCE_BASELINE = "monitor/acceptance_baseline"
+MONITOR_ACCEPTANCE_THRESHOLD = "monitor/acceptance_threshold"  # baseline − margin: below it (significantly) is DRIFT
+MONITOR_BREAK_EVEN = "monitor/break_even_alpha"
+MONITOR_DROP = "monitor/drop"
+MONITOR_DROP_CI_LOW = "monitor/drop_ci_low"
+MONITOR_DROP_CI_HIGH = "monitor/drop_ci_high"
+MONITOR_P_VALUE = "monitor/p_value"
+MONITOR_TRAFFIC_JS = "monitor/traffic_js"
+MONITOR_TRAFFIC_PSI = "monitor/traffic_psi"
+MONITOR_DRIFT = "monitor/drift"
+MONITOR_TARGET_CHANGED = "monitor/target_changed"
+MONITOR_GATE_GAIN = "monitor/gate_gain"
+MONITOR_GATE_P_VALUE = "monitor/gate_p_value"
+MONITOR_PROMOTED = "monitor/promoted"
+
+# model-version tags that link a version to its runs
+DISTILL_RUN_TAG = "draftops.distill_run"
+LATEST_EVAL_RUN_TAG = "draftops.latest_eval_run"
+LATEST_BENCH_RUN_TAG = "draftops.latest_bench_run"
+
+
+def _key(text: str) -> str:
+    """A category or phase name as MLflow accepts it in a metric name."""
+    return re.sub(r"[^0-9A-Za-z_.-]", "_", text)
+
+
+def alpha_at(temperature: float) -> str:
+    """α at a sampling temperature: `acceptance/alpha_t0`, `acceptance/alpha_t1`, `acceptance/alpha_t0.7`."""
+    return f"acceptance/alpha_t{float(temperature):g}"
+
+
+def tau_at(gamma: int) -> str:
+    return f"acceptance/tau_gamma{int(gamma)}"
+
+
+def position(i: int) -> str:
+    """Acceptance at draft position i (1-based)."""
+    return f"acceptance/pos_{int(i)}"
+
+
+def per_category(metric: str, category: str) -> str:
+    return f"{metric}/{_key(category)}"
+
+
+def seconds(phase: str) -> str:
+    return f"time/{_key(phase)}_s"
+
+
+def monitor_test(test: str, quantity: str) -> str:
+    """A quantity of one of the monitor's two drop tests: `monitor/paired/drop`, `monitor/unpaired/p_value`."""
+    return f"monitor/{test}/{quantity}"
+
+
+def finite(metrics: dict[str, float | int | None]) -> dict[str, float]:
+    """Only real numbers (MLflow rejects None and NaN is noise in the compare view)."""
+    return {k: float(v) for k, v in metrics.items() if v is not None and v == v}
+
+
+def tag_value(value: float) -> str:
+    """A figure as a model-version tag: integers as integers, the rest to 4 decimals."""
+    return str(int(value)) if float(value).is_integer() else f"{value:.4f}"
