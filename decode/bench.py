@@ -209,3 +209,28 @@ def markdown(report: dict) -> str:
                          f"{c['tau']['value']:.2f} |")
     lines += [f"- note: {n}" for n in report["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def flat_metrics(report: dict) -> dict[str, float]:
+    """MLflow metrics under `pipeline.metrics` names: speedup vs the target, throughput, c and v, live α and τ."""
+    from pipeline import metrics as M
+
+    methods, costs = report["methods"], report["costs"]
+    speculative = methods["speculative"]
+    out = {
+        M.SPEEDUP: speculative["speedup"]["value"],
+        M.SPEEDUP_LOW: speculative["speedup"]["low"],
+        M.SPEEDUP_HIGH: speculative["speedup"]["high"],
+        M.SPEEDUP_PREDICTED: report["predicted_speedup"],
+        M.TOKENS_PER_S: speculative["tokens_per_s"]["value"],
+        M.TARGET_TOKENS_PER_S: methods["target_only"]["tokens_per_s"]["value"],
+        M.COST_RATIO_C: costs["c"],
+        M.VERIFY_RATIO_V: costs["v"],
+        M.ALPHA_LIVE: report["alpha"]["value"],
+        M.tau_at(report["settings"]["gamma"]): report["tau"]["value"],
+    }
+    if "hf_assisted" in methods:
+        out[M.SPEEDUP_HF_ASSISTED] = methods["hf_assisted"]["speedup"]["value"]
+    for name, summary in report["per_category"].items():
+        out[M.per_category(M.ALPHA_LIVE, name)] = summary["acceptance_rate"]["value"]
+    return M.finite(out)

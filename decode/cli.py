@@ -108,9 +108,11 @@ def decode_command(args) -> int:
 def eval_command(args) -> int:
     import mlflow
 
-    from decode.evaluate import evaluate, flat_metrics, per_position_figure
+    from decode.evaluate import evaluate, flat_metrics, per_category_figure, per_position_figure
+    from pipeline.metrics import LATEST_EVAL_RUN_TAG
     from pipeline.tracking import log_figure, start_run
     from pipeline.traffic import encode_prompts
+    from pipeline.versions import link_run
 
     try:
         cfg, target, draft = _load(args)
@@ -137,7 +139,10 @@ def eval_command(args) -> int:
         mlflow.log_metrics(flat_metrics(report))
         mlflow.log_dict(report, "eval/report.json")
         log_figure(per_position_figure(report), "eval/per_position.png")
+        if report["analytic"]["per_category"]:
+            log_figure(per_category_figure(report), "eval/per_category.png")
         report["mlflow_run_id"] = run.info.run_id
+        link_run(draft.source, LATEST_EVAL_RUN_TAG, run.info.run_id)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -155,9 +160,15 @@ def eval_command(args) -> int:
 
 
 def bench_command(args) -> int:
+    import mlflow
+
+    from decode.bench import flat_metrics as bench_metrics
     from decode.bench import markdown, run_bench
     from decode.ngram import PROMPT_LOOKUP, PromptLookupDrafter
+    from pipeline.metrics import LATEST_BENCH_RUN_TAG
+    from pipeline.tracking import start_run
     from pipeline.traffic import encode_prompts
+    from pipeline.versions import link_run
 
     try:
         if args.draft == PROMPT_LOOKUP:
@@ -175,6 +186,16 @@ def bench_command(args) -> int:
     report.update(target=target.source, draft=args.draft if args.draft == PROMPT_LOOKUP else draft.source)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    tags = {"draftops.draft_source": report["draft"], "draftops.target_fingerprint": target.fingerprint}
+    if args.draft != PROMPT_LOOKUP:
+        tags["draftops.draft_fingerprint"] = draft.fingerprint
+    with start_run(cfg, "bench", run_name=f"bench-{Path(report['draft']).name}", tags=tags) as run:
+        mlflow.log_params({"n_prompts": report["n_prompts"], **report["settings"]})
+        mlflow.log_metrics(bench_metrics(report))
+        mlflow.log_dict(report, "bench/bench.json")
+        mlflow.log_text(markdown(report), "bench/bench.md")
+        report["mlflow_run_id"] = run.info.run_id
+        link_run(report["draft"], LATEST_BENCH_RUN_TAG, run.info.run_id)
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     (out / "bench.md").write_text(markdown(report))
     print(json.dumps(report, indent=2) if args.json else markdown(report) + f"\nwritten to {out}")

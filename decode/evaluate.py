@@ -116,26 +116,54 @@ def per_position_figure(report: dict):
     return fig
 
 
+def per_category_figure(report: dict):
+    """Acceptance by traffic category: live α̂ and analytic α with their 95% intervals, prompts per category."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted(report["analytic"]["per_category"])
+    live = [report["live"]["per_category"][n]["acceptance_rate"] for n in names]
+    analytic = [report["analytic"]["per_category"][n] for n in names]
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(names) + 2), 3.8))
+    x = np.arange(len(names))
+    for offset, rows, label, color in ((-0.2, live, "live α̂", "tab:blue"), (0.2, analytic, "analytic α", "tab:orange")):
+        values = np.array([r["value"] for r in rows])
+        errors = np.array([[r["value"] - r["low"], r["high"] - r["value"]] for r in rows]).T
+        ax.bar(x + offset, values, 0.4, yerr=np.clip(errors, 0, None), capsize=3, color=color, label=label)
+    overall = report["analytic"]["alpha"]["value"]
+    ax.axhline(overall, color="tab:orange", linestyle="--", linewidth=1, label=f"analytic α overall ({overall:.2f})")
+    counts = [report["live"]["per_category"][n].get("n_prompts", "") for n in names]
+    ax.set_xticks(x, [f"{n}\n({c})" if c != "" else n for n, c in zip(names, counts)])
+    ax.set(ylabel="acceptance", ylim=(0, 1.05), title="acceptance by category (prompts)")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def flat_metrics(report: dict) -> dict[str, float]:
-    """MLflow metrics: overall and per-category acceptance, τ and speed."""
-    live, analytic = report["live"], report["analytic"]
-    metrics = {
-        "alpha_live": live["acceptance_rate"]["value"],
-        "alpha_live_low": live["acceptance_rate"]["low"],
-        "alpha_live_high": live["acceptance_rate"]["high"],
-        "alpha_analytic": analytic["alpha"]["value"],
-        "alpha_analytic_low": analytic["alpha"]["low"],
-        "alpha_analytic_high": analytic["alpha"]["high"],
-        "draft_efficiency": live["draft_efficiency"]["value"],
-        "tau": live["tau"]["value"],
-        "tokens_per_s": live["tokens_per_s"]["value"],
-        "new_tokens": float(live["new_tokens"]),
+    """MLflow metrics under `pipeline.metrics` names: overall and per-category acceptance, τ, by position, speed."""
+    from pipeline import metrics as M
+
+    live, analytic, settings = report["live"], report["analytic"], report["settings"]
+    alpha, tau = M.alpha_at(settings["temperature"]), M.tau_at(settings["gamma"])
+    out = {
+        M.ALPHA_LIVE: live["acceptance_rate"]["value"],
+        M.ALPHA_LIVE_LOW: live["acceptance_rate"]["low"],
+        M.ALPHA_LIVE_HIGH: live["acceptance_rate"]["high"],
+        alpha: analytic["alpha"]["value"],
+        f"{alpha}_ci_low": analytic["alpha"]["low"],
+        f"{alpha}_ci_high": analytic["alpha"]["high"],
+        M.DRAFT_EFFICIENCY: live["draft_efficiency"]["value"],
+        tau: live["tau"]["value"],
+        M.TOKENS_PER_S: live["tokens_per_s"]["value"],
+        M.NEW_TOKENS: live["new_tokens"],
     }
     for name, summary in live.get("per_category", {}).items():
-        key = re.sub(r"[^0-9A-Za-z_.-]", "_", name)
-        metrics[f"alpha_live.{key}"] = summary["acceptance_rate"]["value"]
-        metrics[f"tau.{key}"] = summary["tau"]["value"]
-        metrics[f"alpha_analytic.{key}"] = analytic["per_category"][name]["value"]
+        out[M.per_category(M.ALPHA_LIVE, name)] = summary["acceptance_rate"]["value"]
+        out[M.per_category(tau, name)] = summary["tau"]["value"]
+        out[M.per_category(alpha, name)] = analytic["per_category"][name]["value"]
     for i, value in enumerate(live["acceptance_at_position"]):
-        metrics[f"alpha_live_at_position.{i + 1}"] = value
-    return {k: float(v) for k, v in metrics.items() if v is not None and v == v}
+        out[M.position(i + 1)] = value
+    return M.finite(out)

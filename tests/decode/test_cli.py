@@ -61,10 +61,13 @@ def test_eval_logs_live_and_analytic_acceptance(checkpoints, capsys):
     assert set(report["live"]["per_category"]) == set(report["analytic"]["per_category"]) == {"math", "code", "chat"}
     assert 0.0 <= report["analytic"]["alpha"]["value"] <= 1.0
     run = mlflow.get_run(report["mlflow_run_id"])
-    assert run.data.metrics["alpha_analytic"] == pytest.approx(report["analytic"]["alpha"]["value"])
-    assert "alpha_live.math" in run.data.metrics
+    assert run.data.metrics["acceptance/alpha_t1"] == pytest.approx(report["analytic"]["alpha"]["value"])
+    assert run.data.metrics["acceptance/live/math"] == pytest.approx(
+        report["live"]["per_category"]["math"]["acceptance_rate"]["value"])
+    assert run.data.metrics["acceptance/pos_1"] == pytest.approx(report["live"]["acceptance_at_position"][0])
+    assert "acceptance/tau_gamma5" in run.data.metrics and "speed/tokens_per_s" in run.data.metrics
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "eval")}
-    assert artifacts == {"eval/report.json", "eval/per_position.png"}
+    assert artifacts == {"eval/report.json", "eval/per_position.png", "eval/per_category.png"}
 
 
 def test_bench_writes_reports(checkpoints, capsys, tmp_path):
@@ -77,6 +80,10 @@ def test_bench_writes_reports(checkpoints, capsys, tmp_path):
     assert report["predicted_speedup"] > 0 and report["overhead_free_bound"] > 0
     assert json.loads((tmp_path / "bench.json").read_text())["n_prompts"] == 3
     assert "Leviathan's prediction" in (tmp_path / "bench.md").read_text()
+    run = mlflow.get_run(report["mlflow_run_id"])
+    assert run.data.metrics["speed/speedup_vs_target"] == pytest.approx(report["methods"]["speculative"]["speedup"]["value"])
+    assert run.data.metrics["speed/cost_ratio_c"] == pytest.approx(report["costs"]["c"])
+    assert run.data.metrics["acceptance/tau_gamma2"] == pytest.approx(report["tau"]["value"])
 
 
 def test_bench_with_reduced_vocab_draft_skips_hf_assisted(checkpoints, capsys, tmp_path):
