@@ -236,7 +236,7 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
         report.run_id = run.info.run_id
         for version, new in to_record:
             registry.save_baseline(name, version, new)
-        mlflow.log_metrics(_run_metrics(report))
+        mlflow.log_metrics(_run_metrics(report, m.margin))
         mlflow.log_dict(report.to_dict(), "monitor/report.json")
     log.info("monitor check: %s", report.summary())
     return report
@@ -262,32 +262,48 @@ def _run_tags(report: CheckReport) -> dict[str, str]:
     tags = {"draftops.monitor.decision": d.status.value, "draftops.monitor.cause": d.cause.value if d.cause else "",
             "draftops.monitor.champion_version": report.champion_version,
             "draftops.target_fingerprint": report.target_fingerprint,
-            "draftops.monitor.champion_target_fingerprint": report.champion_target_fingerprint or ""}
+            "draftops.monitor.champion_target_fingerprint": report.champion_target_fingerprint or "",
+            "draftops.monitor.acceptance_source": report.acceptance_source,
+            "draftops.registered_model": report.registered_model}
     if report.retrain is not None:
         tags["draftops.monitor.challenger_version"] = report.retrain.challenger_version
         tags["draftops.monitor.promoted"] = str(report.retrain.promoted).lower()
     return tags
 
 
-def _run_metrics(report: CheckReport) -> dict[str, float]:
-    out: dict[str, float] = {f"time_{k}_s": v for k, v in report.timings.items()}
-    out["target_changed"] = float(report.champion_target_fingerprint not in (None, report.target_fingerprint))
-    out["drift"] = float(report.decision.status is Status.DRIFT)
-    if report.current_acceptance is not None:
-        out[f"acceptance_{report.acceptance_source}"] = report.current_acceptance
-    for name, test in (("paired", report.acceptance and report.acceptance.paired),
-                       ("unpaired", report.acceptance and report.acceptance.unpaired)):
-        if test is not None:
-            out.update({f"{name}_acceptance_baseline": test.baseline_acceptance,
-                        f"{name}_acceptance_now": test.current_acceptance, f"{name}_drop": test.drop,
-                        f"{name}_drop_ci_low": test.ci_low, f"{name}_drop_ci_high": test.ci_high,
-                        f"{name}_p_value": test.p_value, f"{name}_prompts": test.n_current_prompts})
+def _run_metrics(report: CheckReport, margin: float) -> dict[str, float]:
+    """The check under `pipeline.metrics` names. The unprefixed drop test is the paired one when there is one
+    (same prompts as the baseline), else the unpaired one; both are also logged under monitor/paired|unpaired/."""
+    from pipeline import metrics as M
+
+    out: dict[str, float] = {M.seconds(k): v for k, v in report.timings.items()}
+    out[M.MONITOR_TARGET_CHANGED] = float(report.champion_target_fingerprint not in (None, report.target_fingerprint))
+    out[M.MONITOR_DRIFT] = float(report.decision.status is Status.DRIFT)
+    out[M.MONITOR_BREAK_EVEN] = report.break_even
+    out[M.MONITOR_ACCEPTANCE_NOW] = report.current_acceptance
+    if report.baseline_recorded:
+        out[M.MONITOR_ACCEPTANCE_BASELINE] = report.current_acceptance
+    tests = [(name, test) for name, test in (("paired", report.acceptance and report.acceptance.paired),
+                                              ("unpaired", report.acceptance and report.acceptance.unpaired))
+             if test is not None]
+    for name, test in tests:
+        figures = {"acceptance_baseline": test.baseline_acceptance, "acceptance_now": test.current_acceptance,
+                   "drop": test.drop, "drop_ci_low": test.ci_low, "drop_ci_high": test.ci_high,
+                   "p_value": test.p_value, "prompts": test.n_current_prompts}
+        out.update({M.monitor_test(name, k): v for k, v in figures.items()})
+    if tests:
+        main = tests[0][1]
+        out.update({M.MONITOR_ACCEPTANCE_BASELINE: main.baseline_acceptance, M.MONITOR_DROP: main.drop,
+                    M.MONITOR_DROP_CI_LOW: main.ci_low, M.MONITOR_DROP_CI_HIGH: main.ci_high,
+                    M.MONITOR_P_VALUE: main.p_value})
+    if M.MONITOR_ACCEPTANCE_BASELINE in out:
+        out[M.MONITOR_ACCEPTANCE_THRESHOLD] = out[M.MONITOR_ACCEPTANCE_BASELINE] - margin
     if report.drift is not None:
-        out.update({"drift_js": report.drift.js_divergence, "drift_psi": report.drift.psi})
+        out.update({M.MONITOR_TRAFFIC_JS: report.drift.js_divergence, M.MONITOR_TRAFFIC_PSI: report.drift.psi})
     if report.retrain is not None:
-        out.update({"gate_gain": report.retrain.gate.drop, "gate_p_value": report.retrain.gate.p_value,
-                    "promoted": float(report.retrain.promoted)})
-    return out
+        out.update({M.MONITOR_GATE_GAIN: report.retrain.gate.drop, M.MONITOR_GATE_P_VALUE: report.retrain.gate.p_value,
+                    M.MONITOR_PROMOTED: float(report.retrain.promoted)})
+    return M.finite(out)
 
 
 def scheduled_check(cfg: DraftopsConfig) -> int:

@@ -107,7 +107,10 @@ def test_first_check_records_baseline_then_ok(setup):
     assert second.acceptance.unpaired is None  # no held-out request the baseline has not seen
     run = MlflowClient().get_run(second.run_id)
     assert run.data.tags["draftops.monitor.decision"] == "OK"
-    assert run.data.metrics["paired_drop"] == pytest.approx(0.0)
+    assert run.data.metrics["monitor/paired/drop"] == run.data.metrics["monitor/drop"] == pytest.approx(0.0)
+    assert run.data.metrics["monitor/acceptance_now"] == pytest.approx(second.current_acceptance)
+    assert run.data.metrics["monitor/acceptance_threshold"] == pytest.approx(
+        second.acceptance.paired.baseline_acceptance - cfg.monitor.margin)
     assert mlflow.get_experiment(run.info.experiment_id).name == "draftops-monitor"
 
 
