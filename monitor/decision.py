@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from scipy.optimize import brentq
 
 from monitor.stats import AcceptanceCheck, DropTest, PromptAcceptance, TrafficDrift, paired_drop_test
 
@@ -45,21 +44,6 @@ class Decision:
     def to_dict(self) -> dict:
         return {"status": self.status.value, "cause": self.cause and self.cause.value,
                 "reasons": self.reasons, "notes": self.notes, "exit_code": self.exit_code}
-
-
-def break_even_alpha(gamma: int, c: float, v: float = 1.0) -> float:
-    """Acceptance at which speculative decoding is exactly as fast as the target alone.
-
-    Solves expected_speedup(alpha, gamma, c, v) = 1; 0.0 if it always pays, 1.0 if it never does.
-    """
-    from decode.acceptance import expected_speedup  # imports torch; the service does not need it to start
-
-    gain = lambda alpha: expected_speedup(alpha, gamma, c, v) - 1.0  # noqa: E731
-    if gain(0.0) >= 0:
-        return 0.0
-    if gain(1.0 - 1e-12) <= 0:
-        return 1.0
-    return float(brentq(gain, 0.0, 1.0 - 1e-12, xtol=1e-10))
 
 
 def decide(

@@ -1,7 +1,8 @@
 import pytest
 
 from decode.acceptance import expected_speedup
-from monitor.decision import EXIT_DRIFT, EXIT_OK, Cause, Status, break_even_alpha, decide
+from decode.acceptance import break_even_alpha
+from monitor.decision import EXIT_DRIFT, EXIT_OK, Cause, Status, decide
 from monitor.stats import AcceptanceCheck, DropTest, TrafficDrift
 
 
