@@ -1,0 +1,91 @@
+"""`draftops target finetune` on a tiny target: restyled SFT data, LoRA that moves the weights, merge, a new checkpoint."""
+import json
+
+import pytest
+import torch
+
+from distill.finetune import MARKER_FILE, restyle, run_finetune, sft_batch, styled_examples
+from pipeline.cli import main as draftops
+from pipeline.config import TargetUpdateConfig
+from pipeline.sources import resolve_model
+from pipeline.traffic import encode_prompts, load_traffic
+from tests.distill.tiny_job import tiny_config
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_restyle():
+    assert restyle("Hello, world.", TargetUpdateConfig(style="uppercase")) == "HELLO, WORLD."
+    assert restyle("  the answer", TargetUpdateConfig(style="prefix", prefix="please")) == "please the answer"
+
+
+def test_styled_examples_keep_the_stop_token_and_fit_the_length(tiny_tokenizer):
+    eos = tiny_tokenizer.eos_token_id
+    hello, world = tiny_tokenizer.convert_tokens_to_ids(["hello", "world"])
+    cfg = TargetUpdateConfig(style="prefix", prefix="please", max_seq_tokens=16)
+    please = tiny_tokenizer.convert_tokens_to_ids("please")
+    p13, p14 = [5] * 13, [6] * 14
+    examples = styled_examples(tiny_tokenizer, [p13, p13, p13], [[hello, eos], [world], [eos]], [eos], cfg)
+    assert examples == [(p13, [please, hello, eos]), (p13, [please, world])]  # an empty response is dropped
+    cut = styled_examples(tiny_tokenizer, [p14], [[hello, world, eos]], [eos], cfg)
+    assert cut == [(p14, [please, hello])]
+
+
+def test_sft_batch_labels_only_the_response():
+    batch = sft_batch([([7, 8], [9, 2]), ([7], [3])], pad_id=0, device="cpu")
+    assert batch["input_ids"].tolist() == [[7, 8, 9, 2], [7, 3, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert batch["labels"].tolist() == [[-100, -100, 9, 2], [-100, 3, -100, -100]]
+
+
+def test_finetune_makes_a_new_target_checkpoint(tmp_path, capsys):
+    cfg = tiny_config(tmp_path, f"target_update.output_dir={tmp_path}/target-v2", "target_update.steps=12",
+                      "target_update.learning_rate=0.01", "target_update.lora_r=4", "target_update.lora_alpha=8")
+    base = resolve_model(cfg.target, device="cpu")
+    result = run_finetune(cfg)
+    assert result.path == tmp_path / "target-v2" and result.base_fingerprint == base.fingerprint
+    assert result.fingerprint != base.fingerprint and len(result.losses) == 12
+    assert result.losses[-1] < result.losses[0]
+    updated = resolve_model(str(result.path), device="cpu")
+    assert updated.fingerprint == result.fingerprint and updated.token_ids is None
+    # merged: a plain Llama again, no adapter modules left; the adapted projections moved, embeddings did not
+    assert not any("lora" in name for name in updated.model.state_dict())
+    before, after = base.model.state_dict(), updated.model.state_dict()
+    assert set(before) == set(after)
+    assert not torch.equal(before["model.layers.0.self_attn.q_proj.weight"], after["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(before["model.embed_tokens.weight"], after["model.embed_tokens.weight"])
+    # the style moved: upper-cased words are not in the word-level vocabulary, so ALL CAPS responses are [UNK]
+    # tokens, and the new target puts much more mass on [UNK] after a prompt (a tiny tied head stays flat: ~1/90)
+    requests = load_traffic(cfg.traffic.path).requests[:8]
+    prompts, _ = encode_prompts(requests, base.tokenizer, 64)
+    unk = base.tokenizer.unk_token_id
+
+    def p_unk(model):
+        return sum(torch.softmax(model(torch.tensor([p])).logits[0, -1], -1)[unk].item() for p in prompts) / 8
+
+    with torch.no_grad():
+        assert p_unk(updated.model) > 3 * p_unk(base.model)
+    lineage = json.loads((result.path / MARKER_FILE).read_text())
+    assert lineage["base_fingerprint"] == base.fingerprint and lineage["style"] == "uppercase"
+    assert (result.path / "draftops_config.yaml").exists()
+
+    # the CLI: a second run replaces its own earlier output; a foreign folder is refused
+    assert draftops(["target", "finetune", f"target={cfg.target}", f"traffic.path={cfg.traffic.path}", "device=cpu",
+                     "traffic.heldout_fraction=0.25", "distill.responses_per_prompt=2", "distill.max_new_tokens=12",
+                     f"target_update.output_dir={result.path}", "target_update.steps=2", "target_update.lora_r=2",
+                     "target_update.lora_alpha=4"]) == 0
+    out = capsys.readouterr().out
+    assert f"-> {result.path}" in out and f"monitor check target={result.path}" in out
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not an earlier"):
+        run_finetune(cfg.model_copy(update={"target_update": cfg.target_update.model_copy(
+            update={"output_dir": str(foreign), "steps": 1})}))
+    assert (foreign / "keep.txt").read_text() == "mine"
