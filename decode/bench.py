@@ -19,6 +19,7 @@ from decode.evaluate import eos_token_ids
 from decode.ngram import PromptLookupDrafter
 from decode.speculative import SpeculativeDecoder, forward_logits, rollback
 from decode.stats import aggregate_stats, ratio_ci
+from pipeline.sources import HF_ASSISTANT_DIR, hf_assistant_model
 
 
 def _device(model) -> torch.device:
@@ -116,10 +117,12 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
                      f"HF assisted and the cost model use γ={gamma}")
     if lookup is not None:
         methods["hf_prompt_lookup"] = lambda p: hf_generate(target.model, p, gamma=gamma, lookup=lookup, **common)
-    elif token_ids is None:
-        methods["hf_assisted"] = lambda p: hf_generate(target.model, p, assistant=draft.model, gamma=gamma, **common)
     else:
-        notes.append("HF assisted generation skipped: it needs a full-vocabulary draft")
+        assistant = hf_assistant_model(draft)
+        if token_ids is not None:
+            notes.append(f"HF assisted generation uses the draft's full-vocabulary copy ({HF_ASSISTANT_DIR}/): "
+                         "transformers cannot use a reduced-vocabulary head")
+        methods["hf_assisted"] = lambda p: hf_generate(target.model, p, assistant=assistant, gamma=gamma, **common)
 
     device = _device(target.model)
     for run in methods.values():  # warm-up

