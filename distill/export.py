@@ -8,8 +8,7 @@ import torch
 from distill.init import full_vocab_copy
 from pipeline import metrics
 from pipeline.config import DraftopsConfig
-
-HF_ASSISTANT_DIR = "hf_assistant"
+from pipeline.sources import HF_ASSISTANT_DIR
 
 
 def export_draft(draft, tokenizer, out_dir: Path, *, token_ids: torch.Tensor | None, cfg: DraftopsConfig) -> Path:
