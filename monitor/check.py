@@ -163,8 +163,10 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
               ) -> CheckReport:
     """One check (see the module docstring). `load`, `measure*` and `retrain` are the model-facing steps."""
     import mlflow
+    from mlflow import MlflowClient
 
-    from pipeline.tracking import setup_mlflow, start_run
+    from pipeline.report import monitor_checks, monitor_history_figure
+    from pipeline.tracking import log_figure, setup_mlflow, start_run
 
     if retrain is None:
         from monitor.retrain import distill_challenger as retrain
@@ -231,6 +233,11 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
                     report.retrain.previous_champion = registry.promote(name, version)
                     to_record.append((version, challenger_baseline))
 
+    if len(heldout) < m.heldout_requests:
+        report.decision.notes.append(
+            f"the traffic holds {len(heldout)} held-out requests, fewer than monitor.heldout_requests="
+            f"{m.heldout_requests}: measured on all of them (less power; see `draftops monitor simulate --n "
+            f"{len(heldout)}`)")
     with start_run(cfg, "monitor", run_name=f"check-{report.decision.status.value.lower()}",
                    tags=_run_tags(report)) as run:
         report.run_id = run.info.run_id
@@ -238,6 +245,8 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
             registry.save_baseline(name, version, new)
         mlflow.log_metrics(_run_metrics(report, m.margin))
         mlflow.log_dict(report.to_dict(), "monitor/report.json")
+        checks = monitor_checks(MlflowClient(), name, limit=100)  # this check included: its metrics are logged
+        log_figure(monitor_history_figure(checks), "monitor/history.png")
     log.info("monitor check: %s", report.summary())
     return report
 

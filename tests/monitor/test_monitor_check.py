@@ -112,6 +112,7 @@ def test_first_check_records_baseline_then_ok(setup):
     assert run.data.metrics["monitor/acceptance_threshold"] == pytest.approx(
         second.acceptance.paired.baseline_acceptance - cfg.monitor.margin)
     assert mlflow.get_experiment(run.info.experiment_id).name == "draftops-monitor"
+    assert "monitor/history.png" in {a.path for a in MlflowClient().list_artifacts(run.info.run_id, "monitor")}
 
 
 def test_target_change_drifts_and_worse_challenger_is_never_promoted(setup):
@@ -207,3 +208,17 @@ def test_cli_rollback_and_check_without_champion(setup, tmp_path, capsys):
     client.delete_registered_model_alias(NAME, registry.CHAMPION)
     assert main(["monitor", "check", "--config", str(cfg_path)]) == 2
     assert "no 'champion' alias" in capsys.readouterr().err
+
+
+def test_fewer_heldout_requests_than_configured_uses_all_and_notes_it(setup):
+    cfg, world, _ = setup
+    cfg.monitor.heldout_requests = 500  # the traffic holds ~60 held-out requests
+    first = check(cfg, world)
+    heldout = first.n_baseline_prompts
+    assert first.decision.status is Status.OK and 40 < heldout < 80
+    assert any(f"holds {heldout} held-out requests, fewer than monitor.heldout_requests=500" in n
+               for n in first.decision.notes)
+    second = check(cfg, world)
+    assert second.acceptance.paired.n_current_prompts == heldout and second.decision.status is Status.OK
+    cfg.monitor.heldout_requests = heldout
+    assert not any("fewer than" in n for n in check(cfg, world).decision.notes)
