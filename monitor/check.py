@@ -163,8 +163,10 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
               ) -> CheckReport:
     """One check (see the module docstring). `load`, `measure*` and `retrain` are the model-facing steps."""
     import mlflow
+    from mlflow import MlflowClient
 
-    from pipeline.tracking import setup_mlflow, start_run
+    from pipeline.report import monitor_checks, monitor_history_figure
+    from pipeline.tracking import log_figure, setup_mlflow, start_run
 
     if retrain is None:
         from monitor.retrain import distill_challenger as retrain
@@ -243,6 +245,8 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
             registry.save_baseline(name, version, new)
         mlflow.log_metrics(_run_metrics(report, m.margin))
         mlflow.log_dict(report.to_dict(), "monitor/report.json")
+        checks = monitor_checks(MlflowClient(), name, limit=100)  # this check included: its metrics are logged
+        log_figure(monitor_history_figure(checks), "monitor/history.png")
     log.info("monitor check: %s", report.summary())
     return report
 
