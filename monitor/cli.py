@@ -1,4 +1,4 @@
-"""`draftops monitor check | serve | simulate | rollback`."""
+"""`draftops monitor check | serve | simulate | rollback | demo`."""
 
 from __future__ import annotations
 
@@ -85,6 +85,18 @@ def rollback_command(args) -> int:
     return 0
 
 
+def demo_command(args) -> int:
+    from monitor.demo import run_demo
+    from pipeline.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    try:
+        return 0 if run_demo(cfg, args.out).ok else 1
+    except ValueError as exc:
+        print(f"draftops: error: {exc}", file=sys.stderr)
+        return 2
+
+
 def add_commands(subparsers) -> None:
     monitor = subparsers.add_parser("monitor", help="check the champion draft for drift, on demand or nightly")
     actions = monitor.add_subparsers(dest="action", required=True)
@@ -114,6 +126,12 @@ def add_commands(subparsers) -> None:
     simulate.add_argument("--out", help="folder for simulation.json and power.png (default <state_dir>/simulation)")
     simulate.add_argument("--json", action="store_true")
     simulate.set_defaults(handler=simulate_command)
+
+    demo = with_config(actions.add_parser(
+        "demo", help="drift demo: distill a champion, check, update the target, check (DRIFT), retrain, promote, "
+                     "check (`make drift-demo`)"))
+    demo.add_argument("--out", default="outputs/drift-demo", help="folder for its configs, drafts, target, state")
+    demo.set_defaults(handler=demo_command)
 
     rollback = with_config(actions.add_parser("rollback", help="move the champion alias back to the previous one"))
     rollback.add_argument("--to-version", help="a specific version instead of the previous champion")

@@ -12,7 +12,7 @@ def distill_challenger(cfg: DraftopsConfig) -> str:
     """
     from distill.train import run_distill
 
-    result = run_distill(cfg, register=True)
+    result = run_distill(cfg.model_copy(update={"distill": cfg.distill.model_copy(update={"register_model": True})}))
     if result.version is None:
         raise RuntimeError("distillation finished without registering a version")
     return str(result.version)

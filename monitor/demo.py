@@ -1,0 +1,172 @@
+"""`make drift-demo`: a target update found and repaired end to end, with small budgets (configs/drift_demo.yaml).
+
+1. distill a champion against the original target (registered: version 1, alias champion);
+2. monitor check: OK, baseline recorded;
+3. `target finetune`: an updated target (LoRA, another style, merged);
+4. monitor check against the updated target, with retraining on: DRIFT (cause: target changed), a challenger
+   distilled warm from the champion (distill.init=checkpoint), gated and promoted;
+5. monitor check again: OK.
+
+Everything goes under `--out` (configs, distill jobs, the updated target, monitor state) and into the configured
+MLflow store. The demo owns its registered model (not the production one) and starts it afresh. The last line it
+prints is the `draftops monitor check` command that re-checks the state it leaves.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.config import DraftopsConfig, TrackingConfig, save_config
+
+DEFAULT_OUT = "outputs/drift-demo"
+PRODUCTION_MODEL = TrackingConfig().registered_model
+ACCEPTANCE_TOLERANCE = 0.02  # the new champion on the new target vs the old champion on the old target
+
+
+@dataclass
+class DemoResult:
+    decisions: list[str] = field(default_factory=list)  # "OK", "DRIFT(target_changed)", ...
+    versions: list[str] = field(default_factory=list)  # registered draft versions, oldest first
+    champion_before: str | None = None
+    champion_after: str | None = None
+    acceptance_before: float | None = None  # old champion, old target (the first baseline)
+    acceptance_drop: float | None = None  # old champion, old -> new target (paired test)
+    acceptance_after: float | None = None  # new champion, new target (the last check)
+    phases: list[tuple[str, float]] = field(default_factory=list)
+    recheck_command: str = ""
+
+    @property
+    def checks(self) -> list[tuple[str, bool]]:
+        return [
+            ("decisions OK -> DRIFT(target_changed) -> OK", self.decisions == ["OK", "DRIFT(target_changed)", "OK"]),
+            ("two draft versions registered", len(self.versions) == 2),
+            ("champion alias moved to the new version",
+             self.champion_after is not None and self.champion_after != self.champion_before
+             and self.champion_after == (self.versions[-1] if self.versions else None)),
+            (f"new champion on the new target within {ACCEPTANCE_TOLERANCE * 100:.0f} points of (or above) the old "
+             "one on the old target",
+             None not in (self.acceptance_before, self.acceptance_after)
+             and self.acceptance_after >= self.acceptance_before - ACCEPTANCE_TOLERANCE),
+        ]
+
+    @property
+    def ok(self) -> bool:
+        return all(passed for _, passed in self.checks)
+
+
+def demo_configs(cfg: DraftopsConfig, out: Path, updated_target: str) -> tuple[DraftopsConfig, DraftopsConfig]:
+    """(original-target config, updated-target config): outputs under `out`; the second retrains on DRIFT, warm
+    from whichever draft is champion then."""
+    name = cfg.tracking.registered_model
+    original = cfg.model_copy(update={
+        "distill": cfg.distill.model_copy(update={"output_dir": str(out / "distill"), "register_model": True}),
+        "monitor": cfg.monitor.model_copy(update={"state_dir": str(out / "monitor")}),
+        "target_update": cfg.target_update.model_copy(update={"output_dir": updated_target}),
+    })
+    updated = original.model_copy(update={
+        "target": updated_target,
+        "distill": original.distill.model_copy(update={"init": "checkpoint",
+                                                       "init_checkpoint": f"models:/{name}@champion"}),
+        "monitor": original.monitor.model_copy(update={"retrain": True}),
+    })
+    return original, updated
+
+
+def reset_registered_model(name: str) -> bool:
+    """Delete the demo's registered model if it exists (its runs stay); True if there was one."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    client = MlflowClient()
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        return False
+    client.delete_registered_model(name)
+    return True
+
+
+def _decision(report) -> str:
+    d = report.decision
+    return d.status.value + (f"({d.cause.value})" if d.cause else "")
+
+
+def run_demo(cfg: DraftopsConfig, out: str | Path = DEFAULT_OUT, *, echo=print) -> DemoResult:
+    """The five phases; prints each phase's outcome and time, the checks, and the re-check command last."""
+    from mlflow import MlflowClient
+
+    from distill.finetune import run_finetune
+    from distill.train import run_distill
+    from monitor import registry
+    from monitor.check import run_check
+    from monitor.service import check_lock
+    from pipeline.tracking import setup_mlflow, tracking_uri
+
+    name = cfg.tracking.registered_model
+    if name == PRODUCTION_MODEL:
+        raise ValueError(f"the demo starts its registered model afresh: give it a name of its own, not "
+                         f"'{PRODUCTION_MODEL}' (configs/drift_demo.yaml: tracking.registered_model)")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    original, updated = demo_configs(cfg, out, str(out / "target-updated"))
+    original_path = save_config(original, out / "config-original-target.yaml")
+    updated_path = save_config(updated, out / "config-updated-target.yaml")
+    result = DemoResult(recheck_command=f"draftops monitor check --config {updated_path}")
+    setup_mlflow(original)
+    if reset_registered_model(name):
+        echo(f"[demo] registered model '{name}' existed at {tracking_uri(original)}: deleted, starting afresh")
+    echo(f"[demo] configs: {original_path} (original target), {updated_path} (updated target)")
+    start = time.perf_counter()
+
+    def phase(title: str, fn):
+        echo(f"\n[demo] phase {len(result.phases) + 1}/5: {title}")
+        began = time.perf_counter()
+        value = fn()
+        result.phases.append((title, time.perf_counter() - began))
+        echo(f"[demo] phase {len(result.phases)}/5 done in {result.phases[-1][1]:.0f}s "
+             f"(total {time.perf_counter() - start:.0f}s)")
+        return value
+
+    def check(config: DraftopsConfig):
+        with check_lock(config):
+            report = run_check(config)
+        echo(report.summary())
+        echo("  time: " + "  ".join(f"{k} {v:.0f}s" for k, v in report.timings.items()))
+        result.decisions.append(_decision(report))
+        return report
+
+    distilled = phase(f"distill a champion against the original target ({original.target})",
+                      lambda: run_distill(original))
+    result.champion_before = registry.champion(name).version
+    echo(f"[demo] {name} version {distilled.version} ({distilled.alias})")
+    first = phase("monitor check, original target (expect OK, baseline recorded)", lambda: check(original))
+    result.acceptance_before = first.current_acceptance
+    finetuned = phase(f"target finetune ({original.target_update.style} style, LoRA, merged)",
+                      lambda: run_finetune(original))
+    echo(f"[demo] updated target {finetuned.path}: fingerprint {finetuned.base_fingerprint} -> "
+         f"{finetuned.fingerprint}, LoRA loss {finetuned.losses[0]:.3f} -> {finetuned.losses[-1]:.3f}")
+    second = phase("monitor check, updated target, retrain on (expect DRIFT: target changed; retrain, gate, "
+                   "promote)", lambda: check(updated))
+    if second.acceptance is not None and second.acceptance.paired is not None:
+        result.acceptance_drop = second.acceptance.paired.drop
+    third = phase("monitor check again (expect OK)", lambda: check(updated))
+    result.acceptance_after = third.current_acceptance
+    result.champion_after = registry.champion(name).version
+    result.versions = sorted((str(v.version) for v in MlflowClient().search_model_versions(f"name='{name}'")), key=int)
+
+    echo("\n[demo] time per phase:")
+    for title, seconds in result.phases:
+        echo(f"  {seconds:7.0f}s  {title}")
+    echo(f"  {time.perf_counter() - start:7.0f}s  total")
+    echo(f"\n[demo] decisions: {' -> '.join(result.decisions)}; {name}@champion: version {result.champion_before} -> "
+         f"{result.champion_after}; versions {', '.join(result.versions)} in {tracking_uri(original)}")
+    fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+    echo(f"[demo] acceptance: old champion on the old target {fmt(result.acceptance_before)}; drop on the updated "
+         f"target {fmt(result.acceptance_drop)}; new champion on the updated target {fmt(result.acceptance_after)}")
+    for title, passed in result.checks:
+        echo(f"  [{'x' if passed else ' '}] {title}")
+    echo(f"[demo] {'done' if result.ok else 'FINISHED WITH FAILED CHECKS'}; re-check the state it leaves with:")
+    echo(result.recheck_command)
+    return result
+
