@@ -49,6 +49,13 @@ sweep: setup
 monitor: setup
 	.venv/bin/draftops monitor serve --config $(CONFIG) $(ARGS)
 
+# A target update found and repaired end to end (about 30 minutes on an idle 2-core CPU): distill a champion, check,
+# `draftops target finetune`, check (DRIFT: target changed) with warm-start retraining and promotion, check again.
+# Everything under outputs/drift-demo; its own registered model (draftops-drift-demo) in the configured MLflow store.
+DEMO_CONFIG ?= configs/drift_demo.yaml
+drift-demo: setup
+	.venv/bin/draftops monitor demo --config $(DEMO_CONFIG) --out outputs/drift-demo $(ARGS)
+
 ui: setup
 	@echo "MLflow UI: http://127.0.0.1:5000  (store: $${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db})"
 	.venv/bin/mlflow ui --backend-store-uri $${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db} --host 127.0.0.1 --port 5000

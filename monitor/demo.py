@@ -13,6 +13,9 @@ prints is the `draftops monitor check` command that re-checks the state it leave
 """
 from __future__ import annotations
 
+import os
+import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,6 +90,16 @@ def reset_registered_model(name: str) -> bool:
     return True
 
 
+def draftops_executable() -> str:
+    """`draftops` when it is on PATH, else this environment's script (e.g. .venv/bin/draftops), so that the printed
+    command runs as it is."""
+    script = Path(sys.executable).parent / "draftops"
+    on_path = shutil.which("draftops")
+    if on_path is not None and (not script.exists() or Path(on_path).resolve() == script.resolve()):
+        return "draftops"
+    return os.path.relpath(script) if script.exists() else "draftops"
+
+
 def _decision(report) -> str:
     d = report.decision
     return d.status.value + (f"({d.cause.value})" if d.cause else "")
@@ -112,7 +125,7 @@ def run_demo(cfg: DraftopsConfig, out: str | Path = DEFAULT_OUT, *, echo=print) 
     original, updated = demo_configs(cfg, out, str(out / "target-updated"))
     original_path = save_config(original, out / "config-original-target.yaml")
     updated_path = save_config(updated, out / "config-updated-target.yaml")
-    result = DemoResult(recheck_command=f"draftops monitor check --config {updated_path}")
+    result = DemoResult(recheck_command=f"{draftops_executable()} monitor check --config {updated_path}")
     setup_mlflow(original)
     if reset_registered_model(name):
         echo(f"[demo] registered model '{name}' existed at {tracking_uri(original)}: deleted, starting afresh")

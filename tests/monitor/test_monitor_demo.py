@@ -4,7 +4,7 @@ import torch
 import yaml
 from mlflow import MlflowClient
 
-from monitor.demo import run_demo
+from monitor.demo import draftops_executable, run_demo
 from pipeline.cli import main as draftops
 from pipeline.sources import save_checkpoint
 from tests.conftest import make_tiny_model, make_tokenizer
@@ -50,7 +50,8 @@ def test_demo_moves_the_champion_and_ends_with_the_recheck_command(tmp_path, mlf
     assert str(client.get_model_version_by_alias(NAME, "previous-champion").version) == "1"
     assert result.acceptance_drop > 0.05 and len(result.phases) == 5
     updated = out / "config-updated-target.yaml"
-    assert lines[-1] == f"draftops monitor check --config {updated}"
+    assert lines[-1] == f"{draftops_executable()} monitor check --config {updated}"
+    assert lines[-1].split()[0].endswith("draftops")
     written = yaml.safe_load(updated.read_text())
     assert written["target"] == str(out / "target-updated") and written["monitor"]["retrain"] is True
     assert written["distill"]["init"] == "checkpoint" and written["distill"]["init_checkpoint"] == f"models:/{NAME}@champion"
@@ -64,3 +65,14 @@ def test_demo_moves_the_champion_and_ends_with_the_recheck_command(tmp_path, mlf
 def test_demo_refuses_the_production_model(tmp_path, mlflow_uri):
     with pytest.raises(ValueError, match="name of its own"):
         run_demo(demo_config(tmp_path, mlflow_uri, "tracking.registered_model=draftops-draft"), tmp_path / "demo")
+
+
+def test_shipped_demo_config_fits_the_shipped_traffic():
+    from pipeline.config import REPO_CONFIGS, load_config
+    from pipeline.traffic import load_traffic
+
+    cfg = load_config(REPO_CONFIGS / "drift_demo.yaml")
+    assert cfg.tracking.registered_model not in ("", "draftops-draft")
+    heldout = load_traffic(cfg.traffic.path).split("heldout", cfg.traffic.heldout_fraction)
+    assert cfg.monitor.heldout_requests == len(heldout) >= 96  # every held-out request, enough for the tests
+    assert cfg.target_update.prompts == "traffic" and cfg.monitor.break_even_alpha < 0.4
