@@ -8,7 +8,8 @@
 5. monitor check again: OK.
 
 Everything goes under `--out` (configs, distill jobs, the updated target, monitor state) and into the configured
-MLflow store. The demo owns its registered model (not the production one) and starts it afresh. The last line it
+MLflow store. The demo owns its registered model (not the production one) and its folders, and starts them afresh;
+target responses stay cached in $DRAFTOPS_HOME, so a second run generates only what changed. The last line it
 prints is the `draftops monitor check` command that re-checks the state it leaves.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pipeline.config import DraftopsConfig, TrackingConfig, save_config
 
 DEFAULT_OUT = "outputs/drift-demo"
 PRODUCTION_MODEL = TrackingConfig().registered_model
+OWNED_DIRS = ("distill", "monitor", "target-updated")  # under --out, emptied by every run
 ACCEPTANCE_TOLERANCE = 0.02  # the new champion on the new target vs the old champion on the old target
 
 
@@ -121,8 +123,10 @@ def run_demo(cfg: DraftopsConfig, out: str | Path = DEFAULT_OUT, *, echo=print) 
         raise ValueError(f"the demo starts its registered model afresh: give it a name of its own, not "
                          f"'{PRODUCTION_MODEL}' (configs/drift_demo.yaml: tracking.registered_model)")
     out = Path(out)
+    for owned in OWNED_DIRS:  # a fresh demo: no resumed distill job, no earlier monitor state
+        shutil.rmtree(out / owned, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
-    original, updated = demo_configs(cfg, out, str(out / "target-updated"))
+    original, updated = demo_configs(cfg, out, str(out / OWNED_DIRS[2]))
     original_path = save_config(original, out / "config-original-target.yaml")
     updated_path = save_config(updated, out / "config-updated-target.yaml")
     result = DemoResult(recheck_command=f"{draftops_executable()} monitor check --config {updated_path}")
