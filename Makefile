@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 CONFIG ?= configs/default.yaml
 ARGS ?=
 
-.PHONY: setup test test-integration distill bench monitor drift-demo sweep ui report clean
+.PHONY: setup test test-integration test-browser distill bench monitor drift-demo sweep ui report clean
 
 setup: .venv/.installed
 
@@ -28,6 +28,10 @@ test: setup
 
 test-integration: setup
 	$(call PYTEST,-m integration)
+
+# The MLflow UI in a real headless Chromium (Debian's chromium + chromium-driver; see .ci/run). Screenshots: test-artifacts/
+test-browser: setup
+	$(call PYTEST,-m browser)
 
 distill: setup
 	.venv/bin/draftops distill --config $(CONFIG) $(ARGS)
@@ -59,6 +63,10 @@ drift-demo: setup
 ui: setup
 	@echo "MLflow UI: http://127.0.0.1:5000  (store: $${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db})"
 	.venv/bin/mlflow ui --backend-store-uri $${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db} --host 127.0.0.1 --port 5000
+
+# All versions of the registered draft side by side, and the monitor's last checks (ARGS='--format html --out r.html').
+report: setup
+	.venv/bin/draftops report --config $(CONFIG) $(ARGS)
 
 clean:
 	rm -rf .venv *.egg-info .pytest_cache

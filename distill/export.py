@@ -129,7 +129,8 @@ def log_and_register(cfg: DraftopsConfig, result, *, target_fingerprint: str, ta
             result.export_dir, cfg.tracking.registered_model, tags=tags,
             description=describe_draft(cfg, result, info, target_fingerprint=target_fingerprint,
                                        target_source=target_source))
-        MlflowClient().set_tag(run.info.run_id, "mlflow.note.content",
-                               f"Registered as version {version.version} of {cfg.tracking.registered_model} "
-                               f"({alias}).")
+        client = MlflowClient()
+        client.update_run(run.info.run_id, name=f"draft-v{version.version}-{cfg.distill.loss}")
+        client.set_tag(run.info.run_id, "mlflow.note.content",
+                       f"Registered as version {version.version} of {cfg.tracking.registered_model} ({alias}).")
         return run.info.run_id, str(version.version), alias

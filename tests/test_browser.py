@@ -1,0 +1,209 @@
+"""The user's path through the MLflow UI, in a real headless Chromium (Debian's chromium + chromium-driver).
+
+Two tiny distills register two versions (champion, challenger), an eval of the champion links itself to the version;
+then `mlflow server` serves the store and the browser checks the registered model page and the compare view.
+Screenshots land in test-artifacts/. Run with `make test-browser` (pytest -m browser).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline import metrics as M
+
+pytestmark = pytest.mark.browser
+
+REPO = Path(__file__).resolve().parents[1]
+ARTIFACTS = REPO / "test-artifacts"
+CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+PAGE_TIMEOUT_S = 60
+SERVER_TIMEOUT_S = 90
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """Two tiny distills (two versions) and one eval of the champion, in one sqlite store."""
+    from distill.train import run_distill
+    from pipeline.cli import main
+    from tests.distill.tiny_job import tiny_config
+
+    root = tmp_path_factory.mktemp("browser_store")
+    cwd = os.getcwd()
+    os.chdir(root)  # run artifacts go to ./mlruns: keep them in the tmp store
+    try:
+        first = run_distill(tiny_config(root, "distill.max_steps=4"))
+        second = run_distill(tiny_config(root, "distill.max_steps=8"))
+        cfg = tiny_config(root)
+        assert main(["eval", "--target", cfg.target, "--draft", f"models:/{cfg.tracking.registered_model}@champion",
+                     "--traffic", cfg.traffic.path, "--split", "heldout", "--limit", "4", "--max-new-tokens", "8",
+                     "device=cpu", "tracking.system_metrics=false", f"tracking.uri={cfg.tracking.uri}"]) == 0
+    finally:
+        os.chdir(cwd)
+    return cfg, first, second
+
+
+@pytest.fixture(scope="module")
+def server(store):
+    cfg, _, _ = store
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", cfg.tracking.uri, "--host", "127.0.0.1",
+         "--port", str(port), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT, cwd=cfg.distill.output_dir,
+        start_new_session=True)  # its own process group: the server's workers and job consumers go with it
+    try:
+        deadline = time.monotonic() + SERVER_TIMEOUT_S
+        import urllib.request
+
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                pytest.fail(f"mlflow server did not come up at {url}:\n{log.read().decode()[-3000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):  # whatever of the group outlived the TERM
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=15)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+        pytest.skip("needs Debian's chromium and chromium-driver (apt-get install -y chromium chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    profile = tempfile.mkdtemp(prefix="draftops-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--window-size=1500,1000"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    driver.set_page_load_timeout(PAGE_TIMEOUT_S)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def wait_for_text(driver, *texts: str, timeout: float = PAGE_TIMEOUT_S) -> str:
+    """The page's visible text once it holds every one of `texts` (bounded wait)."""
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        WebDriverWait(driver, timeout, poll_frequency=0.5).until(
+            lambda d: all(t in d.find_element(By.TAG_NAME, "body").text for t in texts))
+    except TimeoutException:
+        body = driver.find_element(By.TAG_NAME, "body").text
+        screenshot(driver, "timeout")
+        pytest.fail(f"page {driver.current_url} never showed {texts}; it shows:\n{body[:2000]}")
+    return driver.find_element(By.TAG_NAME, "body").text
+
+
+def close_assistant(driver) -> None:
+    """MLflow 3's assistant side panel covers a third of the page; close it where it is open."""
+    from selenium.webdriver.common.by import By
+
+    for button in driver.find_elements(By.CSS_SELECTOR, "button[aria-label='Close']"):
+        if button.is_displayed():
+            button.click()
+
+
+def metric_values(text: str, name: str, n_runs: int) -> list[float]:
+    """One metric's values, a column per run, from the compare view's Metrics grid. The grid renders its name column
+    first (rows sorted by name), then the values row by row."""
+    section = text.split("\nMetrics\nShow diff only\n", 1)[1].split("\nArtifacts\n", 1)[0].split("\n")
+    names = []
+    for line in section:
+        try:
+            float(line)
+            break
+        except ValueError:
+            names.append(line)
+    values = section[len(names):]
+    row = names.index(name)
+    return [float(v) for v in values[row * n_runs:(row + 1) * n_runs]]
+
+
+def screenshot(driver, name: str) -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    path = ARTIFACTS / f"{name}.png"
+    driver.save_screenshot(str(path))
+    return path
+
+
+def test_registered_model_page_lists_both_versions_with_aliases(store, server, browser):
+    cfg, first, second = store
+    name = cfg.tracking.registered_model
+    browser.get(f"{server}/#/models/{name}")
+    text = wait_for_text(browser, "Version 1", "Version 2", "champion", "challenger")
+    close_assistant(browser)
+    assert first.alias == "champion" and second.alias == "challenger"
+    assert name in text and M.ALPHA_T0 in text  # the versions' tags carry the figures
+    screenshot(browser, "registered_model")
+
+    browser.get(f"{server}/#/models/{name}/versions/1")
+    text = wait_for_text(browser, "Version 1", "draftops.latest_eval_run")
+    assert "target fingerprint" in text  # the description says what the draft is
+    screenshot(browser, "model_version_1")
+
+
+def test_compare_view_of_the_two_distill_runs_shows_acceptance(store, server, browser):
+    import json
+    import urllib.parse
+
+    from mlflow import MlflowClient
+
+    cfg, first, second = store
+    experiment = MlflowClient(cfg.tracking.uri).get_run(first.run_id).info.experiment_id
+    runs = urllib.parse.quote(json.dumps([first.run_id, second.run_id]))
+    experiments = urllib.parse.quote(json.dumps([experiment]))
+    browser.get(f"{server}/#/compare-runs?runs={runs}&experiments={experiments}")
+    text = wait_for_text(browser, M.ALPHA_T0, M.tau_at(cfg.decode.gamma), M.DRAFT_VOCAB_SIZE,
+                         "draft-v1-forward_kl", "draft-v2-forward_kl")
+    close_assistant(browser)
+    # one column per run, in the order asked for; MLflow shows 3 decimals
+    assert metric_values(text, M.ALPHA_T1, 2) == pytest.approx(
+        [first.metrics["alpha_t1"], second.metrics["alpha_t1"]], abs=6e-4)
+    assert metric_values(text, M.tau_at(cfg.decode.gamma), 2) == pytest.approx(
+        [first.metrics["tau"], second.metrics["tau"]], abs=6e-4)
+    from selenium.webdriver.common.by import By
+
+    section = browser.find_elements(By.XPATH, "//*[normalize-space(text())='Metrics']")[-1]
+    browser.execute_script("arguments[0].scrollIntoView(true);", section)
+    screenshot(browser, "compare_distill_runs")
