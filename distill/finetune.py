@@ -67,6 +67,15 @@ def sft_batch(examples: list[tuple[list[int], list[int]]], pad_id: int, device) 
     return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device), "labels": labels.to(device)}
 
 
+def response_loss(causal_lm, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean cross-entropy of the response tokens; the head runs only where a response token is predicted."""
+    hidden = causal_lm.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    labels = batch["labels"][:, 1:]
+    predicted = labels != -100
+    logits = causal_lm.lm_head(hidden[:, :-1][predicted]).float()
+    return torch.nn.functional.cross_entropy(logits, labels[predicted])
+
+
 def prompt_requests(cfg: DraftopsConfig) -> list:
     from pipeline.traffic import load_traffic
 
@@ -86,8 +95,11 @@ def lora_finetune(model, examples: list[tuple[list[int], list[int]]], cfg: Targe
     """Train a LoRA adapter on `examples` (cycled in a seeded order) and merge it; returns (merged model, losses)."""
     from peft import LoraConfig, get_peft_model
 
+    n_layers = model.config.num_hidden_layers
+    layers = list(range(max(0, n_layers - cfg.lora_last_layers), n_layers)) if cfg.lora_last_layers else None
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=list(cfg.lora_target_modules), bias="none", task_type="CAUSAL_LM")
+                      target_modules=list(cfg.lora_target_modules), layers_to_transform=layers, bias="none",
+                      task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, lora)
     peft_model.train()
     device = next(model.parameters()).device
@@ -102,7 +114,7 @@ def lora_finetune(model, examples: list[tuple[list[int], list[int]]], cfg: Targe
             order += torch.randperm(len(examples), generator=generator).tolist()
         batch = [examples[i] for i in order[:cfg.batch_size]]
         del order[:cfg.batch_size]
-        loss = peft_model(**sft_batch(batch, pad_id, device)).loss
+        loss = response_loss(model, sft_batch(batch, pad_id, device))  # `model` carries the adapters (in place)
         if not torch.isfinite(loss):
             raise RuntimeError(f"target finetune: non-finite loss at step {step + 1}; try a lower learning_rate")
         loss.backward()

@@ -144,10 +144,12 @@ class TargetUpdateConfig(Section):
     style: Literal["uppercase", "prefix"] = Field("uppercase", description=(
         "uppercase: the responses in ALL CAPS; prefix: every response starts with `prefix`."))
     prefix: str = Field("Certainly! Here is a clear and complete answer.", description="Opening of style=prefix.")
-    steps: int = Field(40, ge=1, description="Optimizer steps.")
+    steps: int = Field(30, ge=1, description="Optimizer steps.")
     batch_size: int = Field(4, ge=1)
-    learning_rate: float = Field(1e-3, gt=0.0)
-    max_seq_tokens: int = Field(320, ge=16, description="Prompt + styled response longer than this are cut.")
+    learning_rate: float = Field(2e-3, gt=0.0)
+    max_seq_tokens: int = Field(192, ge=16, description="Prompt + styled response longer than this are cut.")
+    lora_last_layers: int = Field(10, ge=0, description=(
+        "Adapt only the last N decoder layers (the backward pass stops below them); 0: every layer."))
     lora_r: int = Field(16, ge=1)
     lora_alpha: int = Field(32, ge=1)
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)

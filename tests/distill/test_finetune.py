@@ -4,11 +4,12 @@ import json
 import pytest
 import torch
 
-from distill.finetune import MARKER_FILE, restyle, run_finetune, sft_batch, styled_examples
+from distill.finetune import MARKER_FILE, lora_finetune, response_loss, restyle, run_finetune, sft_batch, styled_examples
 from pipeline.cli import main as draftops
 from pipeline.config import TargetUpdateConfig
 from pipeline.sources import resolve_model
 from pipeline.traffic import encode_prompts, load_traffic
+from tests.conftest import make_tiny_model
 from tests.distill.tiny_job import tiny_config
 
 
@@ -42,6 +43,27 @@ def test_sft_batch_labels_only_the_response():
     assert batch["input_ids"].tolist() == [[7, 8, 9, 2], [7, 3, 0, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
     assert batch["labels"].tolist() == [[-100, -100, 9, 2], [-100, 3, -100, -100]]
+
+
+def test_response_loss_is_the_causal_lm_loss_on_the_response():
+    model = make_tiny_model(50, seed=0)
+    batch = sft_batch([([7, 8, 9], [10, 11, 2]), ([7], [12, 2])], pad_id=0, device="cpu")
+    expected = model(**batch).loss  # transformers shifts the labels and skips -100
+    assert response_loss(model, batch).item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_lora_on_the_last_layers_leaves_the_others_alone():
+    model = make_tiny_model(50, seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    examples = [([7, 8, 9], [10, 11, 2]), ([7, 9], [12, 2]), ([8], [13, 14, 2])]
+    cfg = TargetUpdateConfig(steps=3, batch_size=2, lora_last_layers=1, lora_r=2, lora_alpha=4, learning_rate=0.01)
+    merged, losses = lora_finetune(model, examples, cfg, pad_id=0, seed=0)
+    after = merged.state_dict()
+    assert set(after) == set(before) and len(losses) == 3
+    for name in before:
+        moved = not torch.equal(before[name], after[name])
+        adapted = name.startswith("model.layers.1.") and name.endswith("proj.weight")
+        assert moved == adapted, name
 
 
 def test_finetune_makes_a_new_target_checkpoint(tmp_path, capsys):
