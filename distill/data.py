@@ -169,33 +169,35 @@ def cached_responses(model, tokenizer, target_fingerprint: str, requests: list, 
     """The target's responses to `prompts` (`samples` each: the first greedy, the rest sampled), cached on disk,
     with the teacher's top-`topk` per response token.
 
-    A cache holding a larger k is sliced; one holding a smaller k gets its teacher top-k recomputed once by a
-    teacher-forced pass and rewritten. Returns (responses, cache dir, whether the responses came from the cache).
-    Request ids are `<request id>#<sample>`.
+    Each sample round is cached on its own (`sample-<i>/`) as soon as it is done, so a run killed during generation
+    keeps its finished rounds, and asking for more samples later reuses the earlier ones. A cache holding a larger k is
+    sliced; one holding a smaller k gets its teacher top-k recomputed once by a teacher-forced pass and rewritten.
+    Returns (responses, cache dir, whether every round came from the cache). Request ids are `<request id>#<sample>`.
     """
-    key = prompts_hash(prompts, samples=samples, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    key = prompts_hash(prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     path = response_cache_dir(target_fingerprint, key)
-    if (path / TOPK_FILE).exists():
-        responses = load_responses(path)
-        if responses.topk_indices.shape[1] < topk:
-            rows = teacher_forced_topk(model, [p + r for p, r in zip(responses.prompt_ids, responses.response_ids)],
-                                       [len(p) for p in responses.prompt_ids], topk)
-            responses.topk_logprobs = torch.cat([v for v, _ in rows])
-            responses.topk_indices = torch.cat([i for _, i in rows])
-            save_responses(responses, path)
-        responses.topk_logprobs = responses.topk_logprobs[:, :topk]
-        responses.topk_indices = responses.topk_indices[:, :topk]
-        return responses, path, True
-    parts = []
+    parts, all_cached = [], True
     for sample in range(samples):
-        part = generate_responses(model, tokenizer, prompts, max_new_tokens=max_new_tokens,
-                                  temperature=0.0 if sample == 0 else temperature, batch_size=batch_size,
-                                  seed=seed + sample, topk=topk, progress=progress)
-        part.request_ids = [f"{r.id}#{sample}" for r in requests]
+        part_dir = path / f"sample-{sample}"
+        if (part_dir / TOPK_FILE).exists():
+            part = load_responses(part_dir)
+            if part.topk_indices.shape[1] < topk:
+                rows = teacher_forced_topk(model, [p + r for p, r in zip(part.prompt_ids, part.response_ids)],
+                                           [len(p) for p in part.prompt_ids], topk)
+                part.topk_logprobs = torch.cat([v for v, _ in rows])
+                part.topk_indices = torch.cat([i for _, i in rows])
+                save_responses(part, part_dir)
+            part.topk_logprobs = part.topk_logprobs[:, :topk]
+            part.topk_indices = part.topk_indices[:, :topk]
+        else:
+            all_cached = False
+            part = generate_responses(model, tokenizer, prompts, max_new_tokens=max_new_tokens,
+                                      temperature=0.0 if sample == 0 else temperature, batch_size=batch_size,
+                                      seed=seed + sample, topk=topk, progress=progress)
+            part.request_ids = [f"{r.id}#{sample}" for r in requests]
+            save_responses(part, part_dir)
         parts.append(part)
-    responses = concat(parts)
-    save_responses(responses, path)
-    return responses, path, False
+    return concat(parts), path, all_cached
 
 
 def concat(parts: list[ResponseSet]) -> ResponseSet:

@@ -465,7 +465,8 @@ def prepare_data(cfg: DraftopsConfig, accelerator, target, timings: Timings) -> 
     if d.draft_vocab_size:
         token_ids = frequent_token_ids(train.response_ids, d.draft_vocab_size, target.tokenizer.all_special_ids)
     fingerprint = hashlib.sha256(
-        f"{traffic.fingerprint('train', cfg.traffic.heldout_fraction)}|{train_dir.name}".encode()).hexdigest()[:16]
+        f"{traffic.fingerprint('train', cfg.traffic.heldout_fraction)}|{train_dir.name}|{d.responses_per_prompt}"
+            .encode()).hexdigest()[:16]
     return TrainingData(train, heldout, token_ids, fingerprint)
 
 
