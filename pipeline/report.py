@@ -146,6 +146,7 @@ def monitor_history_figure(checks: list[CheckRow]):
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.dates as mdates
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 4))
@@ -173,9 +174,11 @@ def monitor_history_figure(checks: list[CheckRow]):
             ax.axvline(c.time, color="tab:purple", linewidth=1.5)
             ax.annotate(f"retrained: v{c.challenger_version} promoted", (c.time, 0.02), rotation=90, fontsize=8,
                         color="tab:purple", xytext=(3, 0), textcoords="offset points")
-    ax.set(ylabel="acceptance", ylim=(0, 1.05), title="monitor: champion acceptance over time")
+    ax.set(ylabel="acceptance", ylim=(0, 1.05), title="monitor: champion acceptance over time (UTC)")
     ax.legend(loc="lower left", fontsize=8)
-    fig.autofmt_xdate()
+    locator = mdates.AutoDateLocator()
+    ax.xaxis.set_major_locator(locator)
+    ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
     fig.tight_layout()
     return fig
 
@@ -240,6 +243,18 @@ def _html_table(header: list[str], body: list[list[str]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
 
 
+def _png_data_uri(fig) -> str:
+    import base64
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=90)
+    plt.close(fig)
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
 def render_html(name: str, versions: list[VersionRow], checks: list[CheckRow], uri: str) -> str:
     style = ("body{font-family:system-ui,sans-serif;margin:2em}table{border-collapse:collapse}"
              "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}th{background:#f3f3f3}")
@@ -248,7 +263,9 @@ def render_html(name: str, versions: list[VersionRow], checks: list[CheckRow], u
             f"<p>MLflow store: <code>{html.escape(uri)}</code></p><h2>Versions ({len(versions)})</h2>"
             f"{_html_table(*version_table(versions)) if versions else '<p>No versions registered.</p>'}"
             f"<h2>Monitor: last {len(checks)} checks</h2>"
-            f"{_html_table(*check_table(checks)) if checks else '<p>No monitor checks yet.</p>'}</body></html>\n")
+            f"{_html_table(*check_table(checks)) if checks else '<p>No monitor checks yet.</p>'}"
+            + (f"<p><img alt='monitor history' src='{_png_data_uri(monitor_history_figure(checks))}'></p>"
+               if checks else "") + "</body></html>\n")
 
 
 def build_report(name: str, *, fmt: str = "md", tracking_uri: str | None = None, checks: int = 10) -> str:

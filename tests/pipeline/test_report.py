@@ -92,6 +92,7 @@ def test_report_markdown_and_html(store, capsys, tmp_path):
                  f"tracking.uri={store.tracking.uri}"]) == 0
     page = out.read_text()
     assert page.startswith("<!doctype html>") and "<td>champion</td>" in page and "<td>1.73x</td>" in page
+    assert "<img alt='monitor history' src='data:image/png;base64," in page
 
 
 def test_report_on_an_empty_store(tmp_path, capsys):
