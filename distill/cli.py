@@ -20,6 +20,7 @@ def distill_command(args) -> int:
 def target_finetune_command(args) -> int:
     from distill.finetune import run_finetune
     from pipeline.config import load_config
+    from pipeline.tracking import tracking_uri
 
     cfg = load_config(args.config, args.overrides)
     result = run_finetune(cfg)
@@ -28,6 +29,7 @@ def target_finetune_command(args) -> int:
     print("  time: " + "  ".join(f"{k} {v:.0f}s" for k, v in result.timings.items())
           + f"  (total {sum(result.timings.values()):.0f}s)")
     print(f"  target {cfg.target} ({result.base_fingerprint}) -> {result.path} ({result.fingerprint})")
+    print(f"  MLflow: {tracking_uri(cfg)}  run {result.run_id}  (experiment draftops-target)")
     print(f"  check the champion against it: draftops monitor check{f' --config {args.config}' if args.config else ''}"
           f" target={result.path}")
     return 0

@@ -29,6 +29,7 @@ class FinetuneResult:
     examples: int
     losses: list[float]
     timings: dict[str, float] = field(default_factory=dict)
+    run_id: str | None = None
 
 
 def restyle(text: str, cfg: TargetUpdateConfig) -> str:
@@ -187,4 +188,24 @@ def run_finetune(cfg: DraftopsConfig) -> FinetuneResult:
     replace_dir(tmp, out)
     fingerprint = fingerprint_dir(out)
     timings["save"] = time.perf_counter() - clock
-    return FinetuneResult(out, target.fingerprint, fingerprint, len(examples), losses, timings)
+    result = FinetuneResult(out, target.fingerprint, fingerprint, len(examples), losses, timings)
+    result.run_id = log_update(cfg, result)
+    return result
+
+
+def log_update(cfg: DraftopsConfig, result: FinetuneResult) -> str:
+    """An MLflow run in `draftops-target`: the update's settings, loss curve, times and both fingerprints."""
+    import mlflow
+
+    from pipeline import metrics
+    from pipeline.tracking import start_run
+
+    tags = {"draftops.target_fingerprint": result.fingerprint, "draftops.base_target_fingerprint":
+            result.base_fingerprint, "draftops.target_path": str(result.path)}
+    with start_run(cfg, "target", run_name=f"finetune-{cfg.target_update.style}", tags=tags) as run:
+        mlflow.log_params({f"target_update.{k}": str(v) for k, v in cfg.target_update.model_dump().items()})
+        for step, loss in enumerate(result.losses, start=1):
+            mlflow.log_metric(metrics.TRAIN_LOSS, loss, step=step)
+        mlflow.log_metrics({metrics.TRAIN_FINAL_LOSS: result.losses[-1], "train/examples": result.examples,
+                            **{metrics.seconds(k): v for k, v in result.timings.items()}})
+    return run.info.run_id

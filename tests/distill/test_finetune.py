@@ -1,8 +1,10 @@
 """`draftops target finetune` on a tiny target: restyled SFT data, LoRA that moves the weights, merge, a new checkpoint."""
 import json
 
+import mlflow
 import pytest
 import torch
+from mlflow import MlflowClient
 
 from distill.finetune import MARKER_FILE, lora_finetune, response_loss, restyle, run_finetune, sft_batch, styled_examples
 from pipeline.cli import main as draftops
@@ -96,6 +98,12 @@ def test_finetune_makes_a_new_target_checkpoint(tmp_path, capsys):
     lineage = json.loads((result.path / MARKER_FILE).read_text())
     assert lineage["base_fingerprint"] == base.fingerprint and lineage["style"] == "uppercase"
     assert (result.path / "draftops_config.yaml").exists()
+    run = MlflowClient().get_run(result.run_id)
+    assert mlflow.get_experiment(run.info.experiment_id).name == "draftops-target"
+    assert run.data.tags["draftops.target_fingerprint"] == result.fingerprint
+    assert run.data.tags["draftops.base_target_fingerprint"] == base.fingerprint
+    assert run.data.metrics["train/final_loss"] == pytest.approx(result.losses[-1])
+    assert [m.value for m in MlflowClient().get_metric_history(result.run_id, "train/loss")] == pytest.approx(result.losses)
 
     # the CLI: a second run replaces its own earlier output; a foreign folder is refused
     assert draftops(["target", "finetune", f"target={cfg.target}", f"traffic.path={cfg.traffic.path}", "device=cpu",
