@@ -128,7 +128,8 @@ def per_category_figure(report: dict):
     analytic = [report["analytic"]["per_category"][n] for n in names]
     fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(names) + 2), 3.8))
     x = np.arange(len(names))
-    for offset, rows, label, color in ((-0.2, live, "live α̂", "tab:blue"), (0.2, analytic, "analytic α", "tab:orange")):
+    bars = ((-0.2, live, "live α̂", "tab:blue"), (0.2, analytic, "analytic α", "tab:orange"))
+    for offset, rows, label, color in bars:
         values = np.array([r["value"] for r in rows])
         errors = np.array([[r["value"] - r["low"], r["high"] - r["value"]] for r in rows]).T
         ax.bar(x + offset, values, 0.4, yerr=np.clip(errors, 0, None), capsize=3, color=color, label=label)

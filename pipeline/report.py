@@ -231,7 +231,8 @@ def render_markdown(name: str, versions: list[VersionRow], checks: list[CheckRow
     parts = [f"# draftops report: {name}", "", f"MLflow store: `{uri}`", "", f"## Versions ({len(versions)})", ""]
     parts.append(markdown_table(*version_table(versions)) if versions else "No versions registered.")
     parts += ["", "α and τ: held-out acceptance measured when the version was distilled (T=0 greedy, T=1 sampling); "
-              "eval α live: acceptance measured while decoding in its latest `draftops eval`; speedup: its latest `draftops bench` (vs the target alone).",
+              "eval α live: acceptance measured while decoding in its latest `draftops eval`; "
+              "speedup: its latest `draftops bench` (vs the target alone).",
               "", f"## Monitor: last {len(checks)} checks", ""]
     parts.append(markdown_table(*check_table(checks)) if checks else "No monitor checks yet.")
     return "\n".join(parts) + "\n"

@@ -7,6 +7,7 @@ Screenshots land in test-artifacts/. Run with `make test-browser` (pytest -m bro
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -15,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -70,8 +73,6 @@ def server(store):
         start_new_session=True)  # its own process group: the server's workers and job consumers go with it
     try:
         deadline = time.monotonic() + SERVER_TIMEOUT_S
-        import urllib.request
-
         while True:
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
@@ -184,10 +185,8 @@ def test_registered_model_page_lists_both_versions_with_aliases(store, server, b
 
 
 def test_compare_view_of_the_two_distill_runs_shows_acceptance(store, server, browser):
-    import json
-    import urllib.parse
-
     from mlflow import MlflowClient
+    from selenium.webdriver.common.by import By
 
     cfg, first, second = store
     experiment = MlflowClient(cfg.tracking.uri).get_run(first.run_id).info.experiment_id
@@ -202,8 +201,6 @@ def test_compare_view_of_the_two_distill_runs_shows_acceptance(store, server, br
         [first.metrics["alpha_t1"], second.metrics["alpha_t1"]], abs=6e-4)
     assert metric_values(text, M.tau_at(cfg.decode.gamma), 2) == pytest.approx(
         [first.metrics["tau"], second.metrics["tau"]], abs=6e-4)
-    from selenium.webdriver.common.by import By
-
     section = browser.find_elements(By.XPATH, "//*[normalize-space(text())='Metrics']")[-1]
     browser.execute_script("arguments[0].scrollIntoView(true);", section)
     screenshot(browser, "compare_distill_runs")
