@@ -41,7 +41,7 @@ BENCH_TRAFFIC ?= ../shared/data/spec_bench.jsonl
 DRAFT ?= models:/draftops-draft@champion
 bench: setup
 	.venv/bin/draftops bench --config $(CONFIG) --draft $(DRAFT) --traffic $(BENCH_TRAFFIC) --split all \
-		--limit 30 --max-new-tokens 128 --out outputs/bench $(ARGS)
+		--per-category 5 --max-new-tokens 128 --out outputs/bench $(ARGS)
 
 # The boundary map on the default pair: the registered champion (if any), the target's first 2 layers (full head, and
 # a head cut to the 8192 most frequent traffic tokens), prompt lookup. About 10 minutes on an idle 2-core CPU.
@@ -53,7 +53,7 @@ sweep: setup
 monitor: setup
 	.venv/bin/draftops monitor serve --config $(CONFIG) $(ARGS)
 
-# A target update found and repaired end to end (about 30 minutes on an idle 2-core CPU): distill a champion, check,
+# A target update found and repaired end to end (35-45 minutes on an idle 2-core CPU): distill a champion, check,
 # `draftops target finetune`, check (DRIFT: target changed) with warm-start retraining and promotion, check again.
 # Everything under outputs/drift-demo; its own registered model (draftops-drift-demo) in the configured MLflow store.
 DEMO_CONFIG ?= configs/drift_demo.yaml

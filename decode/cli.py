@@ -45,10 +45,12 @@ def _schedule(args, cfg):
 
 
 def _requests(cfg, args):
-    from pipeline.traffic import load_traffic
+    from pipeline.traffic import first_per_category, load_traffic
 
     traffic = load_traffic(_pick(args.traffic, cfg.traffic.path), skip_malformed=cfg.traffic.skip_malformed)
     requests = traffic.split(args.split, cfg.traffic.heldout_fraction)
+    if getattr(args, "per_category", None):
+        requests = first_per_category(requests, args.per_category)
     if args.limit:
         requests = requests[: args.limit]
     if not requests:
@@ -275,6 +277,8 @@ def _common(parser, *, traffic: bool) -> None:
         parser.add_argument("--traffic", default=None, help="traffic JSONL (default: the config's traffic.path)")
         parser.add_argument("--split", choices=["heldout", "train", "all"], default="heldout")
         parser.add_argument("--limit", type=int, default=None, help="use the first N requests of the split")
+        parser.add_argument("--per-category", type=int, default=None,
+                            help="use the first K requests of each category (before --limit)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. device=cpu")
 

@@ -76,6 +76,17 @@ def split_of(request_id: str, heldout_fraction: float = 0.1) -> Literal["train",
     return "heldout" if bucket < heldout_fraction else "train"
 
 
+def first_per_category(requests: list[Request], k: int) -> list[Request]:
+    """The first k requests of every category, in log order: a small sample that still covers each category."""
+    taken: dict[str, int] = {}
+    kept = []
+    for request in requests:
+        if taken.get(request.category, 0) < k:
+            taken[request.category] = taken.get(request.category, 0) + 1
+            kept.append(request)
+    return kept
+
+
 def resolve_traffic_path(path: str | Path) -> Path:
     return DEFAULT_TRAFFIC if str(path) == "default" else Path(path)
 

@@ -77,3 +77,10 @@ def test_prompts_get_the_chat_template_and_long_ones_are_truncated(tmp_path, tin
     with pytest.warns(UserWarning, match="4 of 4 prompts"):
         short, truncated = encode_prompts(traffic.requests, tiny_tokenizer, max_prompt_tokens=7)
     assert truncated == 4 and [len(x) for x in short] == [7, 7, 7, 7] and short[0] == ids[0][-7:]
+
+
+def test_first_per_category_keeps_log_order():
+    from pipeline.traffic import Request, first_per_category
+
+    requests = [Request(str(i), c, ({"role": "user", "content": "x"},)) for i, c in enumerate("aabbbacc")]
+    assert [r.id for r in first_per_category(requests, 2)] == ["0", "1", "2", "3", "6", "7"]
