@@ -57,3 +57,13 @@ def test_reference_lists_every_key_with_its_default():
     for key in keys:
         assert f"| `{key}` |" in table
     assert "| `decode.gamma` | `5` | Draft tokens proposed per target call. |" in table
+
+
+def test_readme_config_reference_is_current():
+    """The README's table is `draftops config --reference`; regenerate it when the schema changes."""
+    from pathlib import Path
+
+    from pipeline.config import reference_markdown
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert reference_markdown() in readme
