@@ -81,13 +81,11 @@ def prompt_requests(cfg: DraftopsConfig) -> list:
     from pipeline.traffic import load_traffic
 
     u = cfg.target_update
-    if u.prompts == "traffic":
+    if u.prompts == "traffic":  # exactly distill's selection, so that its cached responses are reused
         traffic = load_traffic(cfg.traffic.path, skip_malformed=cfg.traffic.skip_malformed)
         requests = traffic.split("train", cfg.traffic.heldout_fraction)
-        if cfg.distill.train_prompts:  # distill's own selection: its cached responses are reused
-            requests = requests[:cfg.distill.train_prompts]
-    else:
-        requests = load_traffic(u.prompts, skip_malformed=True).requests
+        return requests[:cfg.distill.train_prompts] if cfg.distill.train_prompts else requests
+    requests = load_traffic(u.prompts, skip_malformed=True).requests
     return requests[:u.max_prompts] if u.max_prompts else requests
 
 

@@ -140,7 +140,8 @@ class TargetUpdateConfig(Section):
     prompts: str = Field("traffic", description=(
         "'traffic': the train split of the configured traffic (the responses distill generated are reused from "
         "the cache); else a traffic-format JSONL read by path, e.g. ../shared/data/gsm8k_train.jsonl."))
-    max_prompts: int = Field(256, ge=0, description="Prompts used; 0: all of them.")
+    max_prompts: int = Field(256, ge=0, description=(
+        "Prompts used from a file; 0: all. The traffic's train split is used whole, as distill uses it."))
     style: Literal["uppercase", "prefix"] = Field("uppercase", description=(
         "uppercase: the responses in ALL CAPS; prefix: every response starts with `prefix`."))
     prefix: str = Field("Certainly! Here is a clear and complete answer.", description="Opening of style=prefix.")

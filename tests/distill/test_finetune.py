@@ -119,3 +119,16 @@ def test_finetune_makes_a_new_target_checkpoint(tmp_path, capsys):
         run_finetune(cfg.model_copy(update={"target_update": cfg.target_update.model_copy(
             update={"output_dir": str(foreign), "steps": 1})}))
     assert (foreign / "keep.txt").read_text() == "mine"
+
+
+def test_prompts_are_distills_train_split_or_a_file(tmp_path):
+    from distill.finetune import prompt_requests
+    from pipeline.traffic import load_traffic
+
+    cfg = tiny_config(tmp_path, "target_update.max_prompts=5")
+    train = load_traffic(cfg.traffic.path).split("train", cfg.traffic.heldout_fraction)
+    assert [r.id for r in prompt_requests(cfg)] == [r.id for r in train]  # whole: distill's cache entry
+    limited = tiny_config(tmp_path, "distill.train_prompts=7")
+    assert [r.id for r in prompt_requests(limited)] == [r.id for r in train[:7]]
+    from_file = tiny_config(tmp_path, f"target_update.prompts={cfg.traffic.path}", "target_update.max_prompts=5")
+    assert [r.id for r in prompt_requests(from_file)] == [f"r{i:03d}" for i in range(5)]  # any split, in file order
