@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from decode.acceptance import expected_speedup
-from decode.evaluate import eos_token_ids
+from pipeline.sources import eos_token_ids
 from decode.ngram import PromptLookupDrafter
 from decode.speculative import SpeculativeDecoder, forward_logits, rollback
 from decode.stats import aggregate_stats, ratio_ci

@@ -64,7 +64,7 @@ def _error(exc: Exception) -> int:
 
 
 def decode_command(args) -> int:
-    from decode.evaluate import eos_token_ids
+    from pipeline.sources import eos_token_ids
     from decode.ngram import PROMPT_LOOKUP, PromptLookupDrafter
     from decode.speculative import AdaptiveGamma, SpeculativeDecoder
     from pipeline.traffic import Request, encode_prompt

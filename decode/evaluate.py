@@ -10,15 +10,7 @@ import numpy as np
 from decode.acceptance import analytic_acceptance, expected_tokens, expected_tokens_from_positions
 from decode.speculative import AdaptiveGamma, SpeculativeDecoder
 from decode.stats import aggregate_stats, ratio_ci
-
-
-def eos_token_ids(model, tokenizer) -> list[int]:
-    """The generation config's EOS ids plus the tokenizer's."""
-    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return ids
+from pipeline.sources import eos_token_ids
 
 
 def evaluate(

@@ -21,6 +21,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from distill.losses import TopKTeacher, to_student_columns
 from pipeline import draftops_home
+from pipeline.sources import eos_token_ids
 
 TOPK_FILE = "teacher_topk.safetensors"
 
@@ -64,14 +65,6 @@ class TopKRecorder(LogitsProcessor):
         return scores
 
 
-def eos_ids(model, tokenizer) -> list[int]:
-    ids = model.generation_config.eos_token_id
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return ids
-
-
 def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
@@ -93,7 +86,7 @@ def generate_responses(model, tokenizer, prompts: list[list[int]], *, max_new_to
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
-    stop = eos_ids(model, tokenizer)
+    stop = eos_token_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0]
     gen_config = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,

@@ -140,8 +140,8 @@ def replace_dir(tmp: Path, out: Path) -> None:
 
 def run_finetune(cfg: DraftopsConfig) -> FinetuneResult:
     """The whole update: responses (cached) → restyle → LoRA → merge → checkpoint (+ resolved config, lineage)."""
-    from distill.data import cached_responses, eos_ids
-    from pipeline.sources import fingerprint_dir, resolve_model, save_checkpoint
+    from distill.data import cached_responses
+    from pipeline.sources import eos_token_ids, fingerprint_dir, resolve_model, save_checkpoint
     from pipeline.traffic import encode_prompts
 
     u, d = cfg.target_update, cfg.distill
@@ -163,7 +163,7 @@ def run_finetune(cfg: DraftopsConfig) -> FinetuneResult:
     timings["responses"] = time.perf_counter() - clock
     print(f"draftops target finetune: {len(responses)} target responses {'from the cache' if hit else 'generated'} "
           f"at {cache_dir}", flush=True)
-    stop = eos_ids(target.model, target.tokenizer)
+    stop = eos_token_ids(target.model, target.tokenizer)
     examples = styled_examples(target.tokenizer, responses.prompt_ids, responses.response_ids, stop, u)
     if not examples:
         raise ValueError("target finetune: no non-empty responses to restyle")

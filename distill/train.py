@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from distill.data import ResponseSet, cached_responses, collate, eos_ids
+from distill.data import ResponseSet, cached_responses, collate
 from distill.init import frequent_token_ids, init_draft
 from distill.losses import distillation_loss, to_student_columns
 from pipeline.config import DraftopsConfig
-from pipeline.sources import HF_ASSISTANT_DIR
+from pipeline.sources import HF_ASSISTANT_DIR, eos_token_ids
 
 STATE_FILE = "trainer_state.json"
 
@@ -268,7 +268,7 @@ def draft_continuations(draft, tokenizer, prompts: list[list[int]], *, token_ids
 
     from distill.data import left_pad
 
-    stop = eos_ids(draft, tokenizer)
+    stop = eos_token_ids(draft, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0]
     head = draft.lm_head
     if token_ids is not None:
@@ -319,7 +319,7 @@ def train_loop(cfg: DraftopsConfig, accelerator, target, tokenizer, draft, data:
     if d.max_steps:
         total_steps = min(total_steps, d.max_steps)
     select = "tau_t0" if cfg.decode.temperature == 0 else "tau_t1"
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids(target, tokenizer)[0]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids(target, tokenizer)[0]
 
     trainable = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=d.learning_rate, weight_decay=d.weight_decay)

@@ -277,6 +277,15 @@ def resolve_model(source: str, *, device: str | torch.device = "auto", dtype: st
     return ResolvedModel(source, local.path, model, tokenizer, local.fingerprint, local.token_ids)
 
 
+def eos_token_ids(model, tokenizer=None) -> list[int]:
+    """Every id that ends a reply: the generation config's EOS ids plus the tokenizer's."""
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
 def hf_assistant_model(draft: ResolvedModel) -> torch.nn.Module:
     """The draft as transformers' assisted generation can use it: the model itself, or the full-vocabulary copy that a
     reduced-vocabulary draft carries in `hf_assistant/`."""

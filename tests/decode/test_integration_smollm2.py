@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from decode import SpeculativeDecoder
-from decode.evaluate import eos_token_ids
+from pipeline.sources import eos_token_ids
 from distill.init import draft_from_target_layers, reduce_vocabulary
 from pipeline.sources import resolve_model
 from pipeline.traffic import encode_prompts, load_traffic
