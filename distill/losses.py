@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-LossName = Literal["forward_kl", "reverse_kl", "jsd", "tvd"]
+LossName = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "ce"]  # "ce": hard labels only (the baseline)
 TAIL_FLOOR = 1e-6
 
 
@@ -155,12 +155,15 @@ def distillation_loss(
     """
     mask = mask.bool()
     selected = student_logits[mask]
-    log_p, log_q = bucket_log_probs(selected, teacher[mask], temperature=temperature, token_ids=token_ids)
-    per_token = generalized_jsd(log_p, log_q, beta) if loss == "jsd" else DIVERGENCES[loss](log_p, log_q)
-    total = per_token.sum()
+    if (ce_weight or loss == "ce") and labels is None:
+        raise ValueError("cross-entropy (loss='ce' or ce_weight > 0) needs labels")
+    if loss == "ce":  # the plain-CE baseline: the teacher's sampled tokens, none of its distribution
+        total = F.cross_entropy(selected.float(), labels[mask], ignore_index=-100, reduction="sum")
+    else:
+        log_p, log_q = bucket_log_probs(selected, teacher[mask], temperature=temperature, token_ids=token_ids)
+        per_token = generalized_jsd(log_p, log_q, beta) if loss == "jsd" else DIVERGENCES[loss](log_p, log_q)
+        total = per_token.sum()
     if ce_weight:
-        if labels is None:
-            raise ValueError("ce_weight > 0 needs labels")
         total = total + ce_weight * F.cross_entropy(selected.float(), labels[mask], ignore_index=-100, reduction="sum")
     if num_tokens is None:
         num_tokens = mask.sum()

@@ -158,6 +158,11 @@ def test_cross_entropy_mix_and_label_mapping():
     mixed = distillation_loss(student, teacher.expand(1, 2, 5), mask, token_ids=token_ids, labels=labels, ce_weight=0.5)
     # one labelled token (id 3 -> column 2, q = .25), the other is outside the draft vocab; sum / 2 tokens
     assert (mixed - base).item() == pytest.approx(0.5 * math.log(4.0) / 2, abs=1e-6)
+    # the plain-CE baseline ignores the teacher's distribution entirely
+    ce_only = distillation_loss(student, teacher.expand(1, 2, 5), mask, loss="ce", token_ids=token_ids, labels=labels)
+    assert ce_only.item() == pytest.approx(math.log(4.0) / 2, abs=1e-6)
+    with pytest.raises(ValueError, match="needs labels"):
+        distillation_loss(student, teacher.expand(1, 2, 5), mask, loss="ce", token_ids=token_ids)
 
 
 def test_top_k_ids_outside_a_reduced_vocab_join_the_teacher_tail():
