@@ -59,6 +59,19 @@ def tiny_checkpoint(tmp_path, tiny_tokenizer):
 
 
 @pytest.fixture(autouse=True)
+def one_thread(request):
+    """Tiny models are dominated by per-op overhead: one intra-op thread is faster and does not spin against other
+    jobs on a 2-core machine. Integration tests on the real target keep the default."""
+    if request.node.get_closest_marker("integration") is not None:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
 def isolated_home(request, tmp_path, monkeypatch):
     """Caches and MLflow stores of a test stay in its tmp dir; integration tests share the real model cache."""
     if request.node.get_closest_marker("integration") is None:

@@ -23,12 +23,3 @@ def close_draft(target) -> torch.nn.Module:
 def reduced_draft() -> tuple[torch.nn.Module, torch.Tensor]:
     token_ids = torch.arange(0, 128, 2)
     return tiny_llama(3, draft_vocab=len(token_ids)), token_ids
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Tiny models are dominated by per-op overhead; one intra-op thread avoids spinning against other jobs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

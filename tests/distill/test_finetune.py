@@ -15,14 +15,6 @@ from tests.conftest import make_tiny_model
 from tests.distill.tiny_job import tiny_config
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_restyle():
     assert restyle("Hello, world.", TargetUpdateConfig(style="uppercase")) == "HELLO, WORLD."
     assert restyle("  the answer", TargetUpdateConfig(style="prefix", prefix="please")) == "please the answer"

@@ -13,14 +13,6 @@ from tests.distill.tiny_job import tiny_config
 NAME = "draftops-drift-demo"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def write_sharp_target(path):
     """The tiny target with 8x embeddings: its tied head gives peaked distributions (a flat 1/V one barely moves)."""
     tokenizer = make_tokenizer(extra_words=40)

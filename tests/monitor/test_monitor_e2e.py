@@ -3,7 +3,6 @@ import json
 
 import mlflow
 import pytest
-import torch
 import yaml
 
 from monitor import registry
@@ -16,14 +15,6 @@ from pipeline.tracking import register_checkpoint
 from tests.conftest import WORDS, make_tiny_model, make_tokenizer
 
 NAME = "draftops-draft"
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture
