@@ -165,7 +165,12 @@ def _registry_checkpoint(source: str) -> Path:
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(tmp))
+        try:
+            mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(tmp))
+        except mlflow.exceptions.MlflowException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise SourceError(f"{source}: version {version.version}'s files at {version.source} cannot be read: "
+                              f"{exc.message.splitlines()[0]}") from None
         found = sorted(p.parent for p in tmp.rglob("config.json") if (p.parent / "tokenizer_config.json").exists())
         if not found:
             raise SourceError(f"{source}: version {version.version} at {version.source} holds no HF checkpoint")

@@ -222,3 +222,16 @@ def test_fewer_heldout_requests_than_configured_uses_all_and_notes_it(setup):
     assert second.acceptance.paired.n_current_prompts == heldout and second.decision.status is Status.OK
     cfg.monitor.heldout_requests = heldout
     assert not any("fewer than" in n for n in check(cfg, world).decision.notes)
+
+
+def test_bad_config_is_a_clear_error_and_leaves_the_registry_alone(setup, tmp_path, capsys):
+    """An unknown target source: exit 2 with the reason; aliases and versions untouched."""
+    from pipeline.cli import main
+
+    cfg, _, _ = setup
+    before = {v.version: dict(v.aliases or []) for v in MlflowClient().search_model_versions(f"name='{NAME}'")}
+    cfg_path = tmp_path / "cfg.yaml"
+    assert main(["monitor", "check", "--config", str(cfg_path), "target=/nonexistent/model.gguf"]) == 2
+    assert "GGUF file not found" in capsys.readouterr().err
+    after = {v.version: dict(v.aliases or []) for v in MlflowClient().search_model_versions(f"name='{NAME}'")}
+    assert after == before and champion_version() == "1"
