@@ -175,9 +175,14 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
     timer = _Timer()
     champ = registry.champion(name)
     champion_fingerprint = champ.tags.get(registry.TARGET_FINGERPRINT_TAG)
+    heldout = heldout_by_recency(cfg)
+    if not heldout:
+        from pipeline.traffic import TrafficError
+
+        raise TrafficError(f"{cfg.traffic.path}: the held-out split is empty at traffic.heldout_fraction="
+                           f"{cfg.traffic.heldout_fraction}; the check measures held-out requests only")
     with timer("load_models"):
         target, draft = load(cfg, f"models:/{name}/{champ.version}")
-    heldout = heldout_by_recency(cfg)
     recent_requests = heldout[-m.heldout_requests:]
     baseline = registry.load_baseline(champ)
     report = CheckReport(Decision(Status.OK, None), name, champ.version, target.fingerprint, champion_fingerprint,

@@ -235,3 +235,16 @@ def test_bad_config_is_a_clear_error_and_leaves_the_registry_alone(setup, tmp_pa
     assert "GGUF file not found" in capsys.readouterr().err
     after = {v.version: dict(v.aliases or []) for v in MlflowClient().search_model_versions(f"name='{NAME}'")}
     assert after == before and champion_version() == "1"
+
+
+def test_empty_heldout_split_is_a_clear_error_before_any_model_loads(setup, tmp_path):
+    from pipeline.traffic import TrafficError
+
+    cfg, world, _ = setup
+    tiny = tmp_path / "tiny.jsonl"
+    write_traffic(tiny, 0, 2)
+    cfg.traffic.path, cfg.traffic.heldout_fraction = str(tiny), 0.001
+    world.load = lambda *a, **k: pytest.fail("models loaded before the traffic was checked")
+    with pytest.raises(TrafficError, match="held-out split is empty"):
+        check(cfg, world)
+    assert champion_version() == "1" and registry.load_baseline(registry.champion(NAME)) is None
