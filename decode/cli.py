@@ -17,7 +17,7 @@ def _load_target(args):
         from pipeline.tracking import setup_mlflow
 
         setup_mlflow(cfg)  # registry sources resolve against the configured store
-    return cfg, resolve_model(args.target or cfg.target, device=cfg.device, dtype=cfg.dtype)
+    return cfg, resolve_model(args.target or cfg.target, device=cfg.device, dtype=cfg.dtype, cpu_linear=cfg.cpu_linear)
 
 
 def _load(args):
@@ -30,7 +30,7 @@ def _load(args):
                          "this command needs a draft model")
     cfg, target = _load_target(args)
     parameter = next(target.model.parameters())
-    draft = resolve_model(args.draft, device=parameter.device, dtype=parameter.dtype)
+    draft = resolve_model(args.draft, device=parameter.device, dtype=parameter.dtype, cpu_linear=cfg.cpu_linear)
     check_tokenizer_compat(target.tokenizer, draft.tokenizer)
     return cfg, target, draft
 

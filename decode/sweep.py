@@ -61,9 +61,10 @@ def load_drafts(sources: Sequence[str], target, notes: list[str], vocab_texts: S
     device and dtype.
     """
     from distill.init import draft_from_target_layers, frequent_token_ids, reduce_vocabulary
+    from pipeline.kernels import cpu_linear_of, use_cpu_linear
     from pipeline.sources import SourceError, check_tokenizer_compat, resolve_model
 
-    parameter = next(target.model.parameters())
+    parameter, kernels = next(target.model.parameters()), cpu_linear_of(target.model)
     drafts = []
     for source in sources:
         name = source.rstrip("?")
@@ -78,10 +79,10 @@ def load_drafts(sources: Sequence[str], target, notes: list[str], vocab_texts: S
                     raise ValueError(f"{name}: a reduced head needs token texts to count")
                 token_ids = frequent_token_ids(vocab_texts, int(vocab), target.tokenizer.all_special_ids)
                 reduce_vocabulary(model, token_ids, target.model.get_output_embeddings().weight.detach())
-            drafts.append(Draft(name, model.eval(), token_ids))
+            drafts.append(Draft(name, use_cpu_linear(model.eval(), kernels), token_ids))
         else:
             try:
-                resolved = resolve_model(name, device=parameter.device, dtype=parameter.dtype)
+                resolved = resolve_model(name, device=parameter.device, dtype=parameter.dtype, cpu_linear=kernels)
             except SourceError as exc:
                 if not source.endswith("?"):
                     raise

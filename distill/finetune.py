@@ -147,7 +147,7 @@ def run_finetune(cfg: DraftopsConfig) -> FinetuneResult:
     u, d = cfg.target_update, cfg.distill
     timings: dict[str, float] = {}
     clock = time.perf_counter()
-    target = resolve_model(cfg.target, device=cfg.device, dtype=cfg.dtype)
+    target = resolve_model(cfg.target, device=cfg.device, dtype=cfg.dtype, cpu_linear=cfg.cpu_linear)
     requests = prompt_requests(cfg)
     if not requests:
         raise ValueError(f"target finetune: no prompts in {u.prompts}")

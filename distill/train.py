@@ -480,11 +480,12 @@ def run_distill(cfg: DraftopsConfig) -> DistillResult:
     timings = Timings()
     accelerator = make_accelerator(cfg)
     with timings.measure("load_target"):
-        target = resolve_model(cfg.target, device=accelerator.device, dtype=cfg.dtype)
+        target = resolve_model(cfg.target, device=accelerator.device, dtype=cfg.dtype, cpu_linear=cfg.cpu_linear)
     data = prepare_data(cfg, accelerator, target, timings)
     job_dir = Path(cfg.distill.output_dir) / job_key(cfg, data.fingerprint)
     set_seed(cfg.seed)
-    draft = init_draft(cfg.distill, target.model, token_ids=data.token_ids)
+    # fp32 master weights even beside a bf16 target; accelerate's mixed precision casts the compute
+    draft = init_draft(cfg.distill, target.model, token_ids=data.token_ids).float()
     embeddings = draft.get_input_embeddings().weight
     if draft.get_output_embeddings().weight is not embeddings:  # a tied head is trained, and its embeddings with it
         embeddings.requires_grad_(cfg.distill.train_embeddings)

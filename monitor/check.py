@@ -116,8 +116,8 @@ def load_models(cfg: DraftopsConfig, draft_source: str, target=None):
     """(target, draft) as ResolvedModels on the configured device (reusing `target` if given); tokenizers must agree."""
     from pipeline.sources import check_tokenizer_compat, resolve_model
 
-    target = target or resolve_model(cfg.target, device=cfg.device, dtype=cfg.dtype)
-    draft = resolve_model(draft_source, device=target.model.device, dtype=cfg.dtype)
+    target = target or resolve_model(cfg.target, device=cfg.device, dtype=cfg.dtype, cpu_linear=cfg.cpu_linear)
+    draft = resolve_model(draft_source, device=target.model.device, dtype=cfg.dtype, cpu_linear=cfg.cpu_linear)
     check_tokenizer_compat(target.tokenizer, draft.tokenizer)
     return target, draft
 

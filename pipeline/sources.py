@@ -270,14 +270,18 @@ def load_checkpoint(path: Path, *, dtype: torch.dtype = torch.float32) -> torch.
     return model
 
 
-def resolve_model(source: str, *, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto") -> ResolvedModel:
-    """Source string -> model (eval mode, on the device) and tokenizer, with fingerprint and vocabulary mapping."""
+def resolve_model(source: str, *, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
+                  cpu_linear: str = "onednn") -> ResolvedModel:
+    """Source string -> model (eval mode, on the device, its linear layers on `cpu_linear` kernels) and tokenizer,
+    with fingerprint and vocabulary mapping."""
     from transformers import AutoTokenizer
+
+    from pipeline.kernels import use_cpu_linear
 
     local = locate(source)
     device = pick_device(device) if isinstance(device, str) else device
     dtype = pick_dtype(dtype, device) if isinstance(dtype, str) else dtype
-    model = load_checkpoint(local.path, dtype=dtype).to(device).eval()
+    model = use_cpu_linear(load_checkpoint(local.path, dtype=dtype).to(device).eval(), cpu_linear)
     tokenizer = AutoTokenizer.from_pretrained(local.path)
     return ResolvedModel(source, local.path, model, tokenizer, local.fingerprint, local.token_ids)
 
@@ -299,8 +303,11 @@ def hf_assistant_model(draft: ResolvedModel) -> torch.nn.Module:
     copy_dir = draft.path / HF_ASSISTANT_DIR
     if not (copy_dir / "config.json").exists():
         raise SourceError(f"{draft.source}: reduced-vocabulary draft without a full-vocabulary {HF_ASSISTANT_DIR}/ copy")
+    from pipeline.kernels import cpu_linear_of, use_cpu_linear
+
     parameter = next(draft.model.parameters())
-    return load_checkpoint(copy_dir, dtype=parameter.dtype).to(parameter.device).eval()
+    copy = load_checkpoint(copy_dir, dtype=parameter.dtype).to(parameter.device).eval()
+    return use_cpu_linear(copy, cpu_linear_of(draft.model))
 
 
 def save_checkpoint(model, tokenizer, out_dir: str | Path, *, token_ids: torch.Tensor | None = None, config=None) -> Path:
