@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from decode.lean import LeanLlama
+from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter
 from decode.sampling import sample, to_target_vocab, warp_logits
 from decode.stats import GenerationStats
 
@@ -149,7 +151,9 @@ class ModelDrafter:
     """A draft LM proposing tokens autoregressively through its own KV cache (the drafter the decoder wraps)."""
 
     def __init__(self, draft, vocab_size: int, device: torch.device, *, token_ids: torch.Tensor | None = None,
-                 adaptive: AdaptiveGamma | None = None):
+                 adaptive: AdaptiveGamma | None = None, lean: bool = True):
+        """lean: run a Llama-architecture draft through `decode.lean.LeanLlama` (same function, far less per-call
+        overhead); False, or another architecture, runs the transformers forward."""
         if next(draft.parameters()).device != device:
             raise ValueError(f"target is on {device} but draft on {next(draft.parameters()).device}")
         draft_size = _output_size(draft)
@@ -179,12 +183,18 @@ class ModelDrafter:
         self.model, self.vocab_size, self.device = draft, vocab_size, device
         self.token_ids, self.adaptive = token_ids, adaptive
         self.context = _model_context(draft)
+        self.lean = LeanLlama(draft) if lean and LeanLlama.supports(draft) else None
 
-    def start(self, prompt: list[int]) -> DynamicCache:
+    def forward(self, tokens: torch.Tensor, cache, start: int, keep_last: bool) -> torch.Tensor:
+        if self.lean is not None:
+            return self.lean.forward_logits(tokens, cache, start, keep_last)
+        return forward_logits(self.model, tokens, cache, start, keep_last)
+
+    def start(self, prompt: list[int]):
         """The draft's cache after every prompt token but the last."""
-        cache = DynamicCache(config=self.model.config)
+        cache = self.lean.new_cache() if self.lean is not None else DynamicCache(config=self.model.config)
         if len(prompt) > 1:
-            forward_logits(self.model, torch.tensor(prompt[:-1], device=self.device), cache, 0, True)
+            self.forward(torch.tensor(prompt[:-1], device=self.device), cache, 0, True)
         return cache
 
     def propose(self, cache: DynamicCache, seq: list[int], k: int, warp: Warp, generator):
@@ -195,7 +205,7 @@ class ModelDrafter:
         unseen = torch.tensor(seq[cache.get_seq_length() :], device=self.device)
         drafts, probs = [], []
         for i in range(k):
-            logits = forward_logits(self.model, unseen, cache, len(seq) - unseen.shape[0] + i, True)[-1]
+            logits = self.forward(unseen, cache, len(seq) - unseen.shape[0] + i, True)[-1]
             if i > 0 and self.adaptive is not None and not self.adaptive.keep_drafting(logits):
                 return torch.stack(drafts), torch.stack(probs), i + 1
             q = to_target_vocab(warp(logits), self.token_ids, self.vocab_size)
@@ -224,6 +234,7 @@ class SpeculativeDecoder:
         draft_token_ids: torch.Tensor | None = None,
         adaptive: AdaptiveGamma | None = None,
         gamma_schedule: Sequence[tuple[int, int]] | None = None,
+        lookup_min_ngram: int | None = None,
         eos_token_ids: Sequence[int] | int | None = None,
         stop_strings: Sequence[str] | None = None,
         tokenizer=None,
@@ -232,6 +243,8 @@ class SpeculativeDecoder:
 
         gamma_schedule: [(max_context, γ), ...] picks γ per round from the current sequence length (prompt + generated
         so far) instead of the fixed `gamma`; see `draftops sweep`, which recommends one.
+        lookup_min_ngram: with a draft model, take prompt-lookup proposals first wherever an n-gram of at least this
+        many tokens repeats (decode.ngram.LookupThenModelDrafter).
         """
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
@@ -246,8 +259,12 @@ class SpeculativeDecoder:
         self.vocab_size = _output_size(target)
         if isinstance(draft, torch.nn.Module):
             draft = ModelDrafter(draft, self.vocab_size, self.device, token_ids=draft_token_ids, adaptive=adaptive)
-        elif draft_token_ids is not None:
-            raise ValueError("draft_token_ids applies to draft models only")
+            if lookup_min_ngram is not None:
+                lookup = PromptLookupDrafter(self.vocab_size, self.device, max_ngram=max(3, lookup_min_ngram),
+                                             min_ngram=lookup_min_ngram)
+                draft = LookupThenModelDrafter(lookup, draft)
+        elif draft_token_ids is not None or lookup_min_ngram is not None:
+            raise ValueError("draft_token_ids and lookup_min_ngram apply to draft models only")
         self.drafter = draft
         if isinstance(eos_token_ids, int):
             eos_token_ids = [eos_token_ids]
