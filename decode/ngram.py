@@ -52,3 +52,29 @@ class PromptLookupDrafter:
 
     def rollback(self, state, length: int) -> None:
         pass
+
+
+class LookupThenModelDrafter:
+    """Prompt lookup where the text so far repeats itself, the draft model everywhere else.
+
+    Copying costs nothing and is often long where a small draft is weak (summaries, retrieved passages, code edits),
+    while the model covers free text. A round takes the lookup's proposal when an n-gram of at least `lookup.min_ngram`
+    tokens matches, else asks the model. The model's cache simply misses the tokens of lookup rounds: its next
+    proposal feeds them first, in one forward.
+    """
+
+    def __init__(self, lookup: PromptLookupDrafter, model_drafter):
+        self.lookup, self.model = lookup, model_drafter
+        self.context = model_drafter.context
+
+    def start(self, prompt: list[int]):
+        return self.model.start(prompt)
+
+    def propose(self, state, seq: list[int], k: int, warp, generator):
+        drafts, q, _ = self.lookup.propose(None, seq, k, warp, generator)
+        if drafts.numel():
+            return drafts, q, 0
+        return self.model.propose(state, seq, k, warp, generator)
+
+    def rollback(self, state, length: int) -> None:
+        self.model.rollback(state, length)

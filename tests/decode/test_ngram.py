@@ -81,3 +81,35 @@ def test_lossless_when_sampling():
     assert_matches(pairs.sum(0), joint.sum(0))
     assert_matches(pairs, joint)
     assert 0.0 < accepted / verified < 1.0  # both acceptances and rejections happened
+
+
+def test_lookup_then_model_is_lossless_and_uses_both(target, close_draft):
+    decoder = SpeculativeDecoder(target, close_draft, 3, lookup_min_ngram=2)
+    model_calls = lookup_accepted = 0
+    for seed in range(4):
+        prompt = repetitive_prompt(seed)
+        result = decoder.generate(prompt, max_new_tokens=30)
+        assert result.token_ids == greedy_reference(target, prompt, 30)
+        model_calls += result.stats.draft_calls
+        lookup_accepted += result.stats.accepted
+    assert model_calls > 0 and lookup_accepted > 0
+    with pytest.raises(ValueError, match="apply to draft models only"):
+        SpeculativeDecoder(target, PromptLookupDrafter.for_model(target), 2, lookup_min_ngram=2)
+
+
+def test_lookup_then_model_is_lossless_when_sampling():
+    target = tiny_llama(10, vocab_size=VOCAB, init_range=0.15)
+    draft = tiny_llama(11, vocab_size=VOCAB, init_range=0.15)
+    decoder = SpeculativeDecoder(target, draft, 2, lookup_min_ngram=1)
+    pairs = np.zeros((VOCAB, VOCAB))
+    for seed in range(1000):
+        result = decoder.generate(PROMPT + [7], max_new_tokens=3, temperature=1.0, seed=seed)
+        pairs[result.token_ids[0], result.token_ids[1]] += 1
+    # "7" never occurred before: the first block is the model's; the second may be a lookup
+    prompt = PROMPT + [7]
+    with torch.no_grad():
+        first = warp_logits(target(torch.tensor([prompt])).logits[0, -1]).double()
+        second = warp_logits(target(torch.tensor([prompt + [x] for x in range(VOCAB)])).logits[:, -1]).double()
+    joint = (first[:, None] * second).numpy()
+    assert_matches(pairs.sum(1), first.numpy())
+    assert_matches(pairs, joint)
