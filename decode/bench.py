@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from decode.acceptance import expected_speedup
+from decode.acceptance import break_even_alpha, expected_speedup
 from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter
 from decode.speculative import SpeculativeDecoder, forward_logits, rollback
 from decode.stats import aggregate_stats, ratio_ci
@@ -201,6 +201,7 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
         "predicted_speedup": expected_speedup(alpha, gamma, c, v),
         "overhead_free_bound": tau / (gamma * c + v),
         "in_run_costs": in_run,
+        "break_even_alpha": break_even_alpha(gamma, in_run["c"], in_run["v"]),
         "speculative_time_s": summary["time_s"],
         "per_category": summary.get("per_category", {}),
         "notes": notes,
@@ -240,7 +241,8 @@ def markdown(report: dict) -> str:
         f"- in-run costs (each call at its real context): one target step {r['target_step_s'] * 1e3:.2f} ms, "
         f"c = {r['c']:.3f}, v = {r['v']:.3f}, {r['drafts_per_round']:.2f} drafts per round; overhead-free bound "
         f"{r['overhead_free_bound']:.2f}x, reached {speculative['speedup']['value'] / r['overhead_free_bound']:.2f} "
-        f"of it (time in model calls {r['model_time_share']:.1%})",
+        f"of it (time in model calls {r['model_time_share']:.1%}); break-even acceptance at these costs "
+        f"{report['break_even_alpha']:.2f} (below it this draft makes decoding slower)",
         f"- speculative time split: draft {time_s['draft_s']:.2f} s, verify {time_s['verify_s']:.2f} s, "
         f"prefill {time_s['prefill_s']:.2f} s, overhead {time_s['overhead_s']:.2f} s",
     ]
@@ -273,6 +275,7 @@ def flat_metrics(report: dict) -> dict[str, float]:
         M.IN_RUN_COST_RATIO_C: report["in_run_costs"]["c"],
         M.IN_RUN_VERIFY_RATIO_V: report["in_run_costs"]["v"],
         M.IN_RUN_BOUND: report["in_run_costs"]["overhead_free_bound"],
+        M.BREAK_EVEN_ALPHA: report["break_even_alpha"],
         M.ALPHA_LIVE: report["alpha"]["value"],
         M.tau_at(report["settings"]["gamma"]): report["tau"]["value"],
     }

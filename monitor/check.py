@@ -54,6 +54,7 @@ class CheckReport:
     current_acceptance: float | None = None
     acceptance_source: str = "analytic"
     break_even: float = 0.0
+    break_even_source: str = "monitor.break_even_alpha"
     n_baseline_prompts: int = 0
     n_recent_prompts: int = 0
     baseline_recorded: bool = False
@@ -73,7 +74,8 @@ class CheckReport:
             "champion_target_fingerprint": self.champion_target_fingerprint,
             "acceptance": self.acceptance and self.acceptance.to_dict(), "drift": self.drift and self.drift.to_dict(),
             "current_acceptance": self.current_acceptance, "acceptance_source": self.acceptance_source,
-            "break_even": self.break_even, "n_baseline_prompts": self.n_baseline_prompts,
+            "break_even": self.break_even, "break_even_source": self.break_even_source,
+            "n_baseline_prompts": self.n_baseline_prompts,
             "n_recent_prompts": self.n_recent_prompts, "baseline_recorded": self.baseline_recorded,
             "retrain": self.retrain and self.retrain.to_dict(), "timings": self.timings, "run_id": self.run_id,
         }
@@ -124,8 +126,9 @@ def load_models(cfg: DraftopsConfig, draft_source: str, target=None):
 
 def evaluate(cfg: DraftopsConfig, baseline: registry.Baseline, current_fingerprint: str,
              champion_fingerprint: str | None, remeasured: Measurement | None, recent: Measurement | None,
-             live: Measurement | None) -> tuple[AcceptanceCheck | None, TrafficDrift | None, float, str, Decision]:
-    """Tests and decision from measurements alone (no models, no registry)."""
+             live: Measurement | None, break_even: float | None = None
+             ) -> tuple[AcceptanceCheck | None, TrafficDrift | None, float, str, Decision]:
+    """Tests and decision from measurements alone (no models, no registry); break_even defaults to the config's."""
     m = cfg.monitor
     base = baseline.measurement
     acceptance = None
@@ -143,7 +146,8 @@ def evaluate(cfg: DraftopsConfig, baseline: registry.Baseline, current_fingerpri
         now = recent if recent is not None else remeasured
         current, source = (now.acceptance, "analytic") if now is not None else (base.acceptance, "baseline")
     decision = decide(champion_target_fingerprint=champion_fingerprint, current_target_fingerprint=current_fingerprint,
-                      acceptance=acceptance, drift=drift, current_acceptance=current, break_even=m.break_even_alpha,
+                      acceptance=acceptance, drift=drift, current_acceptance=current,
+                      break_even=m.break_even_alpha if break_even is None else break_even,
                       acceptance_source=source)
     return acceptance, drift, current, source, decision
 
@@ -185,8 +189,9 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
         target, draft = load(cfg, f"models:/{name}/{champ.version}")
     recent_requests = heldout[-m.heldout_requests:]
     baseline = registry.load_baseline(champ)
+    break_even, break_even_source = registry.break_even(champ, m.break_even_alpha)
     report = CheckReport(Decision(Status.OK, None), name, champ.version, target.fingerprint, champion_fingerprint,
-                         break_even=m.break_even_alpha, timings=timer)
+                         break_even=break_even, break_even_source=break_even_source, timings=timer)
     to_record: list[tuple[str, registry.Baseline]] = []
 
     if baseline is None:
@@ -217,7 +222,7 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
         remeasured, recent = _enough_measured(remeasured), _enough_measured(recent)
         (report.acceptance, report.drift, report.current_acceptance, report.acceptance_source,
          report.decision) = evaluate(cfg, baseline, target.fingerprint, champion_fingerprint, remeasured, recent,
-                                     live)
+                                     live, break_even)
         if report.acceptance is None:
             report.decision.notes.append("nothing to compare: the baseline's prompts left the traffic and there are "
                                          "no new held-out requests")

@@ -93,6 +93,20 @@ def load_baseline(model_version) -> Baseline | None:
     return Baseline.from_dict(mlflow.artifacts.load_dict(f"runs:/{run_id}/{BASELINE_ARTIFACT}"))
 
 
+def break_even(model_version, default: float) -> tuple[float, str]:
+    """The version's measured break-even acceptance (its latest `draftops bench`), else `default` from the config."""
+    from mlflow import MlflowClient
+
+    from pipeline import metrics as M
+
+    run_id = model_version.tags.get(M.LATEST_BENCH_RUN_TAG)
+    if run_id:
+        measured = MlflowClient().get_run(run_id).data.metrics.get(M.BREAK_EVEN_ALPHA)
+        if measured is not None:
+            return float(measured), f"bench run {run_id}"
+    return default, "monitor.break_even_alpha"
+
+
 def promote(name: str, version: str) -> str | None:
     """Make `version` the champion; the old champion becomes previous-champion. Returns the old champion."""
     client = _client()

@@ -42,6 +42,7 @@ OVERHEAD_FREE_BOUND = "speed/overhead_free_bound"
 IN_RUN_COST_RATIO_C = "speed/in_run_cost_ratio_c"
 IN_RUN_VERIFY_RATIO_V = "speed/in_run_verify_ratio_v"
 IN_RUN_BOUND = "speed/in_run_overhead_free_bound"
+BREAK_EVEN_ALPHA = "speed/break_even_alpha"  # from a bench's in-run c and v; the monitor's absolute alarm
 TOKENS_PER_S = "speed/tokens_per_s"
 TARGET_TOKENS_PER_S = "speed/target_tokens_per_s"
 NEW_TOKENS = "speed/new_tokens"

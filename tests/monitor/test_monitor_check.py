@@ -248,3 +248,19 @@ def test_empty_heldout_split_is_a_clear_error_before_any_model_loads(setup, tmp_
     with pytest.raises(TrafficError, match="held-out split is empty"):
         check(cfg, world)
     assert champion_version() == "1" and registry.load_baseline(registry.champion(NAME)) is None
+
+
+def test_the_champions_measured_break_even_is_the_absolute_alarm(setup):
+    from pipeline import metrics as M
+
+    cfg, world, _ = setup
+    first = check(cfg, world)  # records the baseline; acceptance ~0.7 against the config's break-even 0.4
+    assert first.decision.status is Status.OK and first.break_even == cfg.monitor.break_even_alpha
+    assert first.break_even_source == "monitor.break_even_alpha"
+    with mlflow.start_run() as run:  # what `draftops bench` leaves on the version it measured
+        mlflow.log_metric(M.BREAK_EVEN_ALPHA, 0.95)
+    MlflowClient().set_model_version_tag(NAME, "1", M.LATEST_BENCH_RUN_TAG, run.info.run_id)
+    second = check(cfg, world)
+    assert second.break_even == pytest.approx(0.95) and second.break_even_source == f"bench run {run.info.run_id}"
+    assert second.decision.status is Status.DRIFT and second.exit_code != 0
+    assert any("below break-even 0.950" in reason for reason in second.decision.reasons)
