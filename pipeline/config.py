@@ -120,8 +120,9 @@ class MonitorConfig(Section):
         "Jensen-Shannon divergence (bits) of prompt-token frequencies above which traffic counts as shifted."))
     drift_buckets: int = Field(256, ge=2, description="Token buckets: most frequent reference tokens + 'other'.")
     break_even_alpha: float = Field(0.4, ge=0.0, le=1.0, description=(
-        "Absolute alarm: acceptance below this makes speculative decoding no faster than the target alone "
-        "(`draftops sweep` measures it for a draft: decode.acceptance.break_even_alpha of gamma, c, v)."))
+        "Absolute alarm for a champion never benchmarked: acceptance below this makes speculative decoding no faster "
+        "than the target alone. Once `draftops bench` has measured the champion, its break-even (from the run's c "
+        "and v) is used instead."))
     live_requests: int = Field(0, ge=0, description="Also measure live acceptance by decoding this many requests (0: off).")
     retrain: bool = Field(False, description="On DRIFT, re-distill a challenger and promote it only if it is better.")
     promote_margin: float = Field(0.01, ge=0.0, lt=1.0, description=(
