@@ -71,7 +71,7 @@ class DistillConfig(Section):
     # data
     train_prompts: int = Field(0, ge=0, description="Train-split prompts used; 0: all of them.")
     responses_per_prompt: int = Field(
-        4, ge=1, description="Target responses per prompt: the first greedy, the others sampled.")
+        8, ge=1, description="Target responses per prompt: the first greedy, the others sampled.")
     eval_prompts: int = Field(24, ge=1, description="Held-out prompts for α/τ evaluation.")
     max_new_tokens: int = Field(128, ge=1, description="Longest target response generated.")
     generation_temperature: float = Field(0.8, gt=0.0, description="Temperature of the sampled responses.")
@@ -94,7 +94,7 @@ class DistillConfig(Section):
     epochs: int = Field(3, ge=1)
     batch_size: int = Field(16, ge=1, description="Sequences per process per micro-batch.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
-    learning_rate: float = Field(1e-3, gt=0.0)
+    learning_rate: float = Field(3e-3, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     warmup_steps: int = Field(10, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Cosine decay ends at this share of the lr.")
