@@ -1,7 +1,10 @@
 """`draftops bench`: target-only greedy vs HF assisted generation vs this decoder on the same prompts.
 
-The three methods run interleaved (their order rotates per prompt) so that machine load hits all of them alike.
-The step costs c and v are measured separately to compare the measured speedup with Leviathan's prediction.
+Methods: `target_only` (HF `generate` on the target alone: the baseline every speedup refers to), `plain` (greedy
+decoding through this decoder's own target forward, no draft: what the runtime alone gains), `hf_assisted` (the same
+draft and γ through transformers) and `speculative` (this decoder). They run interleaved (their order rotates per
+prompt) so that machine load hits all of them alike. The step costs c and v are measured separately, and again from
+the run's own timings, to compare the measured speedup with Leviathan's prediction and the overhead-free bound.
 """
 
 from __future__ import annotations
@@ -12,11 +15,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 from decode.acceptance import break_even_alpha, expected_speedup
 from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter
-from decode.speculative import SpeculativeDecoder, forward_logits, rollback
+from decode.speculative import ModelRunner, SpeculativeDecoder, greedy_decode, rollback
 from decode.stats import aggregate_stats, ratio_ci
 from pipeline.sources import HF_ASSISTANT_DIR, eos_token_ids, hf_assistant_model
 
@@ -55,11 +57,11 @@ def hf_generate(model, prompt: list[int], *, max_new_tokens: int, eos_ids: list[
 
 
 @torch.inference_mode()
-def step_costs(target, draft, prompt: list[int], gamma: int, reps: int = 20) -> dict[str, float]:
+def step_costs(target: ModelRunner, draft, prompt: list[int], gamma: int, reps: int = 20) -> dict[str, float]:
     """Median seconds of one cached target step, one draft step and one (γ+1)-token verify; c and v as ratios.
 
-    draft is the decoder's `ModelDrafter` (its step timed the way the decoder runs it) or a `PromptLookupDrafter`,
-    whose step is one lookup of γ tokens divided by γ (one lookup per round).
+    Timed the way the decoder runs them: target is its `ModelRunner`, draft its `ModelDrafter` or a
+    `PromptLookupDrafter`, whose step is one lookup of γ tokens divided by γ (one lookup per round).
     """
 
     def cost(forward, cache, device, n_tokens: int) -> float:
@@ -73,8 +75,7 @@ def step_costs(target, draft, prompt: list[int], gamma: int, reps: int = 20) -> 
         return statistics.median(times[2:])
 
     def target_cost(n_tokens: int) -> float:
-        return cost(lambda *a: forward_logits(target, *a), DynamicCache(config=target.config), _device(target),
-                    n_tokens)
+        return cost(target.forward, target.new_cache(), _device(target.model), n_tokens)
 
     if isinstance(draft, PromptLookupDrafter):
         lookups = [timed(lambda: draft.lookup(prompt, gamma), torch.device("cpu"))[1] for _ in range(reps + 2)]
@@ -136,6 +137,7 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     common = dict(max_new_tokens=max_new_tokens, eos_ids=eos, pad_id=pad)
     methods: dict[str, Callable[[list[int]], object]] = {
         "target_only": lambda p: hf_generate(target.model, p, **common),
+        "plain": lambda p: greedy_decode(decoder.target_runner, p, max_new_tokens, eos),
         "speculative": lambda p: decoder.generate(p, max_new_tokens=max_new_tokens),
     }
     notes = []
@@ -184,7 +186,7 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
                 tokens[name], seconds[name], tokens["target_only"], seconds["target_only"], seed=seed)
 
     model_drafter = decoder.drafter.model if isinstance(decoder.drafter, LookupThenModelDrafter) else decoder.drafter
-    costs = step_costs(target.model, model_drafter, prompts[0], gamma)
+    costs = step_costs(decoder.target_runner, model_drafter, prompts[0], gamma)
     summary = aggregate_stats(stats, categories, seed=seed)
     alpha, tau = summary["acceptance_rate"]["value"], summary["tau"]["value"]
     c, v = costs["c"], costs["v"]
@@ -231,6 +233,8 @@ def markdown(report: dict) -> str:
     time_s = report["speculative_time_s"]
     lines += [
         "",
+        f"- speculative / plain (the same forward without a draft): "
+        f"{speculative['tokens_per_s']['value'] / report['methods']['plain']['tokens_per_s']['value']:.2f}x",
         f"- acceptance α̂ = {a['value']:.3f} [{a['low']:.3f}, {a['high']:.3f}]; "
         f"tokens per target call τ = {t['value']:.2f} [{t['low']:.2f}, {t['high']:.2f}]",
         f"- step costs: target {k['target_step_s'] * 1e3:.2f} ms, draft {k['draft_step_s'] * 1e3:.2f} ms, "

@@ -79,6 +79,40 @@ def rollback(cache: DynamicCache, length: int) -> None:
         cache.crop(-extra)
 
 
+class ModelRunner:
+    """A causal LM as draftops runs it: `decode.lean.LeanLlama` where the architecture allows (the same function with
+    far less per-call overhead), else the transformers forward with a DynamicCache, which is also the reference."""
+
+    def __init__(self, model, lean: bool = True):
+        self.model = model
+        self.lean = LeanLlama(model) if lean and LeanLlama.supports(model) else None
+
+    def new_cache(self):
+        return self.lean.new_cache() if self.lean is not None else DynamicCache(config=self.model.config)
+
+    def forward(self, tokens: torch.Tensor, cache, start: int, keep_last: bool) -> torch.Tensor:
+        if self.lean is not None:
+            return self.lean.forward_logits(tokens, cache, start, keep_last)
+        return forward_logits(self.model, tokens, cache, start, keep_last)
+
+
+@torch.inference_mode()
+def greedy_decode(runner: ModelRunner, prompt: list[int], max_new_tokens: int,
+                  eos_token_ids: Sequence[int] = ()) -> list[int]:
+    """Plain greedy decoding, one target step per token through `runner` (the decoder's own forward)."""
+    device = next(runner.model.parameters()).device
+    cache = runner.new_cache()
+    logits = runner.forward(torch.tensor(prompt, device=device), cache, 0, True)[-1]
+    out: list[int] = []
+    for i in range(max_new_tokens):
+        token = logits.argmax()
+        out.append(int(token))
+        if out[-1] in eos_token_ids or i + 1 == max_new_tokens:
+            break
+        logits = runner.forward(token[None], cache, len(prompt) + i, True)[-1]
+    return out
+
+
 def verify(
     p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,8 +186,7 @@ class ModelDrafter:
 
     def __init__(self, draft, vocab_size: int, device: torch.device, *, token_ids: torch.Tensor | None = None,
                  adaptive: AdaptiveGamma | None = None, lean: bool = True):
-        """lean: run a Llama-architecture draft through `decode.lean.LeanLlama` (same function, far less per-call
-        overhead); False, or another architecture, runs the transformers forward."""
+        """lean: see `ModelRunner`."""
         if next(draft.parameters()).device != device:
             raise ValueError(f"target is on {device} but draft on {next(draft.parameters()).device}")
         draft_size = _output_size(draft)
@@ -183,16 +216,12 @@ class ModelDrafter:
         self.model, self.vocab_size, self.device = draft, vocab_size, device
         self.token_ids, self.adaptive = token_ids, adaptive
         self.context = _model_context(draft)
-        self.lean = LeanLlama(draft) if lean and LeanLlama.supports(draft) else None
-
-    def forward(self, tokens: torch.Tensor, cache, start: int, keep_last: bool) -> torch.Tensor:
-        if self.lean is not None:
-            return self.lean.forward_logits(tokens, cache, start, keep_last)
-        return forward_logits(self.model, tokens, cache, start, keep_last)
+        self.runner = ModelRunner(draft, lean)
+        self.forward = self.runner.forward
 
     def start(self, prompt: list[int]):
         """The draft's cache after every prompt token but the last."""
-        cache = self.lean.new_cache() if self.lean is not None else DynamicCache(config=self.model.config)
+        cache = self.runner.new_cache()
         if len(prompt) > 1:
             self.forward(torch.tensor(prompt[:-1], device=self.device), cache, 0, True)
         return cache
@@ -235,6 +264,7 @@ class SpeculativeDecoder:
         adaptive: AdaptiveGamma | None = None,
         gamma_schedule: Sequence[tuple[int, int]] | None = None,
         lookup_min_ngram: int | None = None,
+        lean: bool = True,
         eos_token_ids: Sequence[int] | int | None = None,
         stop_strings: Sequence[str] | None = None,
         tokenizer=None,
@@ -245,6 +275,7 @@ class SpeculativeDecoder:
         so far) instead of the fixed `gamma`; see `draftops sweep`, which recommends one.
         lookup_min_ngram: with a draft model, take prompt-lookup proposals first wherever an n-gram of at least this
         many tokens repeats (decode.ngram.LookupThenModelDrafter).
+        lean: run target and draft models through `ModelRunner`'s lean forward where possible (False: transformers').
         """
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
@@ -257,8 +288,10 @@ class SpeculativeDecoder:
         self.target, self.gamma, self.adaptive, self.gamma_schedule = target, gamma, adaptive, gamma_schedule
         self.device = next(target.parameters()).device
         self.vocab_size = _output_size(target)
+        self.target_runner = ModelRunner(target, lean)
         if isinstance(draft, torch.nn.Module):
-            draft = ModelDrafter(draft, self.vocab_size, self.device, token_ids=draft_token_ids, adaptive=adaptive)
+            draft = ModelDrafter(draft, self.vocab_size, self.device, token_ids=draft_token_ids, adaptive=adaptive,
+                                 lean=lean)
             if lookup_min_ngram is not None:
                 lookup = PromptLookupDrafter(self.vocab_size, self.device, max_ngram=max(3, lookup_min_ngram),
                                              min_ngram=lookup_min_ngram)
@@ -312,9 +345,9 @@ class SpeculativeDecoder:
 
         self._sync()
         start = time.perf_counter()
-        target_cache = DynamicCache(config=self.target.config)
+        target_cache = self.target_runner.new_cache()
         if len(prompt) > 1:
-            forward_logits(self.target, torch.tensor(prompt[:-1], device=self.device), target_cache, 0, True)
+            self.target_runner.forward(torch.tensor(prompt[:-1], device=self.device), target_cache, 0, True)
         draft_state = self.drafter.start(prompt)
         self._sync()
         stats.prefill_s = time.perf_counter() - start
@@ -333,7 +366,7 @@ class SpeculativeDecoder:
             t1 = time.perf_counter()
 
             fed = torch.cat([torch.tensor(seq[-1:], device=self.device), drafts])
-            p = warp(forward_logits(self.target, fed, target_cache, len(seq) - 1, False))
+            p = warp(self.target_runner.forward(fed, target_cache, len(seq) - 1, False))
             accepted, next_tokens = verify(p, q, drafts, generator)
             flat = torch.cat([accepted.long(), drafts, next_tokens]).tolist()  # the one sync per round
             self._sync()

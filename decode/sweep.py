@@ -25,12 +25,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 from decode.acceptance import analytic_acceptance, break_even_alpha
 from decode.bench import paired_speedup, timed
 from decode.ngram import PROMPT_LOOKUP, PromptLookupDrafter
-from decode.speculative import SpeculativeDecoder, Warp, forward_logits, rollback, verify
+from decode.speculative import ModelRunner, SpeculativeDecoder, Warp, greedy_decode, rollback, verify
 from decode.stats import aggregate_stats, ratio_ci
 
 TARGET_LAYERS = "target-layers:"  # `target-layers:N[:V]`: the target's first N layers, embeddings, norm and head
@@ -119,21 +118,6 @@ def at_context(prompt: list[int], filler: list[int], length: int) -> list[int]:
     need = length - len(prompt)
     pool = filler * (need // max(len(filler), 1) + 1)
     return pool[len(pool) - need :] + prompt
-
-
-@torch.inference_mode()
-def greedy_target_only(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Target-only greedy decoding through a KV cache, one token per step; EOS does not stop it."""
-    device = next(model.parameters()).device
-    cache = DynamicCache(config=model.config)
-    logits = forward_logits(model, torch.tensor(prompt, device=device), cache, 0, True)[-1]
-    out = []
-    for i in range(max_new_tokens):
-        token = logits.argmax()
-        out.append(token)
-        if i + 1 < max_new_tokens:
-            logits = forward_logits(model, token[None], cache, len(prompt) + i, True)[-1]
-    return torch.stack(out).tolist() if out else []
 
 
 # --------------------------------------------------------------------------- acceptance: the walk
@@ -235,26 +219,27 @@ def measure_costs(target_model, drafts: Sequence[Draft], tokens: list[int], cont
     vocab_size = target_model.get_output_embeddings().weight.shape[0]
     warp, max_gamma = Warp(), max(gammas)
     proposers = {d.name: d.proposer(target_model) for d in drafts}
+    runner = ModelRunner(target_model)  # the decoder's own target forward
 
     def prefill(start: Callable[[], object]) -> tuple[object, float]:
         runs = [timed(start, device) for _ in range(prefill_reps)]
         return runs[-1][0], statistics.median(seconds for _, seconds in runs)
 
-    def target_prefill(length: int) -> DynamicCache:
-        cache = DynamicCache(config=target_model.config)
-        forward_logits(target_model, torch.tensor(tokens[:length], device=device), cache, 0, True)
+    def target_prefill(length: int):
+        cache = runner.new_cache()
+        runner.forward(torch.tensor(tokens[:length], device=device), cache, 0, True)
         return cache
 
     def step(cache, length: int) -> Callable[[], int]:
         fed = torch.tensor(tokens[length : length + 1], device=device)
-        return lambda: forward_logits(target_model, fed, cache, length, True)[-1].argmax().item()
+        return lambda: runner.forward(fed, cache, length, True)[-1].argmax().item()
 
     def verify_round(cache, length: int, n: int) -> Callable[[], list]:
         fed = torch.tensor(tokens[length : length + n], device=device)
         q = torch.nn.functional.one_hot(fed[1:], vocab_size).float()
 
         def run() -> list:
-            p = warp(forward_logits(target_model, fed, cache, length, False))
+            p = warp(runner.forward(fed, cache, length, False))
             accepted, next_tokens = verify(p, q, fed[1:], None)
             return torch.cat([accepted.long(), fed[1:], next_tokens]).tolist()
 
@@ -435,8 +420,9 @@ def measure_cells(target_model, drafts: Sequence[Draft], plan, prompts: Sequence
     for name, gamma, _, _ in plan:
         d = by_name[name]
         decoders[(name, gamma)] = SpeculativeDecoder(target_model, d.drafter, gamma, draft_token_ids=d.token_ids)
+    runner = ModelRunner(target_model)
     warm = prompts[0][:8]
-    greedy_target_only(target_model, warm, 4)
+    greedy_decode(runner, warm, 4)
     for decoder in decoders.values():
         decoder.generate(warm, max_new_tokens=4)
 
@@ -451,7 +437,7 @@ def measure_cells(target_model, drafts: Sequence[Draft], plan, prompts: Sequence
             prompt = at_context(prompt, filler, context)
             for method in methods[i % len(methods):] + methods[: i % len(methods)]:
                 if method == "target_only":
-                    out, s = timed(lambda: greedy_target_only(target_model, prompt, n), device)
+                    out, s = timed(lambda: greedy_decode(runner, prompt, n), device)
                 else:
                     result, s = timed(lambda: decoders[method].generate(prompt, max_new_tokens=n), device)
                     out = result.token_ids
@@ -507,7 +493,8 @@ def run_sweep(target, drafts: Sequence[Draft], requests: Sequence, *, gammas: Se
         log(f"{message} ({elapsed:.0f} s)")
 
     phase("responses", f"target-only greedy responses: {len(analytic)} prompts x {max(lengths)} tokens")
-    responses = [greedy_target_only(model, p, max(lengths)) for p in analytic]
+    runner = ModelRunner(model)
+    responses = [greedy_decode(runner, p, max(lengths)) for p in analytic]
     acceptance = {}
     phase("acceptance", f"acceptance walks: {', '.join(names)}")
     for d in drafts:

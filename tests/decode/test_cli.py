@@ -77,9 +77,13 @@ def test_bench_writes_reports(checkpoints, capsys, tmp_path):
     report = run_json(capsys, ["bench", "--target", target, "--draft", draft, "--traffic", traffic, "--split", "all",
                                "--limit", "3", "--max-new-tokens", "6", "--gamma", "2", "--out", str(tmp_path),
                                "--json", "device=cpu"])
-    assert set(report["methods"]) == {"target_only", "speculative", "hf_assisted"}
+    assert set(report["methods"]) == {"target_only", "plain", "speculative", "hf_assisted"}
     assert report["costs"]["c"] > 0 and report["costs"]["v"] > 0
     assert report["predicted_speedup"] > 0 and report["overhead_free_bound"] > 0
+    assert all(m["same_output_as_target"] == 3 for m in report["methods"].values())
+    in_run = report["in_run_costs"]
+    assert in_run["c"] > 0 and in_run["v"] > 0 and 0 < in_run["model_time_share"] <= 1
+    assert 0 <= report["break_even_alpha"] <= 1
     assert json.loads((tmp_path / "bench.json").read_text())["n_prompts"] == 3
     assert "Leviathan's prediction" in (tmp_path / "bench.md").read_text()
     run = mlflow.get_run(report["mlflow_run_id"])
@@ -93,7 +97,7 @@ def test_bench_with_reduced_vocab_draft_gives_hf_its_full_vocab_copy(checkpoints
     report = run_json(capsys, ["bench", "--target", target, "--draft", reduced, "--traffic", traffic, "--split", "all",
                                "--limit", "2", "--max-new-tokens", "5", "--out", str(tmp_path), "--json",
                                "device=cpu"])
-    assert set(report["methods"]) == {"target_only", "speculative", "hf_assisted"}
+    assert set(report["methods"]) == {"target_only", "plain", "speculative", "hf_assisted"}
     assert report["methods"]["hf_assisted"]["same_output_as_target"] == 2
     assert report["notes"] == ["HF assisted generation uses the draft's full-vocabulary copy (hf_assistant/): "
                                "transformers cannot use a reduced-vocabulary head"]

@@ -36,9 +36,9 @@ def test_same_logits_as_the_transformers_forward_through_blocks_and_rollbacks(dr
 def test_decoder_output_is_the_same_with_and_without_it(target, close_draft):
     prompt = [5, 9, 2, 77, 3]
     lean = SpeculativeDecoder(target, close_draft, 4)
-    plain = SpeculativeDecoder(target, close_draft, 4)
-    plain.drafter.lean = None
-    assert lean.drafter.lean is not None
+    plain = SpeculativeDecoder(target, close_draft, 4, lean=False)
+    assert lean.drafter.runner.lean is not None and lean.target_runner.lean is not None
+    assert plain.drafter.runner.lean is None and plain.target_runner.lean is None
     a, b = lean.generate(prompt, max_new_tokens=40), plain.generate(prompt, max_new_tokens=40)
     assert a.token_ids == b.token_ids == greedy_reference(target, prompt, 40)
     assert (a.stats.accepted, a.stats.draft_calls) == (b.stats.accepted, b.stats.draft_calls)

@@ -10,8 +10,8 @@ import yaml
 from decode import SpeculativeDecoder
 from decode.acceptance import analytic_acceptance, break_even_alpha, expected_speedup, expected_tokens
 from decode.ngram import PromptLookupDrafter
-from decode.speculative import scheduled_gamma
-from decode.sweep import (at_context, cell_break_even_alpha, greedy_target_only, lookup_block, model_block,
+from decode.speculative import ModelRunner, greedy_decode, scheduled_gamma
+from decode.sweep import (at_context, cell_break_even_alpha, lookup_block, model_block,
                           predicted_seconds, spread, walk)
 from pipeline.cli import main
 from pipeline.config import load_config
@@ -47,9 +47,14 @@ def test_gamma_schedule_in_the_decoder(target, close_draft):
         SpeculativeDecoder(target, close_draft, 2, adaptive=AdaptiveGamma(), gamma_schedule=[(10, 2)])
 
 
-def test_greedy_target_only_matches_uncached_reference(target):
-    assert greedy_target_only(target, prompt_of(1), 12) == greedy_reference(target, prompt_of(1), 12)
-    assert greedy_target_only(target, prompt_of(1), 0) == []
+@pytest.mark.parametrize("lean", [True, False])
+def test_greedy_decode_matches_uncached_reference(target, lean):
+    runner = ModelRunner(target, lean)
+    assert (runner.lean is not None) == lean
+    assert greedy_decode(runner, prompt_of(1), 12) == greedy_reference(target, prompt_of(1), 12)
+    assert greedy_decode(runner, prompt_of(1), 0) == []
+    reference = greedy_reference(target, prompt_of(1), 12)
+    assert greedy_decode(runner, prompt_of(1), 12, eos_token_ids=[reference[4]]) == reference[:reference.index(reference[4]) + 1]
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 6])
@@ -58,7 +63,7 @@ def test_walk_gives_the_decoders_exact_counts(target, close_draft, gamma):
     n = 40
     for seed in range(3):
         prompt = prompt_of(seed)
-        response = greedy_target_only(target, prompt, n)
+        response = greedy_decode(ModelRunner(target), prompt, n)
         matches = analytic_acceptance(target, close_draft, [prompt + response], [len(prompt)], temperature=0.0)
         for draft, block in ((close_draft, model_block(matches.per_position[0])),
                              (PromptLookupDrafter.for_model(target), None)):
@@ -170,7 +175,7 @@ def test_bench_with_prompt_lookup(checkpoints, capsys, tmp_path):
                  "--limit", "3", "--max-new-tokens", "8", "--gamma", "3", "--out", str(tmp_path), "--json",
                  "device=cpu"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert set(report["methods"]) == {"target_only", "speculative", "hf_prompt_lookup"}
+    assert set(report["methods"]) == {"target_only", "plain", "speculative", "hf_prompt_lookup"}
     assert report["methods"]["speculative"]["same_output_as_target"] == 3
     assert report["methods"]["hf_prompt_lookup"]["same_output_as_target"] == 3
     assert report["draft"] == "prompt-lookup" and 0 < report["costs"]["c"] < 1
