@@ -83,9 +83,9 @@ def test_break_even_alpha():
 
 def test_cell_break_even_pays_back_the_draft_prefill():
     k = {"target_step_s": 0.04, "draft_round_s": 4 * 0.004, "verify_s": 0.06, "target_prefill_s": 0.5,
-         "draft_prefill_s": 0.1, "c": 0.1, "v": 1.5}
+         "draft_prefill_s": 0.1, "c": 0.1, "v": 1.5, "verify_s_by_tokens": {5: 0.06}}
     alpha = cell_break_even_alpha(k, 4, 128)
-    target_s, spec_s = predicted_seconds(k, 128, 128 / expected_tokens(alpha, 4))
+    target_s, spec_s = predicted_seconds(k, 128, {"4": 128 / expected_tokens(alpha, 4)})
     assert target_s == pytest.approx(spec_s)
     assert alpha > break_even_alpha(4, 0.1, 1.5)  # the prefill raises the bar
     assert cell_break_even_alpha(k, 4, 2) == 1.0  # 2 tokens cannot pay for a 100 ms draft prefill
@@ -179,3 +179,16 @@ def test_bench_with_prompt_lookup(checkpoints, capsys, tmp_path):
     assert report["methods"]["speculative"]["same_output_as_target"] == 3
     assert report["methods"]["hf_prompt_lookup"]["same_output_as_target"] == 3
     assert report["draft"] == "prompt-lookup" and 0 < report["costs"]["c"] < 1
+
+
+def test_rounds_are_charged_the_verify_they_ran():
+    """A lookup round without a match is a one-token step; one with a 2-token match a 3-token verify."""
+    k = {"target_step_s": 0.04, "draft_round_s": 0.001, "target_prefill_s": 0.5, "draft_prefill_s": 0.0,
+         "verify_s_by_tokens": {1: 0.04, 2: 0.05, 3: 0.055, 5: 0.06}}
+    _, spec_s = predicted_seconds(k, 40, {"0": 20, "2": 5, "4": 2})
+    assert spec_s == pytest.approx(0.5 + 20 * 0.041 + 5 * 0.056 + 2 * 0.061)
+    lookup = PromptLookupDrafter(100, max_ngram=2)
+    prompt, response = [1, 2, 3, 9], [1, 2, 3, 7, 8, 1, 2]
+    w = walk(lookup_block(lookup, prompt, response), len(response), 4)
+    assert sum(w.rounds.values()) == w.calls and sum(d * n for d, n in w.rounds.items()) == w.drafted
+    assert w.rounds[0] >= 1  # "7" and "8" never occurred before: rounds without a proposal
