@@ -7,14 +7,15 @@ import sys
 
 
 def distill_command(args) -> int:
+    flags = (["--config", args.config] if args.config else []) + (["--init-only"] if args.init_only else [])
     if args.accelerate_config:
         # Several processes (DDP): accelerate starts them, each runs the same job (distill.train.main).
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.accelerate_config,
-                   "-m", "distill.train"] + (["--config", args.config] if args.config else []) + args.overrides
+                   "-m", "distill.train"] + flags + args.overrides
         return subprocess.call(command)
     from distill.train import main
 
-    return main((["--config", args.config] if args.config else []) + args.overrides)
+    return main(flags + args.overrides)
 
 
 def target_finetune_command(args) -> int:
@@ -44,6 +45,9 @@ def add_commands(subparsers) -> None:
     parser.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
     parser.add_argument("--accelerate-config", default=None, metavar="FILE",
                         help="run under `accelerate launch --config_file FILE` (e.g. configs/accelerate/cpu_2proc.yaml)")
+    parser.add_argument("--init-only", action="store_true",
+                        help="export the initialized, untrained draft to <job folder>/init (a benchmark baseline); "
+                             "train and register nothing")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. distill.loss=tvd distill.epochs=2")
     parser.set_defaults(handler=distill_command)
 

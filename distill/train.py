@@ -470,8 +470,12 @@ def prepare_data(cfg: DraftopsConfig, accelerator, target, timings: Timings) -> 
     return TrainingData(train, heldout, token_ids, fingerprint)
 
 
-def run_distill(cfg: DraftopsConfig) -> DistillResult:
-    """The whole job. Every process runs it (under `accelerate launch`); only the main one exports and registers."""
+def run_distill(cfg: DraftopsConfig, *, init_only: bool = False) -> DistillResult:
+    """The whole job. Every process runs it (under `accelerate launch`); only the main one exports and registers.
+
+    init_only: stop after initializing the draft and export it untrained to `<job>/init` (the "undistilled" baseline
+    of a benchmark); nothing is trained or registered.
+    """
     from accelerate.utils import set_seed
 
     from distill.export import export_draft, log_and_register
@@ -486,6 +490,13 @@ def run_distill(cfg: DraftopsConfig) -> DistillResult:
     set_seed(cfg.seed)
     # fp32 master weights even beside a bf16 target; accelerate's mixed precision casts the compute
     draft = init_draft(cfg.distill, target.model, token_ids=data.token_ids).float()
+    if init_only:
+        export_dir = job_dir / "init"
+        if accelerator.is_main_process:
+            export_draft(draft.eval(), target.tokenizer, export_dir, token_ids=data.token_ids, cfg=cfg)
+            print(f"draftops distill: untrained draft ({cfg.distill.init}) exported to {export_dir}; "
+                  "nothing trained or registered")
+        return DistillResult(export_dir, job_dir, {}, [], [], timings.seconds, data.token_ids, data.fingerprint)
     embeddings = draft.get_input_embeddings().weight
     if draft.get_output_embeddings().weight is not embeddings:  # a tied head is trained, and its embeddings with it
         embeddings.requires_grad_(cfg.distill.train_embeddings)
@@ -556,10 +567,11 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="distill.train")
     parser.add_argument("--config", default=None)
+    parser.add_argument("--init-only", action="store_true")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     try:
-        run_distill(load_config(args.config, args.overrides))
+        run_distill(load_config(args.config, args.overrides), init_only=args.init_only)
     except NonFiniteLoss as exc:
         print(f"draftops distill: error: {exc}", file=sys.stderr)
         return 3

@@ -186,3 +186,20 @@ def test_online_teacher_and_on_policy_batches(isolated_home):
                                   max_new_tokens=8, temperature=1.0, seed=0)
     assert all(t in set(token_ids.tolist()) for r in sampled.response_ids for t in r)
     assert isinstance(reduced.lm_head, torch.nn.Linear) and reduced.training
+
+
+def test_init_only_exports_the_untrained_draft_and_registers_nothing(isolated_home):
+    from distill.init import init_draft
+    from pipeline.sources import resolve_model
+
+    cfg = tiny_config(isolated_home)
+    result = run_distill(cfg, init_only=True)
+    assert result.export_dir.name == "init" and result.history == [] and result.version is None
+    assert not (isolated_home / "mlflow.db").exists()
+    exported = resolve_model(str(result.export_dir), device="cpu")
+    assert exported.token_ids.tolist() == result.token_ids.tolist()
+    assert (result.export_dir / "hf_assistant" / "config.json").exists()
+    target = resolve_model(cfg.target, device="cpu")
+    fresh = init_draft(cfg.distill, target.model, token_ids=result.token_ids)
+    for name, tensor in fresh.state_dict().items():  # exactly the initialization: layer 0, the cut head
+        torch.testing.assert_close(exported.model.state_dict()[name], tensor)
