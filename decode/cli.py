@@ -214,6 +214,7 @@ def sweep_command(args) -> int:
     import mlflow
 
     from decode.sweep import figures, load_drafts, markdown, run_sweep, write_decode_config
+    from pipeline import metrics as M
     from pipeline.tracking import log_figure, start_run
 
     from pipeline.traffic import encode_prompts
@@ -249,11 +250,11 @@ def sweep_command(args) -> int:
                            "max_new_tokens": s["max_new_tokens"], "analytic_prompts": s["analytic_prompts"],
                            "measure_prompts": s["measure_prompts"], "recommended_draft": report["recommendation"]["draft"],
                            "gamma_schedule": report["recommendation"]["gamma_schedule"]})
-        metrics = {"gap_mean_abs": report["gap"]["mean_abs"], "gap_mean": report["gap"]["mean"]}
+        metrics = {M.SWEEP_GAP_MEAN_ABS: report["gap"]["mean_abs"], M.SWEEP_GAP_MEAN: report["gap"]["mean"]}
         for b in report["best"]:
-            metrics[f"best_speedup.ctx{b['context']}.gen{b['max_new_tokens']}"] = b["predicted_speedup"]
-            metrics[f"break_even_alpha.ctx{b['context']}.gen{b['max_new_tokens']}"] = b["break_even_alpha"]
-        mlflow.log_metrics(metrics)
+            metrics[M.sweep_cell("best_speedup", b["context"], b["max_new_tokens"])] = b["predicted_speedup"]
+            metrics[M.sweep_cell("break_even_alpha", b["context"], b["max_new_tokens"])] = b["break_even_alpha"]
+        mlflow.log_metrics(M.finite(metrics))
         for name in ("sweep.json", "sweep.md", "decode_config.yaml"):
             mlflow.log_artifact(str(out / name), "sweep")
         for name, fig in figures(report).items():

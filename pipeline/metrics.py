@@ -78,6 +78,10 @@ MONITOR_GATE_GAIN = "monitor/gate_gain"
 MONITOR_GATE_P_VALUE = "monitor/gate_p_value"
 MONITOR_PROMOTED = "monitor/promoted"
 
+# sweep: the boundary map
+SWEEP_GAP_MEAN = "sweep/gap_mean"  # measured / predicted speedup − 1 over the measured cells
+SWEEP_GAP_MEAN_ABS = "sweep/gap_mean_abs"
+
 # model-version tags that link a version to its runs
 DISTILL_RUN_TAG = "draftops.distill_run"
 LATEST_EVAL_RUN_TAG = "draftops.latest_eval_run"
@@ -114,6 +118,11 @@ def seconds(phase: str) -> str:
 def monitor_test(test: str, quantity: str) -> str:
     """A quantity of one of the monitor's two drop tests: `monitor/paired/drop`, `monitor/unpaired/p_value`."""
     return f"monitor/{test}/{quantity}"
+
+
+def sweep_cell(quantity: str, context: int, new_tokens: int) -> str:
+    """A per-cell figure of the sweep's map: `sweep/best_speedup/ctx512_gen128`, `sweep/break_even_alpha/...`."""
+    return f"sweep/{quantity}/ctx{int(context)}_gen{int(new_tokens)}"
 
 
 def finite(metrics: dict[str, float | int | None]) -> dict[str, float]:

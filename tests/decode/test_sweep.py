@@ -151,6 +151,11 @@ def test_sweep_cli(checkpoints, capsys, tmp_path):
     assert names <= {p.name for p in tmp_path.iterdir()}
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(report["mlflow_run_id"], "sweep")}
     assert artifacts == {f"sweep/{n}" for n in names}
+    logged = mlflow.get_run(report["mlflow_run_id"]).data.metrics
+    assert logged["sweep/gap_mean_abs"] == pytest.approx(report["gap"]["mean_abs"])
+    best = report["best"][0]
+    assert logged[f"sweep/best_speedup/ctx{best['context']}_gen{best['max_new_tokens']}"] == pytest.approx(
+        best["predicted_speedup"])
     assert "## Recommendation" in (tmp_path / "sweep.md").read_text()
 
     # the written config drives the decoder
