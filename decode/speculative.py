@@ -32,6 +32,10 @@ class Warp:
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         return warp_logits(logits, self.temperature, self.top_k, self.top_p)
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
 
 @dataclass
 class AdaptiveGamma:
@@ -137,6 +141,14 @@ def verify(
     return accepted, next_tokens
 
 
+def verify_greedy(p: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify` for one-hot (greedy) p and q, without drawing random numbers: accept a draft iff it is the target's
+    argmax; every next token is the target's argmax. Same result as `verify` (tested), which on a 49k vocabulary
+    spends ~1 ms a round drawing exponentials it does not need."""
+    targets = p.argmax(-1)
+    return drafts == targets[: drafts.shape[0]], targets
+
+
 def first_stop(tokens: list[int], eos_token_ids: frozenset[int]) -> int | None:
     """Index just past the first EOS in tokens, or None."""
     for i, token in enumerate(tokens):
@@ -238,7 +250,7 @@ class ModelDrafter:
             if i > 0 and self.adaptive is not None and not self.adaptive.keep_drafting(logits):
                 return torch.stack(drafts), torch.stack(probs), i + 1
             q = to_target_vocab(warp(logits), self.token_ids, self.vocab_size)
-            token = sample(q, generator)
+            token = q.argmax() if warp.greedy else sample(q, generator)
             drafts.append(token)
             probs.append(q)
             unseen = token[None]
@@ -367,7 +379,7 @@ class SpeculativeDecoder:
 
             fed = torch.cat([torch.tensor(seq[-1:], device=self.device), drafts])
             p = warp(self.target_runner.forward(fed, target_cache, len(seq) - 1, False))
-            accepted, next_tokens = verify(p, q, drafts, generator)
+            accepted, next_tokens = verify_greedy(p, drafts) if warp.greedy else verify(p, q, drafts, generator)
             flat = torch.cat([accepted.long(), drafts, next_tokens]).tolist()  # the one sync per round
             self._sync()
             t2 = time.perf_counter()

@@ -145,3 +145,19 @@ def test_timings_are_recorded(target, close_draft):
     assert stats.total_s >= stats.prefill_s + stats.draft_s + stats.verify_s
     assert stats.tokens_per_s == stats.new_tokens / stats.total_s
     assert set(stats.to_dict()) >= {"new_tokens", "tau", "draft_s", "verify_s", "overhead_s", "tokens_per_s"}
+
+
+def test_greedy_verify_matches_the_general_test_on_one_hot_distributions():
+    from decode.sampling import warp_logits
+    from decode.speculative import verify, verify_greedy
+
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        logits = torch.randn(5, 40, generator=generator)
+        p = warp_logits(logits, 0.0)
+        targets = logits.argmax(-1)
+        drafts = torch.where(torch.rand(4, generator=generator) < 0.6, targets[:4], (targets[:4] + 1) % 40)
+        q = torch.nn.functional.one_hot(drafts, 40).float()
+        accepted, next_tokens = verify(p, q, drafts, generator)
+        fast_accepted, fast_next = verify_greedy(p, drafts)
+        assert torch.equal(accepted, fast_accepted) and torch.equal(next_tokens, fast_next)
