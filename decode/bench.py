@@ -81,7 +81,7 @@ def step_costs(target: ModelRunner, draft, prompt: list[int], gamma: int, reps: 
         lookups = [timed(lambda: draft.lookup(prompt, gamma), torch.device("cpu"))[1] for _ in range(reps + 2)]
         draft_step = statistics.median(lookups[2:]) / gamma
     else:  # the ModelDrafter the decoder runs: the draft's forward as the decoder calls it
-        draft_step = cost(draft.forward, draft.start([]), draft.device, 1)
+        draft_step = cost(draft.runner.forward, draft.runner.new_cache(), draft.device, 1)
     target_step, verify = target_cost(1), target_cost(gamma + 1)
     return {"target_step_s": target_step, "draft_step_s": draft_step, "verify_s": verify,
             "c": draft_step / target_step, "v": verify / target_step}

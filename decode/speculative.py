@@ -143,10 +143,19 @@ def verify(
 
 def verify_greedy(p: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`verify` for one-hot (greedy) p and q, without drawing random numbers: accept a draft iff it is the target's
-    argmax; every next token is the target's argmax. Same result as `verify` (tested), which on a 49k vocabulary
-    spends ~1 ms a round drawing exponentials it does not need."""
+    argmax; every next token is the target's argmax. p may be the target's logits (same argmax). Same result as
+    `verify` (tested), which on a 49k vocabulary spends ~1 ms a round drawing exponentials it does not need."""
     targets = p.argmax(-1)
     return drafts == targets[: drafts.shape[0]], targets
+
+
+def check_drafts(target_logits: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, warp: Warp,
+                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One round's test of the drafts against the target's logits [k+1, V]: `verify_greedy` when greedy, else
+    `verify` on the warped distributions. The decoder and `draftops sweep`'s cost measurement both run this."""
+    if warp.greedy:
+        return verify_greedy(target_logits, drafts)
+    return verify(warp(target_logits), q, drafts, generator)
 
 
 def first_stop(tokens: list[int], eos_token_ids: frozenset[int]) -> int | None:
@@ -229,13 +238,12 @@ class ModelDrafter:
         self.token_ids, self.adaptive = token_ids, adaptive
         self.context = _model_context(draft)
         self.runner = ModelRunner(draft, lean)
-        self.forward = self.runner.forward
 
     def start(self, prompt: list[int]):
         """The draft's cache after every prompt token but the last."""
         cache = self.runner.new_cache()
         if len(prompt) > 1:
-            self.forward(torch.tensor(prompt[:-1], device=self.device), cache, 0, True)
+            self.runner.forward(torch.tensor(prompt[:-1], device=self.device), cache, 0, True)
         return cache
 
     def propose(self, cache: DynamicCache, seq: list[int], k: int, warp: Warp, generator):
@@ -246,7 +254,7 @@ class ModelDrafter:
         unseen = torch.tensor(seq[cache.get_seq_length() :], device=self.device)
         drafts, probs = [], []
         for i in range(k):
-            logits = self.forward(unseen, cache, len(seq) - unseen.shape[0] + i, True)[-1]
+            logits = self.runner.forward(unseen, cache, len(seq) - unseen.shape[0] + i, True)[-1]
             if i > 0 and self.adaptive is not None and not self.adaptive.keep_drafting(logits):
                 return torch.stack(drafts), torch.stack(probs), i + 1
             q = to_target_vocab(warp(logits), self.token_ids, self.vocab_size)
@@ -378,8 +386,8 @@ class SpeculativeDecoder:
             t1 = time.perf_counter()
 
             fed = torch.cat([torch.tensor(seq[-1:], device=self.device), drafts])
-            p = warp(self.target_runner.forward(fed, target_cache, len(seq) - 1, False))
-            accepted, next_tokens = verify_greedy(p, drafts) if warp.greedy else verify(p, q, drafts, generator)
+            logits = self.target_runner.forward(fed, target_cache, len(seq) - 1, False)
+            accepted, next_tokens = check_drafts(logits, q, drafts, warp, generator)
             flat = torch.cat([accepted.long(), drafts, next_tokens]).tolist()  # the one sync per round
             self._sync()
             t2 = time.perf_counter()

@@ -9,7 +9,7 @@ calls the greedy decoder makes, for every γ and generation length G (tested aga
 
 Predicted time of a request (prompt of L tokens, G new tokens), with costs at the mean context L + G/2:
     target alone:  P_t(L) + (G − 1) t
-    speculative:   P_t(L) + P_d(L) + calls(γ, G) · (draft round + verify of γ+1 tokens)
+    speculative:   P_t(L) + P_d(L) + Σ over rounds (draft round + verify of d+1 tokens), d = tokens drafted that round
 A subset of cells is decoded for real (target-only greedy vs the speculative decoder, interleaved, same prompts), and
 the measured/predicted gap is reported: it holds the per-round overhead and how much acceptance moves with context.
 EOS does not stop any generation here, so every cell generates exactly G tokens.
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +30,7 @@ import torch
 from decode.acceptance import analytic_acceptance, break_even_alpha
 from decode.bench import paired_speedup, timed
 from decode.ngram import PROMPT_LOOKUP, PromptLookupDrafter
-from decode.speculative import ModelRunner, SpeculativeDecoder, Warp, greedy_decode, rollback, verify
+from decode.speculative import ModelRunner, SpeculativeDecoder, Warp, check_drafts, greedy_decode, rollback
 from decode.stats import aggregate_stats, ratio_ci
 
 TARGET_LAYERS = "target-layers:"  # `target-layers:N[:V]`: the target's first N layers, embeddings, norm and head
@@ -215,7 +215,7 @@ def measure_costs(target_model, drafts: Sequence[Draft], tokens: list[int], cont
     """Median seconds at each context length L, through the decoder's own functions (greedy warp).
 
     Target: prefill of L tokens, one greedy step, and a verify round of n = 2..γmax+1 tokens (forward with every
-    logit, warp, acceptance test, the one sync). Per draft: its prefill (`start`) and one round of γ proposals
+    logit, the decoder's acceptance test `check_drafts`, the one sync). Per draft: its prefill (`start`) and one round of γ proposals
     (`propose`: forwards, warps and sampling of a draft model, or one lookup) for every γ. Every repetition times
     every quantity once, so a burst of load on the shared machine hits them alike; c and v are medians of the
     per-repetition ratios to that repetition's target step.
@@ -244,8 +244,7 @@ def measure_costs(target_model, drafts: Sequence[Draft], tokens: list[int], cont
         q = torch.nn.functional.one_hot(fed[1:], vocab_size).float()
 
         def run() -> list:
-            p = warp(runner.forward(fed, cache, length, False))
-            accepted, next_tokens = verify(p, q, fed[1:], None)
+            accepted, next_tokens = check_drafts(runner.forward(fed, cache, length, False), q, fed[1:], warp, None)
             return torch.cat([accepted.long(), fed[1:], next_tokens]).tolist()
 
         return run

@@ -1,6 +1,6 @@
 """Faster fp32 linear layers on x86 CPUs: oneDNN's inner product instead of torch's default MKL sgemm.
 
-Measured on this 2-core AMD EPYC (`draftops bench`, README "CPU kernels"): MKL's sgemm runs 2-3x slower than oneDNN at
+Measured on this 2-core AMD EPYC (README "Running fast on a CPU"): MKL's sgemm runs 2-3x slower than oneDNN at
 every batch size except one-row products through small weights, and the gap is widest where speculative decoding lives:
 a 5-token verify through SmolLM2's 49k x 576 head takes 12.1 ms with MKL and 4.0 ms with oneDNN. `torch.nn.functional.linear`
 is the reference; `tests/pipeline/test_kernels.py` holds the parity test.
