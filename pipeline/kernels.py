@@ -1,34 +1,60 @@
-"""Faster fp32 linear layers on x86 CPUs: oneDNN's inner product instead of torch's default MKL sgemm.
+"""Faster fp32 linear layers on x86 CPUs: oneDNN's inner product on weights packed once into its blocked layout,
+instead of torch's default MKL sgemm.
 
 Measured on this 2-core AMD EPYC (README "Running fast on a CPU"): MKL's sgemm runs 2-3x slower than oneDNN at
-every batch size except one-row products through small weights, and the gap is widest where speculative decoding lives:
-a 5-token verify through SmolLM2's 49k x 576 head takes 12.1 ms with MKL and 4.0 ms with oneDNN. `torch.nn.functional.linear`
-is the reference; `tests/pipeline/test_kernels.py` holds the parity test.
+every batch size except one-row products through small weights. oneDNN given a plain [out, in] weight reorders it on
+every call with more than one row, so a 2- to 6-row product (a speculative verify) cost 2-2.5x a one-row one; packed
+once, it costs 1.0-1.3x (SmolLM2's 49k x 576 head: 1.70 / 3.72 / 4.22 ms at 1 / 2 / 6 rows unpacked, 1.15 / 1.34 /
+1.72 ms packed). `torch.nn.functional.linear` is the reference; `tests/pipeline/test_kernels.py` holds the parity test.
 
 Only inference takes the oneDNN path: with autograd recording (training), or off CPU, or in another dtype, the layer
 is a plain `nn.Linear`.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
+PACK_ROWS_HINT = 8  # oneDNN picks the packed layout for this many rows; measured the same for hints 4-64
+# layer -> (identity of the weight it was packed from, packed weight). Kept outside the module: an opaque oneDNN
+# tensor cannot be deep-copied or pickled, and a copied layer must pack its own weight.
+_packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` through oneDNN (fp32, CPU, no autograd)."""
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] fp32 weight -> oneDNN's blocked layout (an opaque tensor only `onednn_linear` reads)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  packed: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` through oneDNN (fp32, CPU, no autograd), on `packed` = `pack_weight(weight)` if
+    given."""
     flat = x.reshape(-1, x.shape[-1])
-    out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
+    out = torch.ops.mkldnn._linear_pointwise(flat, weight if packed is None else packed, bias, "none", [], "")
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class OneDNNLinear(torch.nn.Linear):
-    """An `nn.Linear` that takes the oneDNN path when it can (same parameters, same state dict)."""
+    """An `nn.Linear` that takes the oneDNN path when it can (same parameters, same state dict), on its weight packed
+    at first use and packed again whenever the weight is replaced or changed in place (training, `load_state_dict`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (x.device.type == "cpu" and x.dtype == torch.float32 and self.weight.dtype == torch.float32
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
-            return onednn_linear(x, self.weight, self.bias)
+            return onednn_linear(x, self.weight, self.bias, self._packed_weight())
         return F.linear(x, self.weight, self.bias)
+
+    def _packed_weight(self) -> torch.Tensor:
+        weight = self.weight
+        # inference tensors keep no version counter; they can only change inside inference mode, which nothing does
+        identity = (weight.data_ptr(), tuple(weight.shape), -1 if weight.is_inference() else weight._version)
+        cached = _packed.get(self)
+        if cached is None or cached[0] != identity:
+            cached = _packed[self] = (identity, pack_weight(weight))
+        return cached[1]
 
 
 def cpu_linear_of(model: torch.nn.Module) -> str:

@@ -46,3 +46,31 @@ def test_model_outputs_unchanged_and_training_takes_the_reference_path():
 def test_unknown_kind_is_refused():
     with pytest.raises(ValueError, match="cpu_linear must be"):
         use_cpu_linear(make_tiny_model(64), "mkl")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 6, 300])
+def test_packed_weight_matches_reference(rows):
+    from pipeline.kernels import pack_weight
+
+    torch.manual_seed(rows)
+    x, weight, bias = torch.randn(rows, 96), torch.randn(200, 96), torch.randn(200)
+    torch.testing.assert_close(onednn_linear(x, weight, bias, pack_weight(weight)), F.linear(x, weight, bias),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_layer_repacks_when_its_weight_changes_and_copies_pack_their_own():
+    import copy
+
+    layer = use_cpu_linear(torch.nn.Sequential(torch.nn.Linear(16, 8)), "onednn")[0]
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        before = layer(x)
+        layer.weight.mul_(2)  # in place, as an optimizer step does
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+        layer.weight = torch.nn.Parameter(torch.randn(8, 16))  # replaced, as load_state_dict(assign=True) does
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+        twin = copy.deepcopy(layer)  # the packed copy lives outside the module: deepcopy works
+        twin.weight.zero_()
+        assert torch.equal(twin(x), twin.bias.expand(3, 8))
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert not torch.equal(before, layer(x))
