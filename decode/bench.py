@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from decode.acceptance import break_even_alpha, expected_speedup
-from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter
+from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter, lookup_first_drafter
 from decode.speculative import ModelRunner, SpeculativeDecoder, greedy_decode, rollback
 from decode.stats import aggregate_stats, ratio_ci
 from pipeline.sources import HF_ASSISTANT_DIR, eos_token_ids, hf_assistant_model
@@ -122,7 +122,8 @@ def paired_speedup(tokens_a, seconds_a, tokens_b, seconds_b, *, seed: int = 0, n
 
 def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[str], *, gamma: int,
               max_new_tokens: int, gamma_schedule: Sequence[tuple[int, int]] | None = None,
-              lookup_min_ngram: int | None = None, seed: int = 0) -> dict:
+              lookup_min_ngram: int | None = None, draft_min_confidence: float | None = None,
+              seed: int = 0) -> dict:
     """target is a `pipeline.sources.ResolvedModel`, draft one too or a `PromptLookupDrafter`. Greedy throughout.
 
     With a γ schedule, this decoder follows it; HF assisted generation and the cost model use the fixed `gamma`.
@@ -133,6 +134,7 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     drafter, token_ids = (lookup, None) if lookup else (draft.model, draft.token_ids)
     decoder = SpeculativeDecoder(target.model, drafter, gamma, draft_token_ids=token_ids,
                                  gamma_schedule=gamma_schedule, lookup_min_ngram=lookup_min_ngram,
+                                 draft_min_confidence=draft_min_confidence,
                                  eos_token_ids=eos)
     common = dict(max_new_tokens=max_new_tokens, eos_ids=eos, pad_id=pad)
     methods: dict[str, Callable[[list[int]], object]] = {
@@ -143,7 +145,21 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     notes = []
     if lookup_min_ngram is not None:
         notes.append(f"this decoder takes prompt-lookup proposals first (n-grams of >= {lookup_min_ngram} tokens), "
-                     "the draft model elsewhere; HF assisted generation uses the draft model only")
+                     "the draft model elsewhere; draft_only and lookup_only are its two halves alone; HF assisted "
+                     "generation uses the draft model only")
+        halves = {
+            "draft_only": SpeculativeDecoder(target.model, drafter, gamma, draft_token_ids=token_ids,
+                                             gamma_schedule=gamma_schedule, draft_min_confidence=draft_min_confidence,
+                                             eos_token_ids=eos),
+            "lookup_only": SpeculativeDecoder(
+                target.model, lookup_first_drafter(decoder.vocab_size, decoder.device, lookup_min_ngram), gamma,
+                gamma_schedule=gamma_schedule, eos_token_ids=eos),
+        }
+        for name, half in halves.items():
+            methods[name] = (lambda d: lambda p: d.generate(p, max_new_tokens=max_new_tokens).token_ids)(half)
+    if draft_min_confidence is not None:
+        notes.append(f"the draft model ends a block where its top probability is below {draft_min_confidence}; "
+                     f"the cost model assumes γ={gamma} drafts a round, the in-run costs count the real ones")
     if gamma_schedule:
         notes.append(f"this decoder follows the γ schedule {[list(e) for e in gamma_schedule]}; "
                      f"HF assisted and the cost model use γ={gamma}")
@@ -195,7 +211,8 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
         "n_prompts": len(prompts),
         "settings": {"gamma": gamma, "max_new_tokens": max_new_tokens, "greedy": True, "device": str(device),
                      **({"gamma_schedule": [list(e) for e in gamma_schedule]} if gamma_schedule else {}),
-                     **({"lookup_min_ngram": lookup_min_ngram} if lookup_min_ngram is not None else {})},
+                     **({"lookup_min_ngram": lookup_min_ngram} if lookup_min_ngram is not None else {}),
+                     **({"draft_min_confidence": draft_min_confidence} if draft_min_confidence is not None else {})},
         "methods": results,
         "alpha": summary["acceptance_rate"],
         "tau": summary["tau"],

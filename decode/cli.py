@@ -89,6 +89,7 @@ def decode_command(args) -> int:
             target.model, draft, _pick(args.gamma, d.gamma), draft_token_ids=token_ids,
             adaptive=AdaptiveGamma() if d.adaptive else None, gamma_schedule=_schedule(args, cfg),
             lookup_min_ngram=None if args.draft == PROMPT_LOOKUP else d.lookup_min_ngram,
+            draft_min_confidence=None if args.draft == PROMPT_LOOKUP else d.draft_min_confidence,
             eos_token_ids=eos_token_ids(target.model, target.tokenizer))
         result = decoder.generate(
             prompt, max_new_tokens=_pick(args.max_new_tokens, d.max_new_tokens),
@@ -184,6 +185,7 @@ def bench_command(args) -> int:
         report = run_bench(target, draft, prompts, [r.category for r in requests],
                            gamma=_pick(args.gamma, cfg.decode.gamma), gamma_schedule=_schedule(args, cfg),
                            lookup_min_ngram=None if args.draft == PROMPT_LOOKUP else cfg.decode.lookup_min_ngram,
+                           draft_min_confidence=None if args.draft == PROMPT_LOOKUP else cfg.decode.draft_min_confidence,
                            max_new_tokens=_pick(args.max_new_tokens, cfg.decode.max_new_tokens), seed=cfg.seed)
     except ValueError as exc:
         return _error(exc)

@@ -54,6 +54,11 @@ class PromptLookupDrafter:
         pass
 
 
+def lookup_first_drafter(vocab_size: int, device, min_ngram: int) -> PromptLookupDrafter:
+    """The lookup half of `LookupThenModelDrafter`: matches of min_ngram tokens or more, the longest up to 3 first."""
+    return PromptLookupDrafter(vocab_size, device, max_ngram=max(3, min_ngram), min_ngram=min_ngram)
+
+
 class LookupThenModelDrafter:
     """Prompt lookup where the text so far repeats itself, the draft model everywhere else.
 

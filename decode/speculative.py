@@ -18,7 +18,7 @@ import torch
 from transformers import DynamicCache
 
 from decode.lean import LeanLlama
-from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter
+from decode.ngram import LookupThenModelDrafter, lookup_first_drafter
 from decode.sampling import sample, to_target_vocab, warp_logits
 from decode.stats import GenerationStats
 
@@ -37,20 +37,23 @@ class Warp:
         return self.temperature <= 0
 
 
+def confident(draft_logits: torch.Tensor, min_confidence: float) -> bool:
+    """Whether the draft's top probability (softmax at temperature 1) reaches `min_confidence`: a weak draft's
+    confidence predicts its acceptance, so stopping a block where it is unsure saves draft steps and verify width."""
+    return draft_logits.float().softmax(-1).max().item() >= min_confidence
+
+
 @dataclass
 class AdaptiveGamma:
     """Stop a draft block early when the draft is unsure, and move γ with the last block's outcome.
 
-    The draft stops once its max probability (softmax at temperature 1) falls under `min_confidence`; after each
-    block γ grows by 2 when every draft was accepted and shrinks by 1 otherwise (HF's "heuristic" schedule).
+    The draft stops once its max probability falls under `min_confidence` (`confident`); after each block γ grows by 2
+    when every draft was accepted and shrinks by 1 otherwise (HF's "heuristic" schedule).
     """
 
     min_confidence: float = 0.4
     min_gamma: int = 1
     max_gamma: int = 16
-
-    def keep_drafting(self, draft_logits: torch.Tensor) -> bool:
-        return draft_logits.float().softmax(-1).max().item() >= self.min_confidence
 
     def next_gamma(self, gamma: int, n_drafted: int, n_accepted: int) -> int:
         step = 2 if n_accepted == n_drafted else -1
@@ -206,8 +209,9 @@ class ModelDrafter:
     """A draft LM proposing tokens autoregressively through its own KV cache (the drafter the decoder wraps)."""
 
     def __init__(self, draft, vocab_size: int, device: torch.device, *, token_ids: torch.Tensor | None = None,
-                 adaptive: AdaptiveGamma | None = None, lean: bool = True):
-        """lean: see `ModelRunner`."""
+                 min_confidence: float | None = None, lean: bool = True):
+        """min_confidence: end a block at the first draft token after the first whose top probability is below this
+        (`confident`); lean: see `ModelRunner`."""
         if next(draft.parameters()).device != device:
             raise ValueError(f"target is on {device} but draft on {next(draft.parameters()).device}")
         draft_size = _output_size(draft)
@@ -235,7 +239,7 @@ class ModelDrafter:
                 raise ValueError(f"draft_token_ids must be sorted, unique and inside [0, {vocab_size})")
             token_ids = token_ids.to(device)
         self.model, self.vocab_size, self.device = draft, vocab_size, device
-        self.token_ids, self.adaptive = token_ids, adaptive
+        self.token_ids, self.min_confidence = token_ids, min_confidence
         self.context = _model_context(draft)
         self.runner = ModelRunner(draft, lean)
 
@@ -249,23 +253,28 @@ class ModelDrafter:
     def propose(self, cache: DynamicCache, seq: list[int], k: int, warp: Warp, generator):
         """Up to k drafts, feeding the draft the tokens it has not seen yet.
 
-        Returns (drafts [k'], q [k', V] on the target vocab, number of draft forwards).
+        Returns (drafts [k'], q [k', V] on the target vocab, number of draft forwards); q is None when greedy: the
+        greedy test reads the drafts only, and a one-hot over the target vocabulary per draft would cost ~10% of a
+        draft step.
         """
         unseen = torch.tensor(seq[cache.get_seq_length() :], device=self.device)
-        drafts, probs = [], []
+        drafts, probs, calls = [], [], 0
         for i in range(k):
             logits = self.runner.forward(unseen, cache, len(seq) - unseen.shape[0] + i, True)[-1]
-            if i > 0 and self.adaptive is not None and not self.adaptive.keep_drafting(logits):
-                return torch.stack(drafts), torch.stack(probs), i + 1
-            q = to_target_vocab(warp(logits), self.token_ids, self.vocab_size)
-            token = q.argmax() if warp.greedy else sample(q, generator)
+            calls += 1
+            if i > 0 and self.min_confidence is not None and not confident(logits, self.min_confidence):
+                break
+            if warp.greedy:
+                token = logits.argmax() if self.token_ids is None else self.token_ids[logits.argmax()]
+            else:
+                probs.append(to_target_vocab(warp(logits), self.token_ids, self.vocab_size))
+                token = sample(probs[-1], generator)
             drafts.append(token)
-            probs.append(q)
             unseen = token[None]
+        q = torch.stack(probs) if probs else None if warp.greedy else torch.empty(0, self.vocab_size, device=self.device)
         if not drafts:
-            no_drafts = torch.empty(0, dtype=torch.long, device=self.device)
-            return no_drafts, torch.empty(0, self.vocab_size, device=self.device), 0
-        return torch.stack(drafts), torch.stack(probs), k
+            return torch.empty(0, dtype=torch.long, device=self.device), q, calls
+        return torch.stack(drafts), q, calls
 
     def rollback(self, cache: DynamicCache, length: int) -> None:
         rollback(cache, length)
@@ -284,6 +293,7 @@ class SpeculativeDecoder:
         adaptive: AdaptiveGamma | None = None,
         gamma_schedule: Sequence[tuple[int, int]] | None = None,
         lookup_min_ngram: int | None = None,
+        draft_min_confidence: float | None = None,
         lean: bool = True,
         eos_token_ids: Sequence[int] | int | None = None,
         stop_strings: Sequence[str] | None = None,
@@ -295,6 +305,8 @@ class SpeculativeDecoder:
         so far) instead of the fixed `gamma`; see `draftops sweep`, which recommends one.
         lookup_min_ngram: with a draft model, take prompt-lookup proposals first wherever an n-gram of at least this
         many tokens repeats (decode.ngram.LookupThenModelDrafter).
+        draft_min_confidence: a draft model ends its block where it is less sure than this (`confident`); with
+        `adaptive` and no value here, the adaptive policy's `min_confidence`.
         lean: run target and draft models through `ModelRunner`'s lean forward where possible (False: transformers').
         """
         if gamma < 1:
@@ -310,14 +322,15 @@ class SpeculativeDecoder:
         self.vocab_size = _output_size(target)
         self.target_runner = ModelRunner(target, lean)
         if isinstance(draft, torch.nn.Module):
-            draft = ModelDrafter(draft, self.vocab_size, self.device, token_ids=draft_token_ids, adaptive=adaptive,
-                                 lean=lean)
+            if draft_min_confidence is None and adaptive is not None:
+                draft_min_confidence = adaptive.min_confidence
+            draft = ModelDrafter(draft, self.vocab_size, self.device, token_ids=draft_token_ids,
+                                 min_confidence=draft_min_confidence, lean=lean)
             if lookup_min_ngram is not None:
-                lookup = PromptLookupDrafter(self.vocab_size, self.device, max_ngram=max(3, lookup_min_ngram),
-                                             min_ngram=lookup_min_ngram)
-                draft = LookupThenModelDrafter(lookup, draft)
-        elif draft_token_ids is not None or lookup_min_ngram is not None:
-            raise ValueError("draft_token_ids and lookup_min_ngram apply to draft models only")
+                draft = LookupThenModelDrafter(lookup_first_drafter(self.vocab_size, self.device, lookup_min_ngram),
+                                               draft)
+        elif draft_token_ids is not None or lookup_min_ngram is not None or draft_min_confidence is not None:
+            raise ValueError("draft_token_ids, lookup_min_ngram and draft_min_confidence apply to draft models only")
         self.drafter = draft
         if isinstance(eos_token_ids, int):
             eos_token_ids = [eos_token_ids]

@@ -77,7 +77,9 @@ def test_bench_writes_reports(checkpoints, capsys, tmp_path):
     report = run_json(capsys, ["bench", "--target", target, "--draft", draft, "--traffic", traffic, "--split", "all",
                                "--limit", "3", "--max-new-tokens", "6", "--gamma", "2", "--out", str(tmp_path),
                                "--json", "device=cpu"])
-    assert set(report["methods"]) == {"target_only", "plain", "speculative", "hf_assisted"}
+    # the default decoder takes prompt lookup first: its two halves run alone too
+    assert set(report["methods"]) == {"target_only", "plain", "speculative", "draft_only", "lookup_only", "hf_assisted"}
+    assert report["settings"]["lookup_min_ngram"] == 2 and report["settings"]["draft_min_confidence"] == 0.4
     assert report["costs"]["c"] > 0 and report["costs"]["v"] > 0
     assert report["predicted_speedup"] > 0 and report["overhead_free_bound"] > 0
     assert all(m["same_output_as_target"] == 3 for m in report["methods"].values())
@@ -96,7 +98,7 @@ def test_bench_with_reduced_vocab_draft_gives_hf_its_full_vocab_copy(checkpoints
     target, _, traffic, reduced = checkpoints
     report = run_json(capsys, ["bench", "--target", target, "--draft", reduced, "--traffic", traffic, "--split", "all",
                                "--limit", "2", "--max-new-tokens", "5", "--out", str(tmp_path), "--json",
-                               "device=cpu"])
+                               "device=cpu", "decode.lookup_min_ngram=null", "decode.draft_min_confidence=null"])
     assert set(report["methods"]) == {"target_only", "plain", "speculative", "hf_assisted"}
     assert report["methods"]["hf_assisted"]["same_output_as_target"] == 2
     assert report["notes"] == ["HF assisted generation uses the draft's full-vocabulary copy (hf_assistant/): "

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from decode import AdaptiveGamma, SpeculativeDecoder
+from decode.speculative import confident
 from tests.decode.tiny import greedy_reference, tiny_llama, word_tokenizer
 
 
@@ -161,3 +162,16 @@ def test_greedy_verify_matches_the_general_test_on_one_hot_distributions():
         accepted, next_tokens = verify(p, q, drafts, generator)
         fast_accepted, fast_next = verify_greedy(p, drafts)
         assert torch.equal(accepted, fast_accepted) and torch.equal(next_tokens, fast_next)
+
+
+def test_confident_reads_the_top_probability():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.2]))
+    assert confident(logits, 0.5) and not confident(logits, 0.51)
+
+
+def test_min_confidence_alone_ends_blocks_and_stays_lossless(target, random_draft, references):
+    decoder = SpeculativeDecoder(target, random_draft, 6, draft_min_confidence=1.01)
+    assert decoder.adaptive is None
+    result = decoder.generate(random_prompt(0), max_new_tokens=24)
+    assert result.token_ids == references[0]
+    assert len(result.stats.drafted_at) == 1 and result.stats.draft_calls > result.stats.drafted
