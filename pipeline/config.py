@@ -46,8 +46,8 @@ class DecodeConfig(Section):
         "With a draft model: propose prompt-lookup continuations first wherever an n-gram of at least this many "
         "tokens repeats in the text so far, the draft model elsewhere. null: the draft model only."))
     draft_min_confidence: float | None = Field(0.4, gt=0.0, le=1.0, description=(
-        "A draft model ends its block at the first token (after the first) whose top probability is below this: "
-        "where a weak draft is unsure it is mostly wrong. null: always draft gamma tokens."))
+        "A draft model ends its block at the first token (after the first) whose top probability is below this, "
+        "saving draft steps and verify width where it is likely wrong. null: always draft gamma tokens."))
     max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0, description="0 is greedy.")
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
