@@ -132,10 +132,10 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else (eos or [0])[0]
     lookup = draft if isinstance(draft, PromptLookupDrafter) else None
     drafter, token_ids = (lookup, None) if lookup else (draft.model, draft.token_ids)
-    decoder = SpeculativeDecoder(target.model, drafter, gamma, draft_token_ids=token_ids,
-                                 gamma_schedule=gamma_schedule, lookup_min_ngram=lookup_min_ngram,
-                                 draft_min_confidence=draft_min_confidence,
-                                 eos_token_ids=eos)
+    shared = dict(gamma_schedule=gamma_schedule, eos_token_ids=eos)
+    draft_options = dict(draft_token_ids=token_ids, draft_min_confidence=draft_min_confidence)
+    decoder = SpeculativeDecoder(target.model, drafter, gamma, lookup_min_ngram=lookup_min_ngram, **draft_options,
+                                 **shared)
     common = dict(max_new_tokens=max_new_tokens, eos_ids=eos, pad_id=pad)
     methods: dict[str, Callable[[list[int]], object]] = {
         "target_only": lambda p: hf_generate(target.model, p, **common),
@@ -148,12 +148,10 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
                      "the draft model elsewhere; draft_only and lookup_only are its two halves alone; HF assisted "
                      "generation uses the draft model only")
         halves = {
-            "draft_only": SpeculativeDecoder(target.model, drafter, gamma, draft_token_ids=token_ids,
-                                             gamma_schedule=gamma_schedule, draft_min_confidence=draft_min_confidence,
-                                             eos_token_ids=eos),
+            "draft_only": SpeculativeDecoder(target.model, drafter, gamma, **draft_options, **shared),
             "lookup_only": SpeculativeDecoder(
                 target.model, lookup_first_drafter(decoder.vocab_size, decoder.device, lookup_min_ngram), gamma,
-                gamma_schedule=gamma_schedule, eos_token_ids=eos),
+                **shared),
         }
         for name, half in halves.items():
             methods[name] = (lambda d: lambda p: d.generate(p, max_new_tokens=max_new_tokens).token_ids)(half)

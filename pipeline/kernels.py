@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 PACK_ROWS_HINT = 8  # oneDNN picks the packed layout for this many rows; measured the same for hints 4-64
-# layer -> (identity of the weight it was packed from, packed weight). Kept outside the module: an opaque oneDNN
-# tensor cannot be deep-copied or pickled, and a copied layer must pack its own weight.
+# layer -> (weak reference to the weight it was packed from, that weight's version, packed weight). Kept outside the
+# module: an opaque oneDNN tensor cannot be deep-copied or pickled, and a copied layer must pack its own weight.
 _packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -49,12 +49,13 @@ class OneDNNLinear(torch.nn.Linear):
 
     def _packed_weight(self) -> torch.Tensor:
         weight = self.weight
-        # inference tensors keep no version counter; they can only change inside inference mode, which nothing does
-        identity = (weight.data_ptr(), tuple(weight.shape), -1 if weight.is_inference() else weight._version)
+        # inference tensors keep no version counter; they can only change inside inference mode, which nothing does.
+        # The weight itself is the identity (not its address: a replacement may reuse a freed weight's memory).
+        version = -1 if weight.is_inference() else weight._version
         cached = _packed.get(self)
-        if cached is None or cached[0] != identity:
-            cached = _packed[self] = (identity, pack_weight(weight))
-        return cached[1]
+        if cached is None or cached[0]() is not weight or cached[1] != version:
+            cached = _packed[self] = (weakref.ref(weight), version, pack_weight(weight))
+        return cached[2]
 
 
 def cpu_linear_of(model: torch.nn.Module) -> str:
