@@ -18,9 +18,10 @@ import torch
 
 from decode.acceptance import break_even_alpha, expected_speedup
 from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter, lookup_first_drafter
-from decode.speculative import ModelRunner, SpeculativeDecoder, greedy_decode, rollback
+from decode.runtime import ModelRunner, greedy_decode, hf_assistant_model, rollback
+from decode.speculative import SpeculativeDecoder
 from decode.stats import aggregate_stats, ratio_ci
-from pipeline.sources import HF_ASSISTANT_DIR, eos_token_ids, hf_assistant_model
+from pipeline.sources import HF_ASSISTANT_DIR, eos_token_ids
 
 
 def _device(model) -> torch.device:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 def _load_target(args):
     from pipeline.config import load_config
-    from pipeline.sources import resolve_model
+    from decode.runtime import load_model
 
     cfg = load_config(args.config, args.overrides)
     sources = [args.target or cfg.target, getattr(args, "draft", None) or getattr(args, "drafts", None) or ""]
@@ -17,20 +17,21 @@ def _load_target(args):
         from pipeline.tracking import setup_mlflow
 
         setup_mlflow(cfg)  # registry sources resolve against the configured store
-    return cfg, resolve_model(args.target or cfg.target, device=cfg.device, dtype=cfg.dtype, cpu_linear=cfg.cpu_linear)
+    return cfg, load_model(args.target or cfg.target, device=cfg.device, dtype=cfg.dtype, cpu_linear=cfg.cpu_linear)
 
 
 def _load(args):
     """Config (with overrides), then target and draft on the same device and dtype, tokenizers checked."""
     from decode.ngram import PROMPT_LOOKUP
-    from pipeline.sources import check_tokenizer_compat, resolve_model
+    from decode.runtime import load_model
+    from pipeline.sources import check_tokenizer_compat
 
     if args.draft == PROMPT_LOOKUP:
         raise ValueError(f"--draft {PROMPT_LOOKUP} works with `draftops decode`, `bench` and `sweep`; "
                          "this command needs a draft model")
     cfg, target = _load_target(args)
     parameter = next(target.model.parameters())
-    draft = resolve_model(args.draft, device=parameter.device, dtype=parameter.dtype, cpu_linear=cfg.cpu_linear)
+    draft = load_model(args.draft, device=parameter.device, dtype=parameter.dtype, cpu_linear=cfg.cpu_linear)
     check_tokenizer_compat(target.tokenizer, draft.tokenizer)
     return cfg, target, draft
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from decode.lean import LeanLlama
 from decode.ngram import LookupThenModelDrafter, lookup_first_drafter
+from decode.runtime import ModelRunner, rollback
 from decode.sampling import sample, to_target_vocab, warp_logits
 from decode.stats import GenerationStats
 
@@ -64,60 +64,6 @@ class AdaptiveGamma:
 class GenerationResult:
     token_ids: list[int]
     stats: GenerationStats = field(default_factory=GenerationStats)
-
-
-def forward_logits(model, tokens: torch.Tensor, cache: DynamicCache, start: int, keep_last: bool) -> torch.Tensor:
-    """Feed tokens [T] at positions start..start+T-1 through the cache -> logits [T, V] (or [1, V] if keep_last)."""
-    positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)
-    out = model(
-        input_ids=tokens[None],
-        position_ids=positions[None],
-        cache=cache,
-        use_cache=True,
-        logits_to_keep=1 if keep_last else 0,
-    )
-    return out.logits[0]
-
-
-def rollback(cache: DynamicCache, length: int) -> None:
-    """Crop the cache to its first `length` positions."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
-
-
-class ModelRunner:
-    """A causal LM as draftops runs it: `decode.lean.LeanLlama` where the architecture allows (the same function with
-    far less per-call overhead), else the transformers forward with a DynamicCache, which is also the reference."""
-
-    def __init__(self, model, lean: bool = True):
-        self.model = model
-        self.lean = LeanLlama(model) if lean and LeanLlama.supports(model) else None
-
-    def new_cache(self):
-        return self.lean.new_cache() if self.lean is not None else DynamicCache(config=self.model.config)
-
-    def forward(self, tokens: torch.Tensor, cache, start: int, keep_last: bool) -> torch.Tensor:
-        if self.lean is not None:
-            return self.lean.forward_logits(tokens, cache, start, keep_last)
-        return forward_logits(self.model, tokens, cache, start, keep_last)
-
-
-@torch.inference_mode()
-def greedy_decode(runner: ModelRunner, prompt: list[int], max_new_tokens: int,
-                  eos_token_ids: Sequence[int] = ()) -> list[int]:
-    """Plain greedy decoding, one target step per token through `runner` (the decoder's own forward)."""
-    device = next(runner.model.parameters()).device
-    cache = runner.new_cache()
-    logits = runner.forward(torch.tensor(prompt, device=device), cache, 0, True)[-1]
-    out: list[int] = []
-    for i in range(max_new_tokens):
-        token = logits.argmax()
-        out.append(int(token))
-        if out[-1] in eos_token_ids or i + 1 == max_new_tokens:
-            break
-        logits = runner.forward(token[None], cache, len(prompt) + i, True)[-1]
-    return out
 
 
 def verify(

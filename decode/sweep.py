@@ -30,7 +30,8 @@ import torch
 from decode.acceptance import analytic_acceptance, break_even_alpha
 from decode.bench import paired_speedup, timed
 from decode.ngram import PROMPT_LOOKUP, PromptLookupDrafter
-from decode.speculative import ModelRunner, SpeculativeDecoder, Warp, check_drafts, greedy_decode, rollback
+from decode.runtime import ModelRunner, greedy_decode, load_model, rollback
+from decode.speculative import SpeculativeDecoder, Warp, check_drafts
 from decode.stats import aggregate_stats, ratio_ci
 
 TARGET_LAYERS = "target-layers:"  # `target-layers:N[:V]`: the target's first N layers, embeddings, norm and head
@@ -60,9 +61,9 @@ def load_drafts(sources: Sequence[str], target, notes: list[str], vocab_texts: S
     traffic's prompts) plus the special tokens. target is a `pipeline.sources.ResolvedModel`; drafts land on its
     device and dtype.
     """
-    from distill.init import draft_from_target_layers, frequent_token_ids, reduce_vocabulary
-    from pipeline.kernels import cpu_linear_of, use_cpu_linear
-    from pipeline.sources import SourceError, check_tokenizer_compat, resolve_model
+    from decode.drafts import draft_from_target_layers, frequent_token_ids, reduce_vocabulary
+    from decode.kernels import cpu_linear_of, use_cpu_linear
+    from pipeline.sources import SourceError, check_tokenizer_compat
 
     parameter, kernels = next(target.model.parameters()), cpu_linear_of(target.model)
     drafts = []
@@ -82,7 +83,7 @@ def load_drafts(sources: Sequence[str], target, notes: list[str], vocab_texts: S
             drafts.append(Draft(name, use_cpu_linear(model.eval(), kernels), token_ids))
         else:
             try:
-                resolved = resolve_model(name, device=parameter.device, dtype=parameter.dtype, cpu_linear=kernels)
+                resolved = load_model(name, device=parameter.device, dtype=parameter.dtype, cpu_linear=kernels)
             except SourceError as exc:
                 if not source.endswith("?"):
                     raise

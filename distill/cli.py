@@ -1,5 +1,4 @@
-"""`draftops distill --config FILE [key=value ...]`: distill, evaluate, export and register a draft.
-`draftops target finetune --config FILE [key=value ...]`: an updated target (LoRA in another style, merged)."""
+"""`draftops distill --config FILE [key=value ...]`: distill, evaluate, export and register a draft."""
 from __future__ import annotations
 
 import subprocess
@@ -18,24 +17,6 @@ def distill_command(args) -> int:
     return main(flags + args.overrides)
 
 
-def target_finetune_command(args) -> int:
-    from distill.finetune import run_finetune
-    from pipeline.config import load_config
-    from pipeline.tracking import tracking_uri
-
-    cfg = load_config(args.config, args.overrides)
-    result = run_finetune(cfg)
-    print(f"draftops target finetune: done ({cfg.target_update.style} style, {result.examples} examples, "
-          f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f})")
-    print("  time: " + "  ".join(f"{k} {v:.0f}s" for k, v in result.timings.items())
-          + f"  (total {sum(result.timings.values()):.0f}s)")
-    print(f"  target {cfg.target} ({result.base_fingerprint}) -> {result.path} ({result.fingerprint})")
-    print(f"  MLflow: {tracking_uri(cfg)}  run {result.run_id}  (experiment draftops-target)")
-    print(f"  check the champion against it: draftops monitor check{f' --config {args.config}' if args.config else ''}"
-          f" target={result.path}")
-    return 0
-
-
 def add_commands(subparsers) -> None:
     parser = subparsers.add_parser(
         "distill", help="train a draft from the target's own responses and logits, export and register it",
@@ -50,15 +31,3 @@ def add_commands(subparsers) -> None:
                              "train and register nothing")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. distill.loss=tvd distill.epochs=2")
     parser.set_defaults(handler=distill_command)
-
-    target = subparsers.add_parser("target", help="target model updates (to rehearse a target change)")
-    actions = target.add_subparsers(dest="action", required=True)
-    finetune = actions.add_parser(
-        "finetune", help="fine-tune the target with LoRA on its own responses in another style, merge and save",
-        description="The configured target answers prompts (target_update.prompts; distill's response cache is "
-                    "reused), the responses are restyled (target_update.style), a LoRA adapter is trained on them "
-                    "and merged, and the result is saved to target_update.output_dir as a new checkpoint.")
-    finetune.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
-    finetune.add_argument("overrides", nargs="*", metavar="key=value",
-                          help="e.g. target_update.steps=60 target_update.style=prefix")
-    finetune.set_defaults(handler=target_finetune_command)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from distill.init import full_vocab_copy
+from decode.drafts import full_vocab_copy
 from pipeline import metrics
 from pipeline.config import DraftopsConfig
 from pipeline.sources import HF_ASSISTANT_DIR

@@ -25,8 +25,9 @@ from pathlib import Path
 
 import torch
 
-from distill.data import ResponseSet, cached_responses, collate
-from distill.init import frequent_token_ids, init_draft
+from distill.responses import ResponseSet, cached_responses, collate
+from decode.drafts import frequent_token_ids
+from distill.init import init_draft
 from distill.losses import distillation_loss, to_student_columns
 from pipeline.config import DraftopsConfig
 from pipeline.sources import HF_ASSISTANT_DIR, eos_token_ids
@@ -237,10 +238,10 @@ def save_best(accelerator, model, best_dir: Path) -> None:
 
 def load_best(cfg: DraftopsConfig, target_model, token_ids: torch.Tensor | None, best_dir: Path):
     """A fresh, plain (unsharded) draft holding the best weights: what export sees whatever the distribution was."""
-    from safetensors.torch import load_model
+    from safetensors.torch import load_model as load_safetensors
 
     draft = init_draft(cfg.distill, target_model, token_ids=token_ids)
-    load_model(ResponseLogits(draft), str(best_dir / "model.safetensors"))
+    load_safetensors(ResponseLogits(draft), str(best_dir / "model.safetensors"))
     return draft.eval()
 
 
@@ -266,7 +267,7 @@ def draft_continuations(draft, tokenizer, prompts: list[list[int]], *, token_ids
     """Continuations sampled from the current draft (the on-policy share of the data); no teacher attached."""
     from transformers import GenerationConfig
 
-    from distill.data import left_pad
+    from distill.responses import left_pad
 
     stop = eos_token_ids(draft, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0]
@@ -479,12 +480,12 @@ def run_distill(cfg: DraftopsConfig, *, init_only: bool = False) -> DistillResul
     from accelerate.utils import set_seed
 
     from distill.export import export_draft, log_and_register
-    from pipeline.sources import resolve_model
+    from decode.runtime import load_model
 
     timings = Timings()
     accelerator = make_accelerator(cfg)
     with timings.measure("load_target"):
-        target = resolve_model(cfg.target, device=accelerator.device, dtype=cfg.dtype, cpu_linear=cfg.cpu_linear)
+        target = load_model(cfg.target, device=accelerator.device, dtype=cfg.dtype, cpu_linear=cfg.cpu_linear)
     data = prepare_data(cfg, accelerator, target, timings)
     job_dir = Path(cfg.distill.output_dir) / job_key(cfg, data.fingerprint)
     set_seed(cfg.seed)

@@ -116,10 +116,11 @@ class _Timer(dict):
 
 def load_models(cfg: DraftopsConfig, draft_source: str, target=None):
     """(target, draft) as ResolvedModels on the configured device (reusing `target` if given); tokenizers must agree."""
-    from pipeline.sources import check_tokenizer_compat, resolve_model
+    from decode.runtime import load_model
+    from pipeline.sources import check_tokenizer_compat
 
-    target = target or resolve_model(cfg.target, device=cfg.device, dtype=cfg.dtype, cpu_linear=cfg.cpu_linear)
-    draft = resolve_model(draft_source, device=target.model.device, dtype=cfg.dtype, cpu_linear=cfg.cpu_linear)
+    target = target or load_model(cfg.target, device=cfg.device, dtype=cfg.dtype, cpu_linear=cfg.cpu_linear)
+    draft = load_model(draft_source, device=target.model.device, dtype=cfg.dtype, cpu_linear=cfg.cpu_linear)
     check_tokenizer_compat(target.tokenizer, draft.tokenizer)
     return target, draft
 
@@ -169,7 +170,7 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
     import mlflow
     from mlflow import MlflowClient
 
-    from pipeline.report import monitor_checks, monitor_history_figure
+    from monitor.report import monitor_checks, monitor_history_figure
     from pipeline.tracking import log_figure, setup_mlflow, start_run
 
     if retrain is None:

@@ -1,4 +1,5 @@
-"""`draftops monitor check | serve | simulate | rollback | demo`."""
+"""`draftops monitor check | serve | simulate | rollback | demo` and `draftops target finetune` (a rehearsed target
+update)."""
 
 from __future__ import annotations
 
@@ -97,6 +98,24 @@ def demo_command(args) -> int:
         return 2
 
 
+def target_finetune_command(args) -> int:
+    from monitor.target_update import run_finetune
+    from pipeline.config import load_config
+    from pipeline.tracking import tracking_uri
+
+    cfg = load_config(args.config, args.overrides)
+    result = run_finetune(cfg)
+    print(f"draftops target finetune: done ({cfg.target_update.style} style, {result.examples} examples, "
+          f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f})")
+    print("  time: " + "  ".join(f"{k} {v:.0f}s" for k, v in result.timings.items())
+          + f"  (total {sum(result.timings.values()):.0f}s)")
+    print(f"  target {cfg.target} ({result.base_fingerprint}) -> {result.path} ({result.fingerprint})")
+    print(f"  MLflow: {tracking_uri(cfg)}  run {result.run_id}  (experiment draftops-target)")
+    print(f"  check the champion against it: draftops monitor check{f' --config {args.config}' if args.config else ''}"
+          f" target={result.path}")
+    return 0
+
+
 def add_commands(subparsers) -> None:
     monitor = subparsers.add_parser("monitor", help="check the champion draft for drift, on demand or nightly")
     actions = monitor.add_subparsers(dest="action", required=True)
@@ -136,3 +155,15 @@ def add_commands(subparsers) -> None:
     rollback = with_config(actions.add_parser("rollback", help="move the champion alias back to the previous one"))
     rollback.add_argument("--to-version", help="a specific version instead of the previous champion")
     rollback.set_defaults(handler=rollback_command)
+
+    target = subparsers.add_parser("target", help="target model updates (to rehearse a target change)")
+    actions = target.add_subparsers(dest="action", required=True)
+    finetune = actions.add_parser(
+        "finetune", help="fine-tune the target with LoRA on its own responses in another style, merge and save",
+        description="The configured target answers prompts (target_update.prompts; distill's response cache is "
+                    "reused), the responses are restyled (target_update.style), a LoRA adapter is trained on them "
+                    "and merged, and the result is saved to target_update.output_dir as a new checkpoint.")
+    finetune.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
+    finetune.add_argument("overrides", nargs="*", metavar="key=value",
+                          help="e.g. target_update.steps=60 target_update.style=prefix")
+    finetune.set_defaults(handler=target_finetune_command)

@@ -116,7 +116,7 @@ def run_demo(cfg: DraftopsConfig, out: str | Path = DEFAULT_OUT, *, echo=print) 
     """The five phases; prints each phase's outcome and time, the checks, and the re-check command last."""
     from mlflow import MlflowClient
 
-    from distill.finetune import run_finetune
+    from monitor.target_update import run_finetune
     from distill.train import run_distill
     from monitor import registry
     from monitor.check import run_check

@@ -1,7 +1,7 @@
 """Per-prompt acceptance of a draft against a target, on chosen held-out requests.
 
 Analytic: the target's greedy response to each prompt (cached per target fingerprint by
-distill.data), then one teacher-forced pass of both models; prompt i contributes the sum of
+distill.responses), then one teacher-forced pass of both models; prompt i contributes the sum of
 alpha_t = sum_x min(p_t, q_t) over its response tokens (acc) and their number (n). Live: real
 speculative decoding; prompt i contributes accepted and verified draft tokens.
 """
@@ -65,7 +65,7 @@ def prompt_token_counts(prompts: list[list[int]]) -> dict[int, int]:
 def measure_analytic(cfg: DraftopsConfig, target, draft, requests: list) -> Measurement:
     """Analytic per-prompt acceptance of `draft` (a ResolvedModel) against `target` on `requests`."""
     from decode.acceptance import analytic_acceptance
-    from distill.data import cached_responses
+    from distill.responses import cached_responses
     from pipeline.traffic import encode_prompts
 
     prompts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)

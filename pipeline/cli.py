@@ -9,7 +9,7 @@ import sys
 import numpy as np
 
 # Packages that contribute subcommands through `add_commands(subparsers)`, in help order.
-COMMAND_MODULES = ("distill.cli", "decode.cli", "monitor.cli", "pipeline.report")
+COMMAND_MODULES = ("distill.cli", "decode.cli", "monitor.cli", "monitor.report")
 
 
 def _print(payload: dict, as_json: bool) -> None:

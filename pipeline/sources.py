@@ -270,18 +270,15 @@ def load_checkpoint(path: Path, *, dtype: torch.dtype = torch.float32) -> torch.
     return model
 
 
-def resolve_model(source: str, *, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
-                  cpu_linear: str = "onednn") -> ResolvedModel:
-    """Source string -> model (eval mode, on the device, its linear layers on `cpu_linear` kernels) and tokenizer,
-    with fingerprint and vocabulary mapping."""
+def resolve_model(source: str, *, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto") -> ResolvedModel:
+    """Source string -> model (eval mode, on the device) and tokenizer, with fingerprint and vocabulary mapping.
+    `decode.runtime.load_model` also puts its linear layers on the configured CPU kernels."""
     from transformers import AutoTokenizer
-
-    from pipeline.kernels import use_cpu_linear
 
     local = locate(source)
     device = pick_device(device) if isinstance(device, str) else device
     dtype = pick_dtype(dtype, device) if isinstance(dtype, str) else dtype
-    model = use_cpu_linear(load_checkpoint(local.path, dtype=dtype).to(device).eval(), cpu_linear)
+    model = load_checkpoint(local.path, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(local.path)
     return ResolvedModel(source, local.path, model, tokenizer, local.fingerprint, local.token_ids)
 
@@ -293,21 +290,6 @@ def eos_token_ids(model, tokenizer=None) -> list[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     return ids
-
-
-def hf_assistant_model(draft: ResolvedModel) -> torch.nn.Module:
-    """The draft as transformers' assisted generation can use it: the model itself, or the full-vocabulary copy that a
-    reduced-vocabulary draft carries in `hf_assistant/`."""
-    if draft.token_ids is None:
-        return draft.model
-    copy_dir = draft.path / HF_ASSISTANT_DIR
-    if not (copy_dir / "config.json").exists():
-        raise SourceError(f"{draft.source}: reduced-vocabulary draft without a full-vocabulary {HF_ASSISTANT_DIR}/ copy")
-    from pipeline.kernels import cpu_linear_of, use_cpu_linear
-
-    parameter = next(draft.model.parameters())
-    copy = load_checkpoint(copy_dir, dtype=parameter.dtype).to(parameter.device).eval()
-    return use_cpu_linear(copy, cpu_linear_of(draft.model))
 
 
 def save_checkpoint(model, tokenizer, out_dir: str | Path, *, token_ids: torch.Tensor | None = None, config=None) -> Path:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pipeline.cli import main
-from distill.init import full_vocab_copy
+from decode.drafts import full_vocab_copy
 from pipeline.sources import HF_ASSISTANT_DIR, save_checkpoint
 from tests.conftest import make_tiny_model, make_tokenizer
 

@@ -4,7 +4,7 @@ import torch
 
 from decode import SpeculativeDecoder
 from pipeline.sources import eos_token_ids
-from distill.init import draft_from_target_layers, reduce_vocabulary
+from decode.drafts import draft_from_target_layers, reduce_vocabulary
 from pipeline.sources import resolve_model
 from pipeline.traffic import encode_prompts, load_traffic
 from tests.conftest import shared_data

@@ -7,7 +7,7 @@ from transformers import DynamicCache
 
 from decode import SpeculativeDecoder
 from decode.lean import LeanLlama
-from decode.speculative import forward_logits, rollback
+from decode.runtime import forward_logits, rollback
 from tests.decode.tiny import greedy_reference, tiny_llama
 
 

@@ -10,7 +10,8 @@ import yaml
 from decode import SpeculativeDecoder
 from decode.acceptance import analytic_acceptance, break_even_alpha, expected_speedup, expected_tokens
 from decode.ngram import PromptLookupDrafter
-from decode.speculative import ModelRunner, greedy_decode, scheduled_gamma
+from decode.runtime import ModelRunner, greedy_decode
+from decode.speculative import scheduled_gamma
 from decode.sweep import (at_context, cell_break_even_alpha, lookup_block, model_block,
                           predicted_seconds, spread, walk)
 from pipeline.cli import main

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from distill.init import draft_from_config, draft_from_target_layers, frequent_token_ids, full_vocab_copy, init_draft
+from decode.drafts import draft_from_target_layers, frequent_token_ids, full_vocab_copy
+from distill.init import draft_from_config, init_draft
 from pipeline.config import DistillConfig
 from pipeline.sources import save_checkpoint
 from tests.conftest import make_tiny_model, make_tokenizer

@@ -6,7 +6,7 @@ from mlflow import MlflowClient
 from pipeline import metrics as M
 from pipeline.cli import main
 from pipeline.config import load_config
-from pipeline.report import build_report, monitor_checks, monitor_history_figure, version_rows
+from monitor.report import build_report, monitor_checks, monitor_history_figure, version_rows
 from pipeline.tracking import register_checkpoint, start_run
 from pipeline.versions import link_run
 

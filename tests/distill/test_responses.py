@@ -1,6 +1,6 @@
 import torch
 
-from distill.data import cached_responses, collate, generate_responses, teacher_forced_topk
+from distill.responses import cached_responses, collate, generate_responses, teacher_forced_topk
 from pipeline.traffic import Request
 from tests.conftest import make_tiny_model, make_tokenizer
 
@@ -41,7 +41,7 @@ def test_sampled_responses_are_reproducible_and_cached(monkeypatch):
     assert not hit and path.parent.name == "responses" and path.name.startswith("fp-")
     assert len(first) == 15 and first.request_ids[:2] == ["q0#0", "q1#0"] and first.request_ids[-1] == "q4#2"
     assert first.offsets[-1] == first.num_response_tokens == first.topk_logprobs.shape[0]
-    monkeypatch.setattr("distill.data.generate_responses", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    monkeypatch.setattr("distill.responses.generate_responses", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
     second, path2, hit = cached_responses(model, tokenizer, "fp", requests, PROMPTS, **kw)
     assert hit and path2 == path and second.response_ids == first.response_ids
     assert torch.equal(second.topk_indices, first.topk_indices)
@@ -51,7 +51,7 @@ def test_sampled_responses_are_reproducible_and_cached(monkeypatch):
     larger, path3, hit = cached_responses(model, tokenizer, "fp", requests, PROMPTS, **{**kw, "topk": 6})
     assert hit and path3 == path and larger.topk_indices.shape == (first.num_response_tokens, 6)
     assert torch.equal(larger.topk_indices[:, :4], first.topk_indices)
-    monkeypatch.setattr("distill.data.teacher_forced_topk", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    monkeypatch.setattr("distill.responses.teacher_forced_topk", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
     again, _, _ = cached_responses(model, tokenizer, "fp", requests, PROMPTS, **{**kw, "topk": 6})
     assert torch.equal(again.topk_logprobs, larger.topk_logprobs)
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.kernels import OneDNNLinear, cpu_linear_of, onednn_linear, use_cpu_linear
+from decode.kernels import OneDNNLinear, cpu_linear_of, onednn_linear, use_cpu_linear
 from tests.conftest import make_tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -50,7 +50,7 @@ def test_unknown_kind_is_refused():
 
 @pytest.mark.parametrize("rows", [1, 2, 6, 300])
 def test_packed_weight_matches_reference(rows):
-    from pipeline.kernels import pack_weight
+    from decode.kernels import pack_weight
 
     torch.manual_seed(rows)
     x, weight, bias = torch.randn(rows, 96), torch.randn(200, 96), torch.randn(200)

@@ -140,14 +140,15 @@ def replace_dir(tmp: Path, out: Path) -> None:
 
 def run_finetune(cfg: DraftopsConfig) -> FinetuneResult:
     """The whole update: responses (cached) → restyle → LoRA → merge → checkpoint (+ resolved config, lineage)."""
-    from distill.data import cached_responses
-    from pipeline.sources import eos_token_ids, fingerprint_dir, resolve_model, save_checkpoint
+    from distill.responses import cached_responses
+    from decode.runtime import load_model
+    from pipeline.sources import eos_token_ids, fingerprint_dir, save_checkpoint
     from pipeline.traffic import encode_prompts
 
     u, d = cfg.target_update, cfg.distill
     timings: dict[str, float] = {}
     clock = time.perf_counter()
-    target = resolve_model(cfg.target, device=cfg.device, dtype=cfg.dtype, cpu_linear=cfg.cpu_linear)
+    target = load_model(cfg.target, device=cfg.device, dtype=cfg.dtype, cpu_linear=cfg.cpu_linear)
     requests = prompt_requests(cfg)
     if not requests:
         raise ValueError(f"target finetune: no prompts in {u.prompts}")

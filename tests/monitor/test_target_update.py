@@ -6,7 +6,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from distill.finetune import MARKER_FILE, lora_finetune, response_loss, restyle, run_finetune, sft_batch, styled_examples
+from monitor.target_update import MARKER_FILE, lora_finetune, response_loss, restyle, run_finetune, sft_batch, styled_examples
 from pipeline.cli import main as draftops
 from pipeline.config import TargetUpdateConfig
 from pipeline.sources import resolve_model
@@ -114,7 +114,7 @@ def test_finetune_makes_a_new_target_checkpoint(tmp_path, capsys):
 
 
 def test_prompts_are_distills_train_split_or_a_file(tmp_path):
-    from distill.finetune import prompt_requests
+    from monitor.target_update import prompt_requests
     from pipeline.traffic import load_traffic
 
     cfg = tiny_config(tmp_path, "target_update.max_prompts=5")
