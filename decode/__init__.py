@@ -1,6 +1,7 @@
-"""Lossless speculative decoding, its statistics and analytic acceptance."""
+"""Lossless speculative decoding, its drafters, statistics and analytic acceptance."""
 
-from decode.speculative import AdaptiveGamma, GenerationResult, SpeculativeDecoder
+from decode.factory import build_decoder
+from decode.speculative import GammaPolicy, GenerationResult, SpeculativeDecoder
 from decode.stats import GenerationStats
 
-__all__ = ["AdaptiveGamma", "GenerationResult", "GenerationStats", "SpeculativeDecoder"]
+__all__ = ["GammaPolicy", "GenerationResult", "GenerationStats", "SpeculativeDecoder", "build_decoder"]

@@ -17,10 +17,13 @@ import numpy as np
 import torch
 
 from decode.acceptance import break_even_alpha, expected_speedup
-from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter, lookup_first_drafter
+from decode.drafters import DECODER, DRAFT, LOOKUP
+from decode.factory import build_decoder
+from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter
 from decode.runtime import ModelRunner, greedy_decode, hf_assistant_model, rollback
 from decode.speculative import SpeculativeDecoder
 from decode.stats import aggregate_stats, ratio_ci
+from pipeline.config import DecodeConfig
 from pipeline.sources import HF_ASSISTANT_DIR, eos_token_ids
 
 
@@ -121,68 +124,66 @@ def paired_speedup(tokens_a, seconds_a, tokens_b, seconds_b, *, seed: int = 0, n
     return {"value": float(value), "low": float(low), "high": float(high), "n_prompts": len(ta)}
 
 
-def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[str], *, gamma: int,
-              max_new_tokens: int, gamma_schedule: Sequence[tuple[int, int]] | None = None,
-              lookup_min_ngram: int | None = None, draft_min_confidence: float | None = None,
-              seed: int = 0) -> dict:
-    """target is a `pipeline.sources.ResolvedModel`, draft one too or a `PromptLookupDrafter`. Greedy throughout.
+def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[str], decode: DecodeConfig, *,
+              gamma: int | None = None, seed: int = 0) -> dict:
+    """target is a `pipeline.sources.ResolvedModel`, draft one too, or None to bench prompt lookup alone. Greedy
+    throughout; `decode` (cfg.decode) describes the decoder, `gamma` overrides its γ policy with a fixed γ.
 
-    With a γ schedule, this decoder follows it; HF assisted generation and the cost model use the fixed `gamma`.
+    With a γ schedule or adaptive γ, this decoder follows it; HF assisted generation and the cost model use its γ.
     """
+    decode = decode.model_copy(update={"temperature": 0.0})
+    max_new_tokens = decode.max_new_tokens
     eos = eos_token_ids(target.model, target.tokenizer)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else (eos or [0])[0]
-    lookup = draft if isinstance(draft, PromptLookupDrafter) else None
-    drafter, token_ids = (lookup, None) if lookup else (draft.model, draft.token_ids)
-    shared = dict(gamma_schedule=gamma_schedule, eos_token_ids=eos)
-    draft_options = dict(draft_token_ids=token_ids, draft_min_confidence=draft_min_confidence)
-    decoder = SpeculativeDecoder(target.model, drafter, gamma, lookup_min_ngram=lookup_min_ngram, **draft_options,
-                                 **shared)
+    decoders = {"speculative": build_decoder(target, draft, decode, kind=LOOKUP if draft is None else DECODER,
+                                             gamma=gamma)}
+    if draft is not None and decode.lookup_min_ngram is not None:
+        decoders["draft_only"] = build_decoder(target, draft, decode, kind=DRAFT, gamma=gamma)
+        decoders["lookup_only"] = build_decoder(target, draft, decode, kind=LOOKUP, gamma=gamma)
+    decoder = decoders["speculative"]
+    policy = decoder.gamma
+    fixed_gamma = policy.gamma
     common = dict(max_new_tokens=max_new_tokens, eos_ids=eos, pad_id=pad)
     methods: dict[str, Callable[[list[int]], object]] = {
         "target_only": lambda p: hf_generate(target.model, p, **common),
         "plain": lambda p: greedy_decode(decoder.target_runner, p, max_new_tokens, eos),
-        "speculative": lambda p: decoder.generate(p, max_new_tokens=max_new_tokens),
     }
+    for name, d in decoders.items():
+        methods[name] = (lambda d: lambda p: d.generate(p, max_new_tokens=max_new_tokens))(d)
     notes = []
-    if lookup_min_ngram is not None:
-        notes.append(f"this decoder takes prompt-lookup proposals first (n-grams of >= {lookup_min_ngram} tokens), "
-                     "the draft model elsewhere; draft_only and lookup_only are its two halves alone; HF assisted "
-                     "generation uses the draft model only")
-        halves = {
-            "draft_only": SpeculativeDecoder(target.model, drafter, gamma, **draft_options, **shared),
-            "lookup_only": SpeculativeDecoder(
-                target.model, lookup_first_drafter(decoder.vocab_size, decoder.device, lookup_min_ngram), gamma,
-                **shared),
-        }
-        for name, half in halves.items():
-            methods[name] = (lambda d: lambda p: d.generate(p, max_new_tokens=max_new_tokens).token_ids)(half)
-    if draft_min_confidence is not None:
-        notes.append(f"the draft model ends a block where its top probability is below {draft_min_confidence}; "
-                     f"the cost model assumes γ={gamma} drafts a round, the in-run costs count the real ones")
-    if gamma_schedule:
-        notes.append(f"this decoder follows the γ schedule {[list(e) for e in gamma_schedule]}; "
-                     f"HF assisted and the cost model use γ={gamma}")
-    if lookup is not None:
-        methods["hf_prompt_lookup"] = lambda p: hf_generate(target.model, p, gamma=gamma, lookup=lookup, **common)
+    if len(decoders) > 1:
+        notes.append(f"this decoder takes prompt-lookup proposals first (n-grams of >= {decode.lookup_min_ngram} "
+                     "tokens), the draft model elsewhere; draft_only and lookup_only are its two halves alone; HF "
+                     "assisted generation uses the draft model only")
+    if draft is not None and decode.draft_min_confidence is not None:
+        notes.append(f"the draft model ends a block where its top probability is below {decode.draft_min_confidence}; "
+                     f"the cost model assumes γ={fixed_gamma} drafts a round, the in-run costs count the real ones")
+    if policy.kind != "fixed":
+        notes.append(f"this decoder follows the {policy.kind} γ policy {policy.to_dict()}; "
+                     f"HF assisted and the cost model use γ={fixed_gamma}")
+    if draft is None:
+        lookup = decoder.drafter
+        methods["hf_prompt_lookup"] = lambda p: hf_generate(target.model, p, gamma=fixed_gamma, lookup=lookup, **common)
     else:
         assistant = hf_assistant_model(draft)
-        if token_ids is not None:
+        if draft.token_ids is not None:
             notes.append(f"HF assisted generation uses the draft's full-vocabulary copy ({HF_ASSISTANT_DIR}/): "
                          "transformers cannot use a reduced-vocabulary head")
-        methods["hf_assisted"] = lambda p: hf_generate(target.model, p, assistant=assistant, gamma=gamma, **common)
+        methods["hf_assisted"] = lambda p: hf_generate(target.model, p, assistant=assistant, gamma=fixed_gamma,
+                                                       **common)
 
     device = _device(target.model)
     for run in methods.values():  # warm-up
         run(prompts[0])
     outputs = {name: [] for name in methods}
     seconds = {name: [] for name in methods}
-    stats = []
+    stats = {name: [] for name in decoders}
     names = list(methods)
     for i, prompt in enumerate(prompts):
         for name in names[i % len(names):] + names[: i % len(names)]:
             out, s = timed(lambda: methods[name](prompt), device)
-            if name == "speculative":
-                stats.append(out.stats)
+            if name in decoders:
+                stats[name].append(out.stats)
                 out = out.token_ids
             outputs[name].append(out)
             seconds[name].append(s)
@@ -201,25 +202,28 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
                 tokens[name], seconds[name], tokens["target_only"], seconds["target_only"], seed=seed)
 
     model_drafter = decoder.drafter.model if isinstance(decoder.drafter, LookupThenModelDrafter) else decoder.drafter
-    costs = step_costs(decoder.target_runner, model_drafter, prompts[0], gamma)
-    summary = aggregate_stats(stats, categories, seed=seed)
+    costs = step_costs(decoder.target_runner, model_drafter, prompts[0], fixed_gamma)
+    summary = aggregate_stats(stats["speculative"], categories, seed=seed)
     alpha, tau = summary["acceptance_rate"]["value"], summary["tau"]["value"]
     c, v = costs["c"], costs["v"]
-    in_run = in_run_costs(stats, results["target_only"])
+    in_run = in_run_costs(stats["speculative"], results["target_only"])
+    draft_run = "draft_only" if "draft_only" in stats else "speculative" if draft is not None else None
     return {
         "n_prompts": len(prompts),
-        "settings": {"gamma": gamma, "max_new_tokens": max_new_tokens, "greedy": True, "device": str(device),
-                     **({"gamma_schedule": [list(e) for e in gamma_schedule]} if gamma_schedule else {}),
-                     **({"lookup_min_ngram": lookup_min_ngram} if lookup_min_ngram is not None else {}),
-                     **({"draft_min_confidence": draft_min_confidence} if draft_min_confidence is not None else {})},
+        "settings": {**policy.to_dict(), "max_new_tokens": max_new_tokens, "greedy": True, "device": str(device),
+                     **({"lookup_min_ngram": decode.lookup_min_ngram} if draft is None or len(decoders) > 1 else {}),
+                     **({"draft_min_confidence": decode.draft_min_confidence} if draft is not None else {})},
+        "drafters": {name: d.drafter.name for name, d in decoders.items()},
         "methods": results,
         "alpha": summary["acceptance_rate"],
+        "alpha_draft": (aggregate_stats(stats[draft_run], categories, seed=seed)["acceptance_rate"]
+                        if draft_run else None),
         "tau": summary["tau"],
         "costs": costs,
-        "predicted_speedup": expected_speedup(alpha, gamma, c, v),
-        "overhead_free_bound": tau / (gamma * c + v),
+        "predicted_speedup": expected_speedup(alpha, fixed_gamma, c, v),
+        "overhead_free_bound": tau / (fixed_gamma * c + v),
         "in_run_costs": in_run,
-        "break_even_alpha": break_even_alpha(gamma, in_run["c"], in_run["v"]),
+        "break_even_alpha": break_even_alpha(fixed_gamma, in_run["c"], in_run["v"]),
         "speculative_time_s": summary["time_s"],
         "per_category": summary.get("per_category", {}),
         "notes": notes,
@@ -251,8 +255,8 @@ def markdown(report: dict) -> str:
         "",
         f"- speculative / plain (the same forward without a draft): "
         f"{speculative['tokens_per_s']['value'] / report['methods']['plain']['tokens_per_s']['value']:.2f}x",
-        f"- acceptance α̂ = {a['value']:.3f} [{a['low']:.3f}, {a['high']:.3f}]; "
-        f"tokens per target call τ = {t['value']:.2f} [{t['low']:.2f}, {t['high']:.2f}]",
+        f"- acceptance of this decoder ({report['drafters']['speculative']}) α̂ = {a['value']:.3f} "
+        f"[{a['low']:.3f}, {a['high']:.3f}]; tokens per target call τ = {t['value']:.2f} [{t['low']:.2f}, {t['high']:.2f}]",
         f"- step costs: target {k['target_step_s'] * 1e3:.2f} ms, draft {k['draft_step_s'] * 1e3:.2f} ms, "
         f"verify of γ+1 tokens {k['verify_s'] * 1e3:.2f} ms -> c = {k['c']:.3f}, v = {k['v']:.3f}",
         f"- Leviathan's prediction (1−α^(γ+1))/((1−α)(γc+v)) = {report['predicted_speedup']:.2f}x; "
@@ -266,6 +270,9 @@ def markdown(report: dict) -> str:
         f"- speculative time split: draft {time_s['draft_s']:.2f} s, verify {time_s['verify_s']:.2f} s, "
         f"prefill {time_s['prefill_s']:.2f} s, overhead {time_s['overhead_s']:.2f} s",
     ]
+    if report["alpha_draft"] is not None:
+        d = report["alpha_draft"]
+        lines.append(f"- acceptance of the draft model alone α̂ = {d['value']:.3f} [{d['low']:.3f}, {d['high']:.3f}]")
     if report["per_category"]:
         lines += ["", "| category | prompts | α̂ | τ |", "|---|---:|---|---|"]
         for name, c in report["per_category"].items():
@@ -296,11 +303,13 @@ def flat_metrics(report: dict) -> dict[str, float]:
         M.IN_RUN_VERIFY_RATIO_V: report["in_run_costs"]["v"],
         M.IN_RUN_BOUND: report["in_run_costs"]["overhead_free_bound"],
         M.BREAK_EVEN_ALPHA: report["break_even_alpha"],
-        M.ALPHA_LIVE: report["alpha"]["value"],
+        M.ACCEPTANCE_DECODER: report["alpha"]["value"],
         M.tau_at(report["settings"]["gamma"]): report["tau"]["value"],
     }
+    if report["alpha_draft"] is not None:
+        out[M.ACCEPTANCE_DRAFT] = report["alpha_draft"]["value"]
     if "hf_assisted" in methods:
         out[M.SPEEDUP_HF_ASSISTED] = methods["hf_assisted"]["speedup"]["value"]
     for name, summary in report["per_category"].items():
-        out[M.per_category(M.ALPHA_LIVE, name)] = summary["acceptance_rate"]["value"]
+        out[M.per_category(M.ACCEPTANCE_DECODER, name)] = summary["acceptance_rate"]["value"]
     return M.finite(out)

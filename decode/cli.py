@@ -40,9 +40,11 @@ def _pick(value, default):
     return default if value is None else value
 
 
-def _schedule(args, cfg):
-    """The config's γ schedule, unless --gamma asks for a fixed γ."""
-    return cfg.decode.gamma_schedule if args.gamma is None else None
+def _decode_settings(cfg, args):
+    """cfg.decode with the command line's sampling and length options applied (--gamma is passed to the factory)."""
+    update = {name: getattr(args, name) for name in ("max_new_tokens", "temperature", "top_k", "top_p")
+              if getattr(args, name, None) is not None}
+    return cfg.decode.model_copy(update=update)
 
 
 def _requests(cfg, args):
@@ -65,9 +67,9 @@ def _error(exc: Exception) -> int:
 
 
 def decode_command(args) -> int:
-    from pipeline.sources import eos_token_ids
-    from decode.ngram import PROMPT_LOOKUP, PromptLookupDrafter
-    from decode.speculative import AdaptiveGamma, SpeculativeDecoder
+    from decode.drafters import DECODER, LOOKUP
+    from decode.factory import build_decoder
+    from decode.ngram import PROMPT_LOOKUP
     from pipeline.traffic import Request, encode_prompt
 
     try:
@@ -78,41 +80,33 @@ def decode_command(args) -> int:
                                                  for m in messages):
         return _error('--messages must be a JSON list of {"role": ..., "content": ...} objects')
     if args.draft == PROMPT_LOOKUP:
-        cfg, target = _load_target(args)
-        draft, token_ids = PromptLookupDrafter.for_model(target.model), None
+        (cfg, target), draft = _load_target(args), None
     else:
-        cfg, target, resolved = _load(args)
-        draft, token_ids = resolved.model, resolved.token_ids
-    d = cfg.decode
+        cfg, target, draft = _load(args)
+    d = _decode_settings(cfg, args)
     prompt = encode_prompt(Request("cli", "cli", tuple(messages)), target.tokenizer, cfg.traffic.max_prompt_tokens)
     try:
-        decoder = SpeculativeDecoder(
-            target.model, draft, _pick(args.gamma, d.gamma), draft_token_ids=token_ids,
-            adaptive=AdaptiveGamma() if d.adaptive else None, gamma_schedule=_schedule(args, cfg),
-            lookup_min_ngram=None if args.draft == PROMPT_LOOKUP else d.lookup_min_ngram,
-            draft_min_confidence=None if args.draft == PROMPT_LOOKUP else d.draft_min_confidence,
-            eos_token_ids=eos_token_ids(target.model, target.tokenizer))
-        result = decoder.generate(
-            prompt, max_new_tokens=_pick(args.max_new_tokens, d.max_new_tokens),
-            temperature=_pick(args.temperature, d.temperature), top_k=_pick(args.top_k, d.top_k),
-            top_p=_pick(args.top_p, d.top_p), seed=_pick(args.seed, cfg.seed))
+        decoder = build_decoder(target, draft, d, kind=LOOKUP if draft is None else DECODER, gamma=args.gamma)
+        result = decoder.generate(prompt, max_new_tokens=d.max_new_tokens, temperature=d.temperature, top_k=d.top_k,
+                                  top_p=d.top_p, seed=_pick(args.seed, cfg.seed))
     except ValueError as exc:
         return _error(exc)
     text = target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     if args.json:
         print(json.dumps({"text": text, "token_ids": result.token_ids, "prompt_tokens": len(prompt),
-                          "stats": result.stats.to_dict()}, indent=2))
+                          "drafter": decoder.drafter.name, "stats": result.stats.to_dict()}, indent=2))
     else:
         s = result.stats
         print(text)
         print(f"\n[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance {s.acceptance_rate:.3f}, "
-              f"τ {s.tau:.2f}, stop: {s.stop_reason}]", file=sys.stderr)
+              f"τ {s.tau:.2f}, stop: {s.stop_reason}, drafter: {decoder.drafter.name}]", file=sys.stderr)
     return 0
 
 
 def eval_command(args) -> int:
     import mlflow
 
+    from decode.drafters import DECODER, DRAFT
     from decode.evaluate import evaluate, flat_metrics, per_category_figure, per_position_figure
     from pipeline.metrics import LATEST_EVAL_RUN_TAG
     from pipeline.tracking import log_figure, start_run
@@ -123,15 +117,11 @@ def eval_command(args) -> int:
         cfg, target, draft = _load(args)
     except ValueError as exc:
         return _error(exc)
-    d = cfg.decode
     try:
         traffic, requests = _requests(cfg, args)
         prompts, truncated = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
-        report = evaluate(
-            target, draft, prompts, [r.category for r in requests], gamma=_pick(args.gamma, d.gamma),
-            max_new_tokens=_pick(args.max_new_tokens, d.max_new_tokens),
-            temperature=_pick(args.temperature, d.temperature), top_k=d.top_k, top_p=d.top_p,
-            adaptive=d.adaptive, gamma_schedule=_schedule(args, cfg), seed=cfg.seed)
+        report = evaluate(target, draft, prompts, [r.category for r in requests], _decode_settings(cfg, args),
+                          gamma=args.gamma, seed=cfg.seed)
     except ValueError as exc:
         return _error(exc)
     report.update(target=target.source, draft=draft.source, traffic=str(traffic.path), split=args.split,
@@ -140,6 +130,7 @@ def eval_command(args) -> int:
             "draftops.target_fingerprint": target.fingerprint}
     with start_run(cfg, "eval", run_name=f"eval-{Path(draft.source).name}", tags=tags) as run:
         mlflow.log_params({"split": args.split, "n_prompts": report["n_prompts"], **report["settings"],
+                           **{f"drafter_{kind}": name for kind, name in report["drafters"].items()},
                            "traffic_fingerprint": traffic.fingerprint(args.split, cfg.traffic.heldout_fraction)})
         mlflow.log_metrics(flat_metrics(report))
         mlflow.log_dict(report, "eval/report.json")
@@ -151,13 +142,13 @@ def eval_command(args) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        live, analytic = report["live"]["acceptance_rate"], report["analytic"]["alpha"]
+        live, analytic = report["live"][DRAFT]["acceptance_rate"], report["analytic"]["alpha"]
         print(f"prompts: {report['n_prompts']} ({args.split})")
         print(f"live acceptance α̂: {live['value']:.3f} [{live['low']:.3f}, {live['high']:.3f}]")
-        print(f"analytic α:        {analytic['value']:.3f} [{analytic['low']:.3f}, {analytic['high']:.3f}]")
+        print(f"analytic α:          {analytic['value']:.3f} [{analytic['low']:.3f}, {analytic['high']:.3f}]")
         predicted = report["predicted_tau"]["from_analytic_alpha"]
         print(f"τ: {report['live']['tau']['value']:.2f} (predicted from analytic α: {predicted:.2f})")
-        for name, summary in report["live"].get("per_category", {}).items():
+        for name, summary in report["live"][DRAFT].get("per_category", {}).items():
             print(f"  {name:<16} α̂ {summary['acceptance_rate']['value']:.3f}  "
                   f"α {report['analytic']['per_category'][name]['value']:.3f}  τ {summary['tau']['value']:.2f}")
         print(f"MLflow run: {report['mlflow_run_id']}")
@@ -169,7 +160,7 @@ def bench_command(args) -> int:
 
     from decode.bench import flat_metrics as bench_metrics
     from decode.bench import markdown, run_bench
-    from decode.ngram import PROMPT_LOOKUP, PromptLookupDrafter
+    from decode.ngram import PROMPT_LOOKUP
     from pipeline.metrics import LATEST_BENCH_RUN_TAG
     from pipeline.tracking import start_run
     from pipeline.traffic import encode_prompts
@@ -177,17 +168,13 @@ def bench_command(args) -> int:
 
     try:
         if args.draft == PROMPT_LOOKUP:
-            cfg, target = _load_target(args)
-            draft = PromptLookupDrafter.for_model(target.model)
+            (cfg, target), draft = _load_target(args), None
         else:
             cfg, target, draft = _load(args)
         _, requests = _requests(cfg, args)
         prompts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
-        report = run_bench(target, draft, prompts, [r.category for r in requests],
-                           gamma=_pick(args.gamma, cfg.decode.gamma), gamma_schedule=_schedule(args, cfg),
-                           lookup_min_ngram=None if args.draft == PROMPT_LOOKUP else cfg.decode.lookup_min_ngram,
-                           draft_min_confidence=None if args.draft == PROMPT_LOOKUP else cfg.decode.draft_min_confidence,
-                           max_new_tokens=_pick(args.max_new_tokens, cfg.decode.max_new_tokens), seed=cfg.seed)
+        report = run_bench(target, draft, prompts, [r.category for r in requests], _decode_settings(cfg, args),
+                           gamma=args.gamma, seed=cfg.seed)
     except ValueError as exc:
         return _error(exc)
     report.update(target=target.source, draft=args.draft if args.draft == PROMPT_LOOKUP else draft.source)
@@ -197,7 +184,8 @@ def bench_command(args) -> int:
     if args.draft != PROMPT_LOOKUP:
         tags["draftops.draft_fingerprint"] = draft.fingerprint
     with start_run(cfg, "bench", run_name=f"bench-{Path(report['draft']).name}", tags=tags) as run:
-        mlflow.log_params({"n_prompts": report["n_prompts"], **report["settings"]})
+        mlflow.log_params({"n_prompts": report["n_prompts"], **report["settings"],
+                           **{f"drafter_{name}": drafter for name, drafter in report["drafters"].items()}})
         mlflow.log_metrics(bench_metrics(report))
         mlflow.log_dict(report, "bench/bench.json")
         mlflow.log_text(markdown(report), "bench/bench.md")

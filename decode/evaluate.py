@@ -1,4 +1,5 @@
-"""`draftops eval`: live acceptance from speculative decoding next to analytic α over the text it produced."""
+"""`draftops eval`: the draft's acceptance while decoding (alone, and inside the configured decoder) next to analytic α
+over the text it produced."""
 
 from __future__ import annotations
 
@@ -8,45 +9,35 @@ from collections.abc import Sequence
 import numpy as np
 
 from decode.acceptance import analytic_acceptance, expected_tokens, expected_tokens_from_positions
-from decode.speculative import AdaptiveGamma, SpeculativeDecoder
+from decode.drafters import DECODER, DRAFT
+from decode.factory import build_decoder
 from decode.stats import aggregate_stats, ratio_ci
-from pipeline.sources import eos_token_ids
+from pipeline import metrics as M
+from pipeline.config import DecodeConfig
 
 
-def evaluate(
-    target,
-    draft,
-    prompts: Sequence[list[int]],
-    categories: Sequence[str],
-    *,
-    gamma: int,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    adaptive: bool = False,
-    gamma_schedule: Sequence[tuple[int, int]] | None = None,
-    seed: int = 0,
-) -> dict:
+def evaluate(target, draft, prompts: Sequence[list[int]], categories: Sequence[str], decode: DecodeConfig, *,
+             gamma: int | None = None, seed: int = 0) -> dict:
     """Decode every prompt speculatively, then score the same text analytically; prompt-level CIs throughout.
 
-    target and draft are `pipeline.sources.ResolvedModel`s (anything with .model, .tokenizer, .token_ids).
+    target and draft are `pipeline.sources.ResolvedModel`s. The prompts are decoded with the draft model alone (its
+    own acceptance, what drift is about) and, when the configured decoder also copies from the prompt, with that
+    decoder too (the acceptance users see). `gamma` overrides the config's γ policy with a fixed γ.
     """
-    decoder = SpeculativeDecoder(
-        target.model, draft.model, gamma, draft_token_ids=draft.token_ids,
-        adaptive=AdaptiveGamma() if adaptive else None, gamma_schedule=gamma_schedule,
-        eos_token_ids=eos_token_ids(target.model, target.tokenizer),
-    )
-    warp = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-    results = [
-        decoder.generate(p, max_new_tokens=max_new_tokens, seed=seed + i, **warp) for i, p in enumerate(prompts)
-    ]
-    stats = [r.stats for r in results]
+    warp = dict(temperature=decode.temperature, top_k=decode.top_k, top_p=decode.top_p)
+    decoders = {DRAFT: build_decoder(target, draft, decode, kind=DRAFT, gamma=gamma)}
+    if decode.lookup_min_ngram is not None:
+        decoders[DECODER] = build_decoder(target, draft, decode, kind=DECODER, gamma=gamma)
+    results = {
+        kind: [d.generate(p, max_new_tokens=decode.max_new_tokens, seed=seed + i, **warp) for i, p in enumerate(prompts)]
+        for kind, d in decoders.items()
+    }
+    summaries = {kind: aggregate_stats([r.stats for r in rs], categories, seed=seed) for kind, rs in results.items()}
+    summaries.setdefault(DECODER, summaries[DRAFT])
     analytic = analytic_acceptance(
-        target.model, draft.model, [p + r.token_ids for p, r in zip(prompts, results)], [len(p) for p in prompts],
+        target.model, draft.model, [p + r.token_ids for p, r in zip(prompts, results[DRAFT])], [len(p) for p in prompts],
         draft_token_ids=draft.token_ids, **warp,
     )
-    live = aggregate_stats(stats, categories, seed=seed)
     alpha = ratio_ci(analytic.sums, analytic.counts, seed=seed)
     by_category = {
         name: ratio_ci(
@@ -56,21 +47,22 @@ def evaluate(
         ).to_dict()
         for name in sorted(set(categories))
     }
-    live_at = [a for a in live["acceptance_at_position"] if a == a]  # drop nan
+    policy = decoders[DRAFT].gamma
+    live_at = [a for a in summaries[DRAFT]["acceptance_at_position"] if a == a]  # drop nan
     return {
         "n_prompts": len(prompts),
-        "settings": {"gamma": gamma, "max_new_tokens": max_new_tokens, "adaptive": adaptive, "seed": seed, **warp,
-                     **({"gamma_schedule": [list(e) for e in gamma_schedule]} if gamma_schedule else {})},
-        "live": live,
+        "settings": {**policy.to_dict(), "max_new_tokens": decode.max_new_tokens, "seed": seed, **warp},
+        "drafters": {kind: d.drafter.name for kind, d in decoders.items()},
+        "live": {DRAFT: summaries[DRAFT], DECODER: summaries[DECODER]},
         "analytic": {
             "alpha": alpha.to_dict(),
             "per_category": by_category,
             "alpha_by_token": mean_by_index(analytic.per_position),
         },
         "predicted_tau": {
-            "from_analytic_alpha": expected_tokens(alpha.value, gamma) if alpha.value == alpha.value else None,
-            "from_live_positions": expected_tokens_from_positions(live_at, gamma) if live_at else None,
-            "measured": live["tau"]["value"],
+            "from_analytic_alpha": expected_tokens(alpha.value, policy.gamma) if alpha.value == alpha.value else None,
+            "from_live_positions": expected_tokens_from_positions(live_at, policy.gamma) if live_at else None,
+            "measured": summaries[DRAFT]["tau"]["value"],
         },
     }
 
@@ -95,8 +87,8 @@ def per_position_figure(report: dict):
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
-    live_at = report["live"]["acceptance_at_position"]
-    left.bar(range(1, len(live_at) + 1), live_at, color="tab:blue", label="live, given position reached")
+    live_at = report["live"][DRAFT]["acceptance_at_position"]
+    left.bar(range(1, len(live_at) + 1), live_at, color="tab:blue", label="draft alone, given position reached")
     alpha = report["analytic"]["alpha"]
     left.axhspan(alpha["low"], alpha["high"], color="tab:orange", alpha=0.3, label="analytic α (95% CI)")
     left.set(xlabel="draft position in block", ylabel="acceptance", ylim=(0, 1.05))
@@ -116,18 +108,18 @@ def per_category_figure(report: dict):
     import matplotlib.pyplot as plt
 
     names = sorted(report["analytic"]["per_category"])
-    live = [report["live"]["per_category"][n]["acceptance_rate"] for n in names]
+    live = [report["live"][DRAFT]["per_category"][n]["acceptance_rate"] for n in names]
     analytic = [report["analytic"]["per_category"][n] for n in names]
     fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(names) + 2), 3.8))
     x = np.arange(len(names))
-    bars = ((-0.2, live, "live α̂", "tab:blue"), (0.2, analytic, "analytic α", "tab:orange"))
+    bars = ((-0.2, live, "draft α̂ (decoding)", "tab:blue"), (0.2, analytic, "analytic α", "tab:orange"))
     for offset, rows, label, color in bars:
         values = np.array([r["value"] for r in rows])
         errors = np.array([[r["value"] - r["low"], r["high"] - r["value"]] for r in rows]).T
         ax.bar(x + offset, values, 0.4, yerr=np.clip(errors, 0, None), capsize=3, color=color, label=label)
     overall = report["analytic"]["alpha"]["value"]
     ax.axhline(overall, color="tab:orange", linestyle="--", linewidth=1, label=f"analytic α overall ({overall:.2f})")
-    counts = [report["live"]["per_category"][n].get("n_prompts", "") for n in names]
+    counts = [report["live"][DRAFT]["per_category"][n].get("n_prompts", "") for n in names]
     ax.set_xticks(x, [f"{n}\n({c})" if c != "" else n for n, c in zip(names, counts)])
     ax.set(ylabel="acceptance", ylim=(0, 1.05), title="acceptance by category (prompts)")
     ax.legend(loc="lower right", fontsize=8)
@@ -137,14 +129,16 @@ def per_category_figure(report: dict):
 
 def flat_metrics(report: dict) -> dict[str, float]:
     """MLflow metrics under `pipeline.metrics` names: overall and per-category acceptance, τ, by position, speed."""
-    from pipeline import metrics as M
-
-    live, analytic, settings = report["live"], report["analytic"], report["settings"]
+    live, analytic, settings = report["live"][DRAFT], report["analytic"], report["settings"]
     alpha, tau = M.alpha_at(settings["temperature"]), M.tau_at(settings["gamma"])
+    decoder = report["live"][DECODER]["acceptance_rate"]
     out = {
-        M.ALPHA_LIVE: live["acceptance_rate"]["value"],
-        M.ALPHA_LIVE_LOW: live["acceptance_rate"]["low"],
-        M.ALPHA_LIVE_HIGH: live["acceptance_rate"]["high"],
+        M.ACCEPTANCE_DRAFT: live["acceptance_rate"]["value"],
+        M.ACCEPTANCE_DRAFT_LOW: live["acceptance_rate"]["low"],
+        M.ACCEPTANCE_DRAFT_HIGH: live["acceptance_rate"]["high"],
+        M.ACCEPTANCE_DECODER: decoder["value"],
+        M.ACCEPTANCE_DECODER_LOW: decoder["low"],
+        M.ACCEPTANCE_DECODER_HIGH: decoder["high"],
         alpha: analytic["alpha"]["value"],
         f"{alpha}_ci_low": analytic["alpha"]["low"],
         f"{alpha}_ci_high": analytic["alpha"]["high"],
@@ -154,7 +148,7 @@ def flat_metrics(report: dict) -> dict[str, float]:
         M.NEW_TOKENS: live["new_tokens"],
     }
     for name, summary in live.get("per_category", {}).items():
-        out[M.per_category(M.ALPHA_LIVE, name)] = summary["acceptance_rate"]["value"]
+        out[M.per_category(M.ACCEPTANCE_DRAFT, name)] = summary["acceptance_rate"]["value"]
         out[M.per_category(tau, name)] = summary["tau"]["value"]
         out[M.per_category(alpha, name)] = analytic["per_category"][name]["value"]
     for i, value in enumerate(live["acceptance_at_position"]):

@@ -23,6 +23,7 @@ class PromptLookupDrafter:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.vocab_size, self.device = vocab_size, torch.device(device)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.name = f"lookup(n={min_ngram}..{max_ngram})"
 
     @classmethod
     def for_model(cls, target, **kwargs) -> PromptLookupDrafter:
@@ -45,9 +46,10 @@ class PromptLookupDrafter:
         return None
 
     def propose(self, state, seq: list[int], k: int, warp, generator):
-        """(drafts [k'], one-hot q [k', V], 0 model forwards); k' < k when the match runs out or nothing matches."""
+        """(drafts [k'], one-hot q [k', V] (None when greedy), 0 model forwards); k' < k when the match runs out or
+        nothing matches."""
         drafts = torch.tensor(self.lookup(seq, k), dtype=torch.long, device=self.device)
-        q = torch.nn.functional.one_hot(drafts, self.vocab_size).float()
+        q = None if warp.greedy else torch.nn.functional.one_hot(drafts, self.vocab_size).float()
         return drafts, q, 0
 
     def rollback(self, state, length: int) -> None:
@@ -71,6 +73,7 @@ class LookupThenModelDrafter:
     def __init__(self, lookup: PromptLookupDrafter, model_drafter):
         self.lookup, self.model = lookup, model_drafter
         self.context = model_drafter.context
+        self.name = f"{lookup.name}+{model_drafter.name}"
 
     def start(self, prompt: list[int]):
         return self.model.start(prompt)

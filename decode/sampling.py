@@ -6,6 +6,8 @@ Speculative decoding is lossless for the *warped* target distribution, so both m
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -49,3 +51,19 @@ def to_target_vocab(probs: torch.Tensor, token_ids: torch.Tensor | None, vocab_s
         return probs
     full = probs.new_zeros(*probs.shape[:-1], vocab_size)
     return full.scatter_(-1, token_ids.expand(*probs.shape[:-1], -1), probs)
+
+
+@dataclass(frozen=True)
+class Warp:
+    """The sampling settings applied to both p and q (`warp_logits`); temperature 0 is greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return warp_logits(logits, self.temperature, self.top_k, self.top_p)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0

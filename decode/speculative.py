@@ -1,69 +1,108 @@
 """Lossless speculative decoding (Leviathan et al. 2022; Chen et al. 2023) for batch size 1.
 
 Cache invariant between rounds: the target's KV cache holds every token but the last one (the "pending" token), and
-the draft's cache holds a prefix of the sequence that misses one or two tokens; each model is fed exactly the tokens
-it has not seen yet, at explicit positions, and rejected drafts are rolled back with `cache.crop`.
+the drafter's state covers a prefix of the sequence; each model is fed exactly the tokens it has not seen yet, at
+explicit positions, and rejected drafts are rolled back by cropping the caches. `speculative_round` is one round of
+the algorithm; `SpeculativeDecoder.generate` runs rounds until a stop and keeps the statistics.
 
-The proposals come from a drafter: `ModelDrafter` wraps a draft LM; a model-free proposer (decode.ngram) has the
-same three methods, `start`, `propose` and `rollback`, and returns one-hot q for its deterministic proposals.
+Proposals come from a drafter (`decode.drafters`): a draft model, prompt lookup, or lookup first and the model
+elsewhere. `decode.factory.build_decoder` builds the decoder a config describes.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
-from transformers import DynamicCache
 
-from decode.ngram import LookupThenModelDrafter, lookup_first_drafter
+from decode.drafters import DECODER, Drafter, make_drafter, model_context, output_size
 from decode.runtime import ModelRunner, rollback
-from decode.sampling import sample, to_target_vocab, warp_logits
+from decode.sampling import Warp, sample
 from decode.stats import GenerationStats
+from pipeline.sources import eos_token_ids as model_eos_token_ids
 
 
 @dataclass(frozen=True)
-class Warp:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+class GammaPolicy:
+    """How many tokens the drafter is asked for each round.
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        return warp_logits(logits, self.temperature, self.top_k, self.top_p)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0
-
-
-def confident(draft_logits: torch.Tensor, min_confidence: float) -> bool:
-    """Whether the draft's top probability (softmax at temperature 1) reaches `min_confidence`: a weak draft's
-    confidence predicts its acceptance, so stopping a block where it is unsure saves draft steps and verify width."""
-    return draft_logits.float().softmax(-1).max().item() >= min_confidence
-
-
-@dataclass
-class AdaptiveGamma:
-    """Stop a draft block early when the draft is unsure, and move γ with the last block's outcome.
-
-    The draft stops once its max probability falls under `min_confidence` (`confident`); after each block γ grows by 2
-    when every draft was accepted and shrinks by 1 otherwise (HF's "heuristic" schedule).
+    fixed: always `gamma`; schedule: γ by the current sequence length from [(max_context, γ), ...] (`scheduled_gamma`;
+    `draftops sweep` recommends one); adaptive: start at `gamma`, +2 after a block accepted whole and −1 otherwise,
+    within [min_gamma, max_gamma] (HF's "heuristic" schedule).
     """
 
-    min_confidence: float = 0.4
+    kind: Literal["fixed", "schedule", "adaptive"] = "fixed"
+    gamma: int = 5
+    schedule: tuple[tuple[int, int], ...] = ()
     min_gamma: int = 1
     max_gamma: int = 16
 
-    def next_gamma(self, gamma: int, n_drafted: int, n_accepted: int) -> int:
-        step = 2 if n_accepted == n_drafted else -1
-        return max(self.min_gamma, min(self.max_gamma, gamma + step))
+    def __post_init__(self):
+        if self.kind not in ("fixed", "schedule", "adaptive"):
+            raise ValueError(f"gamma policy must be fixed, schedule or adaptive, got {self.kind!r}")
+        if self.gamma < 1:
+            raise ValueError(f"gamma must be >= 1, got {self.gamma}")
+        if self.kind == "schedule":
+            object.__setattr__(self, "schedule", tuple(check_gamma_schedule(self.schedule)))
+        elif self.schedule:
+            raise ValueError(f"a gamma schedule needs the 'schedule' policy, not {self.kind!r}")
+
+    @classmethod
+    def scheduled(cls, schedule: Sequence[Sequence[int]]) -> GammaPolicy:
+        schedule = check_gamma_schedule(schedule)
+        return cls("schedule", schedule[0][1], tuple(schedule))
+
+    def first(self, length: int) -> int:
+        """γ of the first round, for a prompt of `length` tokens."""
+        return scheduled_gamma(self.schedule, length) if self.kind == "schedule" else self.gamma
+
+    def next(self, gamma: int, length: int, drafted: int, accepted: int) -> int:
+        """γ of the next round, after a round that drafted `drafted` and accepted `accepted`, at sequence `length`."""
+        if self.kind == "schedule":
+            return scheduled_gamma(self.schedule, length)
+        if self.kind == "adaptive":
+            return max(self.min_gamma, min(self.max_gamma, gamma + (2 if accepted == drafted else -1)))
+        return gamma
+
+    def to_dict(self) -> dict:
+        out: dict = {"gamma_policy": self.kind, "gamma": self.gamma}
+        if self.kind == "schedule":
+            out["gamma_schedule"] = [list(e) for e in self.schedule]
+        return out
 
 
 @dataclass
 class GenerationResult:
     token_ids: list[int]
     stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+@dataclass(frozen=True)
+class Round:
+    tokens: list[int]  # the accepted drafts, then one token from the target
+    drafted: int
+    accepted: int
+    draft_calls: int
+
+
+def scheduled_gamma(schedule: Sequence[tuple[int, int]], length: int) -> int:
+    """γ of the first (max_context, γ) entry whose max_context is at least `length`; the last γ beyond them."""
+    for max_context, gamma in schedule:
+        if length <= max_context:
+            return gamma
+    return schedule[-1][1]
+
+
+def check_gamma_schedule(schedule: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    schedule = [(int(m), int(g)) for m, g in schedule]
+    if not schedule or any(g < 1 for _, g in schedule) or any(a[0] >= b[0] for a, b in zip(schedule, schedule[1:])):
+        raise ValueError(
+            f"gamma_schedule must be non-empty [(max_context, gamma), ...] with increasing max_context and gamma >= 1, "
+            f"got {schedule}")
+    return schedule
 
 
 def verify(
@@ -126,120 +165,37 @@ def stop_string_cut(tokenizer, generated: list[int], n_old: int, stop_strings: S
     return None
 
 
-def _model_context(model) -> int | None:
-    return getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-
-
-def _output_size(model) -> int:
-    return model.get_output_embeddings().weight.shape[0]
-
-
-def scheduled_gamma(schedule: Sequence[tuple[int, int]], length: int) -> int:
-    """γ of the first (max_context, γ) entry whose max_context is at least `length`; the last γ beyond them."""
-    for max_context, gamma in schedule:
-        if length <= max_context:
-            return gamma
-    return schedule[-1][1]
-
-
-def check_gamma_schedule(schedule: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
-    schedule = [(int(m), int(g)) for m, g in schedule]
-    if not schedule or any(g < 1 for _, g in schedule) or any(a[0] >= b[0] for a, b in zip(schedule, schedule[1:])):
-        raise ValueError(
-            f"gamma_schedule must be non-empty [(max_context, gamma), ...] with increasing max_context and gamma >= 1, "
-            f"got {schedule}")
-    return schedule
-
-
-class ModelDrafter:
-    """A draft LM proposing tokens autoregressively through its own KV cache (the drafter the decoder wraps)."""
-
-    def __init__(self, draft, vocab_size: int, device: torch.device, *, token_ids: torch.Tensor | None = None,
-                 min_confidence: float | None = None, lean: bool = True):
-        """min_confidence: end a block at the first draft token after the first whose top probability is below this
-        (`confident`); lean: see `ModelRunner`."""
-        if next(draft.parameters()).device != device:
-            raise ValueError(f"target is on {device} but draft on {next(draft.parameters()).device}")
-        draft_size = _output_size(draft)
-        draft_inputs = draft.get_input_embeddings().num_embeddings
-        if draft_inputs < vocab_size:
-            raise ValueError(
-                f"vocab mismatch: draft embeds {draft_inputs} token ids but the target emits {vocab_size}"
-            )
-        if token_ids is None:
-            if draft_size != vocab_size:
-                raise ValueError(
-                    f"vocab mismatch: draft predicts {draft_size} tokens, target {vocab_size}; "
-                    "pass draft_token_ids for a reduced-vocab draft"
-                )
-        else:
-            token_ids = torch.as_tensor(token_ids, dtype=torch.long)
-            if token_ids.ndim != 1 or token_ids.numel() != draft_size:
-                raise ValueError(
-                    f"vocab mismatch: draft predicts {draft_size} tokens but draft_token_ids has "
-                    f"{token_ids.numel()} entries"
-                )
-            if not bool((token_ids[1:] > token_ids[:-1]).all()) or not (
-                0 <= int(token_ids[0]) and int(token_ids[-1]) < vocab_size
-            ):
-                raise ValueError(f"draft_token_ids must be sorted, unique and inside [0, {vocab_size})")
-            token_ids = token_ids.to(device)
-        self.model, self.vocab_size, self.device = draft, vocab_size, device
-        self.token_ids, self.min_confidence = token_ids, min_confidence
-        self.context = _model_context(draft)
-        self.runner = ModelRunner(draft, lean)
-
-    def start(self, prompt: list[int]):
-        """The draft's cache after every prompt token but the last."""
-        cache = self.runner.new_cache()
-        if len(prompt) > 1:
-            self.runner.forward(torch.tensor(prompt[:-1], device=self.device), cache, 0, True)
-        return cache
-
-    def propose(self, cache: DynamicCache, seq: list[int], k: int, warp: Warp, generator):
-        """Up to k drafts, feeding the draft the tokens it has not seen yet.
-
-        Returns (drafts [k'], q [k', V] on the target vocab, number of draft forwards); q is None when greedy: the
-        greedy test reads the drafts only, so a one-hot scattered over the target vocabulary per draft is not built.
-        """
-        unseen = torch.tensor(seq[cache.get_seq_length() :], device=self.device)
-        drafts, probs, calls = [], [], 0
-        for i in range(k):
-            logits = self.runner.forward(unseen, cache, len(seq) - unseen.shape[0] + i, True)[-1]
-            calls += 1
-            if i > 0 and self.min_confidence is not None and not confident(logits, self.min_confidence):
-                break
-            if warp.greedy:
-                token = logits.argmax() if self.token_ids is None else self.token_ids[logits.argmax()]
-            else:
-                probs.append(to_target_vocab(warp(logits), self.token_ids, self.vocab_size))
-                token = sample(probs[-1], generator)
-            drafts.append(token)
-            unseen = token[None]
-        if warp.greedy:
-            q = None
-        else:
-            q = torch.stack(probs) if probs else torch.empty(0, self.vocab_size, device=self.device)
-        if not drafts:
-            return torch.empty(0, dtype=torch.long, device=self.device), q, calls
-        return torch.stack(drafts), q, calls
-
-    def rollback(self, cache: DynamicCache, length: int) -> None:
-        rollback(cache, length)
+def speculative_round(target: ModelRunner, target_cache, drafter: Drafter, draft_state, seq: list[int], k: int,
+                      warp: Warp, generator: torch.Generator | None,
+                      lap: Callable[[str], None] = lambda phase: None) -> Round:
+    """One round: the drafter proposes up to k tokens after `seq`, the target scores the pending token and the drafts
+    in one pass, the accepted prefix plus one target token are kept, and both caches are cropped to them.
+    `lap("draft")` and `lap("verify")` are called as those phases end (timing)."""
+    drafts, q, draft_calls = drafter.propose(draft_state, seq, k, warp, generator)
+    lap("draft")
+    fed = torch.cat([torch.tensor(seq[-1:], device=drafts.device), drafts])
+    logits = target.forward(fed, target_cache, len(seq) - 1, keep_last=False)
+    accepted, next_tokens = check_drafts(logits, q, drafts, warp, generator)
+    k = drafts.shape[0]
+    host = torch.cat([accepted.long(), drafts, next_tokens]).tolist()  # the round's one device-to-host copy
+    lap("verify")
+    ok, proposed, target_tokens = host[:k], host[k : 2 * k], host[2 * k :]
+    n = ok.index(0) if 0 in ok else k
+    rollback(target_cache, len(seq) + n)
+    drafter.rollback(draft_state, len(seq) + n)
+    return Round(proposed[:n] + [target_tokens[n]], k, n, draft_calls)
 
 
 class SpeculativeDecoder:
-    """Speculative decoding of `target` with `draft` (HF causal LMs sharing the target's token ids)."""
+    """Speculative decoding of `target` with `draft` (HF causal LMs sharing the target's token ids, or a drafter)."""
 
     def __init__(
         self,
         target,
         draft,
-        gamma: int = 5,
+        gamma: int | GammaPolicy = 5,
         *,
         draft_token_ids: torch.Tensor | None = None,
-        adaptive: AdaptiveGamma | None = None,
-        gamma_schedule: Sequence[tuple[int, int]] | None = None,
         lookup_min_ngram: int | None = None,
         draft_min_confidence: float | None = None,
         lean: bool = True,
@@ -247,50 +203,68 @@ class SpeculativeDecoder:
         stop_strings: Sequence[str] | None = None,
         tokenizer=None,
     ):
-        """draft: an HF causal LM, or a model-free drafter (e.g. decode.ngram.PromptLookupDrafter).
+        """draft: an HF causal LM, or a drafter (`decode.drafters`, e.g. `decode.ngram.PromptLookupDrafter`).
 
-        gamma_schedule: [(max_context, γ), ...] picks γ per round from the current sequence length (prompt + generated
-        so far) instead of the fixed `gamma`; see `draftops sweep`, which recommends one.
-        lookup_min_ngram: with a draft model, take prompt-lookup proposals first wherever an n-gram of at least this
-        many tokens repeats (decode.ngram.LookupThenModelDrafter).
-        draft_min_confidence: a draft model ends its block where it is less sure than this (`confident`); with
-        `adaptive` and no value here, the adaptive policy's `min_confidence`.
-        lean: run target and draft models through `ModelRunner`'s lean forward where possible (False: transformers').
+        gamma: a fixed γ, or a `GammaPolicy` (schedule by context length, adaptive).
+        lookup_min_ngram, draft_min_confidence: with a draft model, the "decoder" drafter of `make_drafter` (prompt
+        lookup first wherever an n-gram of at least this many tokens repeats; the model ends its block where it is
+        less sure than this).
+        lean: run the models through `ModelRunner`'s lean forward where possible (False: transformers').
+        eos_token_ids: ids that end generation; None: the target's generation config's EOS ids; () never stops.
         """
-        if gamma < 1:
-            raise ValueError(f"gamma must be >= 1, got {gamma}")
+        self.gamma = gamma if isinstance(gamma, GammaPolicy) else GammaPolicy("fixed", gamma)
         if stop_strings and tokenizer is None:
             raise ValueError("stop_strings need a tokenizer")
-        if gamma_schedule is not None:
-            if adaptive is not None:
-                raise ValueError("use either adaptive or gamma_schedule, not both")
-            gamma_schedule = check_gamma_schedule(gamma_schedule)
-        self.target, self.gamma, self.adaptive, self.gamma_schedule = target, gamma, adaptive, gamma_schedule
+        self.target = target
         self.device = next(target.parameters()).device
-        self.vocab_size = _output_size(target)
+        self.vocab_size = output_size(target)
         self.target_runner = ModelRunner(target, lean)
         if isinstance(draft, torch.nn.Module):
-            if draft_min_confidence is None and adaptive is not None:
-                draft_min_confidence = adaptive.min_confidence
-            draft = ModelDrafter(draft, self.vocab_size, self.device, token_ids=draft_token_ids,
-                                 min_confidence=draft_min_confidence, lean=lean)
-            if lookup_min_ngram is not None:
-                draft = LookupThenModelDrafter(lookup_first_drafter(self.vocab_size, self.device, lookup_min_ngram),
-                                               draft)
+            draft = make_drafter(DECODER, target, draft, draft_token_ids=draft_token_ids,
+                                 lookup_min_ngram=lookup_min_ngram, draft_min_confidence=draft_min_confidence,
+                                 lean=lean)
         elif draft_token_ids is not None or lookup_min_ngram is not None or draft_min_confidence is not None:
             raise ValueError("draft_token_ids, lookup_min_ngram and draft_min_confidence apply to draft models only")
-        self.drafter = draft
-        if isinstance(eos_token_ids, int):
+        self.drafter: Drafter = draft
+        if eos_token_ids is None:
+            eos_token_ids = model_eos_token_ids(target, tokenizer)
+        elif isinstance(eos_token_ids, int):
             eos_token_ids = [eos_token_ids]
-        self.eos_token_ids = frozenset(eos_token_ids or ())
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_strings = list(stop_strings or ())
         self.tokenizer = tokenizer
-        contexts = [c for c in (_model_context(target), draft.context) if c]
+        contexts = [c for c in (model_context(target), draft.context) if c]
         self.context = min(contexts) if contexts else None
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _check(self, prompt: list[int], max_new_tokens: int) -> None:
+        if not prompt:
+            raise ValueError("empty prompt: need at least one token")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if self.context is not None and len(prompt) >= self.context:
+            raise ValueError(
+                f"prompt has {len(prompt)} tokens but the model context is {self.context} positions; "
+                f"at most {self.context - 1} prompt tokens leave room to generate"
+            )
+
+    def _stop(self, seq: list[int], n_prompt: int, n_old: int) -> str | None:
+        """Cut `seq` at the first EOS among this round's tokens (those past n_prompt + n_old), or at a stop string;
+        returns why it stopped, if it did."""
+        reason = None
+        cut = first_stop(seq[n_prompt + n_old :], self.eos_token_ids)
+        if cut is not None:
+            del seq[n_prompt + n_old + cut :]
+            reason = "eos"
+        if self.stop_strings:
+            cut = stop_string_cut(self.tokenizer, seq[n_prompt:], n_old, self.stop_strings)
+            if cut is not None:
+                del seq[n_prompt + cut :]
+                reason = "stop_string"
+        return reason
 
     @torch.inference_mode()
     def generate(
@@ -306,75 +280,43 @@ class SpeculativeDecoder:
         if input_ids.ndim > 2 or (input_ids.ndim == 2 and input_ids.shape[0] != 1):
             raise ValueError(f"batch size 1 only: got input_ids of shape {tuple(input_ids.shape)}")
         prompt = input_ids.reshape(-1).tolist()
-        if not prompt:
-            raise ValueError("empty prompt: need at least one token")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if self.context is not None and len(prompt) >= self.context:
-            raise ValueError(
-                f"prompt has {len(prompt)} tokens but the model context is {self.context} positions; "
-                f"at most {self.context - 1} prompt tokens leave room to generate"
-            )
+        self._check(prompt, max_new_tokens)
         warp = Warp(temperature, top_k, top_p)
-        generator = None
-        if seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(seed)
-        stats = GenerationStats()
+        generator = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
         limit = len(prompt) + max_new_tokens
         if self.context is not None:
             limit = min(limit, self.context)
+        stats = GenerationStats(stop_reason="max_new_tokens" if len(prompt) + max_new_tokens <= limit else "context")
+        clock = [time.perf_counter()]
+
+        def lap(phase: str) -> None:
+            self._sync()
+            now = time.perf_counter()
+            setattr(stats, f"{phase}_s", getattr(stats, f"{phase}_s") + now - clock[0])
+            clock[0] = now
 
         self._sync()
-        start = time.perf_counter()
+        start = clock[0] = time.perf_counter()
         target_cache = self.target_runner.new_cache()
         if len(prompt) > 1:
             self.target_runner.forward(torch.tensor(prompt[:-1], device=self.device), target_cache, 0, True)
         draft_state = self.drafter.start(prompt)
-        self._sync()
-        stats.prefill_s = time.perf_counter() - start
+        lap("prefill")
 
-        seq, gamma = list(prompt), self.gamma
-        stats.stop_reason = "max_new_tokens" if len(prompt) + max_new_tokens <= limit else "context"
+        seq, gamma = list(prompt), self.gamma.first(len(prompt))
         while len(seq) < limit:
-            t0 = time.perf_counter()
-            if self.gamma_schedule is not None:
-                gamma = scheduled_gamma(self.gamma_schedule, len(seq))
+            clock[0] = time.perf_counter()  # bookkeeping between rounds counts as overhead, not as drafting
             k = min(gamma, limit - len(seq) - 1)
-            drafts, q, draft_calls = self.drafter.propose(draft_state, seq, k, warp, generator)
-            k = drafts.shape[0]
-            stats.draft_calls += draft_calls
-            self._sync()
-            t1 = time.perf_counter()
-
-            fed = torch.cat([torch.tensor(seq[-1:], device=self.device), drafts])
-            logits = self.target_runner.forward(fed, target_cache, len(seq) - 1, False)
-            accepted, next_tokens = check_drafts(logits, q, drafts, warp, generator)
-            flat = torch.cat([accepted.long(), drafts, next_tokens]).tolist()  # the one sync per round
-            self._sync()
-            t2 = time.perf_counter()
-
-            n = next((i for i, ok in enumerate(flat[:k]) if not ok), k)
-            block = flat[k : k + n] + [flat[2 * k + n]]
-            stats.record_block(k, n)
-            rollback(target_cache, len(seq) + n)
-            self.drafter.rollback(draft_state, len(seq) + n)
-            if self.adaptive is not None:
-                gamma = self.adaptive.next_gamma(gamma, k, n)
-
+            step = speculative_round(self.target_runner, target_cache, self.drafter, draft_state, seq, k, warp,
+                                     generator, lap)
+            stats.record_block(step.drafted, step.accepted)
+            stats.draft_calls += step.draft_calls
             n_old = len(seq) - len(prompt)
-            seq.extend(block)
-            cut = first_stop(block, self.eos_token_ids)
-            if cut is not None:
-                del seq[len(seq) - len(block) + cut :]
-                stats.stop_reason = "eos"
-            if self.stop_strings:
-                cut = stop_string_cut(self.tokenizer, seq[len(prompt) :], n_old, self.stop_strings)
-                if cut is not None:
-                    del seq[len(prompt) + cut :]
-                    stats.stop_reason = "stop_string"
-            stats.draft_s += t1 - t0
-            stats.verify_s += t2 - t1
-            if stats.stop_reason in ("eos", "stop_string"):
+            seq.extend(step.tokens)
+            gamma = self.gamma.next(gamma, len(seq), step.drafted, step.accepted)
+            reason = self._stop(seq, len(prompt), n_old)
+            if reason is not None:
+                stats.stop_reason = reason
                 break
 
         self._sync()

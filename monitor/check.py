@@ -301,6 +301,8 @@ def _run_metrics(report: CheckReport, margin: float) -> dict[str, float]:
     out[M.MONITOR_DRIFT] = float(report.decision.status is Status.DRIFT)
     out[M.MONITOR_BREAK_EVEN] = report.break_even
     out[M.MONITOR_ACCEPTANCE_NOW] = report.current_acceptance
+    if report.acceptance_source == "live":  # the draft decoding alone: the same figure eval and bench report
+        out[M.ACCEPTANCE_DRAFT] = report.current_acceptance
     if report.baseline_recorded:
         out[M.MONITOR_ACCEPTANCE_BASELINE] = report.current_acceptance
     tests = [(name, test) for name, test in (("paired", report.acceptance and report.acceptance.paired),

@@ -83,14 +83,14 @@ def measure_analytic(cfg: DraftopsConfig, target, draft, requests: list) -> Meas
 
 
 def measure_live(cfg: DraftopsConfig, target, draft, requests: list) -> Measurement:
-    """Live per-prompt acceptance (accepted / verified draft tokens) from real speculative decoding."""
-    from decode.speculative import SpeculativeDecoder
-    from pipeline.sources import eos_token_ids
+    """The draft's own per-prompt acceptance (accepted / verified draft tokens) from real speculative decoding with
+    the draft model alone (no prompt lookup): the `acceptance/draft` that eval and bench report too."""
+    from decode.drafters import DRAFT
+    from decode.factory import build_decoder
     from pipeline.traffic import encode_prompts
 
     prompts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
-    decoder = SpeculativeDecoder(target.model, draft.model, cfg.decode.gamma, draft_token_ids=draft.token_ids,
-                                 eos_token_ids=eos_token_ids(target.model, target.tokenizer))
+    decoder = build_decoder(target, draft, cfg.decode, kind=DRAFT)
     ids, acc, n = [], [], []
     for request, prompt in zip(requests, prompts):
         stats = decoder.generate(prompt, max_new_tokens=cfg.decode.max_new_tokens,

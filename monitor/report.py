@@ -109,7 +109,7 @@ def version_rows(client, name: str) -> list[VersionRow]:
             version=str(v.version), aliases=sorted(aliases.get(str(v.version), [])),
             created=_time(v.creation_timestamp), target_fingerprint=tags.get("draftops.target_fingerprint", ""),
             alpha_t0=figure(M.ALPHA_T0, distilled), alpha_t1=figure(M.ALPHA_T1, distilled),
-            tau=figure(tau_name, distilled), gamma=gamma, eval_alpha_live=evaluated.get(M.ALPHA_LIVE),
+            tau=figure(tau_name, distilled), gamma=gamma, eval_alpha_live=evaluated.get(M.ACCEPTANCE_DRAFT),
             speedup=benched.get(M.SPEEDUP), params=figure(M.DRAFT_PARAMS, distilled),
             vocab_size=figure(M.DRAFT_VOCAB_SIZE, distilled), distill_run=distill_run,
             eval_run=tags.get(M.LATEST_EVAL_RUN_TAG)))

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG_PATH = REPO_CONFIGS / "default.yaml"
@@ -38,13 +38,15 @@ class TrackingConfig(Section):
 
 class DecodeConfig(Section):
     gamma: int = Field(5, ge=1, description="Draft tokens proposed per target call.")
-    adaptive: bool = Field(False, description="Stop drafting early when the draft is unsure.")
+    gamma_policy: Literal["fixed", "schedule", "adaptive"] = Field("fixed", description=(
+        "fixed: gamma every round; schedule: γ by sequence length from gamma_schedule; adaptive: start at gamma, +2 "
+        "after a block accepted whole, −1 otherwise."))
     gamma_schedule: list[tuple[int, int]] | None = Field(None, description=(
-        "[[max_context, gamma], ...] with increasing max_context: γ by current sequence length (prompt + generated; "
-        "the last γ beyond), instead of gamma. `draftops sweep` writes one."))
+        "With gamma_policy schedule: [[max_context, gamma], ...] with increasing max_context, γ by current sequence "
+        "length (prompt + generated; the last γ beyond). `draftops sweep` writes one."))
     lookup_min_ngram: int | None = Field(2, ge=1, description=(
-        "With a draft model: propose prompt-lookup continuations first wherever an n-gram of at least this many "
-        "tokens repeats in the text so far, the draft model elsewhere. null: the draft model only."))
+        "The decoder proposes prompt-lookup continuations first wherever an n-gram of at least this many tokens "
+        "repeats in the text so far, the draft model elsewhere. null: the draft model only."))
     draft_min_confidence: float | None = Field(0.4, gt=0.0, le=1.0, description=(
         "A draft model ends its block at the first token (after the first) whose top probability is below this, "
         "saving draft steps and verify width where it is likely wrong. null: always draft gamma tokens."))
@@ -52,6 +54,12 @@ class DecodeConfig(Section):
     temperature: float = Field(0.0, ge=0.0, description="0 is greedy.")
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _schedule_matches_policy(self) -> DecodeConfig:
+        if (self.gamma_policy == "schedule") != (self.gamma_schedule is not None):
+            raise ValueError("decode.gamma_schedule is set exactly when decode.gamma_policy is 'schedule'")
+        return self
 
 
 class DistillConfig(Section):

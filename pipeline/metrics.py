@@ -9,9 +9,10 @@ names for the same quantities, so MLflow's compare view lines them up column by 
 | `acceptance/alpha_t0` | α at temperature 0: greedy agreement of draft and target on held-out traffic |
 | `acceptance/alpha_t1` | α at temperature 1: E[Σ min(p, q)] = 1 − TVD |
 | `acceptance/alpha_t0/<category>` | the same per traffic category |
-| `acceptance/live` | acceptance measured while decoding (accepted / proposed draft tokens) |
+| `acceptance/draft` | the draft model's own acceptance while decoding alone (accepted / verified draft tokens; no prompt lookup): what drift is about |
+| `acceptance/decoder` | the acceptance of the decoder users run (`decode.drafters` "decoder": prompt lookup first, the draft elsewhere) |
 | `acceptance/tau_gamma<γ>` | tokens per target call at γ draft tokens |
-| `acceptance/pos_<i>` | live acceptance at draft position i (given the position was reached) |
+| `acceptance/pos_<i>` | the draft's acceptance at draft position i (given the position was reached) |
 | `speed/...` | tokens per second, speedup vs the target alone, cost ratios c and v |
 | `draft/...` | the draft's size: parameters, layers, vocabulary |
 | `train/...` | training curves (per step) |
@@ -25,9 +26,12 @@ import re
 # acceptance
 ALPHA_T0 = "acceptance/alpha_t0"
 ALPHA_T1 = "acceptance/alpha_t1"
-ALPHA_LIVE = "acceptance/live"
-ALPHA_LIVE_LOW = "acceptance/live_ci_low"
-ALPHA_LIVE_HIGH = "acceptance/live_ci_high"
+ACCEPTANCE_DRAFT = "acceptance/draft"
+ACCEPTANCE_DRAFT_LOW = "acceptance/draft_ci_low"
+ACCEPTANCE_DRAFT_HIGH = "acceptance/draft_ci_high"
+ACCEPTANCE_DECODER = "acceptance/decoder"
+ACCEPTANCE_DECODER_LOW = "acceptance/decoder_ci_low"
+ACCEPTANCE_DECODER_HIGH = "acceptance/decoder_ci_high"
 DRAFT_EFFICIENCY = "acceptance/draft_efficiency"
 
 # speed

@@ -60,13 +60,16 @@ def test_eval_logs_live_and_analytic_acceptance(checkpoints, capsys):
                                "--limit", "5", "--max-new-tokens", "6", "--temperature", "1", "--json",
                                "device=cpu", "tracking.system_metrics=false"])
     assert report["n_prompts"] == 5
-    assert set(report["live"]["per_category"]) == set(report["analytic"]["per_category"]) == {"math", "code", "chat"}
+    assert set(report["live"]["draft"]["per_category"]) == set(report["analytic"]["per_category"]) == {"math", "code", "chat"}
+    assert report["drafters"] == {"draft": "draft(min_confidence=0.4)", "decoder": "lookup(n=2..3)+draft(min_confidence=0.4)"}
     assert 0.0 <= report["analytic"]["alpha"]["value"] <= 1.0
     run = mlflow.get_run(report["mlflow_run_id"])
     assert run.data.metrics["acceptance/alpha_t1"] == pytest.approx(report["analytic"]["alpha"]["value"])
-    assert run.data.metrics["acceptance/live/math"] == pytest.approx(
-        report["live"]["per_category"]["math"]["acceptance_rate"]["value"])
-    assert run.data.metrics["acceptance/pos_1"] == pytest.approx(report["live"]["acceptance_at_position"][0])
+    assert run.data.metrics["acceptance/draft/math"] == pytest.approx(
+        report["live"]["draft"]["per_category"]["math"]["acceptance_rate"]["value"])
+    assert run.data.metrics["acceptance/decoder"] == pytest.approx(report["live"]["decoder"]["acceptance_rate"]["value"])
+    assert run.data.params["drafter_decoder"] == "lookup(n=2..3)+draft(min_confidence=0.4)"
+    assert run.data.metrics["acceptance/pos_1"] == pytest.approx(report["live"]["draft"]["acceptance_at_position"][0])
     assert "acceptance/tau_gamma5" in run.data.metrics and "speed/tokens_per_s" in run.data.metrics
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "eval")}
     assert artifacts == {"eval/report.json", "eval/per_position.png", "eval/per_category.png"}

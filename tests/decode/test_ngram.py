@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from decode import SpeculativeDecoder
+from decode import GammaPolicy, SpeculativeDecoder
 from decode.ngram import PromptLookupDrafter
-from decode.sampling import warp_logits
+from decode.sampling import Warp, warp_logits
 from tests.decode.test_lossless import assert_matches
 from tests.decode.tiny import greedy_reference, tiny_llama
 
@@ -20,9 +20,11 @@ def test_lookup_proposes_the_continuation_of_the_latest_longest_match():
     assert drafter.lookup([1, 2, 3], 4) == []  # no earlier occurrence of 3
     assert drafter.lookup([5], 4) == [] and drafter.lookup(seq, 0) == []
     assert PromptLookupDrafter(100, max_ngram=2, min_ngram=2).lookup([1, 2, 3, 2], 2) == []  # 1-grams not allowed
-    drafts, q, forwards = drafter.propose(None, seq, 2, None, None)
+    drafts, q, forwards = drafter.propose(None, seq, 2, Warp(temperature=1.0), None)
     assert drafts.tolist() == [4, 5] and forwards == 0
     assert torch.equal(q, torch.nn.functional.one_hot(torch.tensor([4, 5]), 100).float())
+    drafts, q, _ = drafter.propose(None, seq, 2, Warp(), None)
+    assert drafts.tolist() == [4, 5] and q is None  # greedy: the test reads the tokens only
     with pytest.raises(ValueError, match="min_ngram"):
         PromptLookupDrafter(100, max_ngram=1, min_ngram=2)
 
@@ -50,7 +52,8 @@ def test_greedy_equals_target_only_greedy(target, gamma):
 
 def test_gamma_schedule_with_lookup_stays_lossless(target):
     prompt = repetitive_prompt(0)
-    decoder = SpeculativeDecoder(target, PromptLookupDrafter.for_model(target), 2, gamma_schedule=[(20, 1), (40, 4)])
+    decoder = SpeculativeDecoder(target, PromptLookupDrafter.for_model(target),
+                                 GammaPolicy.scheduled([(20, 1), (40, 4)]))
     result = decoder.generate(prompt, max_new_tokens=30)
     assert result.token_ids == greedy_reference(target, prompt, 30)
     assert len(result.stats.drafted_at) <= 4

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from decode import AdaptiveGamma, SpeculativeDecoder
-from decode.speculative import confident
+from decode import GammaPolicy, SpeculativeDecoder
+from decode.drafters import confident
 from tests.decode.tiny import greedy_reference, tiny_llama, word_tokenizer
 
 
@@ -42,21 +42,38 @@ def test_identical_draft_accepts_everything_when_sampling(target):
 
 
 def test_adaptive_gamma_stays_lossless_and_grows(target, close_draft, references):
-    policy = AdaptiveGamma(min_confidence=0.3, max_gamma=8)
-    decoder = SpeculativeDecoder(target, close_draft, 2, adaptive=policy)
+    policy = GammaPolicy("adaptive", 2, max_gamma=8)
+    decoder = SpeculativeDecoder(target, close_draft, policy, draft_min_confidence=0.3)
     for seed, expected in references.items():
         assert decoder.generate(random_prompt(seed), max_new_tokens=24).token_ids == expected
-    stats = SpeculativeDecoder(target, target, 2, adaptive=policy).generate([5], max_new_tokens=40).stats
+    stats = SpeculativeDecoder(target, target, policy).generate([5], max_new_tokens=40).stats
     assert len(stats.drafted_at) > 2  # γ grew while everything was accepted
-    assert policy.next_gamma(8, 8, 8) == 8 and policy.next_gamma(1, 1, 0) == 1 and policy.next_gamma(4, 4, 4) == 6
+    assert policy.next(8, 0, 8, 8) == 8 and policy.next(1, 0, 1, 0) == 1 and policy.next(4, 0, 4, 4) == 6
+    assert policy.next(4, 0, 4, 2) == 3
 
 
-def test_adaptive_stops_drafting_on_low_confidence(target, random_draft, references):
-    decoder = SpeculativeDecoder(target, random_draft, 6, adaptive=AdaptiveGamma(min_confidence=1.01))
-    result = decoder.generate(random_prompt(0), max_new_tokens=24)
-    assert result.token_ids == references[0]
-    assert len(result.stats.drafted_at) == 1  # one draft token per block
-    assert result.stats.draft_calls > result.stats.drafted  # plus the forwards that showed low confidence
+def test_gamma_policy_validates_its_settings():
+    assert GammaPolicy().first(100) == 5 and GammaPolicy().next(5, 100, 5, 0) == 5
+    with pytest.raises(ValueError, match="gamma must be >= 1"):
+        GammaPolicy("fixed", 0)
+    with pytest.raises(ValueError, match="needs the 'schedule' policy"):
+        GammaPolicy("adaptive", 2, schedule=((10, 2),))
+    with pytest.raises(ValueError, match="fixed, schedule or adaptive"):
+        GammaPolicy("heuristic")
+
+
+def test_eos_defaults_to_the_targets_generation_config(target, close_draft):
+    prompt = random_prompt(0)
+    reference = greedy_reference(target, prompt, 24)
+    target.generation_config.eos_token_id = reference[3]
+    try:
+        result = SpeculativeDecoder(target, close_draft, 3).generate(prompt, max_new_tokens=24)
+        assert result.token_ids == reference[: reference.index(reference[3]) + 1]
+        assert result.stats.stop_reason == "eos"
+        assert len(SpeculativeDecoder(target, close_draft, 3, eos_token_ids=()).generate(
+            prompt, max_new_tokens=24).token_ids) == 24
+    finally:
+        target.generation_config.eos_token_id = None
 
 
 def test_sampling_is_reproducible_with_seed(target, close_draft):
@@ -171,7 +188,7 @@ def test_confident_reads_the_top_probability():
 
 def test_min_confidence_alone_ends_blocks_and_stays_lossless(target, random_draft, references):
     decoder = SpeculativeDecoder(target, random_draft, 6, draft_min_confidence=1.01)
-    assert decoder.adaptive is None
+    assert decoder.gamma == GammaPolicy("fixed", 6)
     result = decoder.generate(random_prompt(0), max_new_tokens=24)
     assert result.token_ids == references[0]
     assert len(result.stats.drafted_at) == 1 and result.stats.draft_calls > result.stats.drafted

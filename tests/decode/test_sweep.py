@@ -11,7 +11,7 @@ from decode import SpeculativeDecoder
 from decode.acceptance import analytic_acceptance, break_even_alpha, expected_speedup, expected_tokens
 from decode.ngram import PromptLookupDrafter
 from decode.runtime import ModelRunner, greedy_decode
-from decode.speculative import scheduled_gamma
+from decode.speculative import GammaPolicy, scheduled_gamma
 from decode.sweep import (at_context, cell_break_even_alpha, lookup_block, model_block,
                           predicted_seconds, spread, walk)
 from pipeline.cli import main
@@ -35,17 +35,14 @@ def test_scheduled_gamma():
 
 def test_gamma_schedule_in_the_decoder(target, close_draft):
     prompt = prompt_of(0)
-    decoder = SpeculativeDecoder(target, close_draft, 5, gamma_schedule=[(len(prompt) + 10, 1), (500, 3)])
+    decoder = SpeculativeDecoder(target, close_draft, GammaPolicy.scheduled([(len(prompt) + 10, 1), (500, 3)]))
     stats = decoder.generate(prompt, max_new_tokens=30).stats
     assert decoder.generate(prompt, max_new_tokens=30).token_ids == greedy_reference(target, prompt, 30)
     assert len(stats.drafted_at) == 3  # γ=1 early, γ=3 later, never 5
     assert stats.drafted_at[0] > stats.drafted_at[1]
     for bad in ([], [(10, 0)], [(20, 2), (10, 3)]):
         with pytest.raises(ValueError, match="gamma_schedule must be"):
-            SpeculativeDecoder(target, close_draft, 2, gamma_schedule=bad)
-    from decode import AdaptiveGamma
-    with pytest.raises(ValueError, match="either adaptive or gamma_schedule"):
-        SpeculativeDecoder(target, close_draft, 2, adaptive=AdaptiveGamma(), gamma_schedule=[(10, 2)])
+            GammaPolicy.scheduled(bad)
 
 
 @pytest.mark.parametrize("lean", [True, False])

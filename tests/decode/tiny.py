@@ -14,7 +14,8 @@ def tiny_llama(
 ) -> torch.nn.Module:
     """A tiny random Llama in float64 (no rounding ties between cached and uncached passes).
 
-    A large init range makes next-token distributions peaked, so drafts actually get rejected.
+    A large init range makes next-token distributions peaked, so drafts actually get rejected. No EOS id: the decoder
+    stops at its target's EOS by default, and these tests compare fixed-length outputs (a test that needs one sets it).
     draft_vocab gives a reduced-vocab lm_head over that many rows, keeping full-vocab input embeddings.
     """
     torch.manual_seed(seed)
@@ -28,6 +29,8 @@ def tiny_llama(
         max_position_embeddings=context,
         initializer_range=init_range,
         tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
     )
     model = AutoModelForCausalLM.from_config(config)
     if draft_vocab is not None:

@@ -33,7 +33,7 @@ def store(tmp_path):
                 "draftops.target_fingerprint": fingerprint, "gamma": "4", M.DISTILL_RUN_TAG: run.info.run_id,
                 **{k: M.tag_value(v) for k, v in f.items() if k != M.ALPHA_T1}})  # α T=1 from the run
     with start_run(cfg, "eval") as run:
-        mlflow.log_metrics({M.ALPHA_LIVE: 0.594, M.ALPHA_T0: 0.6})
+        mlflow.log_metrics({M.ACCEPTANCE_DRAFT: 0.594, M.ALPHA_T0: 0.6})
         link_run(f"models:/{NAME}@champion", M.LATEST_EVAL_RUN_TAG, run.info.run_id)
     with start_run(cfg, "bench") as run:
         mlflow.log_metrics({M.SPEEDUP: 1.73})

@@ -13,8 +13,8 @@ def test_default_config_is_the_embedded_default():
 
 def test_overrides_are_typed_and_nested():
     cfg = load_config(None, ["decode.gamma=3", "traffic.heldout_fraction=0.2", "tracking.uri=sqlite:///x.db",
-                             "decode.adaptive=true"])
-    assert cfg.decode.gamma == 3 and cfg.decode.adaptive is True
+                             "decode.gamma_policy=adaptive"])
+    assert cfg.decode.gamma == 3 and cfg.decode.gamma_policy == "adaptive"
     assert cfg.traffic.heldout_fraction == pytest.approx(0.2)
     assert cfg.tracking.uri == "sqlite:///x.db"
 

@@ -1,0 +1,33 @@
+"""The one place a decoder is built from `cfg.decode`: the decode CLI, eval, bench and its halves, the monitor's live
+measurement and the sweep all call `build_decoder`, so a config means the same decoder everywhere."""
+from __future__ import annotations
+
+from decode.drafters import DECODER, LOOKUP, make_drafter
+from decode.speculative import GammaPolicy, SpeculativeDecoder
+from pipeline.config import DecodeConfig
+from pipeline.sources import eos_token_ids
+
+
+def gamma_policy(decode: DecodeConfig, gamma: int | None = None) -> GammaPolicy:
+    """The config's γ policy; an explicit `gamma` (e.g. `--gamma`) asks for that fixed γ instead."""
+    if gamma is not None:
+        return GammaPolicy("fixed", gamma)
+    if decode.gamma_policy == "schedule":
+        return GammaPolicy.scheduled(decode.gamma_schedule)
+    return GammaPolicy(decode.gamma_policy, decode.gamma)
+
+
+def build_decoder(target, draft, decode: DecodeConfig, *, kind: str = DECODER, gamma: int | None = None,
+                  lean: bool = True) -> SpeculativeDecoder:
+    """The speculative decoder `decode` describes, with the drafter of `kind` (`decode.drafters.DRAFTER_KINDS`).
+
+    target: a `pipeline.sources.ResolvedModel` (its generation config and tokenizer give the EOS ids); draft: one too,
+    or None for the "lookup" drafter.
+    """
+    drafter = make_drafter(
+        kind, target.model, None if draft is None else draft.model,
+        draft_token_ids=None if draft is None else draft.token_ids,
+        lookup_min_ngram=decode.lookup_min_ngram if kind in (DECODER, LOOKUP) else None,
+        draft_min_confidence=decode.draft_min_confidence, lean=lean)
+    return SpeculativeDecoder(target.model, drafter, gamma_policy(decode, gamma),
+                              eos_token_ids=eos_token_ids(target.model, target.tokenizer))
