@@ -63,7 +63,7 @@ def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def schedule(d: DistillConfig, n_examples: int, num_processes: int) -> tuple[int, int]:
+def global_batch_and_steps(d: DistillConfig, n_examples: int, num_processes: int) -> tuple[int, int]:
     """(global batch, number of optimizer steps): whole global batches only, `epochs` times, capped by max_steps."""
     global_batch = d.batch_size * num_processes * d.grad_accum
     if n_examples < global_batch:
@@ -103,7 +103,7 @@ def train_loop(cfg: DraftopsConfig, accelerator, target, tokenizer, draft, data:
     d = cfg.distill
     P, rank = accelerator.num_processes, accelerator.process_index
     n = len(data.train)
-    global_batch, total_steps = schedule(d, n, P)
+    global_batch, total_steps = global_batch_and_steps(d, n, P)
     select = "tau_t0" if cfg.decode.temperature == 0 else "tau_t1"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids(target, tokenizer)[0]
 
