@@ -135,8 +135,8 @@ def to_student_columns(target_ids: torch.Tensor, token_ids: torch.Tensor | None,
 
 def distillation_loss(
     student_logits: torch.Tensor,
-    teacher: torch.Tensor | TopKTeacher,
-    mask: torch.Tensor,
+    teacher: torch.Tensor | TopKTeacher | None,
+    mask: torch.Tensor | None = None,
     *,
     loss: LossName = "forward_kl",
     beta: float = 0.5,
@@ -148,23 +148,28 @@ def distillation_loss(
 ) -> torch.Tensor:
     """Sum of per-token divergences (+ ce_weight · cross-entropy on `labels`) over `mask`, divided by `num_tokens`.
 
-    student_logits [B, T, V_draft]; teacher [B, T, V_target] logits or a TopKTeacher [B, T, k]; mask [B, T] bool
-    (True on positions whose *next* token is a response token, already aligned with the logits); labels [B, T] in
-    student columns (see `to_student_columns`), -100 ignored. `num_tokens` defaults to mask.sum(); with an empty
-    mask the result is a zero that still carries a graph, so backward() and DDP gradient sync work as usual.
+    student_logits [B, T, V_draft]; teacher [B, T, V_target] logits or a TopKTeacher [B, T, k] (unused, may be None,
+    with loss="ce"); mask [B, T] bool (True on positions whose *next* token is a response token, already aligned
+    with the logits); labels [B, T] in student columns (see `to_student_columns`), -100 ignored. Without a mask the
+    positions are already selected (a head evaluated only at response positions): student_logits [N, V_draft],
+    teacher [N, ...], labels [N]. `num_tokens` defaults to the number of selected positions; with none selected the
+    result is a zero that still carries a graph, so backward() and DDP gradient sync work as usual.
     """
-    mask = mask.bool()
-    selected = student_logits[mask]
+    if mask is not None:
+        mask = mask.bool()
+        student_logits = student_logits[mask]
+        teacher = None if teacher is None else teacher[mask]
+        labels = None if labels is None else labels[mask]
     if (ce_weight or loss == "ce") and labels is None:
         raise ValueError("cross-entropy (loss='ce' or ce_weight > 0) needs labels")
     if loss == "ce":  # the plain-CE baseline: the teacher's sampled tokens, none of its distribution
-        total = F.cross_entropy(selected.float(), labels[mask], ignore_index=-100, reduction="sum")
+        total = F.cross_entropy(student_logits.float(), labels, ignore_index=-100, reduction="sum")
     else:
-        log_p, log_q = bucket_log_probs(selected, teacher[mask], temperature=temperature, token_ids=token_ids)
+        log_p, log_q = bucket_log_probs(student_logits, teacher, temperature=temperature, token_ids=token_ids)
         per_token = generalized_jsd(log_p, log_q, beta) if loss == "jsd" else DIVERGENCES[loss](log_p, log_q)
         total = per_token.sum()
     if ce_weight:
-        total = total + ce_weight * F.cross_entropy(selected.float(), labels[mask], ignore_index=-100, reduction="sum")
+        total = total + ce_weight * F.cross_entropy(student_logits.float(), labels, ignore_index=-100, reduction="sum")
     if num_tokens is None:
-        num_tokens = mask.sum()
+        num_tokens = student_logits.shape[0]
     return total / torch.clamp(torch.as_tensor(num_tokens, dtype=total.dtype, device=total.device), min=1)

@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from distill.losses import TopKTeacher, to_student_columns
 from pipeline import draftops_home
 from pipeline.sources import eos_token_ids
 
@@ -213,38 +212,3 @@ def teacher_forced_topk(model, sequences: list[list[int]], starts: list[int], k:
         values, indices = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)
         out.append((values.half().cpu(), indices.int().cpu()))
     return out
-
-
-# --------------------------------------------------------------------------- batches
-
-
-def collate(responses: ResponseSet, indices: list[int], *, pad_id: int, token_ids: torch.Tensor | None,
-            with_teacher: bool, topk: int) -> dict:
-    """Right-padded batch of prompt+response sequences.
-
-    loss_mask[b, j] is True where position j predicts a response token (j = start-1 … len-2); labels hold that next
-    token in student columns; teacher (if asked) holds the cached top-k at those positions, ids mapped to columns.
-    """
-    seqs = [responses.prompt_ids[i] + responses.response_ids[i] for i in indices]
-    width = max(len(s) for s in seqs)
-    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros(len(seqs), width, dtype=torch.long)
-    loss_mask = torch.zeros(len(seqs), width, dtype=torch.bool)
-    next_tokens = torch.full((len(seqs), width), -100, dtype=torch.long)
-    values = torch.full((len(seqs), width, topk), float("-inf"), dtype=torch.float16) if with_teacher else None
-    columns = torch.full((len(seqs), width, topk), -1, dtype=torch.int32) if with_teacher else None
-    for row, (i, seq) in enumerate(zip(indices, seqs)):
-        start, end = len(responses.prompt_ids[i]), len(seq)
-        input_ids[row, :end] = torch.tensor(seq)
-        attention_mask[row, :end] = 1
-        loss_mask[row, start - 1:end - 1] = True
-        next_tokens[row, start - 1:end - 1] = torch.tensor(responses.response_ids[i])
-        if with_teacher:
-            lp, ids = responses.teacher_rows(i)
-            values[row, start - 1:end - 1] = lp[:, :topk]
-            columns[row, start - 1:end - 1] = ids[:, :topk]
-    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
-             "labels": to_student_columns(next_tokens, token_ids)}
-    if with_teacher:
-        batch["teacher"] = TopKTeacher(values, to_student_columns(columns.long(), token_ids, ignore_index=-1))
-    return batch

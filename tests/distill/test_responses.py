@@ -1,6 +1,6 @@
 import torch
 
-from distill.responses import cached_responses, collate, generate_responses, teacher_forced_topk
+from distill.responses import cached_responses, generate_responses, teacher_forced_topk
 from pipeline.traffic import Request
 from tests.conftest import make_tiny_model, make_tokenizer
 
@@ -54,24 +54,3 @@ def test_sampled_responses_are_reproducible_and_cached(monkeypatch):
     monkeypatch.setattr("distill.responses.teacher_forced_topk", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
     again, _, _ = cached_responses(model, tokenizer, "fp", requests, PROMPTS, **{**kw, "topk": 6})
     assert torch.equal(again.topk_logprobs, larger.topk_logprobs)
-
-
-def test_collate_aligns_mask_labels_and_teacher_with_response_tokens():
-    model, tokenizer = setup()
-    out = generate_responses(model, tokenizer, PROMPTS[:2], max_new_tokens=4, temperature=0.0, batch_size=2, seed=0,
-                             topk=3)
-    token_ids = torch.tensor(sorted(set(out.response_ids[0])))
-    batch = collate(out, [0, 1], pad_id=0, token_ids=token_ids, with_teacher=True, topk=2)
-    for row in range(2):
-        prompt, response = out.prompt_ids[row], out.response_ids[row]
-        positions = batch["loss_mask"][row].nonzero().flatten().tolist()
-        assert positions == list(range(len(prompt) - 1, len(prompt) + len(response) - 1))
-        assert batch["input_ids"][row, positions[0] + 1:positions[-1] + 2].tolist() == response
-        values, ids = out.teacher_rows(row)
-        assert torch.equal(batch["teacher"].logprobs[row, positions], values[:, :2])
-        columns = batch["teacher"].indices[row, positions]
-        expected = [[token_ids.tolist().index(t) if t in token_ids else -1 for t in r] for r in ids[:, :2].tolist()]
-        assert columns.tolist() == expected
-        labels = batch["labels"][row, positions].tolist()
-        assert labels == [token_ids.tolist().index(t) if t in token_ids else -100 for t in response]
-    assert batch["labels"][0, 0] == -100 and not batch["loss_mask"][1, -1]

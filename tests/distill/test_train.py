@@ -10,39 +10,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distill.train import (NonFiniteLoss, global_batch_indices, latest_checkpoint, micro_batch, run_distill,
-                           simulated_tau)
+from distill.checkpoints import latest_checkpoint
+from distill.loop import NonFiniteLoss
+from distill.onpolicy import draft_continuations
+from distill.train import run_distill
 from pipeline import metrics
 from pipeline.config import save_config
 from tests.distill.tiny_job import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def test_data_order_is_a_pure_function_of_seed_and_step():
-    steps = [global_batch_indices(10, s, 4, seed=3) for s in range(4)]
-    assert steps == [global_batch_indices(10, s, 4, seed=3) for s in range(4)]
-    assert len(set(steps[0] + steps[1])) == 8  # one epoch: no example twice, the 2 leftovers dropped
-    assert steps[2] != steps[0] and len(set(steps[2] + steps[3])) == 8  # epoch 2: a new permutation
-    assert global_batch_indices(10, 0, 4, seed=4) != steps[0]
-    lengths = [5, 1, 9, 3, 7, 2, 8, 4, 6, 0]
-    grouped = [global_batch_indices(10, s, 4, seed=3, lengths=lengths, group=2) for s in range(2)]
-    assert sorted(grouped[0] + grouped[1]) == sorted(steps[0] + steps[1])  # same epoch, regrouped by length
-    assert [lengths[i] for i in grouped[0] + grouped[1]] == sorted((lengths[i] for i in steps[0] + steps[1]), reverse=True)
-    batch = list(range(8))
-    # 2 processes × 2 micro-batches and 1 process × 4 micro-batches cover the same examples
-    two = [micro_batch(batch, m, r, 2, 2) for m in range(2) for r in range(2)]
-    one = [micro_batch(batch, m, 0, 1, 2) for m in range(4)]
-    assert two == one == [[0, 1], [2, 3], [4, 5], [6, 7]]
-
-
-def test_simulated_tau_walks_blocks_of_gamma():
-    assert simulated_tau([[1.0] * 12], gamma=5) == 6.0  # two calls of 5 accepted + 1
-    # γ=2 over [1, 0, 1, 1]: call 1 accepts 1 then rejects (2 tokens), call 2 accepts the last 2 (2 tokens left)
-    assert simulated_tau([[1.0, 0.0, 1.0, 1.0]], gamma=2) == 2.0
-    assert simulated_tau([[0.0] * 5], gamma=4) == 1.0
-    mixed = simulated_tau([[0.5] * 400], gamma=3, rollouts=50)
-    assert mixed == pytest.approx((1 - 0.5 ** 4) / (1 - 0.5), rel=0.05)  # Leviathan's closed form
 
 
 def test_distill_end_to_end_exports_registers_and_serves_as_assistant(isolated_home):
@@ -95,7 +71,7 @@ def test_distill_end_to_end_exports_registers_and_serves_as_assistant(isolated_h
 
 def test_nan_loss_stops_the_run_and_registers_nothing(isolated_home, monkeypatch):
     cfg = tiny_config(isolated_home, "distill.max_steps=4")
-    monkeypatch.setattr("distill.train.distillation_loss", lambda logits, *a, **k: logits.sum() * float("nan"))
+    monkeypatch.setattr("distill.step.distillation_loss", lambda logits, *a, **k: logits.sum() * float("nan"))
     with pytest.raises(NonFiniteLoss, match="nan at step 1"):
         run_distill(cfg)
     assert not (isolated_home / "mlflow.db").exists()
@@ -166,7 +142,6 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(isolate
 
 def test_online_teacher_and_on_policy_batches(isolated_home):
     from distill.init import init_draft
-    from distill.train import draft_continuations
     from pipeline.config import DistillConfig
     from pipeline.sources import resolve_model
 

@@ -1,0 +1,90 @@
+"""A job's folders on disk: `<output_dir>/<job key>/` holds `checkpoints/step-N` (resumable training state),
+`best/` (the best weights by τ so far) and the export; `<output_dir>/latest` points at the last export.
+
+Every write goes to a temporary folder renamed into place, so a kill -9 at any moment leaves either the previous
+complete checkpoint or the new one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_model as load_safetensors
+
+from distill.init import init_draft
+from distill.step import ResponseLogits
+from pipeline.config import DraftopsConfig
+
+STATE_FILE = "trainer_state.json"
+
+
+def job_key(cfg: DraftopsConfig, data_fingerprint: str) -> str:
+    """Identifies a job for resuming: everything that changes the weights, nothing that only changes bookkeeping."""
+    settings = cfg.to_dict()
+    settings.pop("tracking", None)
+    settings.pop("monitor", None)
+    for key in ("resume", "register_model", "checkpoint_every", "keep_checkpoints", "output_dir"):
+        settings["distill"].pop(key, None)
+    return hashlib.sha256(json.dumps([settings, data_fingerprint], sort_keys=True).encode()).hexdigest()[:12]
+
+
+def latest_checkpoint(checkpoints: Path) -> Path | None:
+    """The newest complete checkpoint (a `.tmp` folder is a save that was cut short), or None."""
+    done = sorted(p for p in checkpoints.glob("step-*") if (p / STATE_FILE).exists() and not p.name.endswith(".tmp"))
+    return done[-1] if done else None
+
+
+def save_training_state(accelerator, checkpoints: Path, step: int, state: dict, keep: int) -> None:
+    """accelerate.save_state + our step/best/history, written to a temporary folder and renamed into place."""
+    final = checkpoints / f"step-{step:07d}"
+    tmp = final.with_name(final.name + ".tmp")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / STATE_FILE).write_text(json.dumps(state))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in sorted(p for p in checkpoints.glob("step-*") if not p.name.endswith(".tmp"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def load_training_state(accelerator, checkpoint: Path) -> dict:
+    """Restores what `save_training_state` wrote (model, optimizer, registered scheduler, RNG states) and returns
+    our step/best/history."""
+    accelerator.load_state(str(checkpoint))
+    return json.loads((checkpoint / STATE_FILE).read_text())
+
+
+def save_best(accelerator, model, best_dir: Path) -> None:
+    """The draft's full weights (gathered by accelerate under FSDP; tied tensors stored once), renamed into place."""
+    tmp = best_dir.with_name(best_dir.name + ".tmp")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.save_model(model, str(tmp), safe_serialization=True)  # a collective: every rank calls it
+    if accelerator.is_main_process:
+        shutil.rmtree(best_dir, ignore_errors=True)
+        os.replace(tmp, best_dir)
+    accelerator.wait_for_everyone()
+
+
+def load_best(cfg: DraftopsConfig, target_model, token_ids: torch.Tensor | None, best_dir: Path):
+    """A fresh, plain (unsharded) draft holding the best weights: what export sees whatever the distribution was."""
+    draft = init_draft(cfg.distill, target_model, token_ids=token_ids)
+    load_safetensors(ResponseLogits(draft), str(best_dir / "model.safetensors"))
+    return draft.eval()
+
+
+def point_latest(link: Path, export_dir: Path) -> None:
+    """`<output_dir>/latest` → the last exported draft (a relative symlink, replaced atomically)."""
+    tmp = link.with_name(link.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(os.path.relpath(export_dir, link.parent))
+    os.replace(tmp, link)

@@ -1,0 +1,86 @@
+"""How good a draft is as a speculator, on held-out target responses: acceptance α at T=0 and T=1 and the τ
+(tokens per target call) it would give with blocks of γ.
+
+`cached_eval` needs only the draft and the cached target top-k (cheap: run during training to pick the best
+checkpoint); `exact_eval` runs the target alongside (once, on the best draft at the end of a job).
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from decode.acceptance import analytic_acceptance
+from distill.batches import collate
+from distill.losses import to_student_columns
+from distill.responses import ResponseSet
+
+
+def simulated_tau(per_position: list[list[float]], gamma: int, *, rollouts: int = 16, seed: int = 0) -> float:
+    """Tokens per target call from walking each response in blocks of γ, accepting position t with probability α_t.
+
+    With 0/1 acceptances (greedy) the walk is exact and one rollout suffices.
+    """
+    rng = random.Random(seed)
+    tokens = calls = 0
+    for alphas in per_position:
+        repeats = rollouts if any(0.0 < a < 1.0 for a in alphas) else 1
+        for _ in range(repeats):
+            t = 0
+            while t < len(alphas):
+                accepted = 0
+                while accepted < gamma and t + accepted < len(alphas) and rng.random() < alphas[t + accepted]:
+                    accepted += 1
+                step = min(accepted + 1, len(alphas) - t)
+                tokens, calls, t = tokens + step, calls + 1, t + step
+    return tokens / calls if calls else float("nan")
+
+
+@torch.inference_mode()
+def cached_eval(draft, responses: ResponseSet, token_ids: torch.Tensor | None, gamma: int, batch_size: int = 8) -> dict:
+    """α and simulated τ on held-out target responses, from the draft alone and the cached target top-k.
+
+    Greedy (T=0) values are exact: the target's argmax is its cached top-1. At T=1, Σ over the cached top-k of
+    min(p, q) is a lower bound on α (short by at most the teacher's mass beyond its top k).
+    """
+    device = next(draft.parameters()).device
+    k = responses.topk_indices.shape[1]
+    greedy, sampled = [], []
+    for begin in range(0, len(responses), batch_size):
+        rows = list(range(begin, min(begin + batch_size, len(responses))))
+        batch = collate(responses, rows, pad_id=0, token_ids=None, with_teacher=True, topk=k)
+        logits = draft(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).logits
+        for row in range(len(rows)):
+            mask = batch["loss_mask"][row]
+            probs = torch.softmax(logits[row][mask.to(device)].float(), -1)
+            top_p = batch["teacher"].logprobs[row][mask].float().exp().to(device)
+            top_ids = batch["teacher"].indices[row][mask].long().to(device)
+            draft_argmax = probs.argmax(-1) if token_ids is None else token_ids.to(device)[probs.argmax(-1)]
+            greedy.append((draft_argmax == top_ids[:, 0]).float().tolist())
+            sampled.append(torch.minimum(top_p, _draft_probs_at(probs, top_ids, token_ids)).sum(-1).tolist())
+    return summarize_acceptance(greedy, sampled, gamma)
+
+
+def _draft_probs_at(probs: torch.Tensor, target_ids: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
+    """q at the given target ids (0 for ids outside a reduced vocabulary)."""
+    columns = to_student_columns(target_ids, token_ids, ignore_index=-1)
+    return torch.where(columns >= 0, probs.gather(-1, columns.clamp(min=0)), torch.zeros((), dtype=probs.dtype,
+                                                                                          device=probs.device))
+
+
+def summarize_acceptance(greedy: list[list[float]], sampled: list[list[float]], gamma: int) -> dict:
+    def mean(rows):
+        values = [a for r in rows for a in r]
+        return sum(values) / len(values) if values else float("nan")
+
+    return {"alpha_t0": mean(greedy), "alpha_t1": mean(sampled), "tau_t0": simulated_tau(greedy, gamma),
+            "tau_t1": simulated_tau(sampled, gamma)}
+
+
+def exact_eval(target, draft, responses: ResponseSet, token_ids: torch.Tensor | None, gamma: int) -> dict:
+    """α at T=0 and T=1 and simulated τ with the target run alongside (decode.acceptance.analytic_acceptance)."""
+    seqs = [p + r for p, r in zip(responses.prompt_ids, responses.response_ids)]
+    starts = [len(p) for p in responses.prompt_ids]
+    per_t = {t: analytic_acceptance(target, draft, seqs, starts, temperature=t, draft_token_ids=token_ids).per_position
+             for t in (0.0, 1.0)}
+    return summarize_acceptance(per_t[0.0], per_t[1.0], gamma)

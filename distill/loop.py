@@ -1,0 +1,179 @@
+"""The training loop under accelerate: data order, gradient accumulation and synchronization, lr schedule, gradient
+clipping, held-out evaluation with best-by-τ selection, and resumable checkpoints. The loss of a micro-batch is
+`distill.step.loss_step`.
+
+Resumability: the data order of step s is a pure function of (seed, s) and every random draw of a step is seeded
+from (seed, s), so restoring `accelerator.save_state` plus the step number continues exactly where a killed run was.
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from distill.batches import collate, global_batch_indices, micro_batch
+from distill.checkpoints import latest_checkpoint, load_training_state, save_best, save_training_state
+from distill.evaluation import cached_eval
+from distill.onpolicy import draft_continuations
+from distill.responses import ResponseSet
+from distill.step import ResponseLogits, loss_step
+from pipeline.config import DistillConfig, DraftopsConfig
+from pipeline.sources import eos_token_ids
+
+
+class NonFiniteLoss(RuntimeError):
+    """The training loss became nan or inf: the run stops and registers nothing."""
+
+
+@dataclass
+class Timings:
+    """Wall-clock seconds per phase of a job, summed over every time the phase ran."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def measure(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+@dataclass
+class TrainingData:
+    """The loop's input: cached target responses to train on and to evaluate on, the draft vocabulary (None: the
+    target's) and the fingerprint of the training data (part of the job key)."""
+
+    train: ResponseSet
+    heldout: ResponseSet
+    token_ids: torch.Tensor | None
+    fingerprint: str
+
+
+def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+    """Learning-rate factor of step `step`: linear warmup, then cosine decay to `min_ratio`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def global_batch_and_steps(d: DistillConfig, n_examples: int, num_processes: int) -> tuple[int, int]:
+    """(global batch, number of optimizer steps): whole global batches only, `epochs` times, capped by max_steps."""
+    global_batch = d.batch_size * num_processes * d.grad_accum
+    if n_examples < global_batch:
+        raise ValueError(f"{n_examples} training responses cannot fill one global batch of {global_batch} "
+                         f"(batch_size {d.batch_size} × {num_processes} processes × grad_accum {d.grad_accum})")
+    total_steps = d.epochs * (n_examples // global_batch)
+    return global_batch, min(total_steps, d.max_steps) if d.max_steps else total_steps
+
+
+def step_batches(cfg: DraftopsConfig, draft, tokenizer, data: TrainingData, indices: list[int], step: int, *,
+                 rank: int, num_processes: int, pad_id: int) -> tuple[list[dict], bool]:
+    """This process's micro-batches of optimizer step `step` (global batch `indices`), and whether the step is
+    on-policy: then (a seeded `onpolicy_fraction` share of steps) the draft's own continuations of the prompts,
+    without a cached teacher; else the target's cached responses with their top-k when `teacher` is "topk"."""
+    d = cfg.distill
+    onpolicy = d.onpolicy_fraction > 0 and random.Random(f"{cfg.seed}-{step}").random() < d.onpolicy_fraction
+    batches = []
+    for micro in range(d.grad_accum):
+        rows = micro_batch(indices, micro, rank, num_processes, d.batch_size)
+        if onpolicy:
+            sampled = draft_continuations(
+                draft, tokenizer, [data.train.prompt_ids[i] for i in rows], token_ids=data.token_ids,
+                max_new_tokens=d.max_new_tokens, temperature=d.onpolicy_temperature,
+                seed=cfg.seed * 1_000_003 + step * 97 + micro * 7 + rank)
+            batches.append(collate(sampled, list(range(len(rows))), pad_id=pad_id, token_ids=data.token_ids,
+                                   with_teacher=False, topk=d.topk))
+        else:
+            batches.append(collate(data.train, rows, pad_id=pad_id, token_ids=data.token_ids,
+                                   with_teacher=d.teacher == "topk", topk=d.topk))
+    return batches, onpolicy
+
+
+def train_loop(cfg: DraftopsConfig, accelerator, target, tokenizer, draft, data: TrainingData, job_dir: Path,
+               timings: Timings) -> tuple[list[dict], list[dict], dict | None]:
+    """Train `draft` in place; returns (per-step history, evaluations, best evaluation). The best weights by τ are
+    in job_dir/best."""
+    d = cfg.distill
+    P, rank = accelerator.num_processes, accelerator.process_index
+    n = len(data.train)
+    global_batch, total_steps = global_batch_and_steps(d, n, P)
+    select = "tau_t0" if cfg.decode.temperature == 0 else "tau_t1"
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids(target, tokenizer)[0]
+
+    trainable = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=d.learning_rate, weight_decay=d.weight_decay)
+    # Not passed to prepare(): accelerate would step it once per process and change the schedule with the world size.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(
+        s, warmup=d.warmup_steps, total=total_steps, min_ratio=d.min_lr_ratio))
+    model, optimizer = accelerator.prepare(ResponseLogits(draft), optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+
+    checkpoints, best_dir = job_dir / "checkpoints", job_dir / "best"
+    state = {"step": 0, "history": [], "evals": [], "best": None}
+    last = latest_checkpoint(checkpoints) if d.resume else None
+    if last is not None:
+        state = load_training_state(accelerator, last)
+        accelerator.print(f"draftops distill: resuming from {last} (step {state['step']} of {total_steps})")
+
+    bar = tqdm(total=total_steps, initial=state["step"], desc="distill", unit="step",
+               disable=not accelerator.is_main_process, dynamic_ncols=True)
+    lengths = [len(p) + len(r) for p, r in zip(data.train.prompt_ids, data.train.response_ids)]
+    tokens_seen, started = 0, time.perf_counter()
+    for step in range(state["step"], total_steps):
+        with timings.measure("training"):
+            indices = global_batch_indices(n, step, global_batch, cfg.seed, lengths)
+            batches, onpolicy = step_batches(cfg, draft, tokenizer, data, indices, step, rank=rank,
+                                             num_processes=P, pad_id=pad_id)
+            local_tokens = sum(int(b["loss_mask"].sum()) for b in batches)
+            global_tokens = accelerator.reduce(torch.tensor(local_tokens, device=accelerator.device), "sum")
+            step_loss = torch.zeros((), device=accelerator.device)
+            for micro, batch in enumerate(batches):
+                # Gradients are synchronized across processes once, on the last micro-batch.
+                with nullcontext() if micro == d.grad_accum - 1 else accelerator.no_sync(model):
+                    loss = loss_step(model, batch, d, num_tokens=global_tokens, token_ids=data.token_ids,
+                                     device=accelerator.device, target=target)
+                    # DDP averages gradients over processes; the loss is already a share of the global token mean.
+                    accelerator.backward(loss * P)
+                step_loss += loss.detach()
+            step_loss = accelerator.reduce(step_loss, "sum").item()
+            if not math.isfinite(step_loss):
+                raise NonFiniteLoss(f"training loss is {step_loss} at step {step + 1}; stopping without exporting or "
+                                    "registering anything (try a lower distill.learning_rate or mixed_precision=no)")
+            grad_norm = accelerator.clip_grad_norm_(trainable, d.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        tokens_seen += int(global_tokens)
+        state["step"] = step + 1
+        state["history"].append({"step": step + 1, "loss": step_loss, "lr": scheduler.get_last_lr()[0],
+                                 "grad_norm": float(grad_norm), "tokens": int(global_tokens), "onpolicy": onpolicy})
+        elapsed = time.perf_counter() - started
+        bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tokens_seen / max(elapsed, 1e-9):.0f}")
+        bar.update(1)
+
+        if state["step"] % d.eval_every == 0 or state["step"] == total_steps:
+            with timings.measure("eval"):
+                # Every rank evaluates (identical inputs): with FSDP the forward needs all of them.
+                evaluated = accelerator.unwrap_model(model).draft.eval()
+                metrics = {"step": state["step"], **cached_eval(evaluated, data.heldout, data.token_ids,
+                                                                 cfg.decode.gamma)}
+                evaluated.train()
+                state["evals"].append(metrics)
+                if state["best"] is None or metrics[select] > state["best"][select]:
+                    state["best"] = metrics
+                    save_best(accelerator, model, best_dir)
+                if accelerator.is_main_process:
+                    bar.write(f"step {state['step']}: α(T=0) {metrics['alpha_t0']:.3f}  α(T=1) ≥ "
+                              f"{metrics['alpha_t1']:.3f}  τ(γ={cfg.decode.gamma}, T=0) {metrics['tau_t0']:.2f}")
+        if state["step"] % d.checkpoint_every == 0 and state["step"] < total_steps:
+            with timings.measure("checkpoints"):
+                save_training_state(accelerator, checkpoints, state["step"], state, d.keep_checkpoints)
+    bar.close()
+    return state["history"], state["evals"], state["best"]
