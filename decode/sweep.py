@@ -3,7 +3,7 @@
 Greedy acceptance on the traffic comes from one teacher-forced pass per draft over target-greedy responses (prompt
 lookup: its lookups replayed over the same responses); `decode.acceptance.walk` over those per-token outcomes gives
 exactly the target calls the greedy decoder makes, for every γ and generation length G (tested against the decoder).
-Step costs and the predicted time of each cell are `decode.sweep_costs`'. A subset of cells is decoded for real
+Step costs and each cell's predicted time: `decode.sweep_costs`. A subset of cells is decoded for real
 (target-only greedy vs the speculative decoder, interleaved, same prompts), and the measured/predicted gap is
 reported: it holds the per-round overhead and how much acceptance moves with context. EOS does not stop any
 generation here, so every cell generates exactly G tokens. Figures and markdown: `decode.sweep_report`.
@@ -114,6 +114,7 @@ def at_context(prompt: list[int], filler: list[int], length: int) -> list[int]:
     need = length - len(prompt)
     pool = filler * (need // max(len(filler), 1) + 1)
     return pool[len(pool) - need :] + prompt
+
 
 # --------------------------------------------------------------------------- acceptance
 
