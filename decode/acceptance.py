@@ -1,12 +1,16 @@
 """Analytic acceptance: α_t = Σ_x min(p_t(x), q_t(x)) = 1 − TVD(p_t, q_t) from one teacher-forced pass of both models.
 
-Also the closed forms of Leviathan et al. (2022) for i.i.d. acceptance α: expected tokens per target call and speedup.
+Also the walk (speculative rounds replayed over per-token outcomes, as `SpeculativeDecoder` runs them: exact target
+calls for greedy matches, a Monte-Carlo τ for acceptance probabilities) and the closed forms of Leviathan et al.
+(2022) for i.i.d. acceptance α: expected tokens per target call, speedup and break-even α.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import random
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -77,6 +81,81 @@ def analytic_acceptance(
             per_position.append(torch.minimum(p, q).sum(-1).tolist())
     per_sequence = [sum(a) / len(a) if a else float("nan") for a in per_position]
     return AnalyticAcceptance(per_sequence, per_position)
+
+
+Block = Callable[[int, int], tuple[int, int]]  # (t, k) -> (drafted, accepted) of one round
+
+
+@dataclass
+class Walk:
+    """Speculative decoding replayed over one response: rounds (target calls) and draft outcomes."""
+
+    calls: int = 0
+    drafted: int = 0
+    verified: int = 0
+    accepted: int = 0
+    rounds: Counter = field(default_factory=Counter)  # rounds by the number of tokens drafted in them
+
+
+def walk(block: Block, n_tokens: int, gamma: int) -> Walk:
+    """Replay speculative decoding of n_tokens tokens round by round, as `SpeculativeDecoder.generate` does.
+
+    block(t, k) -> (drafted, accepted) of a round that starts with t response tokens known and drafts up to k. Like
+    the decoder, a round drafts at most the tokens left but one (k = min(γ, n_tokens − t − 1)): the target's own
+    token after the accepted drafts completes the generation, so the last token is never drafted.
+    """
+    w, t = Walk(), 0
+    while t < n_tokens:
+        drafted, accepted = block(t, min(gamma, n_tokens - t - 1))
+        w.calls += 1
+        w.rounds[drafted] += 1
+        w.drafted += drafted
+        w.verified += min(accepted + 1, drafted)
+        w.accepted += accepted
+        t += accepted + 1
+    return w
+
+
+def run_block(accepts: Callable[[int], bool]) -> Block:
+    """Rounds that draft all k tokens and accept the run of positions from t on for which accepts(position)."""
+
+    def block(t: int, k: int) -> tuple[int, int]:
+        run = 0
+        while run < k and accepts(t + run):
+            run += 1
+        return k, run
+
+    return block
+
+
+def greedy_block(matches: Sequence[float]) -> Block:
+    """Rounds of a draft under greedy decoding: matches[t] is 1 when its argmax equals the target's token t."""
+    return run_block(lambda position: matches[position] >= 0.5)
+
+
+def sampled_block(alphas: Sequence[float], rng: random.Random) -> Block:
+    """Rounds of a draft under sampling: the draft of token t is accepted with probability alphas[t].
+
+    One rng.random() per accept/reject test, in order, none after a rejection.
+    """
+    return run_block(lambda position: rng.random() < alphas[position])
+
+
+def simulated_tau(per_position: Sequence[Sequence[float]], gamma: int, *, rollouts: int = 16, seed: int = 0) -> float:
+    """Tokens per target call from walking each response (`walk`), accepting position t with probability α_t.
+
+    per_position[i][t]: acceptance of response i's token t (e.g. `AnalyticAcceptance.per_position`). A response with
+    an α strictly between 0 and 1 is walked `rollouts` times, one of 0/1 values (greedy: the walk is exact) once;
+    τ is all tokens over all target calls.
+    """
+    rng = random.Random(seed)
+    tokens = calls = 0
+    for alphas in per_position:
+        repeats = rollouts if any(0.0 < a < 1.0 for a in alphas) else 1
+        for _ in range(repeats):
+            tokens += len(alphas)
+            calls += walk(sampled_block(alphas, rng), len(alphas), gamma).calls
+    return tokens / calls if calls else float("nan")
 
 
 def expected_tokens_from_positions(alpha_at: Sequence[float], gamma: int) -> float:

@@ -10,10 +10,8 @@ the run's own timings, to compare the measured speedup with Leviathan's predicti
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
 from decode.acceptance import break_even_alpha, expected_speedup
@@ -22,23 +20,14 @@ from decode.factory import build_decoder
 from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter
 from decode.runtime import ModelRunner, greedy_decode, hf_assistant_model, rollback
 from decode.speculative import SpeculativeDecoder
-from decode.stats import aggregate_stats, ratio_ci
+from decode.stats import aggregate_stats, paired_speedup, ratio_ci
+from decode.timing import run_interleaved, timed
 from pipeline.config import DecodeConfig
 from pipeline.sources import HF_ASSISTANT_DIR, eos_token_ids
 
 
 def _device(model) -> torch.device:
     return next(model.parameters()).device
-
-
-def timed(fn: Callable[[], object], device: torch.device) -> tuple[object, float]:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return out, time.perf_counter() - start
 
 
 @torch.inference_mode()
@@ -114,16 +103,6 @@ def in_run_costs(stats: Sequence, target_only: dict) -> dict[str, float]:
     }
 
 
-def paired_speedup(tokens_a, seconds_a, tokens_b, seconds_b, *, seed: int = 0, n_boot: int = 2000) -> dict:
-    """Throughput of a over throughput of b on the same prompts, with a bootstrap over prompts."""
-    ta, sa, tb, sb = (np.asarray(x, dtype=np.float64) for x in (tokens_a, seconds_a, tokens_b, seconds_b))
-    value = (ta.sum() / sa.sum()) / (tb.sum() / sb.sum())
-    picks = np.random.default_rng(seed).integers(0, len(ta), size=(n_boot, len(ta)))
-    boot = (ta[picks].sum(1) / sa[picks].sum(1)) / (tb[picks].sum(1) / sb[picks].sum(1))
-    low, high = np.percentile(boot, [2.5, 97.5])
-    return {"value": float(value), "low": float(low), "high": float(high), "n_prompts": len(ta)}
-
-
 def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[str], decode: DecodeConfig, *,
               gamma: int | None = None, seed: int = 0) -> dict:
     """target is a `pipeline.sources.ResolvedModel`, draft one too, or None to bench prompt lookup alone. Greedy
@@ -175,18 +154,10 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     device = _device(target.model)
     for run in methods.values():  # warm-up
         run(prompts[0])
-    outputs = {name: [] for name in methods}
-    seconds = {name: [] for name in methods}
-    stats = {name: [] for name in decoders}
-    names = list(methods)
-    for i, prompt in enumerate(prompts):
-        for name in names[i % len(names):] + names[: i % len(names)]:
-            out, s = timed(lambda: methods[name](prompt), device)
-            if name in decoders:
-                stats[name].append(out.stats)
-                out = out.token_ids
-            outputs[name].append(out)
-            seconds[name].append(s)
+    runs = run_interleaved(methods, prompts, device)
+    stats = {name: [result.stats for result in runs.outputs[name]] for name in decoders}
+    outputs = {**runs.outputs, **{name: [result.token_ids for result in runs.outputs[name]] for name in decoders}}
+    seconds, names = runs.seconds, list(methods)
 
     tokens = {name: [len(o) for o in outs] for name, outs in outputs.items()}
     results = {}

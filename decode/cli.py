@@ -204,7 +204,8 @@ def _int_list(text: str) -> list[int]:
 def sweep_command(args) -> int:
     import mlflow
 
-    from decode.sweep import figures, load_drafts, markdown, run_sweep, write_decode_config
+    from decode.sweep import load_drafts, run_sweep
+    from decode.sweep_report import figures, markdown, write_decode_config
     from pipeline import metrics as M
     from pipeline.tracking import log_figure, start_run
 

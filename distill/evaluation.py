@@ -1,39 +1,17 @@
 """How good a draft is as a speculator, on held-out target responses: acceptance α at T=0 and T=1 and the τ
-(tokens per target call) it would give with blocks of γ.
+(tokens per target call) it would give with blocks of γ (`decode.acceptance.simulated_tau`, the decoder's walk).
 
 `cached_eval` needs only the draft and the cached target top-k (cheap: run during training to pick the best
 checkpoint); `exact_eval` runs the target alongside (once, on the best draft at the end of a job).
 """
 from __future__ import annotations
 
-import random
-
 import torch
 
-from decode.acceptance import analytic_acceptance
+from decode.acceptance import analytic_acceptance, simulated_tau
 from distill.batches import collate
 from distill.losses import to_student_columns
 from distill.responses import ResponseSet
-
-
-def simulated_tau(per_position: list[list[float]], gamma: int, *, rollouts: int = 16, seed: int = 0) -> float:
-    """Tokens per target call from walking each response in blocks of γ, accepting position t with probability α_t.
-
-    With 0/1 acceptances (greedy) the walk is exact and one rollout suffices.
-    """
-    rng = random.Random(seed)
-    tokens = calls = 0
-    for alphas in per_position:
-        repeats = rollouts if any(0.0 < a < 1.0 for a in alphas) else 1
-        for _ in range(repeats):
-            t = 0
-            while t < len(alphas):
-                accepted = 0
-                while accepted < gamma and t + accepted < len(alphas) and rng.random() < alphas[t + accepted]:
-                    accepted += 1
-                step = min(accepted + 1, len(alphas) - t)
-                tokens, calls, t = tokens + step, calls + 1, t + step
-    return tokens / calls if calls else float("nan")
 
 
 @torch.inference_mode()

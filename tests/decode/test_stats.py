@@ -2,9 +2,11 @@ import math
 
 import numpy as np
 import pytest
+from scipy import stats as sps
 
 from decode.acceptance import expected_speedup, expected_tokens, expected_tokens_from_positions
-from decode.stats import GenerationStats, acceptance_ci, aggregate_stats, ratio_ci
+from decode.stats import (GenerationStats, RatioCI, acceptance_ci, aggregate_stats, bootstrap_ci, paired_speedup,
+                          ratio_ci, sum_ratio)
 
 
 def test_record_block_counts_trials_and_positions():
@@ -27,11 +29,64 @@ def test_to_dict_has_derived_fields():
     assert math.isnan(d["acceptance_rate"])
 
 
-def test_ratio_ci_is_sum_ratio_with_bootstrap_over_prompts():
+def scipy_bca(samples, statistic, seed=0, n_resamples=2000):
+    """scipy's paired BCa interval, called directly."""
+    arrays = [np.asarray(x, dtype=np.float64) for x in samples]
+    return sps.bootstrap(arrays, statistic, paired=True, n_resamples=n_resamples, method="BCa",
+                         rng=np.random.default_rng(seed)).confidence_interval
+
+
+def test_ratio_ci_is_sum_ratio_with_a_paired_bca_bootstrap_over_prompts():
     ci = acceptance_ci([1, 9, 5], [10, 10, 10], seed=0)
     assert ci.value == 0.5 and ci.n_prompts == 3
-    assert 0.1 <= ci.low < 0.5 < ci.high <= 0.9
+    direct = scipy_bca(([1, 9, 5], [10, 10, 10]), sum_ratio)
+    assert (ci.low, ci.high) == pytest.approx((direct.low, direct.high))
+    # every resample's ratio is a mean of three of 0.1, 0.9, 0.5
+    assert 0.1 - 1e-12 <= ci.low < 0.5 < ci.high <= 0.9 + 1e-12
     assert ci == acceptance_ci([1, 9, 5], [10, 10, 10], seed=0)  # seeded
+    # prompts with nothing to count (0 / 0) take no part in the resampling
+    assert ratio_ci([1, 9, 0, 5], [10, 10, 0, 10]) == RatioCI(0.5, ci.low, ci.high, 4)
+
+
+def test_bootstrap_ci_falls_back_to_percentile_where_bca_is_undefined():
+    # constant ratios: every resample gives 0.5, BCa's bias correction and acceleration are 0/0
+    constant = bootstrap_ci(sum_ratio, ([1, 2, 3], [2, 4, 6]), paired=True)
+    assert (constant.method, constant.low, constant.high) == ("percentile", 0.5, 0.5)
+    # two prompts (0.1 and 0.9): resamples give 0.1, 0.5, 0.9 with probability 1/4, 1/2, 1/4
+    two = bootstrap_ci(sum_ratio, ([1, 9], [10, 10]), paired=True)
+    assert (two.method, two.low, two.high) == ("percentile", 0.1, 0.9)
+    assert sorted(set(np.round(two.distribution, 12))) == [0.1, 0.5, 0.9]
+    # one prompt: nothing to resample
+    one = bootstrap_ci(sum_ratio, ([3], [4]), paired=True)
+    assert (one.method, one.low, one.high) == ("none", 0.75, 0.75)
+    varied = bootstrap_ci(sum_ratio, ([1, 9, 5], [10, 10, 10]), paired=True)
+    assert varied.method == "BCa" and varied.distribution.shape == (2000,)
+
+
+def test_bootstrap_ci_unpaired_resamples_each_sample_on_its_own():
+    def mean_difference(a, b, axis=-1):
+        return a.mean(axis) - b.mean(axis)
+
+    a, b = [1.0, 2.0, 4.0, 8.0], [0.0, 1.0, 1.0, 3.0, 5.0]
+    ci = bootstrap_ci(mean_difference, (a, b), paired=False, confidence=0.9, seed=4)
+    direct = sps.bootstrap((np.array(a), np.array(b)), mean_difference, n_resamples=2000, confidence_level=0.9,
+                           method="BCa", rng=np.random.default_rng(4)).confidence_interval
+    assert ci.method == "BCa" and (ci.low, ci.high) == pytest.approx((direct.low, direct.high))
+
+
+def test_paired_speedup():
+    # a is exactly twice as fast on every prompt: every resample says 2
+    assert paired_speedup([10, 20, 30], [1, 2, 3], [10, 20, 30], [2, 4, 6]) == {
+        "value": 2.0, "low": 2.0, "high": 2.0, "n_prompts": 3}
+    tokens, fast, slow = [10, 10, 10, 10], [1.0, 2.0, 1.5, 1.2], [2.0, 3.0, 2.5, 2.6]
+    result = paired_speedup(tokens, fast, tokens, slow, seed=2)
+    assert result["value"] == pytest.approx((40 / 5.7) / (40 / 10.1))
+
+    def speedup(ta, sa, tb, sb, axis=-1):
+        return (ta.sum(axis) / sa.sum(axis)) / (tb.sum(axis) / sb.sum(axis))
+
+    direct = scipy_bca((tokens, fast, tokens, slow), speedup, seed=2)
+    assert (result["low"], result["high"]) == pytest.approx((direct.low, direct.high))
 
 
 def test_ratio_ci_weights_prompts_by_denominator():

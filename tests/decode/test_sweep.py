@@ -8,12 +8,13 @@ import torch
 import yaml
 
 from decode import SpeculativeDecoder
-from decode.acceptance import analytic_acceptance, break_even_alpha, expected_speedup, expected_tokens
+from decode.acceptance import (analytic_acceptance, break_even_alpha, expected_speedup, expected_tokens, greedy_block,
+                               walk)
 from decode.ngram import PromptLookupDrafter
 from decode.runtime import ModelRunner, greedy_decode
 from decode.speculative import GammaPolicy, scheduled_gamma
-from decode.sweep import (at_context, cell_break_even_alpha, lookup_block, model_block,
-                          predicted_seconds, spread, walk)
+from decode.sweep import at_context, lookup_block, spread
+from decode.sweep_costs import cell_break_even_alpha, predicted_seconds
 from pipeline.cli import main
 from pipeline.config import load_config
 from pipeline.sources import save_checkpoint
@@ -63,7 +64,7 @@ def test_walk_gives_the_decoders_exact_counts(target, close_draft, gamma):
         prompt = prompt_of(seed)
         response = greedy_decode(ModelRunner(target), prompt, n)
         matches = analytic_acceptance(target, close_draft, [prompt + response], [len(prompt)], temperature=0.0)
-        for draft, block in ((close_draft, model_block(matches.per_position[0])),
+        for draft, block in ((close_draft, greedy_block(matches.per_position[0])),
                              (PromptLookupDrafter.for_model(target), None)):
             block = block or lookup_block(draft, prompt, response)
             stats = SpeculativeDecoder(target, draft, gamma).generate(prompt, max_new_tokens=n).stats

@@ -83,6 +83,24 @@ def test_bootstrap_is_seeded_and_agrees_with_delta():
     assert (a.ci_high - a.ci_low) < 0.5 * (ua.ci_high - ua.ci_low)
 
 
+def test_bootstrap_interval_is_scipys_bca_and_p_value_the_share_of_drops_below_margin():
+    rng = np.random.default_rng(1)
+    n = rng.integers(20, 60, size=40)
+    acc0 = rng.binomial(n, 0.7)
+    acc1 = rng.binomial(n, 0.6)
+    res = paired_drop_test(acc0, n, acc1, n, margin=0.05, level=0.05, seed=3, n_bootstrap=500)
+
+    def drop(a0, n0, a1, n1, axis=-1):
+        return a0.sum(axis) / n0.sum(axis) - a1.sum(axis) / n1.sum(axis)
+
+    data = [np.asarray(x, dtype=np.float64) for x in (acc0, n, acc1, n)]
+    direct = sps.bootstrap(data, drop, paired=True, n_resamples=500, confidence_level=0.9, method="BCa",
+                           rng=np.random.default_rng(3))
+    assert (res.ci_low, res.ci_high) == pytest.approx(tuple(direct.confidence_interval))
+    drops = direct.bootstrap_distribution
+    assert res.p_value == pytest.approx((1 + np.count_nonzero(drops <= 0.05)) / 501)
+
+
 def test_per_prompt_rates_with_weights():
     acc, n = per_prompt_counts([0.5, 1.0], [4, 2])
     np.testing.assert_allclose(acc, [2.0, 2.0])

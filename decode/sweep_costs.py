@@ -1,0 +1,184 @@
+"""The sweep's cost model: step costs measured through the decoder's own functions, and the predicted time of a
+request from them.
+
+Measured with the KV cache filled to each context length L: the target's prefill, greedy step t(L) and verify round
+of n = 2..γmax+1 tokens (v(n) = verify / t); per draft its prefill and one round of γ proposals for every γ
+(c(γ) = round / (γ t); prompt lookup's round is one lookup).
+
+Predicted time of a request (prompt of L tokens, G new tokens), with costs at the mean context L + G/2:
+    target alone:  P_t(L) + (G − 1) t
+    speculative:   P_t(L) + P_d(L) + Σ over rounds (draft round + verify of d+1 tokens), d = tokens drafted that round
+The rounds come from `decode.acceptance.walk` over the traffic (`decode.sweep.acceptance_table`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from decode.acceptance import break_even_alpha
+from decode.runtime import ModelRunner, rollback
+from decode.speculative import Warp, check_drafts
+from decode.timing import timed
+
+# --------------------------------------------------------------------------- measured costs
+
+
+@torch.inference_mode()
+def measure_costs(target_model, proposers: Mapping[str, object], tokens: list[int], contexts: Sequence[int],
+                  gammas: Sequence[int], reps: int = 10, prefill_reps: int = 3) -> dict:
+    """Median seconds at each context length L, through the decoder's own functions (greedy warp).
+
+    proposers: draft name -> what the decoder drafts with (a `ModelDrafter` or a model-free drafter).
+    Target: prefill of L tokens, one greedy step, and a verify round of n = 2..γmax+1 tokens (forward with every
+    logit, the decoder's acceptance test `check_drafts`, the one sync). Per draft: its prefill (`start`) and one
+    round of γ proposals (`propose`: forwards, warps and sampling of a draft model, or one lookup) for every γ.
+    Every repetition times every quantity once, so a burst of load on the shared machine hits them alike; c and v
+    are medians of the per-repetition ratios to that repetition's target step.
+    """
+    device = next(target_model.parameters()).device
+    vocab_size = target_model.get_output_embeddings().weight.shape[0]
+    warp, max_gamma = Warp(), max(gammas)
+    runner = ModelRunner(target_model)  # the decoder's own target forward
+
+    def prefill(start: Callable[[], object]) -> tuple[object, float]:
+        runs = [timed(start, device) for _ in range(prefill_reps)]
+        return runs[-1][0], statistics.median(seconds for _, seconds in runs)
+
+    def target_prefill(length: int):
+        cache = runner.new_cache()
+        runner.forward(torch.tensor(tokens[:length], device=device), cache, 0, True)
+        return cache
+
+    def step(cache, length: int) -> Callable[[], int]:
+        fed = torch.tensor(tokens[length : length + 1], device=device)
+        return lambda: runner.forward(fed, cache, length, True)[-1].argmax().item()
+
+    def verify_round(cache, length: int, n: int) -> Callable[[], list]:
+        fed = torch.tensor(tokens[length : length + n], device=device)
+        q = torch.nn.functional.one_hot(fed[1:], vocab_size).float()
+
+        def run() -> list:
+            accepted, next_tokens = check_drafts(runner.forward(fed, cache, length, False), q, fed[1:], warp, None)
+            return torch.cat([accepted.long(), fed[1:], next_tokens]).tolist()
+
+        return run
+
+    # (quantity key, context index) -> (run, undo)
+    timers: dict[tuple[str, int], tuple[Callable, Callable]] = {}
+    prefill_s: dict[str, list[float]] = {"target": [], **{name: [] for name in proposers}}
+    for i, length in enumerate(contexts):
+        cache, seconds = prefill(lambda: target_prefill(length))
+        prefill_s["target"].append(seconds)
+        undo = (lambda c, n: lambda: rollback(c, n))(cache, length)
+        timers[("step", i)] = (step(cache, length), undo)
+        for n in range(2, max_gamma + 2):
+            timers[(f"verify{n}", i)] = (verify_round(cache, length, n), undo)
+        seq = tokens[: length + 1]
+        for name, drafter in proposers.items():
+            state, seconds = prefill(lambda: drafter.start(seq))
+            prefill_s[name].append(seconds)
+            for gamma in gammas:
+                run = (lambda d, st, sq, g: lambda: d.propose(st, sq, g, warp, None))(drafter, state, seq, gamma)
+                undo_draft = (lambda d, st, n: lambda: d.rollback(st, n))(drafter, state, length)
+                timers[(f"{name}|{gamma}", i)] = (run, undo_draft)
+    samples: dict[tuple[str, int], list[float]] = {key: [] for key in timers}
+    for rep in range(reps + 2):
+        for key, (run, undo) in timers.items():
+            seconds = timed(run, device)[1]
+            undo()
+            if rep >= 2:  # warm-up
+                samples[key].append(seconds)
+
+    def seconds_of(key: str) -> list[float]:
+        return [statistics.median(samples[(key, i)]) for i in range(len(contexts))]
+
+    def ratio_to_step(key: str, divisor: int = 1) -> list[float]:
+        return [statistics.median(s / (divisor * t) for s, t in zip(samples[(key, i)], samples[("step", i)]))
+                for i in range(len(contexts))]
+
+    verify_keys = [str(n) for n in range(2, max_gamma + 2)]
+    target = {"prefill_s": prefill_s["target"], "step_s": seconds_of("step"),
+              "verify_s": {n: seconds_of(f"verify{n}") for n in verify_keys},
+              "v": {n: ratio_to_step(f"verify{n}") for n in verify_keys}}
+    per_draft = {name: {"prefill_s": prefill_s[name],
+                        "round_s": {str(g): seconds_of(f"{name}|{g}") for g in gammas},
+                        "c": {str(g): ratio_to_step(f"{name}|{g}", g) for g in gammas}} for name in proposers}
+    return {"contexts": list(contexts), "target": target, "drafts": per_draft}
+
+
+# --------------------------------------------------------------------------- the cost model
+
+
+def _at(costs: dict, values: Sequence[float], length: float) -> float:
+    """A measured quantity at a context length: linear between measured contexts, flat beyond them."""
+    return float(np.interp(length, costs["contexts"], values))
+
+
+def cell_costs(costs: dict, draft: str, gamma: int, context: int, new_tokens: int) -> dict:
+    """c, v and the target step at the mean context of the generation, the prefills at the prompt; a draft round of
+    γ tokens and a (γ+1)-token verify in seconds as c·γ and v times the target step."""
+    mean = context + new_tokens / 2
+    t = costs["target"]
+    d = costs["drafts"][draft]
+    step = _at(costs, t["step_s"], mean)
+    c = _at(costs, d["c"][str(gamma)], mean)
+    v = _at(costs, t["v"][str(gamma + 1)], mean)
+    verify_by_tokens = {1: step, **{n: _at(costs, t["v"][str(n)], mean) * step for n in range(2, gamma + 2)}}
+    return {"target_step_s": step, "draft_round_s": gamma * c * step, "verify_s": v * step,
+            "verify_s_by_tokens": verify_by_tokens,
+            "target_prefill_s": _at(costs, t["prefill_s"], context),
+            "draft_prefill_s": _at(costs, d["prefill_s"], context), "c": c, "v": v}
+
+
+def predicted_seconds(k: dict, new_tokens: int, rounds: dict[int, float]) -> tuple[float, float]:
+    """(target alone, speculative) seconds of one request under the cost model.
+
+    rounds: rounds per request by the number of tokens drafted in them. A round that drafts d tokens verifies d+1:
+    a prompt-lookup round that finds no match is a plain one-token step, one with a short match a short verify.
+    (The first `make sweep` charged every round a full (γ+1)-token verify and under-predicted lookup by 24-41%.)
+    """
+    target_only = k["target_prefill_s"] + (new_tokens - 1) * k["target_step_s"]
+    speculative = k["target_prefill_s"] + k["draft_prefill_s"] + sum(
+        count * (k["draft_round_s"] + k["verify_s_by_tokens"][int(d) + 1]) for d, count in rounds.items())
+    return target_only, speculative
+
+
+def cell_break_even_alpha(k: dict, gamma: int, new_tokens: int) -> float:
+    """The i.i.d. acceptance α below which this cell is slower than the target alone.
+
+    With calls = G/τ(α), speedup 1 means τ(α) = (γc + v)·s, s = G·t / ((G − 1)·t − P_d): Leviathan's break-even with
+    c and v scaled by s (the draft's prefill must be paid back by the generated tokens).
+    """
+    paid_back = (new_tokens - 1) * k["target_step_s"] - k["draft_prefill_s"]
+    if paid_back <= 0:
+        return 1.0
+    scale = new_tokens * k["target_step_s"] / paid_back
+    return break_even_alpha(gamma, k["c"] * scale, k["v"] * scale)
+
+
+def predict_cells(costs: dict, acceptance: dict, gammas, contexts, lengths) -> list[dict]:
+    """Every (draft, γ, context, generation length): predicted and steady-state speedup, α, τ, break-even α, c, v.
+
+    acceptance: draft name -> its `decode.sweep.acceptance_table`.
+    """
+    cells = []
+    for draft, table in acceptance.items():
+        for gamma in gammas:
+            for context in contexts:
+                for n in lengths:
+                    k = cell_costs(costs, draft, gamma, context, n)
+                    row = table["per_gamma"][str(gamma)][str(n)]
+                    target_s, spec_s = predicted_seconds(k, n, row["rounds_per_prompt"])
+                    cells.append({
+                        "draft": draft, "gamma": gamma, "context": context, "max_new_tokens": n,
+                        "predicted_speedup": target_s / spec_s,
+                        "steady_speedup": row["tau"]["value"] / (gamma * k["c"] + k["v"]),
+                        "alpha": row["alpha"]["value"], "tau": row["tau"]["value"],
+                        "break_even_alpha": cell_break_even_alpha(k, gamma, n),
+                        "c": k["c"], "v": k["v"],
+                    })
+    return cells

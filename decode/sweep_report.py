@@ -1,0 +1,171 @@
+"""The sweep's report: figures and markdown from `run_sweep`'s report, and the decode config it recommends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from decode.acceptance import break_even_alpha
+from pipeline.config import DecodeConfig, save_config
+
+
+def figures(report: dict) -> dict:
+    """Name -> matplotlib figure: speedup vs γ, heat maps, break-even α vs draft cost, measured vs predicted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import TwoSlopeNorm
+
+    s, cells, drafts = report["settings"], report["cells"], list(report["drafts"])
+    small, short = min(s["contexts"]), min(s["max_new_tokens"])
+    colors = {d: f"C{i}" for i, d in enumerate(drafts)}
+    out = {}
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for d in drafts:
+        here = [c for c in cells if c["draft"] == d and c["context"] == small and c["max_new_tokens"] == short]
+        ax.plot([c["gamma"] for c in here], [c["predicted_speedup"] for c in here], "-", color=colors[d],
+                label=f"{d} (predicted)")
+        meas = [m for m in report["measured"]
+                if m["draft"] == d and m["context"] == small and m["max_new_tokens"] == short]
+        if meas:
+            ax.errorbar([m["gamma"] for m in meas], [m["speedup"]["value"] for m in meas],
+                        yerr=[[m["speedup"]["value"] - m["speedup"]["low"] for m in meas],
+                              [m["speedup"]["high"] - m["speedup"]["value"] for m in meas]],
+                        fmt="o", color=colors[d], capsize=3)
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set(xlabel="γ (draft tokens per target call)", ylabel="speedup vs target alone", xticks=s["gammas"],
+           title=f"context {small}, {short} new tokens (dots: measured, 95% CI)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out["speedup_vs_gamma.png"] = fig
+
+    fig, axes = plt.subplots(1, len(drafts), figsize=(4.2 * len(drafts) + 1, 3.8), squeeze=False, layout="constrained")
+    values = [c["predicted_speedup"] for c in cells]
+    norm = TwoSlopeNorm(vcenter=1.0, vmin=min(min(values), 0.99), vmax=max(max(values), 1.01))
+    for ax, d in zip(axes[0], drafts):
+        grid = np.zeros((len(s["contexts"]), len(s["max_new_tokens"])))
+        for i, context in enumerate(s["contexts"]):
+            for j, n in enumerate(s["max_new_tokens"]):
+                best = report["best"][i * len(s["max_new_tokens"]) + j]["per_draft"][d]
+                grid[i, j] = best["predicted_speedup"]
+                ax.text(j, i, f"{grid[i, j]:.2f}x\nγ={best['gamma']}", ha="center", va="center", fontsize=7)
+        image = ax.imshow(grid, cmap="RdBu", norm=norm, origin="lower", aspect="auto")
+        ax.set(xticks=range(len(s["max_new_tokens"])), xticklabels=s["max_new_tokens"],
+               yticks=range(len(s["contexts"])), yticklabels=s["contexts"], xlabel="new tokens",
+               ylabel="context (prompt tokens)", title=d)
+    fig.colorbar(image, ax=axes[0].tolist(), label="predicted speedup (best γ)")
+    out["speedup_heatmap.png"] = fig
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    costs = report["costs"]
+    c_max = max(1.0, 1.2 * max(c["c"] for c in cells))
+    grid_c = np.linspace(0, c_max, 60)
+    for gamma in s["gammas"]:
+        v = costs["target"]["v"][str(gamma + 1)][0]  # at the smallest context
+        ax.plot(grid_c, [break_even_alpha(gamma, c, v) for c in grid_c], lw=1, label=f"γ={gamma}")
+    for d in drafts:
+        here = [c for c in cells if c["draft"] == d and c["context"] == small and c["max_new_tokens"] == max(
+            s["max_new_tokens"])]
+        best = max(here, key=lambda c: c["steady_speedup"])
+        ax.plot(best["c"], best["alpha"], "*", ms=12, color=colors[d], label=f"{d}: α at γ={best['gamma']}")
+    ax.set(xlabel="draft cost c (draft step / target step)", ylabel="α needed to break even", ylim=(0, 1.02),
+           title=f"break-even acceptance (v measured at context {small})")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out["break_even_alpha.png"] = fig
+
+    fig, ax = plt.subplots(figsize=(4.5, 4.5))
+    for d in drafts:
+        meas = [m for m in report["measured"] if m["draft"] == d]
+        ax.errorbar([m["predicted_speedup"] for m in meas], [m["speedup"]["value"] for m in meas],
+                    yerr=[[m["speedup"]["value"] - m["speedup"]["low"] for m in meas],
+                          [m["speedup"]["high"] - m["speedup"]["value"] for m in meas]],
+                    fmt="o", color=colors[d], capsize=3, label=d)
+    everything = [m["predicted_speedup"] for m in report["measured"]] + [m["speedup"]["value"]
+                                                                         for m in report["measured"]]
+    low, high = 0.9 * min(everything), 1.1 * max(everything)
+    ax.plot([low, high], [low, high], color="gray", lw=0.8, ls="--")
+    ax.set(xlabel="predicted speedup", ylabel="measured speedup", xlim=(low, high), ylim=(low, high),
+           title=f"mean |gap| {report['gap']['mean_abs']:.0%}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out["measured_vs_predicted.png"] = fig
+    return out
+
+
+def markdown(report: dict) -> str:
+    s, costs = report["settings"], report["costs"]
+    lines = [
+        "# draftops sweep",
+        "",
+        f"Greedy, device {s['device']}; acceptance from {s['analytic_prompts']} traffic prompts, real decoding on "
+        f"{s['measure_prompts']} prompts per measured cell. Speedup = target-only request time / speculative "
+        "request time (prefill included, EOS ignored).",
+        "",
+        "## Costs (ms) by context length",
+        "",
+    ]
+    top = str(max(int(n) for n in costs["target"]["v"]))
+    g_low, g_high = str(min(s["gammas"])), str(max(s["gammas"]))
+    lines += [
+        f"| context | target prefill | target step | v(2) | v({top}) | "
+        + " | ".join(f"{d}: prefill, c(γ={g_low}), c(γ={g_high})" for d in report["drafts"]) + " |",
+        "|---:|---:|---:|---:|---:|" + "---|" * len(report["drafts"]),
+    ]
+    for i, context in enumerate(costs["contexts"]):
+        t = costs["target"]
+        lines.append(f"| {context} | {t['prefill_s'][i] * 1e3:.1f} | {t['step_s'][i] * 1e3:.2f} | "
+                     f"{t['v']['2'][i]:.2f} | {t['v'][top][i]:.2f} | " + " | ".join(
+                         f"{c['prefill_s'][i] * 1e3:.1f}, {c['c'][g_low][i]:.3f}, {c['c'][g_high][i]:.3f}"
+                         for c in costs["drafts"].values()) + " |")
+    lines += ["", "c(γ) = one round of γ proposals / (γ target steps); v(n) = verify round of n tokens / target step.",
+              "", "## Acceptance on the traffic (walk over target-greedy responses)", "",
+              "| draft | γ | " + " | ".join(f"α / τ, {n} tok" for n in s["max_new_tokens"]) + " |",
+              "|---|---:|" + "---|" * len(s["max_new_tokens"])]
+    for d, table in report["acceptance"].items():
+        for gamma, rows in table["per_gamma"].items():
+            lines.append(f"| {d} | {gamma} | " + " | ".join(
+                f"{rows[str(n)]['alpha']['value']:.3f} / {rows[str(n)]['tau']['value']:.2f}"
+                for n in s["max_new_tokens"]) + " |")
+    lines += ["", "## Best (draft, γ) per context and generation length (predicted)", "",
+              "| context | new tokens | best draft | γ | speedup | α | break-even α | "
+              + " | ".join(f"{d}: γ, speedup, break-even α" for d in report["drafts"]) + " |",
+              "|---:|---:|---|---:|---:|---:|---:|" + "---|" * len(report["drafts"])]
+    for b in report["best"]:
+        lines.append(f"| {b['context']} | {b['max_new_tokens']} | {b['draft']} | {b['gamma']} | "
+                     f"{b['predicted_speedup']:.2f}x | {b['alpha']:.3f} | {b['break_even_alpha']:.3f} | "
+                     + " | ".join(f"{p['gamma']}, {p['predicted_speedup']:.2f}x, {p['break_even_alpha']:.3f}"
+                                  for p in b["per_draft"].values()) + " |")
+    lines += ["", "## Measured vs predicted", "",
+              "| draft | γ | context | new tokens | measured | predicted | gap | live α̂ | live τ | same output |",
+              "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for m in report["measured"]:
+        sp = m["speedup"]
+        lines.append(f"| {m['draft']} | {m['gamma']} | {m['context']} | {m['max_new_tokens']} | "
+                     f"{sp['value']:.2f}x [{sp['low']:.2f}, {sp['high']:.2f}] | {m['predicted_speedup']:.2f}x | "
+                     f"{m['gap']:+.0%} | {m['live_alpha']['value']:.3f} | {m['live_tau']['value']:.2f} | "
+                     f"{m['same_output_as_target']}/{m['n_prompts']} |")
+    g, r = report["gap"], report["recommendation"]
+    lines += ["", f"Gap measured/predicted − 1: mean {g['mean']:+.1%}, mean |gap| {g['mean_abs']:.1%}, "
+              f"max |gap| {g['max_abs']:.1%}.", "",
+              f"## Recommendation: --draft {r['draft']} with decode.gamma_schedule {r['gamma_schedule']}", ""]
+    lines += [f"- note: {n}" for n in report.get("notes", [])]
+    return "\n".join(lines) + "\n"
+
+
+def write_decode_config(cfg, recommendation: dict, path: Path, target: str) -> Path:
+    """The config with the swept target and the recommended γ schedule (decode.gamma_policy schedule; decode.gamma: its
+    first γ), for
+    `draftops decode/eval/bench`."""
+    schedule = recommendation["gamma_schedule"]
+    tuned = cfg.model_copy(deep=True)
+    tuned.target = target
+    tuned.decode = DecodeConfig.model_validate({**cfg.decode.model_dump(), "gamma": schedule[0][1],
+                                                "gamma_policy": "schedule",
+                                                "gamma_schedule": [tuple(entry) for entry in schedule]})
+    save_config(tuned, path)
+    path.write_text(f"# Written by `draftops sweep`: use with --draft {recommendation['draft']}\n" + path.read_text())
+    return path
