@@ -114,10 +114,10 @@ def eval_command(args) -> int:
     import mlflow
 
     from decode.evaluate import evaluate, flat_metrics, per_category_figure, per_position_figure
-    from pipeline.metrics import LATEST_EVAL_RUN_TAG
+    from pipeline.metrics import DRAFT_FINGERPRINT_TAG, DRAFT_SOURCE_TAG, LATEST_EVAL_RUN_TAG, TARGET_FINGERPRINT_TAG
+    from pipeline.registry import link_run
     from pipeline.tracking import log_figure, start_run
     from pipeline.traffic import encode_prompts
-    from pipeline.versions import link_run
 
     try:
         cfg, target, draft = _load(args)
@@ -136,8 +136,8 @@ def eval_command(args) -> int:
         return _error(exc)
     report.update(target=target.source, draft=draft.source, traffic=str(traffic.path), split=args.split,
                   truncated_prompts=truncated)
-    tags = {"draftops.draft_source": draft.source, "draftops.draft_fingerprint": draft.fingerprint,
-            "draftops.target_fingerprint": target.fingerprint}
+    tags = {DRAFT_SOURCE_TAG: draft.source, DRAFT_FINGERPRINT_TAG: draft.fingerprint,
+            TARGET_FINGERPRINT_TAG: target.fingerprint}
     with start_run(cfg, "eval", run_name=f"eval-{Path(draft.source).name}", tags=tags) as run:
         mlflow.log_params({"split": args.split, "n_prompts": report["n_prompts"], **report["settings"],
                            "traffic_fingerprint": traffic.fingerprint(args.split, cfg.traffic.heldout_fraction)})
@@ -170,10 +170,10 @@ def bench_command(args) -> int:
     from decode.bench import flat_metrics as bench_metrics
     from decode.bench import markdown, run_bench
     from decode.ngram import PROMPT_LOOKUP, PromptLookupDrafter
-    from pipeline.metrics import LATEST_BENCH_RUN_TAG
+    from pipeline.metrics import DRAFT_FINGERPRINT_TAG, DRAFT_SOURCE_TAG, LATEST_BENCH_RUN_TAG, TARGET_FINGERPRINT_TAG
+    from pipeline.registry import link_run
     from pipeline.tracking import start_run
     from pipeline.traffic import encode_prompts
-    from pipeline.versions import link_run
 
     try:
         if args.draft == PROMPT_LOOKUP:
@@ -193,9 +193,9 @@ def bench_command(args) -> int:
     report.update(target=target.source, draft=args.draft if args.draft == PROMPT_LOOKUP else draft.source)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tags = {"draftops.draft_source": report["draft"], "draftops.target_fingerprint": target.fingerprint}
+    tags = {DRAFT_SOURCE_TAG: report["draft"], TARGET_FINGERPRINT_TAG: target.fingerprint}
     if args.draft != PROMPT_LOOKUP:
-        tags["draftops.draft_fingerprint"] = draft.fingerprint
+        tags[DRAFT_FINGERPRINT_TAG] = draft.fingerprint
     with start_run(cfg, "bench", run_name=f"bench-{Path(report['draft']).name}", tags=tags) as run:
         mlflow.log_params({"n_prompts": report["n_prompts"], **report["settings"]})
         mlflow.log_metrics(bench_metrics(report))
@@ -246,7 +246,7 @@ def sweep_command(args) -> int:
     report["recommendation"]["config_path"] = str(config_path)
     (out / "sweep.json").write_text(json.dumps(report, indent=2))
     (out / "sweep.md").write_text(markdown(report))
-    tags = {"draftops.target_fingerprint": target.fingerprint, "draftops.drafts": ",".join(report["drafts"])}
+    tags = {M.TARGET_FINGERPRINT_TAG: target.fingerprint, M.DRAFTS_TAG: ",".join(report["drafts"])}
     with start_run(cfg, "sweep", run_name="sweep", tags=tags) as run:
         s = report["settings"]
         mlflow.log_params({"drafts": ",".join(report["drafts"]), "gammas": s["gammas"], "contexts": s["contexts"],
