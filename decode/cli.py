@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+from pipeline.registry import is_registry_uri
+
 
 def _load_target(args):
     from pipeline.config import load_config
@@ -13,7 +15,7 @@ def _load_target(args):
 
     cfg = load_config(args.config, args.overrides)
     sources = [args.target or cfg.target, getattr(args, "draft", None) or getattr(args, "drafts", None) or ""]
-    if any("models:/" in source for source in sources):
+    if any(is_registry_uri(source) for source in sources):
         from pipeline.tracking import setup_mlflow
 
         setup_mlflow(cfg)  # registry sources resolve against the configured store
@@ -108,10 +110,10 @@ def eval_command(args) -> int:
 
     from decode.drafters import DECODER, DRAFT
     from decode.evaluate import evaluate, flat_metrics, per_category_figure, per_position_figure
-    from pipeline.metrics import LATEST_EVAL_RUN_TAG
+    from pipeline.metrics import DRAFT_FINGERPRINT_TAG, DRAFT_SOURCE_TAG, LATEST_EVAL_RUN_TAG, TARGET_FINGERPRINT_TAG
+    from pipeline.registry import link_run
     from pipeline.tracking import log_figure, start_run
     from pipeline.traffic import encode_prompts
-    from pipeline.versions import link_run
 
     try:
         cfg, target, draft = _load(args)
@@ -126,8 +128,8 @@ def eval_command(args) -> int:
         return _error(exc)
     report.update(target=target.source, draft=draft.source, traffic=str(traffic.path), split=args.split,
                   truncated_prompts=truncated)
-    tags = {"draftops.draft_source": draft.source, "draftops.draft_fingerprint": draft.fingerprint,
-            "draftops.target_fingerprint": target.fingerprint}
+    tags = {DRAFT_SOURCE_TAG: draft.source, DRAFT_FINGERPRINT_TAG: draft.fingerprint,
+            TARGET_FINGERPRINT_TAG: target.fingerprint}
     with start_run(cfg, "eval", run_name=f"eval-{Path(draft.source).name}", tags=tags) as run:
         mlflow.log_params({"split": args.split, "n_prompts": report["n_prompts"], **report["settings"],
                            **{f"drafter_{kind}": name for kind, name in report["drafters"].items()},
@@ -161,10 +163,10 @@ def bench_command(args) -> int:
     from decode.bench import flat_metrics as bench_metrics
     from decode.bench import markdown, run_bench
     from decode.ngram import PROMPT_LOOKUP
-    from pipeline.metrics import LATEST_BENCH_RUN_TAG
+    from pipeline.metrics import DRAFT_FINGERPRINT_TAG, DRAFT_SOURCE_TAG, LATEST_BENCH_RUN_TAG, TARGET_FINGERPRINT_TAG
+    from pipeline.registry import link_run
     from pipeline.tracking import start_run
     from pipeline.traffic import encode_prompts
-    from pipeline.versions import link_run
 
     try:
         if args.draft == PROMPT_LOOKUP:
@@ -180,9 +182,9 @@ def bench_command(args) -> int:
     report.update(target=target.source, draft=args.draft if args.draft == PROMPT_LOOKUP else draft.source)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tags = {"draftops.draft_source": report["draft"], "draftops.target_fingerprint": target.fingerprint}
+    tags = {DRAFT_SOURCE_TAG: report["draft"], TARGET_FINGERPRINT_TAG: target.fingerprint}
     if args.draft != PROMPT_LOOKUP:
-        tags["draftops.draft_fingerprint"] = draft.fingerprint
+        tags[DRAFT_FINGERPRINT_TAG] = draft.fingerprint
     with start_run(cfg, "bench", run_name=f"bench-{Path(report['draft']).name}", tags=tags) as run:
         mlflow.log_params({"n_prompts": report["n_prompts"], **report["settings"],
                            **{f"drafter_{name}": drafter for name, drafter in report["drafters"].items()}})
@@ -235,7 +237,7 @@ def sweep_command(args) -> int:
     report["recommendation"]["config_path"] = str(config_path)
     (out / "sweep.json").write_text(json.dumps(report, indent=2))
     (out / "sweep.md").write_text(markdown(report))
-    tags = {"draftops.target_fingerprint": target.fingerprint, "draftops.drafts": ",".join(report["drafts"])}
+    tags = {M.TARGET_FINGERPRINT_TAG: target.fingerprint, M.DRAFTS_TAG: ",".join(report["drafts"])}
     with start_run(cfg, "sweep", run_name="sweep", tags=tags) as run:
         s = report["settings"]
         mlflow.log_params({"drafts": ",".join(report["drafts"]), "gammas": s["gammas"], "contexts": s["contexts"],

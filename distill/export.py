@@ -6,17 +6,16 @@ from pathlib import Path
 import torch
 
 from decode.drafts import full_vocab_copy
-from pipeline import metrics
+from pipeline import metrics, registry
 from pipeline.config import DraftopsConfig
-from pipeline.sources import HF_ASSISTANT_DIR
+from pipeline.sources import HF_ASSISTANT_DIR, checkpoint_info, locate, save_checkpoint
+from pipeline.tracking import git_sha, log_figure, start_run
 
 
 def export_draft(draft, tokenizer, out_dir: Path, *, token_ids: torch.Tensor | None, cfg: DraftopsConfig) -> Path:
     """`pipeline.sources.save_checkpoint` layout; a reduced-vocabulary draft also gets `hf_assistant/`, a plain
     full-vocabulary copy that transformers can load and use as `assistant_model`."""
     import shutil
-
-    from pipeline.sources import save_checkpoint
 
     shutil.rmtree(out_dir, ignore_errors=True)
     save_checkpoint(draft, tokenizer, out_dir, token_ids=token_ids, config=cfg)
@@ -76,8 +75,8 @@ def describe_draft(cfg: DraftopsConfig, result, info: dict, *, target_fingerprin
         f"- **held-out acceptance**: α(T=0) {m['alpha_t0']:.3f}, α(T=1) {m['alpha_t1']:.3f}, "
         f"τ {m['tau']:.2f} at γ={cfg.decode.gamma}",
         "",
-        "Tags hold the figures under the names of `pipeline.metrics`; `draftops.distill_run` links the run that made "
-        "this version, `draftops.latest_eval_run` the latest `draftops eval` of it.",
+        f"Tags hold the figures under the names of `pipeline.metrics`; `{metrics.DISTILL_RUN_TAG}` links the run that "
+        f"made this version, `{metrics.LATEST_EVAL_RUN_TAG}` the latest `draftops eval` of it.",
     ])
 
 
@@ -98,14 +97,11 @@ def log_and_register(cfg: DraftopsConfig, result, *, target_fingerprint: str, ta
     import mlflow
     from mlflow import MlflowClient
 
-    from pipeline.sources import checkpoint_info, locate
-    from pipeline.tracking import git_sha, log_figure, register_checkpoint, start_run
-
     m = result.metrics
     info = checkpoint_info(locate(str(result.export_dir)))
     figures = version_figures(cfg, result, info)
-    lineage = {"draftops.target_fingerprint": target_fingerprint, "draftops.target_source": target_source,
-               "draftops.data_fingerprint": result.data_fingerprint}
+    lineage = {metrics.TARGET_FINGERPRINT_TAG: target_fingerprint, metrics.TARGET_SOURCE_TAG: target_source,
+               metrics.DATA_FINGERPRINT_TAG: result.data_fingerprint}
     with start_run(cfg, "distill", tags=lineage) as run:
         mlflow.log_params(flat_params(cfg))
         for h in result.history:
@@ -122,10 +118,10 @@ def log_and_register(cfg: DraftopsConfig, result, *, target_fingerprint: str, ta
         log_figure(curves_figure(result.history, result.evals, cfg.decode.gamma), "plots/distill_curves.png")
         mlflow.log_dict({"token_ids": None if result.token_ids is None else result.token_ids.tolist()},
                         "data/draft_vocab.json")
-        tags = {**lineage, "draftops.source": "distill", "draftops.git_sha": git_sha(),
-                metrics.DISTILL_RUN_TAG: run.info.run_id, "gamma": str(cfg.decode.gamma),
-                "loss_kind": cfg.distill.loss, **{k: metrics.tag_value(v) for k, v in figures.items()}}
-        version, alias = register_checkpoint(
+        tags = {**lineage, metrics.VERSION_SOURCE_TAG: "distill", metrics.GIT_SHA_TAG: git_sha(),
+                metrics.DISTILL_RUN_TAG: run.info.run_id, metrics.GAMMA_TAG: str(cfg.decode.gamma),
+                metrics.LOSS_KIND_TAG: cfg.distill.loss, **{k: metrics.tag_value(v) for k, v in figures.items()}}
+        version, alias = registry.register(
             result.export_dir, cfg.tracking.registered_model, tags=tags,
             description=describe_draft(cfg, result, info, target_fingerprint=target_fingerprint,
                                        target_source=target_source))

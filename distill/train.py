@@ -28,6 +28,7 @@ from distill.init import init_draft
 from distill.loop import NonFiniteLoss, Timings, TrainingData, train_loop
 from distill.responses import cached_responses
 from pipeline.config import DraftopsConfig, load_config
+from pipeline.registry import version_uri
 from pipeline.sources import HF_ASSISTANT_DIR
 from pipeline.tracking import tracking_uri
 from pipeline.traffic import encode_prompts, load_traffic
@@ -164,7 +165,7 @@ def print_summary(cfg: DraftopsConfig, result: DistillResult) -> None:
         print(f"  HF assistant: {result.export_dir / HF_ASSISTANT_DIR}")
     if result.version:
         print(f"  MLflow:       {tracking_uri(cfg)}  run {result.run_id}  (experiment draftops-distill)")
-        print(f"  registered:   models:/{cfg.tracking.registered_model}/{result.version}  alias {result.alias}")
+        print(f"  registered:   {version_uri(cfg.tracking.registered_model, result.version)}  alias {result.alias}")
 
 
 def main(argv: list[str] | None = None) -> int:

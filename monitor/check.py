@@ -19,10 +19,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from monitor import registry
 from monitor.decision import EXIT_ERROR, Decision, Status, challenger_gate, decide
-from monitor.measure import Measurement, heldout_by_recency, measure_analytic, measure_live
+from monitor.measure import (Baseline, Measurement, heldout_by_recency, measure_analytic, measure_live,
+                             new_baseline)
 from monitor.stats import AcceptanceCheck, DropTest, TrafficDrift, acceptance_check, traffic_drift
+from pipeline import metrics as M
+from pipeline import registry
 from pipeline.config import DraftopsConfig
 
 log = logging.getLogger("draftops.monitor")
@@ -125,7 +127,7 @@ def load_models(cfg: DraftopsConfig, draft_source: str, target=None):
     return target, draft
 
 
-def evaluate(cfg: DraftopsConfig, baseline: registry.Baseline, current_fingerprint: str,
+def evaluate(cfg: DraftopsConfig, baseline: Baseline, current_fingerprint: str,
              champion_fingerprint: str | None, remeasured: Measurement | None, recent: Measurement | None,
              live: Measurement | None, break_even: float | None = None
              ) -> tuple[AcceptanceCheck | None, TrafficDrift | None, float, str, Decision]:
@@ -179,7 +181,7 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
     m, name = cfg.monitor, cfg.tracking.registered_model
     timer = _Timer()
     champ = registry.champion(name)
-    champion_fingerprint = champ.tags.get(registry.TARGET_FINGERPRINT_TAG)
+    champion_fingerprint = champ.tags.get(M.TARGET_FINGERPRINT_TAG)
     heldout = heldout_by_recency(cfg)
     if not heldout:
         from pipeline.traffic import TrafficError
@@ -187,18 +189,19 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
         raise TrafficError(f"{cfg.traffic.path}: the held-out split is empty at traffic.heldout_fraction="
                            f"{cfg.traffic.heldout_fraction}; the check measures held-out requests only")
     with timer("load_models"):
-        target, draft = load(cfg, f"models:/{name}/{champ.version}")
+        target, draft = load(cfg, registry.version_uri(name, champ.version))
     recent_requests = heldout[-m.heldout_requests:]
-    baseline = registry.load_baseline(champ)
+    stored = registry.load_baseline(champ)
+    baseline = None if stored is None else Baseline.from_dict(stored)
     break_even, break_even_source = registry.break_even(champ, m.break_even_alpha)
     report = CheckReport(Decision(Status.OK, None), name, champ.version, target.fingerprint, champion_fingerprint,
                          break_even=break_even, break_even_source=break_even_source, timings=timer)
-    to_record: list[tuple[str, registry.Baseline]] = []
+    to_record: list[tuple[str, Baseline]] = []
 
     if baseline is None:
         with timer("measure_baseline"):
             measured = measure(cfg, target, draft, recent_requests)
-        to_record.append((champ.version, registry.new_baseline(target.fingerprint, measured)))
+        to_record.append((champ.version, new_baseline(target.fingerprint, measured)))
         report.baseline_recorded, report.current_acceptance = True, measured.acceptance
         report.n_baseline_prompts = len(measured.request_ids)
         notes = [f"no baseline for version {champ.version}: recorded one"]
@@ -253,7 +256,7 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
                    tags=_run_tags(report)) as run:
         report.run_id = run.info.run_id
         for version, new in to_record:
-            registry.save_baseline(name, version, new)
+            registry.save_baseline(name, version, new.to_dict())
         mlflow.log_metrics(_run_metrics(report, m.margin))
         mlflow.log_dict(report.to_dict(), "monitor/report.json")
         checks = monitor_checks(MlflowClient(), name, limit=100)  # this check included: its metrics are logged
@@ -264,9 +267,9 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
 
 def gate_challenger(cfg: DraftopsConfig, target, champion_draft, challenger_version: str, requests: list, *,
                     load: Callable = load_models, measure: Measure = measure_analytic
-                    ) -> tuple[RetrainOutcome, registry.Baseline]:
+                    ) -> tuple[RetrainOutcome, Baseline]:
     """Measure champion and challenger on the same held-out prompts; promote only a significant gain."""
-    _, challenger = load(cfg, f"models:/{cfg.tracking.registered_model}/{challenger_version}", target)
+    _, challenger = load(cfg, registry.version_uri(cfg.tracking.registered_model, challenger_version), target)
     champion_m = measure(cfg, target, champion_draft, requests)
     challenger_m = measure(cfg, target, challenger, requests)
     common = [r for r in champion_m.request_ids if r in set(challenger_m.request_ids)]
@@ -274,28 +277,26 @@ def gate_challenger(cfg: DraftopsConfig, target, champion_draft, challenger_vers
                            cfg.monitor.promote_margin, cfg.monitor.level, cfg.monitor.test_method, cfg.seed,
                            cfg.monitor.n_bootstrap)
     return (RetrainOutcome(challenger_version, gate, gate.alarm),
-            registry.new_baseline(target.fingerprint, challenger_m))
+            new_baseline(target.fingerprint, challenger_m))
 
 
 def _run_tags(report: CheckReport) -> dict[str, str]:
     d = report.decision
-    tags = {"draftops.monitor.decision": d.status.value, "draftops.monitor.cause": d.cause.value if d.cause else "",
-            "draftops.monitor.champion_version": report.champion_version,
-            "draftops.target_fingerprint": report.target_fingerprint,
-            "draftops.monitor.champion_target_fingerprint": report.champion_target_fingerprint or "",
-            "draftops.monitor.acceptance_source": report.acceptance_source,
-            "draftops.registered_model": report.registered_model}
+    tags = {M.MONITOR_DECISION_TAG: d.status.value, M.MONITOR_CAUSE_TAG: d.cause.value if d.cause else "",
+            M.MONITOR_CHAMPION_VERSION_TAG: report.champion_version,
+            M.TARGET_FINGERPRINT_TAG: report.target_fingerprint,
+            M.MONITOR_CHAMPION_TARGET_FINGERPRINT_TAG: report.champion_target_fingerprint or "",
+            M.MONITOR_ACCEPTANCE_SOURCE_TAG: report.acceptance_source,
+            M.REGISTERED_MODEL_TAG: report.registered_model}
     if report.retrain is not None:
-        tags["draftops.monitor.challenger_version"] = report.retrain.challenger_version
-        tags["draftops.monitor.promoted"] = str(report.retrain.promoted).lower()
+        tags[M.MONITOR_CHALLENGER_VERSION_TAG] = report.retrain.challenger_version
+        tags[M.MONITOR_PROMOTED_TAG] = str(report.retrain.promoted).lower()
     return tags
 
 
 def _run_metrics(report: CheckReport, margin: float) -> dict[str, float]:
     """The check under `pipeline.metrics` names. The unprefixed drop test is the paired one when there is one
     (same prompts as the baseline), else the unpaired one; both are also logged under monitor/paired|unpaired/."""
-    from pipeline import metrics as M
-
     out: dict[str, float] = {M.seconds(k): v for k, v in report.timings.items()}
     out[M.MONITOR_TARGET_CHANGED] = float(report.champion_target_fingerprint not in (None, report.target_fingerprint))
     out[M.MONITOR_DRIFT] = float(report.decision.status is Status.DRIFT)
@@ -346,7 +347,7 @@ def rollback(cfg: DraftopsConfig, to_version: str | None = None) -> str:
     before = registry.champion(name).version
     after = registry.rollback(name, to_version)
     with start_run(cfg, "monitor", run_name="rollback",
-                   tags={"draftops.monitor.decision": "ROLLBACK", "draftops.monitor.rolled_back_from": before,
-                         "draftops.monitor.champion_version": after}):
+                   tags={M.MONITOR_DECISION_TAG: "ROLLBACK", M.MONITOR_ROLLED_BACK_FROM_TAG: before,
+                         M.MONITOR_CHAMPION_VERSION_TAG: after}):
         pass
     return after

@@ -9,6 +9,9 @@ import logging
 import sys
 from pathlib import Path
 
+from pipeline import metrics as M
+from pipeline.registry import RegistryError
+
 
 def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -18,7 +21,6 @@ def _setup_logging() -> None:
 def check_command(args) -> int:
     from monitor.check import run_check
     from monitor.decision import EXIT_ERROR
-    from monitor.registry import RegistryError
     from monitor.service import EXIT_BUSY, CheckBusy, check_lock, log_failed_check
     from pipeline.config import load_config
 
@@ -82,7 +84,7 @@ def rollback_command(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     version = rollback(cfg, to_version=args.to_version)
-    print(f"{cfg.tracking.registered_model}@champion -> version {version}")
+    print(f"{cfg.tracking.registered_model}@{M.CHAMPION} -> version {version}")
     return 0
 
 

@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline import metrics as M
+from pipeline import registry
 from pipeline.config import DraftopsConfig, TrackingConfig, save_config
 
 DEFAULT_OUT = "outputs/drift-demo"
@@ -77,24 +79,10 @@ def demo_configs(cfg: DraftopsConfig, out: Path, updated_target: str) -> tuple[D
     updated = original.model_copy(update={
         "target": updated_target,
         "distill": original.distill.model_copy(update={"init": "checkpoint",
-                                                       "init_checkpoint": f"models:/{name}@champion"}),
+                                                       "init_checkpoint": registry.alias_uri(name, M.CHAMPION)}),
         "monitor": original.monitor.model_copy(update={"retrain": True}),
     })
     return original, updated
-
-
-def reset_registered_model(name: str) -> bool:
-    """Delete the demo's registered model if it exists (its runs stay); True if there was one."""
-    from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
-
-    client = MlflowClient()
-    try:
-        client.get_registered_model(name)
-    except MlflowException:
-        return False
-    client.delete_registered_model(name)
-    return True
 
 
 def draftops_executable() -> str:
@@ -114,11 +102,8 @@ def _decision(report) -> str:
 
 def run_demo(cfg: DraftopsConfig, out: str | Path = DEFAULT_OUT, *, echo=print) -> DemoResult:
     """The five phases; prints each phase's outcome and time, the checks, and the re-check command last."""
-    from mlflow import MlflowClient
-
     from monitor.target_update import run_finetune
     from distill.train import run_distill
-    from monitor import registry
     from monitor.check import run_check
     from monitor.service import check_lock
     from pipeline.tracking import setup_mlflow, tracking_uri
@@ -136,7 +121,7 @@ def run_demo(cfg: DraftopsConfig, out: str | Path = DEFAULT_OUT, *, echo=print) 
     updated_path = save_config(updated, out / "config-updated-target.yaml")
     result = DemoResult(recheck_command=f"{draftops_executable()} monitor check --config {updated_path}")
     setup_mlflow(original)
-    if reset_registered_model(name):
+    if registry.delete_model(name):
         echo(f"[demo] registered model '{name}' existed at {tracking_uri(original)}: deleted, starting afresh")
     echo(f"[demo] configs: {original_path} (original target), {updated_path} (updated target)")
     start = time.perf_counter()
@@ -175,14 +160,15 @@ def run_demo(cfg: DraftopsConfig, out: str | Path = DEFAULT_OUT, *, echo=print) 
     third = phase("monitor check again (expect OK)", lambda: check(updated))
     result.acceptance_after = third.current_acceptance
     result.champion_after = registry.champion(name).version
-    result.versions = sorted((str(v.version) for v in MlflowClient().search_model_versions(f"name='{name}'")), key=int)
+    result.versions = registry.version_numbers(name)
 
     echo("\n[demo] time per phase:")
     for title, seconds in result.phases:
         echo(f"  {seconds:7.0f}s  {title}")
     echo(f"  {time.perf_counter() - start:7.0f}s  total")
-    echo(f"\n[demo] decisions: {' -> '.join(result.decisions)}; {name}@champion: version {result.champion_before} -> "
-         f"{result.champion_after}; versions {', '.join(result.versions)} in {tracking_uri(original)}")
+    echo(f"\n[demo] decisions: {' -> '.join(result.decisions)}; {name}@{M.CHAMPION}: version "
+         f"{result.champion_before} -> {result.champion_after}; versions {', '.join(result.versions)} in "
+         f"{tracking_uri(original)}")
     fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
     echo(f"[demo] acceptance: old champion on the old target {fmt(result.acceptance_before)}; drop on the updated "
          f"target {fmt(result.acceptance_drop)}; new champion on the updated target {fmt(result.acceptance_after)}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 
 from monitor.stats import PromptAcceptance
 from pipeline.config import DraftopsConfig
@@ -48,6 +49,27 @@ class Measurement:
         return cls(list(data["request_ids"]), [float(x) for x in data["acc"]], [float(x) for x in data["n"]],
                    {int(k): int(v) for k, v in data.get("token_counts", {}).items()})
 
+
+@dataclass
+class Baseline:
+    """A version's reference acceptance: measured on held-out prompts with the target of `target_fingerprint`.
+    Its dict is the JSON payload `pipeline.registry.save_baseline` stores with the version."""
+
+    target_fingerprint: str
+    measurement: Measurement
+    created: str
+
+    def to_dict(self) -> dict:
+        return {"target_fingerprint": self.target_fingerprint, "created": self.created,
+                "measurement": self.measurement.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Baseline:
+        return cls(data["target_fingerprint"], Measurement.from_dict(data["measurement"]), data["created"])
+
+
+def new_baseline(target_fingerprint: str, measurement: Measurement) -> Baseline:
+    return Baseline(target_fingerprint, measurement, datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
 def heldout_by_recency(cfg: DraftopsConfig) -> list:
     """All held-out requests, oldest first (by timestamp, then file order); the last N are the most recent."""

@@ -1,7 +1,7 @@
 """`draftops report`: every version of the registered draft side by side, and the monitor's last checks.
 
-Reads MLflow directly (the registry, the versions' tags and linked runs, the `draftops-monitor` experiment), so it
-needs no model and no other draftops package. The same history draws the monitor plot (acceptance over time).
+Reads MLflow only (the versions, their tags and linked runs through `pipeline.registry`; the `draftops-monitor`
+experiment here), so it needs no model. The same history draws the monitor plot (acceptance over time).
 """
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from pipeline import metrics as M
+from pipeline import registry
+from pipeline.config import load_config
+from pipeline.tracking import tracking_uri as default_tracking_uri
 
 MONITOR_EXPERIMENT = "draftops-monitor"
 
@@ -55,9 +58,7 @@ class CheckRow:
 def _client(tracking_uri: str | None):
     from mlflow import MlflowClient
 
-    from pipeline.tracking import tracking_uri as default_uri
-
-    uri = tracking_uri or default_uri()
+    uri = tracking_uri or default_tracking_uri()
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
@@ -72,30 +73,12 @@ def _float(value) -> float | None:
         return None
 
 
-def _run_metrics(client, run_id: str | None) -> dict[str, float]:
-    from mlflow.exceptions import MlflowException
-
-    if not run_id:
-        return {}
-    try:
-        return dict(client.get_run(run_id).data.metrics)
-    except MlflowException:  # a deleted run
-        return {}
-
-
 def version_rows(client, name: str) -> list[VersionRow]:
     """All versions of `name`, newest first, with their figures (tags first, the linked runs' metrics else)."""
-    aliases: dict[str, list[str]] = {}
-    for alias, version in client.get_registered_model(name).aliases.items():
-        aliases.setdefault(str(version), []).append(alias)
     rows = []
-    for v in client.search_model_versions(f"name = '{name}'"):
-        tags = dict(v.tags or {})
-        distill_run = tags.get(M.DISTILL_RUN_TAG) or v.run_id
-        distilled = _run_metrics(client, distill_run)
-        evaluated = _run_metrics(client, tags.get(M.LATEST_EVAL_RUN_TAG))
-        benched = _run_metrics(client, tags.get(M.LATEST_BENCH_RUN_TAG))
-        gamma = tags.get("gamma", "")
+    for v in registry.version_records(client, name):
+        tags = v.tags
+        gamma = tags.get(M.GAMMA_TAG, "")
         tau_name = M.tau_at(int(gamma)) if gamma.isdigit() else None
 
         def figure(metric: str | None, *sources: dict) -> float | None:
@@ -105,13 +88,14 @@ def version_rows(client, name: str) -> list[VersionRow]:
                 return _float(tags[metric])
             return next((s[metric] for s in sources if metric in s), None)
 
+        distilled = v.distill_metrics
         rows.append(VersionRow(
-            version=str(v.version), aliases=sorted(aliases.get(str(v.version), [])),
-            created=_time(v.creation_timestamp), target_fingerprint=tags.get("draftops.target_fingerprint", ""),
+            version=v.version, aliases=v.aliases, created=_time(v.created_ms),
+            target_fingerprint=tags.get(M.TARGET_FINGERPRINT_TAG, ""),
             alpha_t0=figure(M.ALPHA_T0, distilled), alpha_t1=figure(M.ALPHA_T1, distilled),
-            tau=figure(tau_name, distilled), gamma=gamma, eval_alpha_live=evaluated.get(M.ACCEPTANCE_DRAFT),
-            speedup=benched.get(M.SPEEDUP), params=figure(M.DRAFT_PARAMS, distilled),
-            vocab_size=figure(M.DRAFT_VOCAB_SIZE, distilled), distill_run=distill_run,
+            tau=figure(tau_name, distilled), gamma=gamma, eval_alpha_live=v.eval_metrics.get(M.ACCEPTANCE_DRAFT),
+            speedup=v.bench_metrics.get(M.SPEEDUP), params=figure(M.DRAFT_PARAMS, distilled),
+            vocab_size=figure(M.DRAFT_VOCAB_SIZE, distilled), distill_run=v.distill_run,
             eval_run=tags.get(M.LATEST_EVAL_RUN_TAG)))
     return sorted(rows, key=lambda r: int(r.version) if r.version.isdigit() else 0, reverse=True)
 
@@ -126,17 +110,17 @@ def monitor_checks(client, name: str | None = None, limit: int = 10) -> list[Che
     rows = []
     for run in runs:
         tags, m = run.data.tags, run.data.metrics
-        if name and tags.get("draftops.registered_model", name) != name:
+        if name and tags.get(M.REGISTERED_MODEL_TAG, name) != name:
             continue
         rows.append(CheckRow(
-            time=_time(run.info.start_time), decision=tags.get("draftops.monitor.decision", "?"),
-            cause=tags.get("draftops.monitor.cause", ""),
-            champion_version=tags.get("draftops.monitor.champion_version", ""),
+            time=_time(run.info.start_time), decision=tags.get(M.MONITOR_DECISION_TAG, "?"),
+            cause=tags.get(M.MONITOR_CAUSE_TAG, ""),
+            champion_version=tags.get(M.MONITOR_CHAMPION_VERSION_TAG, ""),
             acceptance_now=m.get(M.MONITOR_ACCEPTANCE_NOW), acceptance_baseline=m.get(M.MONITOR_ACCEPTANCE_BASELINE),
             threshold=m.get(M.MONITOR_ACCEPTANCE_THRESHOLD), break_even=m.get(M.MONITOR_BREAK_EVEN),
             p_value=m.get(M.MONITOR_P_VALUE), traffic_js=m.get(M.MONITOR_TRAFFIC_JS),
             promoted=m.get(M.MONITOR_PROMOTED, 0.0) > 0,
-            challenger_version=tags.get("draftops.monitor.challenger_version", ""), run_id=run.info.run_id))
+            challenger_version=tags.get(M.MONITOR_CHALLENGER_VERSION_TAG, ""), run_id=run.info.run_id))
     return rows[::-1]
 
 
@@ -270,25 +254,17 @@ def render_html(name: str, versions: list[VersionRow], checks: list[CheckRow], u
 
 
 def build_report(name: str, *, fmt: str = "md", tracking_uri: str | None = None, checks: int = 10) -> str:
-    from mlflow.exceptions import MlflowException
-
     client = _client(tracking_uri)
-    try:
-        versions = version_rows(client, name)
-    except MlflowException:
-        versions = []
+    versions = version_rows(client, name)
     history = monitor_checks(client, name, checks)
     render = render_html if fmt == "html" else render_markdown
     return render(name, versions, history, client.tracking_uri)
 
 
 def report_command(args) -> int:
-    from pipeline.config import load_config
-    from pipeline.tracking import tracking_uri
-
     cfg = load_config(args.config, args.overrides)
-    text = build_report(args.model or cfg.tracking.registered_model, fmt=args.format, tracking_uri=tracking_uri(cfg),
-                        checks=args.checks)
+    text = build_report(args.model or cfg.tracking.registered_model, fmt=args.format,
+                        tracking_uri=default_tracking_uri(cfg), checks=args.checks)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text)

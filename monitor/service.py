@@ -28,6 +28,7 @@ from apscheduler.util import ref_to_obj
 from filelock import FileLock, Timeout
 
 from monitor.decision import EXIT_ERROR
+from pipeline import metrics as M
 from pipeline.config import DraftopsConfig, load_config
 
 log = logging.getLogger("draftops.monitor")
@@ -79,7 +80,7 @@ def log_failed_check(cfg: DraftopsConfig, error: BaseException) -> None:
         from pipeline.tracking import start_run
 
         with start_run(cfg, "monitor", run_name="check-failed",
-                       tags={"draftops.monitor.decision": "ERROR", "draftops.monitor.error": type(error).__name__}):
+                       tags={M.MONITOR_DECISION_TAG: "ERROR", M.MONITOR_ERROR_TAG: type(error).__name__}):
             mlflow.log_text("".join(traceback.format_exception(error)), "error.txt")
             raise _Failed  # leaving the run with an exception marks it FAILED
     except _Failed:

@@ -199,8 +199,8 @@ def log_update(cfg: DraftopsConfig, result: FinetuneResult) -> str:
     from pipeline import metrics
     from pipeline.tracking import start_run
 
-    tags = {"draftops.target_fingerprint": result.fingerprint, "draftops.base_target_fingerprint":
-            result.base_fingerprint, "draftops.target_path": str(result.path)}
+    tags = {metrics.TARGET_FINGERPRINT_TAG: result.fingerprint, metrics.BASE_TARGET_FINGERPRINT_TAG:
+            result.base_fingerprint, metrics.TARGET_PATH_TAG: str(result.path)}
     with start_run(cfg, "target", run_name=f"finetune-{cfg.target_update.style}", tags=tags) as run:
         mlflow.log_params({f"target_update.{k}": str(v) for k, v in cfg.target_update.model_dump().items()})
         for step, loss in enumerate(result.losses, start=1):

@@ -18,6 +18,16 @@ names for the same quantities, so MLflow's compare view lines them up column by 
 | `train/...` | training curves (per step) |
 | `time/<phase>_s` | seconds spent in a phase |
 | `monitor/...` | one monitor check: acceptance now vs baseline, the drop test, traffic drift, retraining |
+
+Tags and aliases are named here too, so every stage writes and reads the same strings (their values are what existing
+MLflow stores hold: never rename one):
+
+| constants | values | meaning |
+|---|---|---|
+| `*_TAG` | `draftops.*`, `gamma`, `loss_kind` | run and version tags: stage, git sha, lineage, linked runs |
+| `MONITOR_*_TAG` | `draftops.monitor.*` | a monitor run's decision, cause, champion and challenger |
+| `BASELINE_RUN_TAG`, `PROMOTED_AT_TAG`, `ROLLED_BACK_AT_TAG` | `draftops.monitor.*` | version tags the monitor sets |
+| `CHAMPION`, `CHALLENGER`, `PREVIOUS_CHAMPION` | `champion`, ... | the registered model's aliases |
 """
 from __future__ import annotations
 
@@ -90,6 +100,48 @@ SWEEP_GAP_MEAN_ABS = "sweep/gap_mean_abs"
 DISTILL_RUN_TAG = "draftops.distill_run"
 LATEST_EVAL_RUN_TAG = "draftops.latest_eval_run"
 LATEST_BENCH_RUN_TAG = "draftops.latest_bench_run"
+BASELINE_RUN_TAG = "draftops.monitor.baseline_run_id"  # the monitor run whose artifact holds the version's baseline
+
+# lineage, on runs and on model versions
+STAGE_TAG = "draftops.stage"  # every run: distill, eval, bench, sweep, monitor, target
+GIT_SHA_TAG = "draftops.git_sha"
+TARGET_SOURCE_TAG = "draftops.target_source"
+TARGET_FINGERPRINT_TAG = "draftops.target_fingerprint"  # the target a draft was distilled for, or a run measured
+DATA_FINGERPRINT_TAG = "draftops.data_fingerprint"
+VERSION_SOURCE_TAG = "draftops.source"  # the stage that made a model version: "distill"
+GAMMA_TAG = "gamma"  # the draft length γ a version's τ figure was measured at
+LOSS_KIND_TAG = "loss_kind"
+
+# which draft a run measured, and where a distill run registered its draft
+DRAFT_SOURCE_TAG = "draftops.draft_source"
+DRAFT_FINGERPRINT_TAG = "draftops.draft_fingerprint"
+DRAFT_VERSION_TAG = "draftops.draft_version"  # NAME/VERSION, on eval and bench runs of a registered draft
+DRAFTS_TAG = "draftops.drafts"  # the comma-separated drafts of a sweep
+REGISTERED_VERSION_TAG = "draftops.registered_version"  # NAME/VERSION, on the distill run that registered it
+REGISTERED_MODEL_TAG = "draftops.registered_model"  # on monitor runs
+
+# a target update (`draftops target finetune`)
+BASE_TARGET_FINGERPRINT_TAG = "draftops.base_target_fingerprint"
+TARGET_PATH_TAG = "draftops.target_path"
+
+# monitor runs: one check (or rollback)
+MONITOR_DECISION_TAG = "draftops.monitor.decision"  # OK, DRIFT, ROLLBACK, ERROR
+MONITOR_CAUSE_TAG = "draftops.monitor.cause"
+MONITOR_CHAMPION_VERSION_TAG = "draftops.monitor.champion_version"
+MONITOR_CHAMPION_TARGET_FINGERPRINT_TAG = "draftops.monitor.champion_target_fingerprint"
+MONITOR_ACCEPTANCE_SOURCE_TAG = "draftops.monitor.acceptance_source"
+MONITOR_CHALLENGER_VERSION_TAG = "draftops.monitor.challenger_version"
+MONITOR_PROMOTED_TAG = "draftops.monitor.promoted"
+MONITOR_ROLLED_BACK_FROM_TAG = "draftops.monitor.rolled_back_from"
+MONITOR_ERROR_TAG = "draftops.monitor.error"
+# model-version tags the monitor sets when it moves the champion alias
+PROMOTED_AT_TAG = "draftops.monitor.promoted_at"
+ROLLED_BACK_AT_TAG = "draftops.monitor.rolled_back_at"
+
+# aliases of the registered model (stages are deprecated in MLflow 3)
+CHAMPION = "champion"  # what serves
+CHALLENGER = "challenger"  # a new distillation waiting for the monitor's gate
+PREVIOUS_CHAMPION = "previous-champion"  # where a rollback goes
 
 
 def _key(text: str) -> str:

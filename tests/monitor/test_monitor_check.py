@@ -9,11 +9,12 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from monitor import registry
 from monitor.check import rollback, run_check, scheduled_check
 from monitor.decision import Cause, Status, challenger_gate
-from monitor.measure import Measurement
+from monitor.measure import Baseline, Measurement
 from monitor.stats import PromptAcceptance
+from pipeline import metrics as M
+from pipeline import registry
 from pipeline.config import load_config
 
 NAME = "draftops-draft"
@@ -53,8 +54,8 @@ class World:
         def retrain(cfg):
             client = MlflowClient()
             version = str(client.create_model_version(NAME, source="file:///nonexistent", tags={
-                registry.TARGET_FINGERPRINT_TAG: self.target_fingerprint}).version)
-            client.set_registered_model_alias(NAME, registry.CHALLENGER, version)
+                M.TARGET_FINGERPRINT_TAG: self.target_fingerprint}).version)
+            client.set_registered_model_alias(NAME, M.CHALLENGER, version)
             self.quality[version] = quality
             return version
         return retrain
@@ -80,8 +81,8 @@ def setup(tmp_path, mlflow_uri):
     cfg = load_config(cfg_path)
     client = MlflowClient()
     client.create_registered_model(NAME)
-    client.create_model_version(NAME, source="file:///nonexistent", tags={registry.TARGET_FINGERPRINT_TAG: "fp-A"})
-    client.set_registered_model_alias(NAME, registry.CHAMPION, "1")
+    client.create_model_version(NAME, source="file:///nonexistent", tags={M.TARGET_FINGERPRINT_TAG: "fp-A"})
+    client.set_registered_model_alias(NAME, M.CHAMPION, "1")
     return cfg, World(), traffic
 
 
@@ -90,7 +91,7 @@ def check(cfg, world, **kw):
 
 
 def champion_version():
-    return str(MlflowClient().get_model_version_by_alias(NAME, registry.CHAMPION).version)
+    return str(MlflowClient().get_model_version_by_alias(NAME, M.CHAMPION).version)
 
 
 def test_first_check_records_baseline_then_ok(setup):
@@ -98,7 +99,7 @@ def test_first_check_records_baseline_then_ok(setup):
     first = check(cfg, world)
     assert first.baseline_recorded and first.decision.status is Status.OK and first.exit_code == 0
     assert first.n_baseline_prompts == 30
-    stored = registry.load_baseline(MlflowClient().get_model_version(NAME, "1"))
+    stored = Baseline.from_dict(registry.load_baseline(MlflowClient().get_model_version(NAME, "1")))
     assert stored.target_fingerprint == "fp-A" and len(stored.measurement.request_ids) == 30
 
     second = check(cfg, world)
@@ -153,13 +154,13 @@ def test_better_challenger_is_promoted_with_its_baseline_and_rollback_restores(s
     assert report.retrain.gate.drop == pytest.approx(0.1)
     assert champion_version() == "2"
     client = MlflowClient()
-    assert str(client.get_model_version_by_alias(NAME, registry.PREVIOUS).version) == "1"
-    assert registry.load_baseline(client.get_model_version(NAME, "2")).target_fingerprint == "fp-B"
+    assert str(client.get_model_version_by_alias(NAME, M.PREVIOUS_CHAMPION).version) == "1"
+    assert registry.load_baseline(client.get_model_version(NAME, "2"))["target_fingerprint"] == "fp-B"
     assert check(cfg, world).decision.status is Status.OK  # the new champion is judged against its own baseline
 
     assert rollback(cfg) == "1"
     assert champion_version() == "1"
-    assert str(client.get_model_version_by_alias(NAME, registry.PREVIOUS).version) == "2"
+    assert str(client.get_model_version_by_alias(NAME, M.PREVIOUS_CHAMPION).version) == "2"
     assert "draftops.monitor.rolled_back_at" in client.get_model_version(NAME, "2").tags
     assert rollback(cfg, to_version="2") == "2" and champion_version() == "2"
 
@@ -177,7 +178,7 @@ def test_traffic_shift_is_attributed_to_traffic(setup):
 
 def test_no_champion_is_an_error_exit(setup, tmp_path):
     cfg, _, _ = setup
-    MlflowClient().delete_registered_model_alias(NAME, registry.CHAMPION)
+    MlflowClient().delete_registered_model_alias(NAME, M.CHAMPION)
     assert scheduled_check(cfg) == 2
     with pytest.raises(registry.RegistryError):
         rollback(cfg)
@@ -205,7 +206,7 @@ def test_cli_rollback_and_check_without_champion(setup, tmp_path, capsys):
     registry.promote(NAME, "2")
     assert main(["monitor", "rollback", "--config", str(cfg_path)]) == 0
     assert "version 1" in capsys.readouterr().out and champion_version() == "1"
-    client.delete_registered_model_alias(NAME, registry.CHAMPION)
+    client.delete_registered_model_alias(NAME, M.CHAMPION)
     assert main(["monitor", "check", "--config", str(cfg_path)]) == 2
     assert "no 'champion' alias" in capsys.readouterr().err
 
@@ -251,8 +252,6 @@ def test_empty_heldout_split_is_a_clear_error_before_any_model_loads(setup, tmp_
 
 
 def test_the_champions_measured_break_even_is_the_absolute_alarm(setup):
-    from pipeline import metrics as M
-
     cfg, world, _ = setup
     first = check(cfg, world)  # records the baseline; acceptance ~0.7 against the config's break-even 0.4
     assert first.decision.status is Status.OK and first.break_even == cfg.monitor.break_even_alpha

@@ -5,13 +5,13 @@ import mlflow
 import pytest
 import yaml
 
-from monitor import registry
 from monitor.check import load_models, run_check
 from monitor.decision import Cause, Status
 from monitor.measure import heldout_by_recency, measure_analytic, measure_live
+from pipeline import metrics as M
+from pipeline import registry
 from pipeline.config import load_config
 from pipeline.sources import save_checkpoint
-from pipeline.tracking import register_checkpoint
 from tests.conftest import WORDS, make_tiny_model, make_tokenizer
 
 NAME = "draftops-draft"
@@ -50,8 +50,8 @@ def world(tmp_path, mlflow_uri):
 def register_draft(cfg, checkpoint, fingerprint):
     mlflow.set_experiment("draftops-distill")  # fluent mlflow remembers the experiment id of an earlier test's store
     with mlflow.start_run():
-        version, alias = register_checkpoint(checkpoint, NAME, tags={registry.TARGET_FINGERPRINT_TAG: fingerprint},
-                                             description="test draft")
+        version, alias = registry.register(checkpoint, NAME, tags={M.TARGET_FINGERPRINT_TAG: fingerprint},
+                                           description="test draft")
     return str(version.version), alias
 
 
@@ -75,7 +75,7 @@ def test_target_update_is_detected_end_to_end(world, capsys):
     cfg, cfg_path = config(target_a)
     target, _ = load_models(cfg, str(target_a))
     version, alias = register_draft(cfg, target_a, target.fingerprint)  # a draft equal to its target: alpha = 1
-    assert (version, alias) == ("1", registry.CHAMPION)
+    assert (version, alias) == ("1", M.CHAMPION)
 
     first = run_check(cfg)
     assert first.baseline_recorded and first.current_acceptance == pytest.approx(1.0)

@@ -3,12 +3,12 @@ import mlflow
 import pytest
 from mlflow import MlflowClient
 
+from monitor.report import build_report, monitor_checks, monitor_history_figure, version_rows
 from pipeline import metrics as M
 from pipeline.cli import main
 from pipeline.config import load_config
-from monitor.report import build_report, monitor_checks, monitor_history_figure, version_rows
-from pipeline.tracking import register_checkpoint, start_run
-from pipeline.versions import link_run
+from pipeline.registry import link_run, register
+from pipeline.tracking import start_run
 
 NAME = "tiny-draft"
 
@@ -29,15 +29,16 @@ def store(tmp_path):
         with start_run(cfg, "distill") as run:
             mlflow.log_metrics(f)
             fingerprint = "fp-target-a" if i == 0 else "fp-target-b"
-            register_checkpoint(checkpoint, NAME, description="tiny", tags={
+            register(checkpoint, NAME, description="tiny", tags={
                 "draftops.target_fingerprint": fingerprint, "gamma": "4", M.DISTILL_RUN_TAG: run.info.run_id,
                 **{k: M.tag_value(v) for k, v in f.items() if k != M.ALPHA_T1}})  # α T=1 from the run
     with start_run(cfg, "eval") as run:
         mlflow.log_metrics({M.ACCEPTANCE_DRAFT: 0.594, M.ALPHA_T0: 0.6})
-        link_run(f"models:/{NAME}@champion", M.LATEST_EVAL_RUN_TAG, run.info.run_id)
+        assert link_run(f"models:/{NAME}@champion", M.LATEST_EVAL_RUN_TAG, run.info.run_id) == (NAME, "1")
     with start_run(cfg, "bench") as run:
         mlflow.log_metrics({M.SPEEDUP: 1.73})
-        link_run(f"models:/{NAME}/1", M.LATEST_BENCH_RUN_TAG, run.info.run_id)
+        assert link_run(f"models:/{NAME}/1", M.LATEST_BENCH_RUN_TAG, run.info.run_id) == (NAME, "1")
+    assert MlflowClient().get_run(run.info.run_id).data.tags["draftops.draft_version"] == f"{NAME}/1"
     checks = [("OK", "", {M.MONITOR_ACCEPTANCE_NOW: 0.62, M.MONITOR_ACCEPTANCE_BASELINE: 0.62}, {}),
               ("OK", "", {M.MONITOR_ACCEPTANCE_NOW: 0.615, M.MONITOR_ACCEPTANCE_BASELINE: 0.62,
                           M.MONITOR_ACCEPTANCE_THRESHOLD: 0.61, M.MONITOR_P_VALUE: 0.41}, {}),

@@ -1,0 +1,341 @@
+"""The MLflow model registry of draft versions: its URIs, registration, the champion's aliases, baselines and links.
+
+A registered model holds the distilled drafts as versions. Aliases, not stages (deprecated in MLflow 3), say which
+version does what: `champion` serves, `challenger` is a new distillation waiting for the monitor's gate,
+`previous-champion` is where a rollback goes (names and tags in `pipeline.metrics`). A version is addressed as
+`models:/NAME@ALIAS` or `models:/NAME/VERSION`; `pipeline.sources` resolves both to a local checkpoint.
+
+A version's tags link it to its runs: the distill run that made it, its latest eval and bench (`link_run`), and the
+monitor run whose artifact holds its baseline (per-prompt acceptance on held-out prompts, stored and loaded here as
+the JSON payload that `monitor.measure.Baseline` writes).
+
+mlflow is imported inside the functions that talk to the store: `draftops` imports this module while building its
+command line (through `monitor.report`), and `draftops models info` on a local path must not pay for mlflow.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from pipeline import metrics as M
+
+REGISTRY_PREFIX = "models:/"
+BASELINE_ARTIFACT = "monitor/baseline.json"
+_URI_FORMS = f"{REGISTRY_PREFIX}NAME@ALIAS or {REGISTRY_PREFIX}NAME/VERSION"
+
+
+class RegistryError(RuntimeError):
+    """The registry cannot do what was asked: a malformed `models:/` URI, a version it does not hold, no champion,
+    nothing to roll back to."""
+
+
+# --------------------------------------------------------------------------- URIs
+
+
+@dataclass(frozen=True)
+class RegistryURI:
+    """`models:/NAME@ALIAS` (alias set) or `models:/NAME/VERSION` (version set)."""
+
+    name: str
+    alias: str | None = None
+    version: str | None = None
+
+
+def is_registry_uri(source: str) -> bool:
+    return source.startswith(REGISTRY_PREFIX)
+
+
+def alias_uri(name: str, alias: str) -> str:
+    return f"{REGISTRY_PREFIX}{name}@{alias}"
+
+
+def version_uri(name: str, version: str) -> str:
+    return f"{REGISTRY_PREFIX}{name}/{version}"
+
+
+def parse_uri(source: str) -> RegistryURI:
+    """The name and alias, or name and version number, of a registry URI; RegistryError for anything else."""
+    if not is_registry_uri(source):
+        raise RegistryError(f"{source}: not a registry URI ({_URI_FORMS})")
+    spec = source[len(REGISTRY_PREFIX):]
+    if not spec:
+        raise RegistryError(f"{source}: no model name ({_URI_FORMS})")
+    if "@" in spec:
+        name, alias = spec.split("@", 1)
+        if not name or not alias:
+            raise RegistryError(f"{source}: {'no model name' if not name else 'no alias'} ({_URI_FORMS})")
+        return RegistryURI(name, alias=alias)
+    name, _, version = spec.rpartition("/")
+    if not name:
+        raise RegistryError(f"{source}: neither an alias nor a version ({_URI_FORMS})")
+    if not version.isdigit():
+        raise RegistryError(f"{source}: version '{version}' is not a number ({_URI_FORMS})")
+    return RegistryURI(name, version=version)
+
+
+# --------------------------------------------------------------------------- versions
+
+
+@dataclass(frozen=True)
+class RegisteredVersion:
+    name: str
+    version: str  # MLflow returns versions as int or str depending on the call; always str here
+    tags: dict[str, str]
+    artifact_uri: str  # where its files are: the registering run's artifact folder
+
+    @classmethod
+    def of(cls, model_version) -> RegisteredVersion:
+        """From an MLflow ModelVersion."""
+        return cls(model_version.name, str(model_version.version), dict(model_version.tags or {}),
+                   model_version.source)
+
+
+def _client():
+    from mlflow import MlflowClient
+
+    return MlflowClient()
+
+
+def store_uri() -> str:
+    """The tracking store the registry calls go to."""
+    import mlflow
+
+    return mlflow.get_tracking_uri()
+
+
+def find_version(source: str) -> RegisteredVersion:
+    """The version a registry URI points at; RegistryError for a malformed URI or one the store does not hold."""
+    from mlflow.exceptions import MlflowException
+
+    uri = parse_uri(source)
+    client = _client()
+    try:
+        if uri.alias is not None:
+            found = client.get_model_version_by_alias(uri.name, uri.alias)
+        else:
+            found = client.get_model_version(uri.name, uri.version)
+    except MlflowException as exc:
+        raise RegistryError(f"{source}: not in the MLflow registry at {store_uri()}: {exc.message}") from None
+    return RegisteredVersion.of(found)
+
+
+def download(version: RegisteredVersion, dst: Path) -> None:
+    """Copy the version's files into `dst`; RegistryError when they cannot be read."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    try:
+        mlflow.artifacts.download_artifacts(artifact_uri=version.artifact_uri, dst_path=str(dst))
+    except MlflowException as exc:
+        raise RegistryError(f"version {version.version}'s files at {version.artifact_uri} cannot be read: "
+                            f"{exc.message.splitlines()[0]}") from None
+
+
+def version_by_alias(name: str, alias: str) -> RegisteredVersion | None:
+    """The version behind NAME@alias, or None."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        found = _client().get_model_version_by_alias(name, alias)
+    except MlflowException:
+        return None
+    return RegisteredVersion.of(found)
+
+
+def champion(name: str) -> RegisteredVersion:
+    version = version_by_alias(name, M.CHAMPION)
+    if version is None:
+        raise RegistryError(f"registered model '{name}' has no '{M.CHAMPION}' alias; run `draftops distill` first")
+    return version
+
+
+def version_numbers(name: str) -> list[str]:
+    """Every version of registered model `name`, oldest first."""
+    return sorted((str(v.version) for v in _client().search_model_versions(f"name='{name}'")), key=int)
+
+
+def delete_model(name: str) -> bool:
+    """Delete registered model `name` with its versions (their runs stay); True if there was one."""
+    from mlflow.exceptions import MlflowException
+
+    client = _client()
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        return False
+    client.delete_registered_model(name)
+    return True
+
+# --------------------------------------------------------------------------- registration and links
+
+
+def register(checkpoint_dir: str | Path, model_name: str, *, tags: dict[str, str], description: str,
+             artifact_path: str = "draft"):
+    """Log a checkpoint directory to the active run and register it as a new version of `model_name`.
+
+    The version's source is the run's artifact folder, so `models:/NAME@ALIAS` resolves to the plain HF checkpoint.
+    The first version of a model becomes `champion`; later ones `challenger` until the monitor's gate promotes them.
+    Returns (the MLflow ModelVersion, its alias).
+    """
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    run = mlflow.active_run()
+    if run is None:
+        raise RuntimeError("register needs an active MLflow run")
+    mlflow.log_artifacts(str(checkpoint_dir), artifact_path)
+    client = _client()
+    try:
+        client.get_registered_model(model_name)
+    except MlflowException:
+        client.create_registered_model(model_name, description="Speculative-decoding drafts managed by draftops.")
+    version = client.create_model_version(
+        model_name, source=f"{run.info.artifact_uri}/{artifact_path}", run_id=run.info.run_id,
+        tags={k: str(v) for k, v in tags.items()}, description=description)
+    has_champion = M.CHAMPION in client.get_registered_model(model_name).aliases
+    alias = M.CHALLENGER if has_champion else M.CHAMPION
+    client.set_registered_model_alias(model_name, alias, version.version)
+    mlflow.set_tag(M.REGISTERED_VERSION_TAG, f"{model_name}/{version.version}")
+    return version, alias
+
+
+def link_run(source: str, tag: str, run_id: str) -> tuple[str, str] | None:
+    """Tag the version behind a registry source with `tag = run_id`, and the run with the version it measured
+    (so a version page explains itself). None, and nothing tagged, for a source outside the registry."""
+    if not is_registry_uri(source):
+        return None
+    found = find_version(source)
+    client = _client()
+    client.set_model_version_tag(found.name, found.version, tag, run_id)
+    client.set_tag(run_id, M.DRAFT_VERSION_TAG, f"{found.name}/{found.version}")
+    return found.name, found.version
+
+
+# --------------------------------------------------------------------------- baselines and break-even
+
+
+def save_baseline(name: str, version: str, payload: dict) -> None:
+    """Log a baseline's JSON payload into the active (monitor) run and point the version at it."""
+    import mlflow
+
+    run = mlflow.active_run()
+    if run is None:
+        raise RuntimeError("save_baseline needs an active MLflow run")
+    mlflow.log_dict(payload, BASELINE_ARTIFACT)
+    _client().set_model_version_tag(name, version, M.BASELINE_RUN_TAG, run.info.run_id)
+
+
+def load_baseline(model_version) -> dict | None:
+    """The baseline payload of a version (anything with `.tags`), or None when none was recorded."""
+    import mlflow
+
+    run_id = model_version.tags.get(M.BASELINE_RUN_TAG)
+    if not run_id:
+        return None
+    return mlflow.artifacts.load_dict(f"runs:/{run_id}/{BASELINE_ARTIFACT}")
+
+
+def break_even(model_version, default: float) -> tuple[float, str]:
+    """The version's measured break-even acceptance (its latest `draftops bench`), else `default` from the config."""
+    run_id = model_version.tags.get(M.LATEST_BENCH_RUN_TAG)
+    if run_id:
+        measured = _client().get_run(run_id).data.metrics.get(M.BREAK_EVEN_ALPHA)
+        if measured is not None:
+            return float(measured), f"bench run {run_id}"
+    return default, "monitor.break_even_alpha"
+
+
+# --------------------------------------------------------------------------- moving the champion
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def promote(name: str, version: str) -> str | None:
+    """Make `version` the champion; the old champion becomes previous-champion. Returns the old champion."""
+    client = _client()
+    old = version_by_alias(name, M.CHAMPION)
+    if old is not None and old.version == str(version):
+        return None
+    if old is not None:
+        client.set_registered_model_alias(name, M.PREVIOUS_CHAMPION, old.version)
+    client.set_registered_model_alias(name, M.CHAMPION, str(version))
+    challenger = version_by_alias(name, M.CHALLENGER)
+    if challenger is not None and challenger.version == str(version):
+        client.delete_registered_model_alias(name, M.CHALLENGER)
+    client.set_model_version_tag(name, str(version), M.PROMOTED_AT_TAG, _now())
+    return old.version if old is not None else None
+
+
+def rollback(name: str, to_version: str | None = None) -> str:
+    """Point champion back at previous-champion (or `to_version`); the two aliases swap. Returns the new champion."""
+    client = _client()
+    current = champion(name)
+    if to_version is None:
+        previous = version_by_alias(name, M.PREVIOUS_CHAMPION)
+        if previous is None:
+            raise RegistryError(f"registered model '{name}' has no '{M.PREVIOUS_CHAMPION}' alias to roll back to")
+        to_version = previous.version
+    to_version = str(to_version)
+    client.get_model_version(name, to_version)  # fails loudly on a version that does not exist
+    if to_version == current.version:
+        return to_version
+    client.set_registered_model_alias(name, M.CHAMPION, to_version)
+    client.set_registered_model_alias(name, M.PREVIOUS_CHAMPION, current.version)
+    client.set_model_version_tag(name, current.version, M.ROLLED_BACK_AT_TAG, _now())
+    return to_version
+
+
+# --------------------------------------------------------------------------- what `draftops report` reads
+
+
+@dataclass(frozen=True)
+class VersionRecord:
+    """One version with what its tags link to: the metrics of the run that made it and of its latest eval and bench
+    (empty for a run that is missing or deleted)."""
+
+    version: str
+    aliases: list[str]
+    created_ms: int | None
+    tags: dict[str, str]
+    distill_run: str | None
+    distill_metrics: dict[str, float]
+    eval_metrics: dict[str, float]
+    bench_metrics: dict[str, float]
+
+
+def _run_metrics(client, run_id: str | None) -> dict[str, float]:
+    from mlflow.exceptions import MlflowException
+
+    if not run_id:
+        return {}
+    try:
+        return dict(client.get_run(run_id).data.metrics)
+    except MlflowException:  # a deleted run
+        return {}
+
+
+def version_records(client, name: str) -> list[VersionRecord]:
+    """Every version of registered model `name` as `client` (an MlflowClient) sees it; none when the store does not
+    hold the model (or cannot be read)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        aliases: dict[str, list[str]] = {}
+        for alias, version in client.get_registered_model(name).aliases.items():
+            aliases.setdefault(str(version), []).append(alias)
+        records = []
+        for v in client.search_model_versions(f"name = '{name}'"):
+            tags = dict(v.tags or {})
+            distill_run = tags.get(M.DISTILL_RUN_TAG) or v.run_id
+            records.append(VersionRecord(
+                version=str(v.version), aliases=sorted(aliases.get(str(v.version), [])),
+                created_ms=v.creation_timestamp, tags=tags, distill_run=distill_run,
+                distill_metrics=_run_metrics(client, distill_run),
+                eval_metrics=_run_metrics(client, tags.get(M.LATEST_EVAL_RUN_TAG)),
+                bench_metrics=_run_metrics(client, tags.get(M.LATEST_BENCH_RUN_TAG))))
+        return records
+    except MlflowException:
+        return []
