@@ -1,6 +1,8 @@
+from pathlib import Path
+
 import pytest
 
-from pipeline.config import ConfigError, DraftopsConfig, load_config, save_config
+from pipeline.config import ConfigError, DraftopsConfig, load_config, reference_markdown, save_config
 
 
 def test_default_config_is_the_embedded_default():
@@ -59,11 +61,7 @@ def test_reference_lists_every_key_with_its_default():
     assert "| `decode.gamma` | `5` | Draft tokens proposed per target call. |" in table
 
 
-def test_readme_config_reference_is_current():
-    """The README's table is `draftops config --reference`; regenerate it when the schema changes."""
-    from pathlib import Path
-
-    from pipeline.config import reference_markdown
-
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert reference_markdown() in readme
+def test_docs_config_reference_is_current():
+    """docs/configuration.md's table is `draftops config --reference`; regenerate it when the schema changes."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    assert reference_markdown() in page
