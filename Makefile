@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 CONFIG ?= configs/default.yaml
 ARGS ?=
 
-.PHONY: setup test test-integration test-browser distill bench monitor drift-demo sweep ui report clean
+.PHONY: setup lint test test-integration test-browser distill bench monitor drift-demo sweep ui report clean
 
 setup: .venv/.installed
 
@@ -23,7 +23,12 @@ setup: .venv/.installed
 # pytest exits 5 when a selection holds no tests; that is not a failure of the code under test.
 PYTEST = $(PY) -m pytest -q $(1); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; exit 0; fi; exit $$rc
 
-test: setup
+# Lint (ruff) and the package layering (import-linter's contract in pyproject.toml) before the tests.
+lint: setup
+	.venv/bin/ruff check .
+	.venv/bin/lint-imports
+
+test: setup lint
 	$(call PYTEST,)
 
 test-integration: setup

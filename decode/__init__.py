@@ -1,7 +1,2 @@
-"""Lossless speculative decoding, its drafters, statistics and analytic acceptance."""
-
-from decode.factory import build_decoder
-from decode.speculative import GammaPolicy, GenerationResult, SpeculativeDecoder
-from decode.stats import GenerationStats
-
-__all__ = ["GammaPolicy", "GenerationResult", "GenerationStats", "SpeculativeDecoder", "build_decoder"]
+"""Lossless speculative decoding: drafters, the decoder and its factory (`decode.factory.build_decoder`), the runtime
+that runs the models, statistics, analytic acceptance, and the eval, bench and sweep commands."""

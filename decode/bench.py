@@ -19,9 +19,9 @@ from decode.drafters import DECODER, DRAFT, LOOKUP
 from decode.factory import build_decoder
 from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter
 from decode.runtime import ModelRunner, greedy_decode, hf_assistant_model, rollback
-from decode.speculative import SpeculativeDecoder
 from decode.stats import aggregate_stats, paired_speedup, ratio_ci
 from decode.timing import run_interleaved, timed
+from pipeline import metrics as M
 from pipeline.config import DecodeConfig
 from pipeline.sources import HF_ASSISTANT_DIR, eos_token_ids
 
@@ -227,7 +227,8 @@ def markdown(report: dict) -> str:
         f"- speculative / plain (the same forward without a draft): "
         f"{speculative['tokens_per_s']['value'] / report['methods']['plain']['tokens_per_s']['value']:.2f}x",
         f"- acceptance of this decoder ({report['drafters']['speculative']}) α̂ = {a['value']:.3f} "
-        f"[{a['low']:.3f}, {a['high']:.3f}]; tokens per target call τ = {t['value']:.2f} [{t['low']:.2f}, {t['high']:.2f}]",
+        f"[{a['low']:.3f}, {a['high']:.3f}]; tokens per target call τ = {t['value']:.2f} "
+        f"[{t['low']:.2f}, {t['high']:.2f}]",
         f"- step costs: target {k['target_step_s'] * 1e3:.2f} ms, draft {k['draft_step_s'] * 1e3:.2f} ms, "
         f"verify of γ+1 tokens {k['verify_s'] * 1e3:.2f} ms -> c = {k['c']:.3f}, v = {k['v']:.3f}",
         f"- Leviathan's prediction (1−α^(γ+1))/((1−α)(γc+v)) = {report['predicted_speedup']:.2f}x; "
@@ -256,7 +257,6 @@ def markdown(report: dict) -> str:
 
 def flat_metrics(report: dict) -> dict[str, float]:
     """MLflow metrics under `pipeline.metrics` names: speedup vs the target, throughput, c and v, live α and τ."""
-    from pipeline import metrics as M
 
     methods, costs = report["methods"], report["costs"]
     speculative = methods["speculative"]

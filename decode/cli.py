@@ -1,4 +1,7 @@
-"""`draftops decode | eval | bench`: speculative decoding, acceptance evaluation and benchmarks from the shell."""
+"""`draftops decode | eval | bench`: speculative decoding, acceptance evaluation and benchmarks from the shell.
+
+Command handlers import the modules their command runs when they run: the one documented exception to imports at the
+top, so that building `draftops`' parser loads neither torch, transformers nor mlflow (tests/test_layout.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +13,8 @@ from pipeline.registry import is_registry_uri
 
 
 def _load_target(args):
-    from pipeline.config import load_config
     from decode.runtime import load_model
+    from pipeline.config import load_config
 
     cfg = load_config(args.config, args.overrides)
     sources = [args.target or cfg.target, getattr(args, "draft", None) or getattr(args, "drafts", None) or ""]
@@ -108,7 +111,7 @@ def decode_command(args) -> int:
 def eval_command(args) -> int:
     import mlflow
 
-    from decode.drafters import DECODER, DRAFT
+    from decode.drafters import DRAFT
     from decode.evaluate import evaluate, flat_metrics, per_category_figure, per_position_figure
     from pipeline.metrics import DRAFT_FINGERPRINT_TAG, DRAFT_SOURCE_TAG, LATEST_EVAL_RUN_TAG, TARGET_FINGERPRINT_TAG
     from pipeline.registry import link_run
@@ -210,7 +213,6 @@ def sweep_command(args) -> int:
     from decode.sweep_report import figures, markdown, write_decode_config
     from pipeline import metrics as M
     from pipeline.tracking import log_figure, start_run
-
     from pipeline.traffic import encode_prompts
 
     cfg, target = _load_target(args)
@@ -242,7 +244,8 @@ def sweep_command(args) -> int:
         s = report["settings"]
         mlflow.log_params({"drafts": ",".join(report["drafts"]), "gammas": s["gammas"], "contexts": s["contexts"],
                            "max_new_tokens": s["max_new_tokens"], "analytic_prompts": s["analytic_prompts"],
-                           "measure_prompts": s["measure_prompts"], "recommended_draft": report["recommendation"]["draft"],
+                           "measure_prompts": s["measure_prompts"],
+                           "recommended_draft": report["recommendation"]["draft"],
                            "gamma_schedule": report["recommendation"]["gamma_schedule"]})
         metrics = {M.SWEEP_GAP_MEAN_ABS: report["gap"]["mean_abs"], M.SWEEP_GAP_MEAN: report["gap"]["mean"]}
         for b in report["best"]:
@@ -266,7 +269,8 @@ def sweep_command(args) -> int:
 def _common(parser, *, traffic: bool) -> None:
     parser.add_argument("--target", default=None, help="target model source (default: the config's target)")
     parser.add_argument("--draft", required=True, help="draft model source (checkpoint dir, models:/NAME@ALIAS, ...; "
-                                                       "`decode` and `bench` also take prompt-lookup: n-gram drafting, no model)")
+                                                       "`decode` and `bench` also take prompt-lookup: "
+                                                       "n-gram drafting, no model)")
     parser.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
     parser.add_argument("--gamma", type=int, default=None, help="draft tokens per target call (default: decode.gamma)")
     parser.add_argument("--max-new-tokens", type=int, default=None)

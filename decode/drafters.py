@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+from transformers import DynamicCache
 
 from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter, lookup_first_drafter
 from decode.runtime import ModelRunner, rollback

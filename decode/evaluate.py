@@ -3,7 +3,6 @@ over the text it produced."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,13 +28,16 @@ def evaluate(target, draft, prompts: Sequence[list[int]], categories: Sequence[s
     if decode.lookup_min_ngram is not None:
         decoders[DECODER] = build_decoder(target, draft, decode, kind=DECODER, gamma=gamma)
     results = {
-        kind: [d.generate(p, max_new_tokens=decode.max_new_tokens, seed=seed + i, **warp) for i, p in enumerate(prompts)]
+        kind: [
+            d.generate(p, max_new_tokens=decode.max_new_tokens, seed=seed + i, **warp) for i, p in enumerate(prompts)
+        ]
         for kind, d in decoders.items()
     }
     summaries = {kind: aggregate_stats([r.stats for r in rs], categories, seed=seed) for kind, rs in results.items()}
     summaries.setdefault(DECODER, summaries[DRAFT])
     analytic = analytic_acceptance(
-        target.model, draft.model, [p + r.token_ids for p, r in zip(prompts, results[DRAFT])], [len(p) for p in prompts],
+        target.model, draft.model, [p + r.token_ids for p, r in zip(prompts, results[DRAFT])],
+        [len(p) for p in prompts],
         draft_token_ids=draft.token_ids, **warp,
     )
     alpha = ratio_ci(analytic.sums, analytic.counts, seed=seed)

@@ -28,7 +28,8 @@ def hf_assistant_model(draft: ResolvedModel) -> torch.nn.Module:
         return draft.model
     copy_dir = draft.path / HF_ASSISTANT_DIR
     if not (copy_dir / "config.json").exists():
-        raise SourceError(f"{draft.source}: reduced-vocabulary draft without a full-vocabulary {HF_ASSISTANT_DIR}/ copy")
+        raise SourceError(
+            f"{draft.source}: reduced-vocabulary draft without a full-vocabulary {HF_ASSISTANT_DIR}/ copy")
     parameter = next(draft.model.parameters())
     copy = load_checkpoint(copy_dir, dtype=parameter.dtype).to(parameter.device).eval()
     return use_cpu_linear(copy, cpu_linear_of(draft.model))

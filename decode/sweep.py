@@ -21,12 +21,15 @@ import torch
 
 from decode.acceptance import Block, analytic_acceptance, greedy_block, walk
 from decode.drafters import DRAFT, LOOKUP, Drafter, make_drafter
+from decode.drafts import draft_from_target_layers, frequent_token_ids, reduce_vocabulary
+from decode.kernels import cpu_linear_of, use_cpu_linear
 from decode.ngram import PROMPT_LOOKUP, PromptLookupDrafter
 from decode.runtime import ModelRunner, greedy_decode, load_model
 from decode.speculative import SpeculativeDecoder
 from decode.stats import aggregate_stats, paired_speedup, ratio_ci
 from decode.sweep_costs import measure_costs, predict_cells
 from decode.timing import run_interleaved
+from pipeline.sources import SourceError, check_tokenizer_compat
 from pipeline.traffic import encode_prompts
 
 TARGET_LAYERS = "target-layers:"  # `target-layers:N[:V]`: the target's first N layers, embeddings, norm and head
@@ -46,7 +49,8 @@ class Draft:
         return self.model is not None
 
     def drafter(self, target_model) -> Drafter:
-        return make_drafter(DRAFT if self.is_model else LOOKUP, target_model, self.model, draft_token_ids=self.token_ids)
+        return make_drafter(DRAFT if self.is_model else LOOKUP, target_model, self.model,
+                            draft_token_ids=self.token_ids)
 
 
 def load_drafts(sources: Sequence[str], target, notes: list[str], vocab_texts: Sequence[list[int]] = ()) -> list[Draft]:
@@ -56,9 +60,6 @@ def load_drafts(sources: Sequence[str], target, notes: list[str], vocab_texts: S
     traffic's prompts) plus the special tokens. target is a `pipeline.sources.ResolvedModel`; drafts land on its
     device and dtype.
     """
-    from decode.drafts import draft_from_target_layers, frequent_token_ids, reduce_vocabulary
-    from decode.kernels import cpu_linear_of, use_cpu_linear
-    from pipeline.sources import SourceError, check_tokenizer_compat
 
     parameter, kernels = next(target.model.parameters()), cpu_linear_of(target.model)
     drafts = []
@@ -195,7 +196,8 @@ def recommend(cells: list[dict], drafts: Sequence[str], contexts: Sequence[int],
     schedule: list[list[int]] = []
     contexts = sorted(contexts)
     for i, context in enumerate(contexts):
-        here = [c for c in cells if c["draft"] == draft and c["context"] == context and c["max_new_tokens"] == long_tokens]
+        here = [c for c in cells
+                if c["draft"] == draft and c["context"] == context and c["max_new_tokens"] == long_tokens]
         gamma = max(here, key=lambda c: c["steady_speedup"])["gamma"]
         bound = (context + contexts[i + 1]) // 2 if i + 1 < len(contexts) else context
         if schedule and schedule[-1][1] == gamma:

@@ -47,8 +47,8 @@ def figures(report: dict) -> dict:
     norm = TwoSlopeNorm(vcenter=1.0, vmin=min(min(values), 0.99), vmax=max(max(values), 1.01))
     for ax, d in zip(axes[0], drafts):
         grid = np.zeros((len(s["contexts"]), len(s["max_new_tokens"])))
-        for i, context in enumerate(s["contexts"]):
-            for j, n in enumerate(s["max_new_tokens"]):
+        for i in range(len(s["contexts"])):
+            for j in range(len(s["max_new_tokens"])):
                 best = report["best"][i * len(s["max_new_tokens"]) + j]["per_draft"][d]
                 grid[i, j] = best["predicted_speedup"]
                 ax.text(j, i, f"{grid[i, j]:.2f}x\nγ={best['gamma']}", ha="center", va="center", fontsize=7)

@@ -1,4 +1,7 @@
-"""`draftops distill --config FILE [key=value ...]`: distill, evaluate, export and register a draft."""
+"""`draftops distill --config FILE [key=value ...]`: distill, evaluate, export and register a draft.
+
+Command handlers import the modules their command runs when they run: the one documented exception to imports at the
+top, so that building `draftops`' parser loads neither torch, transformers nor mlflow (tests/test_layout.py)."""
 from __future__ import annotations
 
 import subprocess
@@ -25,7 +28,8 @@ def add_commands(subparsers) -> None:
                     "it and register a new version in MLflow. Killed runs resume from their last checkpoint.")
     parser.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
     parser.add_argument("--accelerate-config", default=None, metavar="FILE",
-                        help="run under `accelerate launch --config_file FILE` (e.g. configs/accelerate/cpu_2proc.yaml)")
+                        help="run under `accelerate launch --config_file FILE` "
+                             "(e.g. configs/accelerate/cpu_2proc.yaml)")
     parser.add_argument("--init-only", action="store_true",
                         help="export the initialized, untrained draft to <job folder>/init (a benchmark baseline); "
                              "train and register nothing")

@@ -27,7 +27,8 @@ def cached_eval(draft, responses: ResponseSet, token_ids: torch.Tensor | None, g
     for begin in range(0, len(responses), batch_size):
         rows = list(range(begin, min(begin + batch_size, len(responses))))
         batch = collate(responses, rows, pad_id=0, token_ids=None, with_teacher=True, topk=k)
-        logits = draft(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).logits
+        logits = draft(input_ids=batch["input_ids"].to(device),
+                       attention_mask=batch["attention_mask"].to(device)).logits
         for row in range(len(rows)):
             mask = batch["loss_mask"][row]
             probs = torch.softmax(logits[row][mask.to(device)].float(), -1)

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from decode.drafts import draft_from_target_layers, reduce_vocabulary
 from pipeline.config import DistillConfig
+from pipeline.sources import resolve_model
 
 
 def draft_from_config(target, overrides: dict):
@@ -51,7 +52,6 @@ def init_draft(cfg: DistillConfig, target, *, token_ids: torch.Tensor | None = N
     elif cfg.init == "config":
         draft = draft_from_config(target, cfg.init_config)
     else:
-        from pipeline.sources import resolve_model
 
         if not cfg.init_checkpoint:
             raise ValueError("distill.init=checkpoint needs distill.init_checkpoint (a model source)")

@@ -121,7 +121,9 @@ def bucket_log_probs(
     return F.log_softmax(teacher_logits.float() / temperature, dim=-1), log_q
 
 
-def to_student_columns(target_ids: torch.Tensor, token_ids: torch.Tensor | None, ignore_index: int = -100) -> torch.Tensor:
+def to_student_columns(
+    target_ids: torch.Tensor, token_ids: torch.Tensor | None, ignore_index: int = -100
+) -> torch.Tensor:
     """Map target token ids to draft head rows (ids outside the draft vocabulary become `ignore_index`)."""
     if token_ids is None:
         return target_ids

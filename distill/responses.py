@@ -203,7 +203,9 @@ def concat(parts: list[ResponseSet]) -> ResponseSet:
 
 
 @torch.inference_mode()
-def teacher_forced_topk(model, sequences: list[list[int]], starts: list[int], k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def teacher_forced_topk(
+    model, sequences: list[list[int]], starts: list[int], k: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The target's top-k log-probs at the response tokens of prompt+response sequences, by one forward each."""
     device = next(model.parameters()).device
     out = []

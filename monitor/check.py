@@ -16,16 +16,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
+from decode.runtime import load_model
 from monitor.decision import EXIT_ERROR, Decision, Status, challenger_gate, decide
-from monitor.measure import (Baseline, Measurement, heldout_by_recency, measure_analytic, measure_live,
-                             new_baseline)
+from monitor.measure import Baseline, Measurement, heldout_by_recency, measure_analytic, measure_live, new_baseline
+from monitor.report import monitor_checks, monitor_history_figure
+from monitor.retrain import distill_challenger
 from monitor.stats import AcceptanceCheck, DropTest, TrafficDrift, acceptance_check, traffic_drift
 from pipeline import metrics as M
 from pipeline import registry
 from pipeline.config import DraftopsConfig
+from pipeline.sources import check_tokenizer_compat
+from pipeline.tracking import log_figure, setup_mlflow, start_run
+from pipeline.traffic import TrafficError
 
 log = logging.getLogger("draftops.monitor")
 
@@ -118,8 +123,6 @@ class _Timer(dict):
 
 def load_models(cfg: DraftopsConfig, draft_source: str, target=None):
     """(target, draft) as ResolvedModels on the configured device (reusing `target` if given); tokenizers must agree."""
-    from decode.runtime import load_model
-    from pipeline.sources import check_tokenizer_compat
 
     target = target or load_model(cfg.target, device=cfg.device, dtype=cfg.dtype, cpu_linear=cfg.cpu_linear)
     draft = load_model(draft_source, device=target.model.device, dtype=cfg.dtype, cpu_linear=cfg.cpu_linear)
@@ -172,11 +175,8 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
     import mlflow
     from mlflow import MlflowClient
 
-    from monitor.report import monitor_checks, monitor_history_figure
-    from pipeline.tracking import log_figure, setup_mlflow, start_run
 
-    if retrain is None:
-        from monitor.retrain import distill_challenger as retrain
+    retrain = retrain or distill_challenger
     setup_mlflow(cfg)
     m, name = cfg.monitor, cfg.tracking.registered_model
     timer = _Timer()
@@ -184,7 +184,6 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
     champion_fingerprint = champ.tags.get(M.TARGET_FINGERPRINT_TAG)
     heldout = heldout_by_recency(cfg)
     if not heldout:
-        from pipeline.traffic import TrafficError
 
         raise TrafficError(f"{cfg.traffic.path}: the held-out split is empty at traffic.heldout_fraction="
                            f"{cfg.traffic.heldout_fraction}; the check measures held-out requests only")
@@ -340,7 +339,6 @@ def scheduled_check(cfg: DraftopsConfig) -> int:
 
 def rollback(cfg: DraftopsConfig, to_version: str | None = None) -> str:
     """Move the champion alias back (to previous-champion or `to_version`) and record it as a monitor run."""
-    from pipeline.tracking import setup_mlflow, start_run
 
     setup_mlflow(cfg)
     name = cfg.tracking.registered_model

@@ -1,5 +1,8 @@
 """`draftops monitor check | serve | simulate | rollback | demo` and `draftops target finetune` (a rehearsed target
-update)."""
+update).
+
+Command handlers import the modules their command runs when they run: the one documented exception to imports at the
+top, so that building `draftops`' parser loads neither torch, transformers nor mlflow (tests/test_layout.py)."""
 
 from __future__ import annotations
 
@@ -52,8 +55,8 @@ def serve_command(args) -> int:
 
 
 def simulate_command(args) -> int:
-    from monitor.simulate import power_figure, simulate_checks
     from monitor.service import state_dir
+    from monitor.simulate import power_figure, simulate_checks
     from pipeline.config import load_config
 
     cfg = load_config(args.config, args.overrides)
@@ -118,6 +121,23 @@ def target_finetune_command(args) -> int:
     return 0
 
 
+def report_command(args) -> int:
+    from monitor.report import build_report
+    from pipeline.config import load_config
+    from pipeline.tracking import tracking_uri as default_tracking_uri
+
+    cfg = load_config(args.config, args.overrides)
+    text = build_report(args.model or cfg.tracking.registered_model, fmt=args.format,
+                        tracking_uri=default_tracking_uri(cfg), checks=args.checks)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+        print(f"written to {args.out}", file=sys.stderr)
+    else:
+        print(text, end="")
+    return 0
+
+
 def add_commands(subparsers) -> None:
     monitor = subparsers.add_parser("monitor", help="check the champion draft for drift, on demand or nightly")
     actions = monitor.add_subparsers(dest="action", required=True)
@@ -169,3 +189,13 @@ def add_commands(subparsers) -> None:
     finetune.add_argument("overrides", nargs="*", metavar="key=value",
                           help="e.g. target_update.steps=60 target_update.style=prefix")
     finetune.set_defaults(handler=target_finetune_command)
+
+    report = subparsers.add_parser(
+        "report", help="all versions of the registered draft side by side, and the monitor's last checks")
+    report.add_argument("--model", default=None, help="registered model (default: tracking.registered_model)")
+    report.add_argument("--format", choices=("md", "html"), default="md")
+    report.add_argument("--out", default=None, help="write to this file instead of stdout")
+    report.add_argument("--checks", type=int, default=10, help="how many monitor checks to list")
+    report.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
+    report.add_argument("overrides", nargs="*", metavar="key=value")
+    report.set_defaults(handler=report_command)

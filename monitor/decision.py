@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-
 from monitor.stats import AcceptanceCheck, DropTest, PromptAcceptance, TrafficDrift, paired_drop_test
 
 EXIT_OK, EXIT_ERROR, EXIT_DRIFT = 0, 2, 3
@@ -57,7 +56,9 @@ def decide(
     acceptance_source: str = "analytic",
 ) -> Decision:
     """The decision table. `current_acceptance` is the live acceptance when measured, else the analytic one."""
-    target_changed = champion_target_fingerprint is not None and champion_target_fingerprint != current_target_fingerprint
+    target_changed = (
+        champion_target_fingerprint is not None and champion_target_fingerprint != current_target_fingerprint
+    )
     traffic_shifted = drift is not None and drift.drifted
     reasons: list[str] = []
     tests = (("paired (baseline prompts)", acceptance and acceptance.paired),

@@ -26,9 +26,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from distill.train import run_distill
+from monitor.check import run_check
+from monitor.service import check_lock
+from monitor.target_update import run_finetune
 from pipeline import metrics as M
 from pipeline import registry
 from pipeline.config import DraftopsConfig, TrackingConfig, save_config
+from pipeline.tracking import setup_mlflow, tracking_uri
 
 DEFAULT_OUT = "outputs/drift-demo"
 PRODUCTION_MODEL = TrackingConfig().registered_model
@@ -102,11 +107,6 @@ def _decision(report) -> str:
 
 def run_demo(cfg: DraftopsConfig, out: str | Path = DEFAULT_OUT, *, echo=print) -> DemoResult:
     """The five phases; prints each phase's outcome and time, the checks, and the re-check command last."""
-    from monitor.target_update import run_finetune
-    from distill.train import run_distill
-    from monitor.check import run_check
-    from monitor.service import check_lock
-    from pipeline.tracking import setup_mlflow, tracking_uri
 
     name = cfg.tracking.registered_model
     if name == PRODUCTION_MODEL:

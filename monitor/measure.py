@@ -12,8 +12,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
+from decode.acceptance import analytic_acceptance
+from decode.drafters import DRAFT
+from decode.factory import build_decoder
+from distill.responses import cached_responses
 from monitor.stats import PromptAcceptance
 from pipeline.config import DraftopsConfig
+from pipeline.traffic import encode_prompts, load_traffic
 
 
 @dataclass
@@ -73,7 +78,6 @@ def new_baseline(target_fingerprint: str, measurement: Measurement) -> Baseline:
 
 def heldout_by_recency(cfg: DraftopsConfig) -> list:
     """All held-out requests, oldest first (by timestamp, then file order); the last N are the most recent."""
-    from pipeline.traffic import load_traffic
 
     traffic = load_traffic(cfg.traffic.path, skip_malformed=cfg.traffic.skip_malformed)
     heldout = traffic.split("heldout", cfg.traffic.heldout_fraction)
@@ -86,9 +90,6 @@ def prompt_token_counts(prompts: list[list[int]]) -> dict[int, int]:
 
 def measure_analytic(cfg: DraftopsConfig, target, draft, requests: list) -> Measurement:
     """Analytic per-prompt acceptance of `draft` (a ResolvedModel) against `target` on `requests`."""
-    from decode.acceptance import analytic_acceptance
-    from distill.responses import cached_responses
-    from pipeline.traffic import encode_prompts
 
     prompts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
     responses, _, _ = cached_responses(
@@ -107,9 +108,6 @@ def measure_analytic(cfg: DraftopsConfig, target, draft, requests: list) -> Meas
 def measure_live(cfg: DraftopsConfig, target, draft, requests: list) -> Measurement:
     """The draft's own per-prompt acceptance (accepted / verified draft tokens) from real speculative decoding with
     the draft model alone (no prompt lookup): the `acceptance/draft` that eval and bench report too."""
-    from decode.drafters import DRAFT
-    from decode.factory import build_decoder
-    from pipeline.traffic import encode_prompts
 
     prompts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
     decoder = build_decoder(target, draft, cfg.decode, kind=DRAFT)

@@ -1,4 +1,4 @@
-"""`draftops report`: every version of the registered draft side by side, and the monitor's last checks.
+"""What `draftops report` shows: every version of the registered draft side by side, and the monitor's last checks.
 
 Reads MLflow only (the versions, their tags and linked runs through `pipeline.registry`; the `draftops-monitor`
 experiment here), so it needs no model. The same history draws the monitor plot (acceptance over time).
@@ -6,14 +6,11 @@ experiment here), so it needs no model. The same history draws the monitor plot 
 from __future__ import annotations
 
 import html
-import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 
 from pipeline import metrics as M
 from pipeline import registry
-from pipeline.config import load_config
 from pipeline.tracking import tracking_uri as default_tracking_uri
 
 MONITOR_EXPERIMENT = "draftops-monitor"
@@ -259,28 +256,3 @@ def build_report(name: str, *, fmt: str = "md", tracking_uri: str | None = None,
     history = monitor_checks(client, name, checks)
     render = render_html if fmt == "html" else render_markdown
     return render(name, versions, history, client.tracking_uri)
-
-
-def report_command(args) -> int:
-    cfg = load_config(args.config, args.overrides)
-    text = build_report(args.model or cfg.tracking.registered_model, fmt=args.format,
-                        tracking_uri=default_tracking_uri(cfg), checks=args.checks)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
-        print(f"written to {args.out}", file=sys.stderr)
-    else:
-        print(text, end="")
-    return 0
-
-
-def add_commands(subparsers) -> None:
-    report = subparsers.add_parser(
-        "report", help="all versions of the registered draft side by side, and the monitor's last checks")
-    report.add_argument("--model", default=None, help="registered model (default: tracking.registered_model)")
-    report.add_argument("--format", choices=("md", "html"), default="md")
-    report.add_argument("--out", default=None, help="write to this file instead of stdout")
-    report.add_argument("--checks", type=int, default=10, help="how many monitor checks to list")
-    report.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
-    report.add_argument("overrides", nargs="*", metavar="key=value")
-    report.set_defaults(handler=report_command)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from distill.train import run_distill
 from pipeline.config import DraftopsConfig
 
 
@@ -10,7 +11,6 @@ def distill_challenger(cfg: DraftopsConfig) -> str:
 
     distill registers a new version as `challenger` while a champion exists; the monitor's gate decides.
     """
-    from distill.train import run_distill
 
     result = run_distill(cfg.model_copy(update={"distill": cfg.distill.model_copy(update={"register_model": True})}))
     if result.version is None:

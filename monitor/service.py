@@ -15,9 +15,9 @@ import logging
 import signal
 import threading
 import traceback
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Iterator
 
 from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
@@ -30,6 +30,7 @@ from filelock import FileLock, Timeout
 from monitor.decision import EXIT_ERROR
 from pipeline import metrics as M
 from pipeline.config import DraftopsConfig, load_config
+from pipeline.tracking import start_run
 
 log = logging.getLogger("draftops.monitor")
 
@@ -77,7 +78,6 @@ def log_failed_check(cfg: DraftopsConfig, error: BaseException) -> None:
     try:
         import mlflow
 
-        from pipeline.tracking import start_run
 
         with start_run(cfg, "monitor", run_name="check-failed",
                        tags={M.MONITOR_DECISION_TAG: "ERROR", M.MONITOR_ERROR_TAG: type(error).__name__}):

@@ -155,7 +155,8 @@ def paired_drop_test(
                                                      n_bootstrap)
     else:
         raise ValueError(f"unknown method {method!r}")
-    return DropTest(method, a0, a1, drop, ci_low, ci_high, p_value, p_value < level, margin, level, acc0.size, acc1.size)
+    return DropTest(method, a0, a1, drop, ci_low, ci_high, p_value, p_value < level, margin, level,
+                    acc0.size, acc1.size)
 
 
 def unpaired_drop_test(
@@ -186,7 +187,8 @@ def unpaired_drop_test(
                                                      False, margin, level, seed, n_bootstrap)
     else:
         raise ValueError(f"unknown method {method!r}")
-    return DropTest(method, a0, a1, drop, ci_low, ci_high, p_value, p_value < level, margin, level, acc0.size, acc1.size)
+    return DropTest(method, a0, a1, drop, ci_low, ci_high, p_value, p_value < level, margin, level,
+                    acc0.size, acc1.size)
 
 
 def naive_token_ztest(
@@ -209,7 +211,8 @@ def naive_token_ztest(
     drop = p0 - p1
     se = float(np.sqrt(p0 * (1 - p0) / n0.sum() + p1 * (1 - p1) / n1.sum()))
     p_value, ci_low, ci_high = _delta_result(drop, se, margin, level)
-    return DropTest("naive_token_z", p0, p1, drop, ci_low, ci_high, p_value, p_value < level, margin, level, acc0.size, acc1.size)
+    return DropTest("naive_token_z", p0, p1, drop, ci_low, ci_high, p_value, p_value < level, margin, level,
+                    acc0.size, acc1.size)
 
 
 TokenCounts = Mapping[int, float] | ArrayLike

@@ -16,7 +16,13 @@ from pathlib import Path
 
 import torch
 
+from decode.runtime import load_model
+from distill.responses import cached_responses
+from pipeline import metrics
 from pipeline.config import DraftopsConfig, TargetUpdateConfig
+from pipeline.sources import eos_token_ids, fingerprint_dir, save_checkpoint
+from pipeline.tracking import start_run
+from pipeline.traffic import encode_prompts, load_traffic
 
 MARKER_FILE = "target_update.json"
 
@@ -78,7 +84,6 @@ def response_loss(causal_lm, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def prompt_requests(cfg: DraftopsConfig) -> list:
-    from pipeline.traffic import load_traffic
 
     u = cfg.target_update
     if u.prompts == "traffic":  # exactly distill's selection, so that its cached responses are reused
@@ -140,10 +145,6 @@ def replace_dir(tmp: Path, out: Path) -> None:
 
 def run_finetune(cfg: DraftopsConfig) -> FinetuneResult:
     """The whole update: responses (cached) → restyle → LoRA → merge → checkpoint (+ resolved config, lineage)."""
-    from distill.responses import cached_responses
-    from decode.runtime import load_model
-    from pipeline.sources import eos_token_ids, fingerprint_dir, save_checkpoint
-    from pipeline.traffic import encode_prompts
 
     u, d = cfg.target_update, cfg.distill
     timings: dict[str, float] = {}
@@ -196,8 +197,6 @@ def log_update(cfg: DraftopsConfig, result: FinetuneResult) -> str:
     """An MLflow run in `draftops-target`: the update's settings, loss curve, times and both fingerprints."""
     import mlflow
 
-    from pipeline import metrics
-    from pipeline.tracking import start_run
 
     tags = {metrics.TARGET_FINGERPRINT_TAG: result.fingerprint, metrics.BASE_TARGET_FINGERPRINT_TAG:
             result.base_fingerprint, metrics.TARGET_PATH_TAG: str(result.path)}

@@ -1,4 +1,7 @@
-"""`draftops`: one command line for the whole pipeline. Each package adds its own subcommands."""
+"""`draftops`: one command line for the whole pipeline. Each package adds its own subcommands.
+
+Command handlers import the modules their command runs when they run: the one documented exception to imports at the
+top, so that building `draftops`' parser loads neither torch, transformers nor mlflow (tests/test_layout.py)."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +12,7 @@ import sys
 import numpy as np
 
 # Packages that contribute subcommands through `add_commands(subparsers)`, in help order.
-COMMAND_MODULES = ("distill.cli", "decode.cli", "monitor.cli", "monitor.report")
+COMMAND_MODULES = ("distill.cli", "decode.cli", "monitor.cli")
 
 
 def _print(payload: dict, as_json: bool) -> None:

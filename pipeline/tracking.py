@@ -9,8 +9,8 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from pipeline import metrics as M
 from pipeline.config import DraftopsConfig

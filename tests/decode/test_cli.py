@@ -4,8 +4,8 @@ import mlflow
 import pytest
 import torch
 
-from pipeline.cli import main
 from decode.drafts import full_vocab_copy
+from pipeline.cli import main
 from pipeline.sources import HF_ASSISTANT_DIR, save_checkpoint
 from tests.conftest import make_tiny_model, make_tokenizer
 
@@ -60,14 +60,17 @@ def test_eval_logs_live_and_analytic_acceptance(checkpoints, capsys):
                                "--limit", "5", "--max-new-tokens", "6", "--temperature", "1", "--json",
                                "device=cpu", "tracking.system_metrics=false"])
     assert report["n_prompts"] == 5
-    assert set(report["live"]["draft"]["per_category"]) == set(report["analytic"]["per_category"]) == {"math", "code", "chat"}
-    assert report["drafters"] == {"draft": "draft(min_confidence=0.4)", "decoder": "lookup(n=2..3)+draft(min_confidence=0.4)"}
+    assert (set(report["live"]["draft"]["per_category"]) == set(report["analytic"]["per_category"])
+            == {"math", "code", "chat"})
+    assert report["drafters"] == {"draft": "draft(min_confidence=0.4)",
+                                  "decoder": "lookup(n=2..3)+draft(min_confidence=0.4)"}
     assert 0.0 <= report["analytic"]["alpha"]["value"] <= 1.0
     run = mlflow.get_run(report["mlflow_run_id"])
     assert run.data.metrics["acceptance/alpha_t1"] == pytest.approx(report["analytic"]["alpha"]["value"])
     assert run.data.metrics["acceptance/draft/math"] == pytest.approx(
         report["live"]["draft"]["per_category"]["math"]["acceptance_rate"]["value"])
-    assert run.data.metrics["acceptance/decoder"] == pytest.approx(report["live"]["decoder"]["acceptance_rate"]["value"])
+    assert run.data.metrics["acceptance/decoder"] == pytest.approx(
+        report["live"]["decoder"]["acceptance_rate"]["value"])
     assert run.data.params["drafter_decoder"] == "lookup(n=2..3)+draft(min_confidence=0.4)"
     assert run.data.metrics["acceptance/pos_1"] == pytest.approx(report["live"]["draft"]["acceptance_at_position"][0])
     assert "acceptance/tau_gamma5" in run.data.metrics and "speed/tokens_per_s" in run.data.metrics
@@ -92,7 +95,8 @@ def test_bench_writes_reports(checkpoints, capsys, tmp_path):
     assert json.loads((tmp_path / "bench.json").read_text())["n_prompts"] == 3
     assert "Leviathan's prediction" in (tmp_path / "bench.md").read_text()
     run = mlflow.get_run(report["mlflow_run_id"])
-    assert run.data.metrics["speed/speedup_vs_target"] == pytest.approx(report["methods"]["speculative"]["speedup"]["value"])
+    assert run.data.metrics["speed/speedup_vs_target"] == pytest.approx(
+        report["methods"]["speculative"]["speedup"]["value"])
     assert run.data.metrics["speed/cost_ratio_c"] == pytest.approx(report["costs"]["c"])
     assert run.data.metrics["acceptance/tau_gamma2"] == pytest.approx(report["tau"]["value"])
 
@@ -106,3 +110,41 @@ def test_bench_with_reduced_vocab_draft_gives_hf_its_full_vocab_copy(checkpoints
     assert report["methods"]["hf_assisted"]["same_output_as_target"] == 2
     assert report["notes"] == ["HF assisted generation uses the draft's full-vocabulary copy (hf_assistant/): "
                                "transformers cannot use a reduced-vocabulary head"]
+
+
+def test_eval_bench_and_the_monitor_agree_on_each_acceptance_name(checkpoints, capsys, tmp_path):
+    """`acceptance/draft` (the draft decoding alone) and `acceptance/decoder` (lookup first, the draft elsewhere) mean
+    the same thing wherever they are logged: same draft, same prompts, same greedy decoding, same value."""
+    from decode.runtime import load_model
+    from monitor.measure import measure_live
+    from pipeline.config import load_config
+    from pipeline.traffic import load_traffic
+
+    target, _, traffic, _ = checkpoints
+    # a draft that is right part of the time: its head is its embeddings plus noise (tied tiny models repeat tokens)
+    tokenizer = make_tokenizer()
+    noisy = make_tiny_model(len(tokenizer), seed=1, layers=1)
+    embeddings = noisy.model.embed_tokens.weight.detach().clone()
+    noisy.config.tie_word_embeddings = False
+    noisy.lm_head = torch.nn.Linear(64, len(tokenizer), bias=False)
+    with torch.no_grad():
+        noise = torch.randn(embeddings.shape, generator=torch.Generator().manual_seed(3))
+        noisy.lm_head.weight.copy_(embeddings + 2.0 * embeddings.std() * noise)
+    draft = str(save_checkpoint(noisy, tokenizer, tmp_path / "noisy"))
+    common = ["--target", target, "--draft", draft, "--traffic", traffic, "--split", "all", "--max-new-tokens", "8"]
+    overrides = ["device=cpu", "tracking.system_metrics=false", "decode.draft_min_confidence=null"]
+    evaluated = run_json(capsys, ["eval", *common, "--json", *overrides])
+    benched = run_json(capsys, ["bench", *common, "--out", str(tmp_path / "bench"), "--json", *overrides])
+    eval_metrics = mlflow.get_run(evaluated["mlflow_run_id"]).data.metrics
+    bench_metrics = mlflow.get_run(benched["mlflow_run_id"]).data.metrics
+
+    cfg = load_config(None, [f"traffic.path={traffic}", "decode.max_new_tokens=8", *overrides])
+    requests = load_traffic(traffic).requests
+    live = measure_live(cfg, load_model(target, device="cpu"), load_model(draft, device="cpu"), requests)
+
+    assert eval_metrics["acceptance/draft"] == pytest.approx(bench_metrics["acceptance/draft"], abs=1e-12)
+    assert eval_metrics["acceptance/draft"] == pytest.approx(live.acceptance, abs=1e-12)
+    assert eval_metrics["acceptance/decoder"] == pytest.approx(bench_metrics["acceptance/decoder"], abs=1e-12)
+    assert 0 < live.acceptance < 1
+    assert evaluated["drafters"]["decoder"] == benched["drafters"]["speculative"]
+    assert evaluated["drafters"]["draft"] == benched["drafters"]["draft_only"] == "draft"

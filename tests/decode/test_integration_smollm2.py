@@ -2,10 +2,9 @@
 import pytest
 import torch
 
-from decode import SpeculativeDecoder
-from pipeline.sources import eos_token_ids
 from decode.drafts import draft_from_target_layers, reduce_vocabulary
-from pipeline.sources import resolve_model
+from decode.speculative import SpeculativeDecoder
+from pipeline.sources import eos_token_ids, resolve_model
 from pipeline.traffic import encode_prompts, load_traffic
 from tests.conftest import shared_data
 

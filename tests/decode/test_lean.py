@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from decode import SpeculativeDecoder
 from decode.lean import LeanLlama
 from decode.runtime import forward_logits, rollback
+from decode.speculative import SpeculativeDecoder
 from tests.decode.tiny import greedy_reference, tiny_llama
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from decode import SpeculativeDecoder
 from decode.sampling import warp_logits
+from decode.speculative import SpeculativeDecoder
 from tests.decode.tiny import perturbed_copy, tiny_llama
 
 VOCAB = 16

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from decode import GammaPolicy, SpeculativeDecoder
 from decode.ngram import PromptLookupDrafter
 from decode.sampling import Warp, warp_logits
+from decode.speculative import GammaPolicy, SpeculativeDecoder
 from tests.decode.test_lossless import assert_matches
 from tests.decode.tiny import greedy_reference, tiny_llama
 

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from decode import GammaPolicy, SpeculativeDecoder
 from decode.drafters import confident
+from decode.speculative import GammaPolicy, SpeculativeDecoder
 from tests.decode.tiny import greedy_reference, tiny_llama, word_tokenizer
 
 
@@ -170,7 +170,7 @@ def test_greedy_verify_matches_the_general_test_on_one_hot_distributions():
     from decode.speculative import verify, verify_greedy
 
     generator = torch.Generator().manual_seed(0)
-    for trial in range(50):
+    for _ in range(50):
         logits = torch.randn(5, 40, generator=generator)
         p = warp_logits(logits, 0.0)
         targets = logits.argmax(-1)

@@ -5,8 +5,16 @@ import pytest
 from scipy import stats as sps
 
 from decode.acceptance import expected_speedup, expected_tokens, expected_tokens_from_positions
-from decode.stats import (GenerationStats, RatioCI, acceptance_ci, aggregate_stats, bootstrap_ci, paired_speedup,
-                          ratio_ci, sum_ratio)
+from decode.stats import (
+    GenerationStats,
+    RatioCI,
+    acceptance_ci,
+    aggregate_stats,
+    bootstrap_ci,
+    paired_speedup,
+    ratio_ci,
+    sum_ratio,
+)
 
 
 def test_record_block_counts_trials_and_positions():

@@ -5,14 +5,18 @@ import json
 import mlflow
 import pytest
 import torch
-import yaml
 
-from decode import SpeculativeDecoder
-from decode.acceptance import (analytic_acceptance, break_even_alpha, expected_speedup, expected_tokens, greedy_block,
-                               walk)
+from decode.acceptance import (
+    analytic_acceptance,
+    break_even_alpha,
+    expected_speedup,
+    expected_tokens,
+    greedy_block,
+    walk,
+)
 from decode.ngram import PromptLookupDrafter
 from decode.runtime import ModelRunner, greedy_decode
-from decode.speculative import GammaPolicy, scheduled_gamma
+from decode.speculative import GammaPolicy, SpeculativeDecoder, scheduled_gamma
 from decode.sweep import at_context, lookup_block, spread
 from decode.sweep_costs import cell_break_even_alpha, predicted_seconds
 from pipeline.cli import main
@@ -53,7 +57,8 @@ def test_greedy_decode_matches_uncached_reference(target, lean):
     assert greedy_decode(runner, prompt_of(1), 12) == greedy_reference(target, prompt_of(1), 12)
     assert greedy_decode(runner, prompt_of(1), 0) == []
     reference = greedy_reference(target, prompt_of(1), 12)
-    assert greedy_decode(runner, prompt_of(1), 12, eos_token_ids=[reference[4]]) == reference[:reference.index(reference[4]) + 1]
+    assert (greedy_decode(runner, prompt_of(1), 12, eos_token_ids=[reference[4]])
+            == reference[:reference.index(reference[4]) + 1])
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 6])
@@ -133,7 +138,8 @@ def test_sweep_cli(checkpoints, capsys, tmp_path):
     assert max(costs["drafts"]["prompt-lookup"]["prefill_s"]) < 1e-3
     per_gamma = report["acceptance"][draft]["per_gamma"]
     assert set(per_gamma) == {"1", "3"} and set(per_gamma["3"]) == {"4", "8"}
-    assert "analytic_alpha" in report["acceptance"][draft] and "analytic_alpha" not in report["acceptance"]["prompt-lookup"]
+    assert ("analytic_alpha" in report["acceptance"][draft]
+            and "analytic_alpha" not in report["acceptance"]["prompt-lookup"])
     # every γ of every draft at (16, 4), plus each draft's best γ at (40, 8)
     measured = {(m["draft"], m["gamma"], m["context"], m["max_new_tokens"]) for m in report["measured"]}
     assert {(d, g, 16, 4) for d in drafts for g in (1, 3)} <= measured and len(measured) == 9

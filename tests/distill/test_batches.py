@@ -16,7 +16,8 @@ def test_data_order_is_a_pure_function_of_seed_and_step():
     lengths = [5, 1, 9, 3, 7, 2, 8, 4, 6, 0]
     grouped = [global_batch_indices(10, s, 4, seed=3, lengths=lengths, group=2) for s in range(2)]
     assert sorted(grouped[0] + grouped[1]) == sorted(steps[0] + steps[1])  # same epoch, regrouped by length
-    assert [lengths[i] for i in grouped[0] + grouped[1]] == sorted((lengths[i] for i in steps[0] + steps[1]), reverse=True)
+    assert [lengths[i] for i in grouped[0] + grouped[1]] == sorted(
+        (lengths[i] for i in steps[0] + steps[1]), reverse=True)
     batch = list(range(8))
     # 2 processes × 2 micro-batches and 1 process × 4 micro-batches cover the same examples
     two = [micro_batch(batch, m, r, 2, 2) for m in range(2) for r in range(2)]

@@ -77,7 +77,8 @@ def test_init_from_a_saved_checkpoint(tmp_path, target):
     for row, old_row in ((0, 0), (1, 2), (2, 4)):
         assert torch.equal(remapped.lm_head.weight[row], reduced.lm_head.weight[old_row])
     assert torch.equal(remapped.lm_head.weight[3], head[9])
-    assert torch.equal(remapped.model.layers[0].self_attn.q_proj.weight, reduced.model.layers[0].self_attn.q_proj.weight)
+    assert torch.equal(remapped.model.layers[0].self_attn.q_proj.weight,
+                       reduced.model.layers[0].self_attn.q_proj.weight)
     with pytest.raises(ValueError, match="init_checkpoint"):
         init_draft(DistillConfig(init="checkpoint"), small)
 

@@ -24,7 +24,8 @@ def logits(probs: torch.Tensor) -> torch.Tensor:
 
 def one_position(student: torch.Tensor, teacher: torch.Tensor, **kw) -> float:
     """The loss for a single [1, 1, V] position."""
-    return distillation_loss(student.view(1, 1, -1), teacher.view(1, 1, -1), torch.ones(1, 1, dtype=torch.bool), **kw).item()
+    return distillation_loss(
+        student.view(1, 1, -1), teacher.view(1, 1, -1), torch.ones(1, 1, dtype=torch.bool), **kw).item()
 
 
 def test_hand_computed_divergences():
@@ -78,7 +79,8 @@ def test_mask_and_global_token_count():
     mask = torch.tensor([[1, 1, 0], [0, 1, 0]], dtype=torch.bool)
     per_token = forward_kl(torch.log_softmax(teacher[mask], -1), torch.log_softmax(student[mask], -1))
     assert distillation_loss(student, teacher, mask).item() == pytest.approx(per_token.mean().item(), abs=1e-6)
-    assert distillation_loss(student, teacher, mask, num_tokens=10).item() == pytest.approx(per_token.sum().item() / 10, abs=1e-6)
+    assert distillation_loss(student, teacher, mask, num_tokens=10).item() == pytest.approx(
+        per_token.sum().item() / 10, abs=1e-6)
     # masked-out positions may hold anything, even nan, without leaking into the loss or its gradient
     poisoned = student.detach().clone()
     poisoned[0, 2] = float("nan")

@@ -18,7 +18,8 @@ def test_greedy_responses_with_recorded_top_k_match_a_teacher_forced_pass():
                              topk=5)
     assert len(out) == len(PROMPTS) and out.prompt_ids == PROMPTS
     assert out.offsets.tolist() == [0] + torch.tensor([len(r) for r in out.response_ids]).cumsum(0).tolist()
-    forced = teacher_forced_topk(model, [p + r for p, r in zip(PROMPTS, out.response_ids)], [len(p) for p in PROMPTS], 5)
+    forced = teacher_forced_topk(model, [p + r for p, r in zip(PROMPTS, out.response_ids)],
+                                 [len(p) for p in PROMPTS], 5)
     for i, response in enumerate(out.response_ids):
         assert 1 <= len(response) <= 6
         assert 2 not in response[:-1]  # a response stops at its first EOS

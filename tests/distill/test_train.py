@@ -45,7 +45,8 @@ def test_distill_end_to_end_exports_registers_and_serves_as_assistant(isolated_h
     assert int(version.tags[metrics.DRAFT_VOCAB_SIZE]) == len(result.token_ids)
     assert {metrics.ALPHA_T1, metrics.DRAFT_PARAMS, "draftops.git_sha"} <= set(version.tags)
     assert version.tags[metrics.DISTILL_RUN_TAG] == result.run_id
-    assert f"reduced vocabulary of {len(result.token_ids)} of" in version.description and target.fingerprint in version.description
+    assert (f"reduced vocabulary of {len(result.token_ids)} of" in version.description
+            and target.fingerprint in version.description)
     run = MlflowClient().get_run(result.run_id)
     assert run.data.metrics[metrics.ALPHA_T0] == pytest.approx(result.metrics["alpha_t0"])
     assert run.data.metrics[metrics.DRAFT_VOCAB_SIZE] == len(result.token_ids)
@@ -79,13 +80,14 @@ def test_nan_loss_stops_the_run_and_registers_nothing(isolated_home, monkeypatch
 
 
 def test_kill_9_then_resume_matches_an_uninterrupted_run(isolated_home):
-    overrides = ("distill.max_steps=24", "distill.eval_every=6", "distill.checkpoint_every=2", "distill.register_model=false")
+    overrides = ("distill.max_steps=24", "distill.eval_every=6", "distill.checkpoint_every=2",
+                 "distill.register_model=false")
     killed_cfg = tiny_config(isolated_home, *overrides, f"distill.output_dir={isolated_home}/killed")
     config_file = save_config(killed_cfg, isolated_home / "killed.yaml")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "distill.train", "--config", str(config_file)], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    checkpoints = next_checkpoints = None
+    checkpoints = None
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
         found = list((isolated_home / "killed").glob("*/checkpoints"))
@@ -123,11 +125,13 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(isolate
     """configs/accelerate/cpu_2proc.yaml really starts 2 ranks, and 2 ranks × batch 2 trace the same loss curve as
     1 process × batch 2 × 2 accumulation steps (same examples per step, token-normalized losses summed over ranks)."""
     common = ("distill.max_steps=6", "distill.batch_size=2", "distill.register_model=false")
-    one = run_distill(tiny_config(isolated_home, *common, "distill.grad_accum=2", f"distill.output_dir={isolated_home}/one"))
+    one = run_distill(tiny_config(isolated_home, *common, "distill.grad_accum=2",
+                                  f"distill.output_dir={isolated_home}/one"))
     config_file = save_config(tiny_config(isolated_home, *common, f"distill.output_dir={isolated_home}/two"),
                               isolated_home / "two.yaml")
     launched = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "configs/accelerate/cpu_2proc.yaml"),
+        [sys.executable, "-m", "accelerate.commands.launch",
+         "--config_file", str(REPO / "configs/accelerate/cpu_2proc.yaml"),
          "--main_process_port", str(free_port()), "-m", "distill.train", "--config", str(config_file)],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
     # both ranks write to this stderr; the first failure's traceback is usually well before the launcher's summary

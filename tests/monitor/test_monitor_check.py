@@ -64,7 +64,8 @@ class World:
 def write_traffic(path, start, count, category="chat"):
     with open(path, "a") as f:
         for i in range(start, start + count):
-            f.write(json.dumps({"id": f"req-{i:05d}", "category": category, "ts": f"2026-10-01T{i // 60:02d}:{i % 60:02d}:00Z",
+            f.write(json.dumps({"id": f"req-{i:05d}", "category": category,
+                                "ts": f"2026-10-01T{i // 60:02d}:{i % 60:02d}:00Z",
                                 "messages": [{"role": "user", "content": f"question {i}"}]}) + "\n")
 
 

@@ -1,7 +1,6 @@
 import pytest
 
-from decode.acceptance import expected_speedup
-from decode.acceptance import break_even_alpha
+from decode.acceptance import break_even_alpha, expected_speedup
 from monitor.decision import EXIT_DRIFT, EXIT_OK, Cause, Status, decide
 from monitor.stats import AcceptanceCheck, DropTest, TrafficDrift
 

@@ -46,7 +46,8 @@ def test_demo_moves_the_champion_and_ends_with_the_recheck_command(tmp_path, mlf
     assert lines[-1].split()[0].endswith("draftops")
     written = yaml.safe_load(updated.read_text())
     assert written["target"] == str(out / "target-updated") and written["monitor"]["retrain"] is True
-    assert written["distill"]["init"] == "checkpoint" and written["distill"]["init_checkpoint"] == f"models:/{NAME}@champion"
+    assert (written["distill"]["init"] == "checkpoint"
+            and written["distill"]["init_checkpoint"] == f"models:/{NAME}@champion")
     assert any(line.strip().endswith("total") for line in lines)
 
     # the printed command re-checks the state the demo left: OK, still version 2

@@ -141,9 +141,8 @@ def test_lock_never_runs_two_checks_at_once(tmp_path):
 
 def test_crashing_check_leaves_service_up_and_is_tracked_as_failed(tmp_path, mlflow_uri):
     import mlflow
-    from mlflow import MlflowClient
-
     from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_EXECUTED
+    from mlflow import MlflowClient
 
     cfg = write_config(tmp_path)
     service = MonitorService(cfg, check=CRASH)

@@ -1,4 +1,5 @@
-"""`draftops target finetune` on a tiny target: restyled SFT data, LoRA that moves the weights, merge, a new checkpoint."""
+"""`draftops target finetune` on a tiny target: restyled SFT data, LoRA that moves the weights, merge,
+a new checkpoint."""
 import json
 
 import mlflow
@@ -6,7 +7,15 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from monitor.target_update import MARKER_FILE, lora_finetune, response_loss, restyle, run_finetune, sft_batch, styled_examples
+from monitor.target_update import (
+    MARKER_FILE,
+    lora_finetune,
+    response_loss,
+    restyle,
+    run_finetune,
+    sft_batch,
+    styled_examples,
+)
 from pipeline.cli import main as draftops
 from pipeline.config import TargetUpdateConfig
 from pipeline.sources import resolve_model
@@ -74,7 +83,8 @@ def test_finetune_makes_a_new_target_checkpoint(tmp_path, capsys):
     assert not any("lora" in name for name in updated.model.state_dict())
     before, after = base.model.state_dict(), updated.model.state_dict()
     assert set(before) == set(after)
-    assert not torch.equal(before["model.layers.0.self_attn.q_proj.weight"], after["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(before["model.layers.0.self_attn.q_proj.weight"],
+                           after["model.layers.0.self_attn.q_proj.weight"])
     assert torch.equal(before["model.embed_tokens.weight"], after["model.embed_tokens.weight"])
     # the style moved: upper-cased words are not in the word-level vocabulary, so ALL CAPS responses are [UNK]
     # tokens, and the new target puts much more mass on [UNK] after a prompt (a tiny tied head stays flat: ~1/90)
@@ -95,7 +105,8 @@ def test_finetune_makes_a_new_target_checkpoint(tmp_path, capsys):
     assert run.data.tags["draftops.target_fingerprint"] == result.fingerprint
     assert run.data.tags["draftops.base_target_fingerprint"] == base.fingerprint
     assert run.data.metrics["train/final_loss"] == pytest.approx(result.losses[-1])
-    assert [m.value for m in MlflowClient().get_metric_history(result.run_id, "train/loss")] == pytest.approx(result.losses)
+    assert [m.value for m in MlflowClient().get_metric_history(result.run_id, "train/loss")] == pytest.approx(
+        result.losses)
 
     # the CLI: a second run replaces its own earlier output; a foreign folder is refused
     assert draftops(["target", "finetune", f"target={cfg.target}", f"traffic.path={cfg.traffic.path}", "device=cpu",

@@ -11,7 +11,8 @@ pytestmark = pytest.mark.integration
 
 
 def test_default_target_imports_from_gguf_and_fingerprint_is_cached():
-    """The second resolution reuses the converted checkpoint and the fingerprint cache (timed in the README, not here)."""
+    """The second resolution reuses the converted checkpoint and the fingerprint cache
+    (timed in the README, not here)."""
     local = locate("smollm2-135m-instruct")  # converts once (~30 s), then reuses the cache
     first = local.fingerprint
     out = subprocess.run([sys.executable, "-m", "pipeline.cli", "models", "info", "smollm2-135m-instruct", "--json"],

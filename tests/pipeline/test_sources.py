@@ -3,8 +3,16 @@ import json
 import pytest
 import torch
 
-from pipeline.sources import (SourceError, TokenizerMismatch, check_tokenizer_compat, checkpoint_info,
-                              fingerprint_dir, locate, resolve_model, save_checkpoint)
+from pipeline.sources import (
+    SourceError,
+    TokenizerMismatch,
+    check_tokenizer_compat,
+    checkpoint_info,
+    fingerprint_dir,
+    locate,
+    resolve_model,
+    save_checkpoint,
+)
 from tests.conftest import make_tiny_model, make_tokenizer
 
 

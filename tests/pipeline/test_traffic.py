@@ -24,7 +24,8 @@ def test_all_three_shapes_load(tmp_path):
     by_id = {r.id: r for r in traffic.requests}
     assert by_id["a"].messages[-1] == {"role": "user", "content": "hello world"} and len(by_id["a"].messages) == 2
     assert by_id["b"].messages == ({"role": "user", "content": "write python code"},)
-    assert by_id["c"].messages == ({"role": "user", "content": "what is two"},) and by_id["c"].category == "uncategorized"
+    assert (by_id["c"].messages == ({"role": "user", "content": "what is two"},)
+            and by_id["c"].category == "uncategorized")
     no_id = [r for r in traffic.requests if r.id.startswith("sha-")]
     assert len(no_id) == 1 and no_id[0].line == 4
 

@@ -1,0 +1,50 @@
+"""The code's shape, checked: imports at the top of modules, and a command line that starts without heavy libraries.
+
+The layering between packages (pipeline <- decode <- distill <- monitor) is import-linter's contract in
+pyproject.toml, run by `make test`.
+"""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("pipeline", "decode", "distill", "monitor")
+
+
+def function_level_imports(path: Path) -> list[str]:
+    """`file:line module` for every import of a draftops module inside a function of `path`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for inner in ast.walk(node):
+            if isinstance(inner, ast.ImportFrom) and inner.module and inner.module.split(".")[0] in PACKAGES:
+                found.append(f"{path.relative_to(REPO)}:{inner.lineno} {inner.module}")
+            elif isinstance(inner, ast.Import):
+                found += [f"{path.relative_to(REPO)}:{inner.lineno} {a.name}" for a in inner.names
+                          if a.name.split(".")[0] in PACKAGES]
+    return found
+
+
+def test_draftops_modules_import_each_other_at_the_top():
+    """Only the command-line modules import inside functions (their handlers: see their docstrings)."""
+    modules = [p for package in PACKAGES for p in sorted((REPO / package).glob("*.py")) if p.name != "cli.py"]
+    assert len(modules) > 30
+    assert [hit for path in modules for hit in function_level_imports(path)] == []
+
+
+def test_the_parser_builds_without_torch_transformers_or_mlflow():
+    code = ("import sys, pipeline.cli; pipeline.cli.build_parser(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'mlflow') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_models_info_on_a_local_checkpoint_loads_no_torch(tiny_checkpoint):
+    code = ("import sys; from pipeline.cli import main; main(['models', 'info', sys.argv[1], '--json']); "
+            "print(sorted(m for m in ('torch', 'transformers', 'mlflow') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, str(tiny_checkpoint)], cwd=REPO, capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert '"layers": 2' in out.stdout
