@@ -1,11 +1,10 @@
 """Faster fp32 linear layers on x86 CPUs: oneDNN's inner product on weights packed once into its blocked layout,
 instead of torch's default MKL sgemm.
 
-Measured on this 2-core AMD EPYC (README "Running fast on a CPU"): MKL's sgemm runs 2-3x slower than oneDNN at
-every batch size except one-row products through small weights. oneDNN given a plain [out, in] weight reorders it on
-every call with more than one row, so a 2- to 6-row product (a speculative verify) cost 2-2.5x a one-row one; packed
-once, it costs 1.0-1.3x (SmolLM2's 49k x 576 head: 1.70 / 3.72 / 4.22 ms at 1 / 2 / 6 rows unpacked, 1.15 / 1.34 /
-1.72 ms packed). `torch.nn.functional.linear` is the reference; `tests/decode/test_kernels.py` holds the parity test.
+oneDNN given a plain [out, in] weight reorders it on every call with more than one row, so a few-row product (a
+speculative verify) would cost several one-row ones; packed once, it costs little more than one. Which kernel is
+faster depends on the CPU (docs/cpu-runtime.md has the measurements), hence the `cpu_linear` setting.
+`torch.nn.functional.linear` is the reference; `tests/decode/test_kernels.py` holds the parity test.
 
 Only inference takes the oneDNN path: with autograd recording (training), or off CPU, or in another dtype, the layer
 is a plain `nn.Linear`.

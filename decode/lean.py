@@ -1,7 +1,7 @@
 """A lean forward for Llama-architecture models: the model's own modules, without transformers' generic machinery.
 
-Per call, transformers builds masks, cache objects, output dataclasses and keyword plumbing; for the 2-layer draft,
-which runs γ times a round, that is a fifth of its step (2.02 -> 1.64 ms here), and 7-10% of a target step or verify.
+Per call, transformers builds masks, cache objects, output dataclasses and keyword plumbing, a large share of a small
+draft's step (it runs γ times a round); docs/cpu-runtime.md has the measurement.
 `LeanLlama` calls the same embedding, norm, projection, rotary and MLP modules in the order `LlamaForCausalLM.forward`
 does (gpt-fast style: explicit positions into a preallocated KV cache), so it computes the same function; the
 transformers forward is the reference, and `tests/decode/test_lean.py` holds the parity test.

@@ -63,8 +63,7 @@ class DecodeConfig(Section):
 
 
 class DistillConfig(Section):
-    """`draftops distill`. The defaults are the embedded job on SmolLM2-135M-Instruct,
-    sized for ≤45 min on 2 CPU cores."""
+    """`draftops distill`. The defaults are the embedded job on SmolLM2-135M-Instruct."""
 
     output_dir: str = Field("outputs/distill", description="Where checkpoints and the exported draft go.")
     resume: bool = Field(True, description="Continue from the last checkpoint of an identical job in output_dir.")
@@ -123,7 +122,7 @@ class DistillConfig(Section):
 class MonitorConfig(Section):
     heldout_requests: int = Field(256, ge=2, description=(
         "Prompts per acceptance measurement: the baseline's held-out prompts and the most recent held-out requests. "
-        "256 gives power ~0.98 against a 5-point drop at level 0.05 (`draftops monitor simulate`)."))
+        "`draftops monitor simulate` shows the power this gives against a given drop."))
     level: float = Field(0.05, gt=0.0, lt=0.5, description=(
         "False-alarm level per check; split evenly (Bonferroni) between the paired and the unpaired test."))
     margin: float = Field(0.01, ge=0.0, lt=1.0, description="Tolerated drop in acceptance (absolute, 0.01 = 1 point).")
@@ -185,7 +184,8 @@ class DraftopsConfig(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="'auto': float32 on CPU, bfloat16 on CUDA.")
     cpu_linear: Literal["onednn", "torch"] = Field("onednn", description=(
-        "fp32 linear layers on CPU at inference: oneDNN (2-3x faster than torch's MKL default here) or torch's own."))
+        "fp32 linear layers on CPU at inference: oneDNN on weights packed once, or torch's own (MKL); which is faster "
+        "depends on the CPU (docs/cpu-runtime.md)."))
     seed: int = 0
     traffic: TrafficConfig = TrafficConfig()
     tracking: TrackingConfig = TrackingConfig()
