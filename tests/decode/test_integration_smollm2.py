@@ -4,7 +4,8 @@ import torch
 
 from decode.drafts import draft_from_target_layers, reduce_vocabulary
 from decode.speculative import SpeculativeDecoder
-from pipeline.sources import eos_token_ids, resolve_model
+from decode.runtime import load_model
+from pipeline.sources import eos_token_ids
 from pipeline.traffic import encode_prompts, load_traffic
 from tests.conftest import shared_data
 
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def target():
-    return resolve_model("smollm2-135m-instruct", device="cpu")
+    return load_model("smollm2-135m-instruct", device="cpu")  # with the decoder's CPU kernels
 
 
 def test_greedy_equals_target_only_on_spec_bench(target):
