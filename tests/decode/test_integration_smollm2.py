@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from decode.drafts import draft_from_target_layers, reduce_vocabulary
-from decode.speculative import SpeculativeDecoder
 from decode.runtime import load_model
+from decode.speculative import SpeculativeDecoder
 from pipeline.sources import eos_token_ids
 from pipeline.traffic import encode_prompts, load_traffic
 from tests.conftest import shared_data
