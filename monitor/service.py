@@ -89,7 +89,7 @@ def log_failed_check(cfg: DraftopsConfig, error: BaseException) -> None:
         log.warning("could not record the failed check in MLflow", exc_info=True)
 
 
-def run_scheduled_check(config_path: str, check: str = DEFAULT_CHECK) -> int:
+def run_scheduled_check(config_path: str | None, check: str = DEFAULT_CHECK) -> int:
     """The scheduled job: load the config, take the lock, run `check` (import path of f(cfg) -> int).
 
     Never raises: a busy lock returns EXIT_BUSY, any failure is logged (and tracked) and returns EXIT_ERROR,
@@ -130,8 +130,9 @@ class _Scheduler(BackgroundScheduler):
 class MonitorService:
     """A background scheduler with the check job in a persistent sqlite job store."""
 
-    def __init__(self, config_path: str | Path, *, check: str = DEFAULT_CHECK):
-        self.config_path = str(Path(config_path).resolve())
+    def __init__(self, config_path: str | Path | None, *, check: str = DEFAULT_CHECK):
+        """config_path: the YAML config each check loads afresh; None: the default config (`load_config(None)`)."""
+        self.config_path = None if config_path is None else str(Path(config_path).resolve())
         self.cfg = load_config(self.config_path)
         self.check = check
         self.scheduler = _Scheduler(
@@ -180,7 +181,7 @@ class MonitorService:
             self.scheduler.shutdown(wait=True)
 
 
-def serve(config_path: str | Path, *, run_now: bool = False, check: str = DEFAULT_CHECK,
+def serve(config_path: str | Path | None, *, run_now: bool = False, check: str = DEFAULT_CHECK,
           stop_event: threading.Event | None = None) -> int:
     """Run the service until SIGTERM/SIGINT (or `stop_event`), then shut down cleanly; returns 0."""
     stop = stop_event or threading.Event()

@@ -193,3 +193,17 @@ def test_bad_schedule_fails_at_start(tmp_path, schedule):
     with pytest.raises(ValueError):
         service.start()
     service.stop()
+
+
+def test_serve_without_a_config_uses_the_default_config(tmp_path, monkeypatch):
+    """`draftops monitor serve` with no --config, as its help promises (it was a TypeError)."""
+    monkeypatch.chdir(tmp_path)  # the default config keeps its state and MLflow store in the working directory
+    service = MonitorService(None)
+    assert service.config_path is None and service.cfg == load_config(None)
+    service.start()
+    try:
+        job = service.scheduler.get_job(JOB_ID)
+        assert job.args == (None,) and service.next_run_time() is not None
+    finally:
+        service.stop()
+    assert (tmp_path / load_config(None).monitor.state_dir).is_dir()
