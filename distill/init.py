@@ -52,7 +52,6 @@ def init_draft(cfg: DistillConfig, target, *, token_ids: torch.Tensor | None = N
     elif cfg.init == "config":
         draft = draft_from_config(target, cfg.init_config)
     else:
-
         if not cfg.init_checkpoint:
             raise ValueError("distill.init=checkpoint needs distill.init_checkpoint (a model source)")
         loaded = resolve_model(cfg.init_checkpoint, device=target.device, dtype=target.dtype)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from decode.runtime import load_model
-from monitor.decision import EXIT_ERROR, Decision, Status, challenger_gate, decide
+from monitor.decision import EXIT_ERROR, Decision, Status, challenger_gate, decide, non_finite
 from monitor.measure import Baseline, Measurement, heldout_by_recency, measure_analytic, measure_live, new_baseline
 from monitor.report import monitor_checks, monitor_history_figure
 from monitor.retrain import distill_challenger
@@ -175,7 +175,6 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
     import mlflow
     from mlflow import MlflowClient
 
-
     retrain = retrain or distill_challenger
     setup_mlflow(cfg)
     m, name = cfg.monitor, cfg.tracking.registered_model
@@ -184,7 +183,6 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
     champion_fingerprint = champ.tags.get(M.TARGET_FINGERPRINT_TAG)
     heldout = heldout_by_recency(cfg)
     if not heldout:
-
         raise TrafficError(f"{cfg.traffic.path}: the held-out split is empty at traffic.heldout_fraction="
                            f"{cfg.traffic.heldout_fraction}; the check measures held-out requests only")
     with timer("load_models"):
@@ -207,7 +205,11 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
         if champion_fingerprint not in (None, target.fingerprint):
             notes.append(f"the champion was distilled for target {champion_fingerprint}, the baseline is measured on "
                          f"{target.fingerprint}: a drop caused by that change cannot be seen")
-        report.decision = Decision(Status.OK, None, [], notes)
+        errors = non_finite({"baseline acceptance": measured.acceptance})
+        if errors:  # a baseline that cannot be compared with is not recorded
+            to_record.clear()
+            report.baseline_recorded = False
+        report.decision = Decision(Status.ERROR if errors else Status.OK, None, errors, [] if errors else notes)
     else:
         by_id = {r.id: r for r in heldout}
         seen = set(baseline.measurement.request_ids)
@@ -299,6 +301,7 @@ def _run_metrics(report: CheckReport, margin: float) -> dict[str, float]:
     out: dict[str, float] = {M.seconds(k): v for k, v in report.timings.items()}
     out[M.MONITOR_TARGET_CHANGED] = float(report.champion_target_fingerprint not in (None, report.target_fingerprint))
     out[M.MONITOR_DRIFT] = float(report.decision.status is Status.DRIFT)
+    out[M.MONITOR_ERROR] = float(report.decision.status is Status.ERROR)
     out[M.MONITOR_BREAK_EVEN] = report.break_even
     out[M.MONITOR_ACCEPTANCE_NOW] = report.current_acceptance
     if report.acceptance_source == "live":  # the draft decoding alone: the same figure eval and bench report

@@ -1,14 +1,15 @@
 """OK or DRIFT, and why: from the target fingerprint, the acceptance tests and the traffic drift.
 
-DRIFT needs evidence that the champion got slower: a significant acceptance drop (paired or
-unpaired test) or acceptance below break-even. A changed fingerprint or shifted traffic alone is
-reported as a note, not an alarm: the draft may still fit. The cause of a DRIFT is what changed
-alongside it: the target (fingerprint differs from the champion's tag), the traffic (token drift
-above threshold), both, or neither ("unexplained").
+DRIFT needs evidence that the champion got slower: a significant acceptance drop (paired or unpaired test) or
+acceptance below break-even. A changed fingerprint or shifted traffic alone is reported as a note, not an alarm: the
+draft may still fit. The cause of a DRIFT is what changed alongside it: the target (fingerprint differs from the
+champion's tag), the traffic (token drift above threshold), both, or neither ("unexplained"). A measurement that is not
+a finite number (NaN weights, an overflow) is an ERROR, never OK: the check cannot tell whether the champion pays.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -20,6 +21,7 @@ EXIT_OK, EXIT_ERROR, EXIT_DRIFT = 0, 2, 3
 class Status(str, Enum):
     OK = "OK"
     DRIFT = "DRIFT"
+    ERROR = "ERROR"
 
 
 class Cause(str, Enum):
@@ -33,16 +35,22 @@ class Cause(str, Enum):
 class Decision:
     status: Status
     cause: Cause | None  # None when OK
-    reasons: list[str] = field(default_factory=list)  # why DRIFT (empty when OK)
+    reasons: list[str] = field(default_factory=list)  # why DRIFT or ERROR (empty when OK)
     notes: list[str] = field(default_factory=list)  # changes that did not (yet) hurt acceptance
 
     @property
     def exit_code(self) -> int:
-        return EXIT_DRIFT if self.status is Status.DRIFT else EXIT_OK
+        return {Status.OK: EXIT_OK, Status.DRIFT: EXIT_DRIFT, Status.ERROR: EXIT_ERROR}[self.status]
 
     def to_dict(self) -> dict:
         return {"status": self.status.value, "cause": self.cause and self.cause.value,
                 "reasons": self.reasons, "notes": self.notes, "exit_code": self.exit_code}
+
+
+def non_finite(figures: dict[str, float | None]) -> list[str]:
+    """A reason for each figure that is not a finite number (None counts as absent, not as an error)."""
+    return [f"{name} is {value}, not a number the decision can use" for name, value in figures.items()
+            if value is not None and not math.isfinite(value)]
 
 
 def decide(
@@ -60,9 +68,16 @@ def decide(
         champion_target_fingerprint is not None and champion_target_fingerprint != current_target_fingerprint
     )
     traffic_shifted = drift is not None and drift.drifted
-    reasons: list[str] = []
     tests = (("paired (baseline prompts)", acceptance and acceptance.paired),
              ("unpaired (recent traffic)", acceptance and acceptance.unpaired))
+    figures = {f"{acceptance_source} acceptance": current_acceptance, "break-even acceptance": break_even}
+    for name, test in tests:
+        if test is not None:
+            figures.update({f"{name} baseline acceptance": test.baseline_acceptance,
+                            f"{name} current acceptance": test.current_acceptance, f"{name} drop": test.drop})
+    reasons = non_finite(figures)
+    if reasons:
+        return Decision(Status.ERROR, None, reasons, [])
     for name, test in tests:
         if test is not None and test.alarm:
             reasons.append(f"{name}: acceptance {test.baseline_acceptance:.3f} -> {test.current_acceptance:.3f}, "

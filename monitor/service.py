@@ -78,7 +78,6 @@ def log_failed_check(cfg: DraftopsConfig, error: BaseException) -> None:
     try:
         import mlflow
 
-
         with start_run(cfg, "monitor", run_name="check-failed",
                        tags={M.MONITOR_DECISION_TAG: "ERROR", M.MONITOR_ERROR_TAG: type(error).__name__}):
             mlflow.log_text("".join(traceback.format_exception(error)), "error.txt")

@@ -84,7 +84,6 @@ def response_loss(causal_lm, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def prompt_requests(cfg: DraftopsConfig) -> list:
-
     u = cfg.target_update
     if u.prompts == "traffic":  # exactly distill's selection, so that its cached responses are reused
         traffic = load_traffic(cfg.traffic.path, skip_malformed=cfg.traffic.skip_malformed)
@@ -196,7 +195,6 @@ def run_finetune(cfg: DraftopsConfig) -> FinetuneResult:
 def log_update(cfg: DraftopsConfig, result: FinetuneResult) -> str:
     """An MLflow run in `draftops-target`: the update's settings, loss curve, times and both fingerprints."""
     import mlflow
-
 
     tags = {metrics.TARGET_FINGERPRINT_TAG: result.fingerprint, metrics.BASE_TARGET_FINGERPRINT_TAG:
             result.base_fingerprint, metrics.TARGET_PATH_TAG: str(result.path)}

@@ -90,6 +90,7 @@ MONITOR_P_VALUE = "monitor/p_value"
 MONITOR_TRAFFIC_JS = "monitor/traffic_js"
 MONITOR_TRAFFIC_PSI = "monitor/traffic_psi"
 MONITOR_DRIFT = "monitor/drift"
+MONITOR_ERROR = "monitor/error"  # 1 when a measurement was not a finite number: the check's decision is ERROR
 MONITOR_TARGET_CHANGED = "monitor/target_changed"
 MONITOR_GATE_GAIN = "monitor/gate_gain"
 MONITOR_GATE_P_VALUE = "monitor/gate_p_value"

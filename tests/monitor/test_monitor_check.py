@@ -264,3 +264,22 @@ def test_the_champions_measured_break_even_is_the_absolute_alarm(setup):
     assert second.break_even == pytest.approx(0.95) and second.break_even_source == f"bench run {run.info.run_id}"
     assert second.decision.status is Status.DRIFT and second.exit_code != 0
     assert any("below break-even 0.950" in reason for reason in second.decision.reasons)
+
+
+def test_a_nan_measurement_fails_closed_and_is_logged_as_an_error(setup):
+    """A champion whose acceptance is NaN (NaN weights, an overflow): exit 2, an ERROR run, no baseline recorded."""
+    cfg, world, _ = setup
+
+    def nan_measure(cfg, target, draft, requests):
+        good = world.measure(cfg, target, draft, requests)
+        return Measurement(good.request_ids, [float("nan")] * len(good.acc), good.n, good.token_counts)
+
+    first = run_check(cfg, load=world.load, measure=nan_measure)
+    assert first.decision.status is Status.ERROR and first.exit_code == 2 and not first.baseline_recorded
+    assert registry.load_baseline(MlflowClient().get_model_version(NAME, "1")) is None
+    check(cfg, world)  # a real baseline
+    later = run_check(cfg, load=world.load, measure=nan_measure)
+    assert later.decision.status is Status.ERROR and later.exit_code == 2
+    run = MlflowClient().get_run(later.run_id)
+    assert run.data.tags["draftops.monitor.decision"] == "ERROR" and run.data.metrics["monitor/error"] == 1.0
+    assert "nan" in " ".join(later.decision.reasons)

@@ -1,7 +1,7 @@
 import pytest
 
 from decode.acceptance import break_even_alpha, expected_speedup
-from monitor.decision import EXIT_DRIFT, EXIT_OK, Cause, Status, decide
+from monitor.decision import EXIT_DRIFT, EXIT_ERROR, EXIT_OK, Cause, Status, decide
 from monitor.stats import AcceptanceCheck, DropTest, TrafficDrift
 
 
@@ -55,3 +55,16 @@ def test_break_even_alpha():
     assert 0.33 < a < 0.34
     assert break_even_alpha(5, 0.0, 0.5) == 0.0  # verify cheaper than one step: always pays
     assert break_even_alpha(1, 2.0, 1.0) == 1.0  # draft slower than the target: never pays
+
+
+def test_a_non_finite_acceptance_is_an_error_never_ok():
+    """NaN compares False with everything: it must not slip through the drop test and the break-even alarm as OK."""
+    nan = float("nan")
+    nan_test = DropTest("bootstrap", 0.7, nan, nan, nan, nan, nan, False, 0.01, 0.025, 256, 256)
+    for acceptance, current in ((AcceptanceCheck(paired=nan_test, unpaired=None), 0.7),
+                                (AcceptanceCheck(paired=_test(False), unpaired=None), nan),
+                                (None, float("inf"))):
+        decision = decide(champion_target_fingerprint="a", current_target_fingerprint="a", acceptance=acceptance,
+                          drift=None, current_acceptance=current, break_even=0.4)
+        assert decision.status is Status.ERROR and decision.exit_code == EXIT_ERROR
+        assert decision.reasons and all("not a number" in r for r in decision.reasons)
