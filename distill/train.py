@@ -30,7 +30,7 @@ from distill.responses import cached_responses
 from pipeline.config import DraftopsConfig, load_config
 from pipeline.registry import version_uri
 from pipeline.sources import HF_ASSISTANT_DIR
-from pipeline.tracking import tracking_uri
+from pipeline.tracking import TrackingUnavailable, check_tracking, tracking_uri
 from pipeline.traffic import encode_prompts, load_traffic
 
 
@@ -100,6 +100,8 @@ def run_distill(cfg: DraftopsConfig, *, init_only: bool = False) -> DistillResul
     init_only: stop after initializing the draft and export it untrained to `<job>/init` (the "undistilled" baseline
     of a benchmark); nothing is trained or registered.
     """
+    if cfg.distill.register_model and not init_only:
+        check_tracking(cfg)  # before the work, not at registration after it
     timings = Timings()
     accelerator = make_accelerator(cfg)
     with timings.measure("load_target"):
@@ -180,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLoss as exc:
         print(f"draftops distill: error: {exc}", file=sys.stderr)
         return 3
+    except TrackingUnavailable as exc:
+        print(f"draftops distill: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

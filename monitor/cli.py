@@ -26,16 +26,18 @@ def check_command(args) -> int:
     from monitor.decision import EXIT_ERROR
     from monitor.service import EXIT_BUSY, CheckBusy, check_lock, log_failed_check
     from pipeline.config import load_config
+    from pipeline.tracking import TrackingUnavailable, check_tracking
 
     _setup_logging()
     cfg = load_config(args.config, args.overrides)
     try:
+        check_tracking(cfg)
         with check_lock(cfg):
             report = run_check(cfg)
     except CheckBusy as exc:
         print(f"draftops: {exc}; not checking", file=sys.stderr)
         return EXIT_BUSY
-    except RegistryError as exc:
+    except (RegistryError, TrackingUnavailable) as exc:
         print(f"draftops: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except Exception as exc:

@@ -30,7 +30,7 @@ from filelock import FileLock, Timeout
 from monitor.decision import EXIT_ERROR
 from pipeline import metrics as M
 from pipeline.config import DraftopsConfig, load_config
-from pipeline.tracking import start_run
+from pipeline.tracking import TrackingUnavailable, check_tracking, start_run
 
 log = logging.getLogger("draftops.monitor")
 
@@ -97,6 +97,7 @@ def run_scheduled_check(config_path: str | None, check: str = DEFAULT_CHECK) -> 
     cfg = None
     try:
         cfg = load_config(config_path)
+        check_tracking(cfg)
         with check_lock(cfg):
             log.info("monitor check starting (%s)", check)
             code = int(ref_to_obj(check)(cfg))
@@ -105,6 +106,9 @@ def run_scheduled_check(config_path: str | None, check: str = DEFAULT_CHECK) -> 
     except CheckBusy as exc:
         log.warning("monitor check skipped: %s", exc)
         return EXIT_BUSY
+    except TrackingUnavailable as exc:  # nowhere to track the failure either
+        log.error("monitor check failed: %s", exc)
+        return EXIT_ERROR
     except Exception as exc:
         log.exception("monitor check failed")
         if cfg is not None:

@@ -108,13 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from pipeline.config import ConfigError
+    from pipeline.registry import RegistryError
     from pipeline.sources import SourceError, TokenizerMismatch
+    from pipeline.tracking import TrackingUnavailable
     from pipeline.traffic import TrafficError
 
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except (ConfigError, SourceError, TokenizerMismatch, TrafficError) as exc:
+    except (ConfigError, RegistryError, SourceError, TokenizerMismatch, TrackingUnavailable, TrafficError) as exc:
         print(f"draftops: error: {exc}", file=sys.stderr)
         return 2
 

@@ -133,13 +133,16 @@ def download(version: RegisteredVersion, dst: Path) -> None:
 
 
 def version_by_alias(name: str, alias: str) -> RegisteredVersion | None:
-    """The version behind NAME@alias, or None."""
+    """The version behind NAME@alias, or None when the model or the alias does not exist. Any other failure (a store
+    that cannot be reached) is raised, not mistaken for a missing alias."""
     from mlflow.exceptions import MlflowException
 
     try:
         found = _client().get_model_version_by_alias(name, alias)
-    except MlflowException:
-        return None
+    except MlflowException as exc:
+        if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return None
+        raise
     return RegisteredVersion.of(found)
 
 

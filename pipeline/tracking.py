@@ -9,6 +9,9 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +25,34 @@ def tracking_uri(cfg: DraftopsConfig | None = None) -> str:
     if cfg is not None and cfg.tracking.uri:
         return cfg.tracking.uri
     return os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+
+class TrackingUnavailable(RuntimeError):
+    """The MLflow tracking store cannot be reached."""
+
+
+def check_tracking(cfg: DraftopsConfig | None = None, timeout: float = 10.0) -> str:
+    """The tracking URI, once it answers: a tracking server must answer its /health page within `timeout` seconds
+    (MLflow's own client retries an unreachable server for minutes); a local sqlite store needs its folder.
+    Raises `TrackingUnavailable` naming the URI, so that a job fails before its work, not at its end."""
+    uri = tracking_uri(cfg)
+    parsed = urllib.parse.urlparse(uri)
+    if parsed.scheme in ("http", "https"):
+        try:
+            with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout):
+                pass
+        except urllib.error.HTTPError:
+            pass  # the server answered
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise TrackingUnavailable(
+                f"the MLflow tracking server {uri} does not answer ({reason}); start it, or point tracking.uri / "
+                "MLFLOW_TRACKING_URI at one that runs") from None
+    elif parsed.scheme == "sqlite" and parsed.path not in ("", "/:memory:"):
+        folder = Path(parsed.path[1:]).parent  # sqlite:///rel.db and sqlite:////abs.db: one slash is the separator
+        if not folder.is_dir():
+            raise TrackingUnavailable(f"the MLflow store {uri}: folder {folder} does not exist")
+    return uri
 
 
 def setup_mlflow(cfg: DraftopsConfig | None = None) -> str:
