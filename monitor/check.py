@@ -245,7 +245,6 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
                 report.decision.notes.append(f"retraining failed: {type(exc).__name__}: {exc}")
             else:
                 if report.retrain.promoted:
-                    report.retrain.previous_champion = registry.promote(name, version)
                     to_record.append((version, challenger_baseline))
 
     if len(heldout) < m.heldout_requests:
@@ -258,6 +257,10 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
         report.run_id = run.info.run_id
         for version, new in to_record:
             registry.save_baseline(name, version, new.to_dict())
+        # the alias moves only once the new champion's baseline is stored: stopped at any point before, the old
+        # champion serves with its own baseline; after, the new one has its baseline
+        if report.retrain is not None and report.retrain.promoted:
+            report.retrain.previous_champion = registry.promote(name, report.retrain.challenger_version)
         mlflow.log_metrics(_run_metrics(report, m.margin))
         mlflow.log_dict(report.to_dict(), "monitor/report.json")
         checks = monitor_checks(MlflowClient(), name, limit=100)  # this check included: its metrics are logged

@@ -283,3 +283,22 @@ def test_a_nan_measurement_fails_closed_and_is_logged_as_an_error(setup):
     run = MlflowClient().get_run(later.run_id)
     assert run.data.tags["draftops.monitor.decision"] == "ERROR" and run.data.metrics["monitor/error"] == 1.0
     assert "nan" in " ".join(later.decision.reasons)
+
+
+def test_a_failure_before_the_baseline_is_stored_leaves_the_old_champion(setup, monkeypatch):
+    """Promotion is the last step: a champion never serves without a baseline (the next check would record a fresh
+    one and say OK)."""
+    cfg, world, _ = setup
+    check(cfg, world)
+    world.target_fingerprint = "fp-B"
+    world.target_penalty["fp-B"] = 0.08
+    cfg = cfg.model_copy(update={"monitor": cfg.monitor.model_copy(update={"retrain": True})})
+
+    def fail(name, version, payload):
+        raise RuntimeError("killed while storing the baseline")
+
+    monkeypatch.setattr(registry, "save_baseline", fail)
+    with pytest.raises(RuntimeError, match="killed"):
+        check(cfg, world, retrain=world.retrain_with(quality=0.1))
+    assert champion_version() == "1"
+    assert registry.load_baseline(MlflowClient().get_model_version(NAME, "1"))["target_fingerprint"] == "fp-A"
