@@ -18,6 +18,7 @@ from safetensors.torch import load_model as load_safetensors
 from distill.init import init_draft
 from distill.step import ResponseLogits
 from pipeline.config import DraftopsConfig
+from pipeline.files import TMP_SUFFIX, recover_dir, swap_dir
 
 STATE_FILE = "trainer_state.json"
 
@@ -65,20 +66,19 @@ def load_training_state(accelerator, checkpoint: Path) -> dict:
 
 def save_best(accelerator, model, best_dir: Path) -> None:
     """The draft's full weights (gathered by accelerate under FSDP; tied tensors stored once), renamed into place."""
-    tmp = best_dir.with_name(best_dir.name + ".tmp")
+    tmp = best_dir.with_name(best_dir.name + TMP_SUFFIX)  # one name every rank agrees on
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.save_model(model, str(tmp), safe_serialization=True)  # a collective: every rank calls it
     if accelerator.is_main_process:
-        shutil.rmtree(best_dir, ignore_errors=True)
-        os.replace(tmp, best_dir)
+        swap_dir(tmp, best_dir)
     accelerator.wait_for_everyone()
 
 
 def load_best(cfg: DraftopsConfig, target_model, token_ids: torch.Tensor | None, best_dir: Path):
     """A fresh, plain (unsharded) draft holding the best weights: what export sees whatever the distribution was."""
     draft = init_draft(cfg.distill, target_model, token_ids=token_ids)
-    load_safetensors(ResponseLogits(draft), str(best_dir / "model.safetensors"))
+    load_safetensors(ResponseLogits(draft), str(recover_dir(best_dir) / "model.safetensors"))
     return draft.eval()
 
 

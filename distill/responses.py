@@ -5,13 +5,14 @@ They are cached as a `datasets` dataset under `$DRAFTOPS_HOME/cache/responses/<t
 (the hash covers the prompt ids and every generation setting), next to `teacher_topk.safetensors`: the target's
 full-vocabulary top-k log-probs (fp16) and ids (int32) at every response token, flat over all responses, with
 offsets. Recording them during generation (the logits are computed anyway) makes the teacher cache free: 6 bytes
-per kept entry, ~400 B/token at k = 64, against ~200 KB for a full fp32 row of a 49k vocabulary.
+per kept entry, ~400 B/token at k = 64, against ~200 KB for a full fp32 row of a 49k vocabulary. An entry that
+cannot be read back whole is generated again.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import os
+import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +21,11 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from pipeline import draftops_home
+from pipeline.files import recover_dir, swap_dir, temporary_sibling
 from pipeline.sources import eos_token_ids
 
 TOPK_FILE = "teacher_topk.safetensors"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -129,30 +132,42 @@ def response_cache_dir(target_fingerprint: str, key: str) -> Path:
     return draftops_home() / "cache" / "responses" / f"{target_fingerprint}-{key}"
 
 
+class DamagedCache(ValueError):
+    """A cache entry that cannot be read back whole (a truncated or corrupted file)."""
+
+
 def save_responses(responses: ResponseSet, out: Path) -> None:
-    """Write atomically (a temporary folder renamed into place), so a killed run never leaves half a cache."""
+    """Write atomically (`pipeline.files`), so a killed run never leaves half a cache."""
     from datasets import Dataset
     from safetensors.torch import save_file
 
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = temporary_sibling(out)
     Dataset.from_dict({"request_id": responses.request_ids, "prompt_ids": responses.prompt_ids,
                        "response_ids": responses.response_ids}).save_to_disk(str(tmp / "responses"))
     save_file({"logprobs": responses.topk_logprobs.contiguous(), "indices": responses.topk_indices.contiguous(),
                "offsets": responses.offsets.contiguous()}, str(tmp / TOPK_FILE))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    swap_dir(tmp, out)
 
 
 def load_responses(path: Path) -> ResponseSet:
+    """A cache entry, checked whole: `DamagedCache` when a file cannot be read or the parts do not fit together."""
     from datasets import load_from_disk
     from safetensors.torch import load_file
 
-    table = load_from_disk(str(path / "responses"))
-    topk = load_file(str(path / TOPK_FILE))
-    return ResponseSet(list(table["request_id"]), list(table["prompt_ids"]), list(table["response_ids"]),
-                       topk["logprobs"], topk["indices"], topk["offsets"])
+    try:
+        table = load_from_disk(str(path / "responses"))
+        topk = load_file(str(path / TOPK_FILE))
+        responses = ResponseSet(list(table["request_id"]), list(table["prompt_ids"]), list(table["response_ids"]),
+                                topk["logprobs"], topk["indices"], topk["offsets"])
+    except Exception as exc:  # any reader's error on a damaged file: pyarrow, safetensors, json, OS
+        raise DamagedCache(f"{path}: {type(exc).__name__}: {exc}") from None
+    lengths = [len(r) for r in responses.response_ids]
+    n_rows = sum(lengths)
+    if not (len(responses.prompt_ids) == len(lengths) == len(responses.request_ids)
+            and responses.offsets.tolist() == [0] + torch.tensor(lengths, dtype=torch.long).cumsum(0).tolist()
+            and responses.topk_logprobs.shape[0] == responses.topk_indices.shape[0] == n_rows):
+        raise DamagedCache(f"{path}: its responses, offsets and teacher rows do not fit together")
+    return responses
 
 
 def cached_responses(model, tokenizer, target_fingerprint: str, requests: list, prompts: list[list[int]], *,
@@ -170,9 +185,15 @@ def cached_responses(model, tokenizer, target_fingerprint: str, requests: list, 
     path = response_cache_dir(target_fingerprint, key)
     parts, all_cached = [], True
     for sample in range(samples):
-        part_dir = path / f"sample-{sample}"
-        if (part_dir / TOPK_FILE).exists():
-            part = load_responses(part_dir)
+        part_dir = recover_dir(path / f"sample-{sample}")
+        part = None
+        if part_dir.exists():
+            try:
+                part = load_responses(part_dir)
+            except DamagedCache as exc:
+                log.warning("damaged response cache entry, generated again: %s", exc)
+                shutil.rmtree(part_dir)
+        if part is not None:
             if part.topk_indices.shape[1] < topk:
                 rows = teacher_forced_topk(model, [p + r for p, r in zip(part.prompt_ids, part.response_ids)],
                                            [len(p) for p in part.prompt_ids], topk)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from pipeline import draftops_home, registry
 from pipeline.config import save_config
+from pipeline.files import recover_dir, swap_dir, temporary_sibling
 
 if TYPE_CHECKING:
     import torch
@@ -146,11 +147,10 @@ def _gguf_to_checkpoint(gguf: Path) -> Path:
             del config.quantization_config
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         plain.load_state_dict(gguf_model.state_dict())
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp = temporary_sibling(out)
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, out)
+        swap_dir(tmp, out)
     return out
 
 
@@ -162,10 +162,9 @@ def _registry_checkpoint(source: str) -> Path:
         raise SourceError(str(exc)) from None
     key = hashlib.sha256(f"{registry.store_uri()}|{version.artifact_uri}".encode()).hexdigest()[:12]
     out = draftops_home() / "models" / "registry" / f"{version.name}-v{version.version}-{key}"
-    if not (out / "config.json").exists():
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+    if not (recover_dir(out) / "config.json").exists():
+        tmp = temporary_sibling(out)  # two processes resolving the same version each download into their own
+        tmp.mkdir()
         try:
             registry.download(version, tmp)
         except registry.RegistryError as exc:
@@ -174,8 +173,7 @@ def _registry_checkpoint(source: str) -> Path:
         found = sorted(p.parent for p in tmp.rglob("config.json") if (p.parent / "tokenizer_config.json").exists())
         if not found:
             raise SourceError(f"{source}: version {version.version} at {version.artifact_uri} holds no HF checkpoint")
-        shutil.rmtree(out, ignore_errors=True)
-        shutil.move(str(min(found, key=lambda p: len(p.parts))), out)
+        swap_dir(min(found, key=lambda p: len(p.parts)), out)
         shutil.rmtree(tmp, ignore_errors=True)
     return out
 
@@ -208,11 +206,17 @@ def _digest_file(path: Path, cache: dict) -> str:
 def fingerprint_dir(path: str | Path) -> str:
     """sha256 over the model config (minus software versions) and every weight file.
 
-    File digests are cached by (path, size, mtime), so a second call on an unchanged checkpoint only stats files.
+    File digests are cached by (path, size, mtime), so a second call on an unchanged checkpoint only stats files; a
+    cache file that cannot be read is started afresh (it only saves time).
     """
     path = Path(path)
     cache_file = draftops_home() / "fingerprints.json"
-    cache = json.loads(cache_file.read_text()) if cache_file.exists() else {}
+    try:
+        cache = json.loads(cache_file.read_text()) if cache_file.exists() else {}
+    except (OSError, ValueError):
+        cache = {}
+    if not isinstance(cache, dict):
+        cache = {}
     before = len(cache)
     config = json.loads((path / "config.json").read_text())
     for key in _VOLATILE_CONFIG_KEYS:

@@ -55,3 +55,20 @@ def test_sampled_responses_are_reproducible_and_cached(monkeypatch):
     monkeypatch.setattr("distill.responses.teacher_forced_topk", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
     again, _, _ = cached_responses(model, tokenizer, "fp", requests, PROMPTS, **{**kw, "topk": 6})
     assert torch.equal(again.topk_logprobs, larger.topk_logprobs)
+
+
+def test_a_damaged_cache_entry_is_generated_again(isolated_home):
+    """A truncated teacher file or a dataset that does not fit its offsets is regenerated, not a traceback forever."""
+    model, tokenizer = setup()
+    requests = [Request(f"q{i}", "c", ({"role": "user", "content": "x"},)) for i in range(len(PROMPTS))]
+    kw = dict(samples=2, max_new_tokens=5, temperature=1.0, batch_size=2, seed=7, topk=4)
+    first, path, _ = cached_responses(model, tokenizer, "fp", requests, PROMPTS, **kw)
+    teacher = path / "sample-1" / "teacher_topk.safetensors"
+    teacher.write_bytes(teacher.read_bytes()[:100])  # a write cut short
+    (path / "sample-0.old").mkdir()  # and a swap cut between its renames, on top of a complete entry
+    again, _, hit = cached_responses(model, tokenizer, "fp", requests, PROMPTS, **kw)
+    assert not hit and again.response_ids == first.response_ids
+    assert torch.equal(again.topk_indices, first.topk_indices)
+    assert sorted(p.name for p in path.iterdir()) == ["sample-0", "sample-1"]
+    _, _, hit = cached_responses(model, tokenizer, "fp", requests, PROMPTS, **kw)
+    assert hit

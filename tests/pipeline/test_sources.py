@@ -66,3 +66,14 @@ def test_tokenizer_mismatch_names_the_first_differing_token():
     check_tokenizer_compat(make_tokenizer(), make_tokenizer())
     with pytest.raises(TokenizerMismatch, match=r"id 49: target has 'w0', draft has '\[UNK\]'"):
         check_tokenizer_compat(make_tokenizer(extra_words=3), make_tokenizer())
+
+
+def test_a_damaged_fingerprint_cache_is_rebuilt_not_a_traceback(tiny_checkpoint, isolated_home):
+    from pipeline import draftops_home
+    from pipeline.sources import fingerprint_dir
+
+    expected = fingerprint_dir(tiny_checkpoint)
+    for damaged in ('{"truncated', "[1, 2]", "\x00\x01"):
+        (draftops_home() / "fingerprints.json").write_text(damaged)
+        assert fingerprint_dir(tiny_checkpoint) == expected
+    assert json.loads((draftops_home() / "fingerprints.json").read_text())
