@@ -13,9 +13,11 @@ run): 1. ~12 min (291 target responses, 72 steps), 2. ~4 min (99 held-out respon
 passes), 5. ~2 min (one pass). Each phase's time is printed.
 
 Everything goes under `--out` (configs, distill jobs, the updated target, monitor state) and into the configured
-MLflow store. The demo owns its registered model (not the production one) and its folders, and starts them afresh;
-target responses stay cached in $DRAFTOPS_HOME, so a second run generates only what changed. The last line it
-prints is the `draftops monitor check` command that re-checks the state it leaves.
+MLflow store. The demo owns its registered model (not the production one) and its folders, and starts them afresh:
+it deletes only what it created itself (a folder it marked with `OUT_MARKER`, a registered model it tagged with
+`pipeline.metrics.DRIFT_DEMO_TAG`) and refuses anything else. Target responses stay cached in $DRAFTOPS_HOME, so a
+second run generates only what changed. The last line it prints is the `draftops monitor check` command that
+re-checks the state it leaves.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from pipeline.tracking import setup_mlflow, tracking_uri
 DEFAULT_OUT = "outputs/drift-demo"
 PRODUCTION_MODEL = TrackingConfig().registered_model
 OWNED_DIRS = ("distill", "monitor", "target-updated")  # under --out, emptied by every run
+OUT_MARKER = ".draftops-drift-demo"  # written into --out when the demo creates it or finds it empty
 ACCEPTANCE_TOLERANCE = 0.02  # the new champion on the new target vs the old champion on the old target
 
 
@@ -100,6 +103,29 @@ def draftops_executable() -> str:
     return os.path.relpath(script) if script.exists() else "draftops"
 
 
+def claim_out(out: Path) -> None:
+    """Make `out` the demo's folder: created (or found empty) and marked, or marked by an earlier demo. Any other
+    folder is refused, since the demo empties its subfolders."""
+    if out.exists() and not (out / OUT_MARKER).exists() and any(out.iterdir()):
+        raise ValueError(f"{out} holds files the drift demo did not create (no {OUT_MARKER}); it empties its "
+                         "subfolders, so give it a new or empty folder (--out)")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / OUT_MARKER).write_text("created by `draftops monitor demo`; its subfolders are emptied by every run\n")
+
+
+def claim_model(name: str) -> bool:
+    """Start registered model `name` afresh for the demo: delete it if an earlier demo created it (True), refuse it
+    if anything else did, then create it tagged as the demo's."""
+    tags = registry.model_tags(name)
+    if tags is not None and tags.get(M.DRIFT_DEMO_TAG) != "true":
+        raise ValueError(f"registered model '{name}' was not created by the drift demo; the demo deletes its model "
+                         "on every run, so give it a name of its own (tracking.registered_model)")
+    if tags is not None:
+        registry.delete_model(name)
+    registry.create_model(name, tags={M.DRIFT_DEMO_TAG: "true"})
+    return tags is not None
+
+
 def _decision(report) -> str:
     d = report.decision
     return d.status.value + (f"({d.cause.value})" if d.cause else "")
@@ -113,16 +139,17 @@ def run_demo(cfg: DraftopsConfig, out: str | Path = DEFAULT_OUT, *, echo=print) 
         raise ValueError(f"the demo starts its registered model afresh: give it a name of its own, not "
                          f"'{PRODUCTION_MODEL}' (configs/drift_demo.yaml: tracking.registered_model)")
     out = Path(out)
+    claim_out(out)
     for owned in OWNED_DIRS:  # a fresh demo: no resumed distill job, no earlier monitor state
         shutil.rmtree(out / owned, ignore_errors=True)
-    out.mkdir(parents=True, exist_ok=True)
     original, updated = demo_configs(cfg, out, str(out / OWNED_DIRS[2]))
     original_path = save_config(original, out / "config-original-target.yaml")
     updated_path = save_config(updated, out / "config-updated-target.yaml")
     result = DemoResult(recheck_command=f"{draftops_executable()} monitor check --config {updated_path}")
     setup_mlflow(original)
-    if registry.delete_model(name):
-        echo(f"[demo] registered model '{name}' existed at {tracking_uri(original)}: deleted, starting afresh")
+    if claim_model(name):
+        echo(f"[demo] registered model '{name}' from an earlier demo at {tracking_uri(original)}: deleted, starting "
+             "afresh")
     echo(f"[demo] configs: {original_path} (original target), {updated_path} (updated target)")
     start = time.perf_counter()
 

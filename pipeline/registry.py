@@ -25,6 +25,9 @@ BASELINE_ARTIFACT = "monitor/baseline.json"
 _URI_FORMS = f"{REGISTRY_PREFIX}NAME@ALIAS or {REGISTRY_PREFIX}NAME/VERSION"
 
 
+MODEL_DESCRIPTION = "Speculative-decoding drafts managed by draftops."
+
+
 class RegistryError(RuntimeError):
     """The registry cannot do what was asked: a malformed `models:/` URI, a version it does not hold, no champion,
     nothing to roll back to."""
@@ -158,6 +161,23 @@ def version_numbers(name: str) -> list[str]:
     return sorted((str(v.version) for v in _client().search_model_versions(f"name='{name}'")), key=int)
 
 
+def model_tags(name: str) -> dict[str, str] | None:
+    """The tags of registered model `name`, or None if there is no such model."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return dict(_client().get_registered_model(name).tags or {})
+    except MlflowException as exc:
+        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise
+
+
+def create_model(name: str, *, tags: dict[str, str]) -> None:
+    """Create registered model `name` with `tags` (registration then adds versions to it)."""
+    _client().create_registered_model(name, tags=tags, description=MODEL_DESCRIPTION)
+
+
 def delete_model(name: str) -> bool:
     """Delete registered model `name` with its versions (their runs stay); True if there was one."""
     from mlflow.exceptions import MlflowException
@@ -192,7 +212,7 @@ def register(checkpoint_dir: str | Path, model_name: str, *, tags: dict[str, str
     try:
         client.get_registered_model(model_name)
     except MlflowException:
-        client.create_registered_model(model_name, description="Speculative-decoding drafts managed by draftops.")
+        client.create_registered_model(model_name, description=MODEL_DESCRIPTION)
     version = client.create_model_version(
         model_name, source=f"{run.info.artifact_uri}/{artifact_path}", run_id=run.info.run_id,
         tags={k: str(v) for k, v in tags.items()}, description=description)

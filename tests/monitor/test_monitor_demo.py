@@ -69,3 +69,22 @@ def test_shipped_demo_config_fits_the_shipped_traffic():
     heldout = load_traffic(cfg.traffic.path).split("heldout", cfg.traffic.heldout_fraction)
     assert cfg.monitor.heldout_requests == len(heldout) >= 96  # every held-out request, enough for the tests
     assert cfg.target_update.prompts == "traffic" and cfg.monitor.break_even_alpha < 0.4
+
+
+def test_demo_refuses_a_folder_it_did_not_create(tmp_path, mlflow_uri):
+    """`--out .` in a checkout must not empty the source folders distill/ and monitor/."""
+    out = tmp_path / "checkout"
+    (out / "distill").mkdir(parents=True)
+    (out / "distill" / "train.py").write_text("source code")
+    with pytest.raises(ValueError, match="did not create"):
+        run_demo(demo_config(tmp_path, mlflow_uri), out)
+    assert (out / "distill" / "train.py").read_text() == "source code"
+
+
+def test_demo_never_deletes_a_registered_model_it_did_not_create(tmp_path, mlflow_uri):
+    client = MlflowClient()
+    client.create_registered_model(NAME)
+    client.create_model_version(NAME, source="file:///nonexistent")
+    with pytest.raises(ValueError, match="not created by the drift demo"):
+        run_demo(demo_config(tmp_path, mlflow_uri), tmp_path / "demo")
+    assert [v.version for v in client.search_model_versions(f"name='{NAME}'")] in (["1"], [1])
