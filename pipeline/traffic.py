@@ -144,17 +144,17 @@ def load_traffic(path: str | Path = "default", *, skip_malformed: bool = False) 
     requests: list[Request] = []
     malformed: list[str] = []
     seen: set[str] = set()
-    with path.open(encoding="utf-8") as f:
-        for line_no, text in enumerate(f, start=1):
-            if not text.strip():
+    with path.open("rb") as f:  # decoded line by line, so that a bad byte is reported with its line
+        for line_no, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             try:
-                request_id, category, messages, ts = parse_line(text)
+                request_id, category, messages, ts = parse_line(raw.decode("utf-8"))
                 if request_id is None:  # content hash: stable however the log grows
                     request_id = "sha-" + hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()[:16]
                 if request_id in seen:
                     raise ValueError(f"duplicate id {request_id!r}")
-            except (ValueError, json.JSONDecodeError) as exc:
+            except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
                 reason = f"{path}:{line_no}: {exc}"
                 if not skip_malformed:
                     raise TrafficError(reason + " (use traffic.skip_malformed=true to skip such lines)") from None

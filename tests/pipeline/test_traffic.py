@@ -85,3 +85,13 @@ def test_first_per_category_keeps_log_order():
 
     requests = [Request(str(i), c, ({"role": "user", "content": "x"},)) for i, c in enumerate("aabbbacc")]
     assert [r.id for r in first_per_category(requests, 2)] == ["0", "1", "2", "3", "6", "7"]
+
+
+def test_a_non_utf8_byte_names_its_file_and_line(tmp_path):
+    path = tmp_path / "t.jsonl"
+    lines = [(r if isinstance(r, str) else json.dumps(r)).encode() for r in THREE_SHAPES]
+    path.write_bytes(b"\n".join(lines[:1] + [b'{"prompt": "caf\xe9"}'] + lines[1:]) + b"\n")
+    with pytest.raises(TrafficError) as err:
+        load_traffic(path)
+    assert str(err.value).startswith(f"{path}:2: ") and "utf-8" in str(err.value)
+    assert len(load_traffic(path, skip_malformed=True).requests) == len(THREE_SHAPES)
