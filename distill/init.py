@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from decode.drafts import draft_from_target_layers, reduce_vocabulary
 from pipeline.config import DistillConfig
-from pipeline.sources import resolve_model
+from pipeline.sources import check_tokenizer_compat, resolve_model
 
 
 def draft_from_config(target, overrides: dict):
@@ -41,11 +41,12 @@ def remap_vocabulary(draft, draft_ids: torch.Tensor, token_ids: torch.Tensor, he
             draft.lm_head.weight[new_rows] = old_head[old_rows].to(draft.lm_head.weight.dtype)
 
 
-def init_draft(cfg: DistillConfig, target, *, token_ids: torch.Tensor | None = None):
+def init_draft(cfg: DistillConfig, target, *, token_ids: torch.Tensor | None = None, tokenizer=None):
     """The draft described by `cfg` (init, init_layers, init_checkpoint, init_config), in train mode.
 
     With `token_ids`, the head is cut to those rows, taken from the target's head; a checkpoint with a reduced head
-    over other ids keeps its rows for the ids both share (`remap_vocabulary`).
+    over other ids keeps its rows for the ids both share (`remap_vocabulary`). `tokenizer`: the target's; a checkpoint
+    to start from must map text to the same ids (`check_tokenizer_compat`), or its weights mean other tokens.
     """
     if cfg.init == "target_layers":
         draft = draft_from_target_layers(target, cfg.init_layers)
@@ -55,6 +56,8 @@ def init_draft(cfg: DistillConfig, target, *, token_ids: torch.Tensor | None = N
         if not cfg.init_checkpoint:
             raise ValueError("distill.init=checkpoint needs distill.init_checkpoint (a model source)")
         loaded = resolve_model(cfg.init_checkpoint, device=target.device, dtype=target.dtype)
+        if tokenizer is not None:
+            check_tokenizer_compat(tokenizer, loaded.tokenizer)
         draft = loaded.model
         if loaded.token_ids is not None:
             if token_ids is None or not torch.equal(loaded.token_ids, token_ids.cpu()):

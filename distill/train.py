@@ -110,7 +110,7 @@ def run_distill(cfg: DraftopsConfig, *, init_only: bool = False) -> DistillResul
     job_dir = Path(cfg.distill.output_dir) / job_key(cfg, data.fingerprint)
     set_seed(cfg.seed)
     # fp32 master weights even beside a bf16 target; accelerate's mixed precision casts the compute
-    draft = init_draft(cfg.distill, target.model, token_ids=data.token_ids).float()
+    draft = init_draft(cfg.distill, target.model, token_ids=data.token_ids, tokenizer=target.tokenizer).float()
     if init_only:
         export_dir = job_dir / "init"
         if accelerator.is_main_process:

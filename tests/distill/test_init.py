@@ -4,7 +4,7 @@ import torch
 from decode.drafts import draft_from_target_layers, frequent_token_ids, full_vocab_copy
 from distill.init import draft_from_config, init_draft
 from pipeline.config import DistillConfig
-from pipeline.sources import save_checkpoint
+from pipeline.sources import TokenizerMismatch, save_checkpoint
 from tests.conftest import make_tiny_model, make_tokenizer
 
 IDS = torch.tensor([[1, 5, 9, 12, 40, 3, 7, 2]])
@@ -92,3 +92,12 @@ def test_full_vocab_copy_scatters_the_head_back(target):
     outside = torch.ones(64, dtype=torch.bool)
     outside[token_ids] = False
     assert torch.equal(logits[..., outside], torch.zeros_like(logits[..., outside]))
+
+
+def test_a_checkpoint_start_must_share_the_targets_tokenizer(tmp_path, target):
+    tokenizer = make_tokenizer()
+    other = make_tokenizer(extra_words=3)  # the same words, then more: ids past the shared ones differ
+    path = save_checkpoint(make_tiny_model(len(other), seed=4), other, tmp_path / "foreign")
+    cfg = DistillConfig(init="checkpoint", init_checkpoint=str(path))
+    with pytest.raises(TokenizerMismatch):
+        init_draft(cfg, make_tiny_model(len(tokenizer), seed=3), tokenizer=tokenizer)
