@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from pipeline import metrics as M
-from pipeline.registry import RegistryError
+from pipeline.registry import ModelBusy, RegistryError
 
 
 def _setup_logging() -> None:
@@ -24,7 +24,7 @@ def _setup_logging() -> None:
 def check_command(args) -> int:
     from monitor.check import run_check
     from monitor.decision import EXIT_ERROR
-    from monitor.service import EXIT_BUSY, CheckBusy, check_lock, log_failed_check
+    from monitor.service import EXIT_BUSY, check_lock, log_failed_check
     from pipeline.config import load_config
     from pipeline.tracking import TrackingUnavailable, check_tracking
 
@@ -34,7 +34,7 @@ def check_command(args) -> int:
         check_tracking(cfg)
         with check_lock(cfg):
             report = run_check(cfg)
-    except CheckBusy as exc:
+    except ModelBusy as exc:
         print(f"draftops: {exc}; not checking", file=sys.stderr)
         return EXIT_BUSY
     except (RegistryError, TrackingUnavailable) as exc:
@@ -85,10 +85,15 @@ def _read_pairs(path: str) -> list[tuple[float, float]]:
 
 def rollback_command(args) -> int:
     from monitor.check import rollback
+    from monitor.service import EXIT_BUSY
     from pipeline.config import load_config
 
     cfg = load_config(args.config, args.overrides)
-    version = rollback(cfg, to_version=args.to_version)
+    try:
+        version = rollback(cfg, to_version=args.to_version)
+    except ModelBusy as exc:
+        print(f"draftops: {exc}; not rolling back (try again when it is free)", file=sys.stderr)
+        return EXIT_BUSY
     print(f"{cfg.tracking.registered_model}@{M.CHAMPION} -> version {version}")
     return 0
 

@@ -25,12 +25,13 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.schedulers.base import STATE_STOPPED
 from apscheduler.triggers.cron import CronTrigger
 from apscheduler.util import ref_to_obj
-from filelock import FileLock, Timeout
 
 from monitor.decision import EXIT_ERROR
 from pipeline import metrics as M
+from pipeline import registry
 from pipeline.config import DraftopsConfig, load_config
-from pipeline.tracking import TrackingUnavailable, check_tracking, start_run
+from pipeline.registry import ModelBusy
+from pipeline.tracking import TrackingUnavailable, check_tracking, start_run, tracking_uri
 
 log = logging.getLogger("draftops.monitor")
 
@@ -38,10 +39,6 @@ JOB_ID = "draftops-monitor-check"
 SCHEDULED_JOB = "monitor.service:run_scheduled_check"
 DEFAULT_CHECK = "monitor.check:scheduled_check"  # callable(cfg) -> exit code, run under the lock
 EXIT_BUSY = 75  # EX_TEMPFAIL: another check or retrain holds the lock; try again later
-
-
-class CheckBusy(RuntimeError):
-    """Another check or retrain holds the monitor lock."""
 
 
 def state_dir(cfg: DraftopsConfig) -> Path:
@@ -56,17 +53,12 @@ def jobstore_path(cfg: DraftopsConfig) -> Path:
 
 @contextlib.contextmanager
 def check_lock(cfg: DraftopsConfig, timeout: float | None = None) -> Iterator[None]:
-    """Hold the monitor lock; wait up to `timeout` (default cfg.monitor.lock_timeout), else raise CheckBusy."""
-    path = state_dir(cfg) / "check.lock"
-    lock = FileLock(path, timeout=cfg.monitor.lock_timeout if timeout is None else timeout)
-    try:
-        lock.acquire()
-    except Timeout:
-        raise CheckBusy(f"another monitor check or retrain holds {path}") from None
-    try:
+    """Hold the registered model's lock (`pipeline.registry.model_lock`, shared by every process that changes the
+    model, whatever its working directory) for a whole check, retraining and promotion included; wait up to `timeout`
+    (default cfg.monitor.lock_timeout), else raise `ModelBusy`."""
+    wait = cfg.monitor.lock_timeout if timeout is None else timeout
+    with registry.model_lock(cfg.tracking.registered_model, timeout=wait, uri=tracking_uri(cfg)):
         yield
-    finally:
-        lock.release()
 
 
 def log_failed_check(cfg: DraftopsConfig, error: BaseException) -> None:
@@ -103,7 +95,7 @@ def run_scheduled_check(config_path: str | None, check: str = DEFAULT_CHECK) -> 
             code = int(ref_to_obj(check)(cfg))
             log.info("monitor check finished with exit code %d", code)
             return code
-    except CheckBusy as exc:
+    except ModelBusy as exc:
         log.warning("monitor check skipped: %s", exc)
         return EXIT_BUSY
     except TrackingUnavailable as exc:  # nowhere to track the failure either

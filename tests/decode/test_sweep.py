@@ -144,7 +144,9 @@ def test_sweep_cli(checkpoints, capsys, tmp_path):
     measured = {(m["draft"], m["gamma"], m["context"], m["max_new_tokens"]) for m in report["measured"]}
     assert {(d, g, 16, 4) for d in drafts for g in (1, 3)} <= measured and len(measured) == 9
     assert all(m["same_output_as_target"] == 2 for m in report["measured"])  # lossless
-    assert report["gap"]["mean_abs"] >= 0
+    gaps = [m["speedup"]["value"] / m["predicted_speedup"] - 1 for m in report["measured"]]
+    assert report["gap"]["mean_abs"] == pytest.approx(sum(abs(g) for g in gaps) / len(gaps))
+    assert report["gap"]["max_abs"] == pytest.approx(max(abs(g) for g in gaps))
     recommendation = report["recommendation"]
     assert recommendation["draft"] in drafts
     tuned = load_config(tmp_path / "decode_config.yaml")

@@ -36,6 +36,11 @@ def test_greedy_responses_with_recorded_top_k_match_a_teacher_forced_pass():
 
 def test_sampled_responses_are_reproducible_and_cached(monkeypatch):
     model, tokenizer = setup()
+    # generated twice from scratch: the same seed gives the same samples, another seed others
+    sample = dict(max_new_tokens=5, temperature=1.0, batch_size=2, topk=4)
+    one, two = (generate_responses(model, tokenizer, PROMPTS, seed=7, **sample) for _ in range(2))
+    assert one.response_ids == two.response_ids and torch.equal(one.topk_logprobs, two.topk_logprobs)
+    assert generate_responses(model, tokenizer, PROMPTS, seed=8, **sample).response_ids != one.response_ids
     requests = [Request(f"q{i}", "c", ({"role": "user", "content": "x"},)) for i in range(len(PROMPTS))]
     kw = dict(samples=3, max_new_tokens=5, temperature=1.0, batch_size=2, seed=7, topk=4)
     first, path, hit = cached_responses(model, tokenizer, "fp", requests, PROMPTS, **kw)

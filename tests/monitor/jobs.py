@@ -4,6 +4,7 @@ from pathlib import Path
 
 
 def _log(cfg, line: str) -> None:
+    Path(cfg.monitor.state_dir).mkdir(parents=True, exist_ok=True)
     with open(Path(cfg.monitor.state_dir) / "runs.log", "a") as f:
         f.write(f"{line} {time.time():.3f}\n")
 

@@ -13,8 +13,9 @@ SLACK = 3 * np.sqrt(DEFAULT.level * (1 - DEFAULT.level) / N_CHECKS)
 
 @pytest.fixture(scope="module")
 def default_result():
+    """The check as configured by default (its test method included), at fewer bootstrap resamples."""
     return simulate_checks(DEFAULT.heldout_requests, DEFAULT.level, DEFAULT.margin, drops=(0.02, 0.05, 0.10),
-                           n_checks=N_CHECKS, method="delta", seed=1)
+                           n_checks=N_CHECKS, method=DEFAULT.test_method, n_bootstrap=400, seed=1)
 
 
 def test_false_alarms_at_most_level(default_result):
