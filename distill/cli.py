@@ -9,7 +9,8 @@ import sys
 
 
 def distill_command(args) -> int:
-    flags = (["--config", args.config] if args.config else []) + (["--init-only"] if args.init_only else [])
+    flags = ((["--config", args.config] if args.config else []) + (["--init-only"] if args.init_only else [])
+             + (["--register-only"] if args.register_only else []))
     if args.accelerate_config:
         # Several processes (DDP): accelerate starts them, each runs the same job (distill.train.main).
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.accelerate_config,
@@ -33,5 +34,8 @@ def add_commands(subparsers) -> None:
     parser.add_argument("--init-only", action="store_true",
                         help="export the initialized, untrained draft to <job folder>/init (a benchmark baseline); "
                              "train and register nothing")
+    parser.add_argument("--register-only", action="store_true",
+                        help="register the draft of a finished job (same config and data) that is not registered yet; "
+                             "a re-run does this by itself, without training again")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. distill.loss=tvd distill.epochs=2")
     parser.set_defaults(handler=distill_command)

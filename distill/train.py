@@ -94,11 +94,50 @@ def prepare_data(cfg: DraftopsConfig, accelerator, target, timings: Timings) -> 
     return TrainingData(train, heldout, token_ids, fingerprint)
 
 
-def run_distill(cfg: DraftopsConfig, *, init_only: bool = False) -> DistillResult:
+RESULT_FILE = "result.json"  # in the job folder: written when the draft is exported, again when it is registered
+
+
+class NothingToRegister(RuntimeError):
+    """`--register-only` for a job that has not finished."""
+
+
+def finished_job(job_dir: Path, data) -> DistillResult | None:
+    """The result of a job that ran to its export, or None."""
+    path = job_dir / RESULT_FILE
+    if not path.exists():
+        return None
+    saved = json.loads(path.read_text())
+    export_dir = Path(saved["export_dir"])
+    if not (export_dir / "config.json").exists():
+        return None
+    return DistillResult(export_dir, job_dir, saved["metrics"], saved["history"], saved["evals"], saved["timings"],
+                         data.token_ids, data.fingerprint, saved["run_id"], saved["version"], saved["alias"])
+
+
+def save_result(result: DistillResult) -> None:
+    (result.job_dir / RESULT_FILE).write_text(json.dumps(
+        {"metrics": result.metrics, "history": result.history, "evals": result.evals, "timings": result.timings,
+         "export_dir": str(result.export_dir), "run_id": result.run_id, "version": result.version,
+         "alias": result.alias}, indent=1))
+
+
+def register_once(cfg: DraftopsConfig, result: DistillResult, target) -> DistillResult:
+    """Register a finished job's draft unless it already is (a re-run registers nothing twice)."""
+    if result.version is not None:
+        return result
+    result.run_id, result.version, result.alias = log_and_register(
+        cfg, result, target_fingerprint=target.fingerprint, target_source=cfg.target)
+    save_result(result)
+    return result
+
+
+def run_distill(cfg: DraftopsConfig, *, init_only: bool = False, register_only: bool = False) -> DistillResult:
     """The whole job. Every process runs it (under `accelerate launch`); only the main one exports and registers.
 
-    init_only: stop after initializing the draft and export it untrained to `<job>/init` (the "undistilled" baseline
-    of a benchmark); nothing is trained or registered.
+    A job that already ran to its export (same config and data: the same job folder) is not trained again: its draft
+    is registered if it is not yet, once. init_only: stop after initializing the draft and export it untrained to
+    `<job>/init` (the "undistilled" baseline of a benchmark); nothing is trained or registered. register_only: only
+    that last step; an error when the job has not finished.
     """
     if cfg.distill.register_model and not init_only:
         check_tracking(cfg)  # before the work, not at registration after it
@@ -108,6 +147,18 @@ def run_distill(cfg: DraftopsConfig, *, init_only: bool = False) -> DistillResul
         target = load_model(cfg.target, device=accelerator.device, dtype=cfg.dtype, cpu_linear=cfg.cpu_linear)
     data = prepare_data(cfg, accelerator, target, timings)
     job_dir = Path(cfg.distill.output_dir) / job_key(cfg, data.fingerprint)
+    finished = None if init_only else finished_job(job_dir, data)
+    if register_only and finished is None:
+        raise NothingToRegister(f"no finished distill job for this config in {job_dir}: nothing to register")
+    if finished is not None:
+        if accelerator.is_main_process:
+            if cfg.distill.register_model:
+                register_once(cfg, finished, target)
+            print(f"draftops distill: {job_dir} had finished; nothing trained again")
+            print_summary(cfg, finished)
+        accelerator.wait_for_everyone()
+        accelerator.end_training()
+        return finished
     set_seed(cfg.seed)
     # fp32 master weights even beside a bf16 target; accelerate's mixed precision casts the compute
     draft = init_draft(cfg.distill, target.model, token_ids=data.token_ids, tokenizer=target.tokenizer).float()
@@ -141,14 +192,10 @@ def run_distill(cfg: DraftopsConfig, *, init_only: bool = False) -> DistillResul
         with timings.measure("export"):
             export_draft(draft, target.tokenizer, export_dir, token_ids=data.token_ids, cfg=cfg)
             point_latest(Path(cfg.distill.output_dir) / "latest", export_dir)
+        save_result(result)  # finished: a re-run after a failed registration only registers
         if cfg.distill.register_model:
             with timings.measure("register"):
-                result.run_id, result.version, result.alias = log_and_register(
-                    cfg, result, target_fingerprint=target.fingerprint, target_source=cfg.target)
-        (job_dir / "result.json").write_text(json.dumps(
-            {"metrics": result.metrics, "history": history, "evals": evals, "timings": result.timings,
-             "export_dir": str(export_dir), "run_id": result.run_id, "version": result.version,
-             "alias": result.alias}, indent=1))
+                register_once(cfg, result, target)
         print_summary(cfg, result)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # tears the process group down cleanly (gloo ranks abort at exit otherwise)
@@ -175,14 +222,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="distill.train")
     parser.add_argument("--config", default=None)
     parser.add_argument("--init-only", action="store_true")
+    parser.add_argument("--register-only", action="store_true")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     try:
-        run_distill(load_config(args.config, args.overrides), init_only=args.init_only)
+        run_distill(load_config(args.config, args.overrides), init_only=args.init_only,
+                    register_only=args.register_only)
     except NonFiniteLoss as exc:
         print(f"draftops distill: error: {exc}", file=sys.stderr)
         return 3
-    except TrackingUnavailable as exc:
+    except (TrackingUnavailable, NothingToRegister) as exc:
         print(f"draftops distill: error: {exc}", file=sys.stderr)
         return 2
     return 0

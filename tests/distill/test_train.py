@@ -183,3 +183,31 @@ def test_init_only_exports_the_untrained_draft_and_registers_nothing(isolated_ho
     fresh = init_draft(cfg.distill, target.model, token_ids=result.token_ids)
     for name, tensor in fresh.state_dict().items():  # exactly the initialization: layer 0, the cut head
         torch.testing.assert_close(exported.model.state_dict()[name], tensor)
+
+
+def test_a_finished_job_is_registered_once_and_not_trained_again(isolated_home, monkeypatch):
+    """`make distill` again on a finished job: no training, no second version. A job whose registration failed is
+    registered by the next run (or `--register-only`), still without training."""
+    from mlflow import MlflowClient
+
+    from distill import export, train
+
+    cfg = tiny_config(isolated_home, "distill.max_steps=4")
+    real_register = export.registry.register
+
+    def tracking_down(*args, **kwargs):
+        raise RuntimeError("tracking went away")
+
+    monkeypatch.setattr(export.registry, "register", tracking_down)
+    with pytest.raises(RuntimeError, match="went away"):
+        run_distill(cfg)
+    monkeypatch.setattr(export.registry, "register", real_register)
+    monkeypatch.setattr(train, "train_loop", lambda *a, **k: pytest.fail("a finished job was trained again"))
+    first = run_distill(cfg)  # registers what the failed run exported
+    again = run_distill(cfg, register_only=True)
+    assert first.version == again.version == "1" and first.export_dir == again.export_dir
+    name = cfg.tracking.registered_model
+    assert [v.version for v in MlflowClient().search_model_versions(f"name='{name}'")] in (["1"], [1])
+    other = tiny_config(isolated_home, "distill.max_steps=5")
+    with pytest.raises(train.NothingToRegister, match="nothing to register"):
+        run_distill(other, register_only=True)
