@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 from distill.train import run_distill
+from pipeline import metrics as M
+from pipeline import registry
 from pipeline.config import DraftopsConfig
 
 
+def challenger_config(cfg: DraftopsConfig) -> DraftopsConfig:
+    """The distillation a challenger runs: registered, and warm from the champion unless monitor.retrain_init says
+    otherwise."""
+    update: dict = {"register_model": True}
+    if cfg.monitor.retrain_init == "champion":
+        update.update(init="checkpoint", init_checkpoint=registry.alias_uri(cfg.tracking.registered_model, M.CHAMPION))
+    return cfg.model_copy(update={"distill": cfg.distill.model_copy(update=update)})
+
+
 def distill_challenger(cfg: DraftopsConfig) -> str:
-    """Run the configured distillation and register its draft; returns the new model version.
+    """Run the challenger's distillation and register its draft; returns the new model version.
 
     distill registers a new version as `challenger` while a champion exists; the monitor's gate decides.
     """
-
-    result = run_distill(cfg.model_copy(update={"distill": cfg.distill.model_copy(update={"register_model": True})}))
+    result = run_distill(challenger_config(cfg))
     if result.version is None:
         raise RuntimeError("distillation finished without registering a version")
     return str(result.version)

@@ -139,6 +139,9 @@ class MonitorConfig(Section):
     live_requests: int = Field(
         0, ge=0, description="Also measure live acceptance by decoding this many requests (0: off).")
     retrain: bool = Field(False, description="On DRIFT, re-distill a challenger and promote it only if it is better.")
+    retrain_init: Literal["champion", "config"] = Field("champion", description=(
+        "Where a challenger starts: champion, the champion's weights (distill.init=checkpoint at NAME@champion; "
+        "vocabulary rows both heads share are kept); config, distill.init as configured."))
     promote_margin: float = Field(0.01, ge=0.0, lt=1.0, description=(
         "A challenger must beat the champion's acceptance by this much (paired test on the same held-out prompts)."))
     schedule: str = Field("0 2 * * *", description="Crontab expression of the scheduled check (default nightly 02:00).")

@@ -302,3 +302,13 @@ def test_a_failure_before_the_baseline_is_stored_leaves_the_old_champion(setup, 
         check(cfg, world, retrain=world.retrain_with(quality=0.1))
     assert champion_version() == "1"
     assert registry.load_baseline(MlflowClient().get_model_version(NAME, "1"))["target_fingerprint"] == "fp-A"
+
+
+def test_a_challenger_starts_warm_from_the_champion_by_default():
+    from monitor.retrain import challenger_config
+
+    cfg = load_config(None, ["tracking.registered_model=drafts", "distill.register_model=false"])
+    warm = challenger_config(cfg).distill
+    assert (warm.init, warm.init_checkpoint, warm.register_model) == ("checkpoint", "models:/drafts@champion", True)
+    cold = challenger_config(load_config(None, ["monitor.retrain_init=config"])).distill
+    assert (cold.init, cold.init_layers, cold.register_model) == ("target_layers", [0, 1], True)
