@@ -111,7 +111,7 @@ def decode_command(args) -> int:
 def eval_command(args) -> int:
     import mlflow
 
-    from decode.drafters import DRAFT
+    from decode.drafters import DECODER, DRAFT
     from decode.evaluate import evaluate, flat_metrics, per_category_figure, per_position_figure
     from pipeline.metrics import DRAFT_FINGERPRINT_TAG, DRAFT_SOURCE_TAG, LATEST_EVAL_RUN_TAG, TARGET_FINGERPRINT_TAG
     from pipeline.registry import link_run
@@ -147,12 +147,16 @@ def eval_command(args) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        live, analytic = report["live"][DRAFT]["acceptance_rate"], report["analytic"]["alpha"]
+        analytic, drafters = report["analytic"]["alpha"], report["drafters"]
         print(f"prompts: {report['n_prompts']} ({args.split})")
-        print(f"live acceptance α̂: {live['value']:.3f} [{live['low']:.3f}, {live['high']:.3f}]")
+        for kind, label in ((DRAFT, "draft acceptance α̂:  "), (DECODER, "decoder acceptance: ")):
+            live = report["live"][kind]["acceptance_rate"]
+            print(f"{label} {live['value']:.3f} [{live['low']:.3f}, {live['high']:.3f}]  "
+                  f"({drafters.get(kind, drafters[DRAFT])})")
         print(f"analytic α:          {analytic['value']:.3f} [{analytic['low']:.3f}, {analytic['high']:.3f}]")
         predicted = report["predicted_tau"]["from_analytic_alpha"]
-        print(f"τ: {report['live']['tau']['value']:.2f} (predicted from analytic α: {predicted:.2f})")
+        print(f"τ of the draft alone: {report['live'][DRAFT]['tau']['value']:.2f} "
+              f"(predicted from analytic α: {predicted:.2f})")
         for name, summary in report["live"][DRAFT].get("per_category", {}).items():
             print(f"  {name:<16} α̂ {summary['acceptance_rate']['value']:.3f}  "
                   f"α {report['analytic']['per_category'][name]['value']:.3f}  τ {summary['tau']['value']:.2f}")

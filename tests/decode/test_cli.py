@@ -148,3 +148,13 @@ def test_eval_bench_and_the_monitor_agree_on_each_acceptance_name(checkpoints, c
     assert 0 < live.acceptance < 1
     assert evaluated["drafters"]["decoder"] == benched["drafters"]["speculative"]
     assert evaluated["drafters"]["draft"] == benched["drafters"]["draft_only"] == "draft"
+
+
+def test_eval_prints_both_acceptances_for_people(checkpoints, capsys):
+    target, draft, traffic, _ = checkpoints
+    assert main(["eval", "--target", target, "--draft", draft, "--traffic", traffic, "--split", "all", "--limit", "3",
+                 "--max-new-tokens", "6", "device=cpu", "tracking.system_metrics=false"]) == 0
+    out = capsys.readouterr().out
+    assert "draft acceptance α̂:" in out and "(draft(min_confidence=0.4))" in out
+    assert "decoder acceptance:" in out and "(lookup(n=2..3)+draft(min_confidence=0.4))" in out
+    assert "τ of the draft alone:" in out and "MLflow run:" in out
