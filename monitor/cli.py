@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 from pipeline import metrics as M
-from pipeline.registry import ModelBusy, RegistryError
+from pipeline.locks import ModelBusy
+from pipeline.registry import RegistryError
 
 
 def _setup_logging() -> None:

@@ -28,9 +28,8 @@ from apscheduler.util import ref_to_obj
 
 from monitor.decision import EXIT_ERROR
 from pipeline import metrics as M
-from pipeline import registry
 from pipeline.config import DraftopsConfig, load_config
-from pipeline.registry import ModelBusy
+from pipeline.locks import ModelBusy, model_lock
 from pipeline.tracking import TrackingUnavailable, check_tracking, start_run, tracking_uri
 
 log = logging.getLogger("draftops.monitor")
@@ -53,11 +52,11 @@ def jobstore_path(cfg: DraftopsConfig) -> Path:
 
 @contextlib.contextmanager
 def check_lock(cfg: DraftopsConfig, timeout: float | None = None) -> Iterator[None]:
-    """Hold the registered model's lock (`pipeline.registry.model_lock`, shared by every process that changes the
+    """Hold the registered model's lock (`pipeline.locks.model_lock`, shared by every process that changes the
     model, whatever its working directory) for a whole check, retraining and promotion included; wait up to `timeout`
     (default cfg.monitor.lock_timeout), else raise `ModelBusy`."""
     wait = cfg.monitor.lock_timeout if timeout is None else timeout
-    with registry.model_lock(cfg.tracking.registered_model, timeout=wait, uri=tracking_uri(cfg)):
+    with model_lock(cfg.tracking.registered_model, tracking_uri(cfg), timeout=wait):
         yield
 
 

@@ -14,19 +14,12 @@ command line (through `monitor.report`), and `draftops models info` on a local p
 """
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import logging
-import urllib.parse
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from filelock import FileLock, Timeout
-
-from pipeline import draftops_home
 from pipeline import metrics as M
+from pipeline.locks import model_lock
 
 REGISTRY_PREFIX = "models:/"
 BASELINE_ARTIFACT = "monitor/baseline.json"
@@ -34,9 +27,6 @@ _URI_FORMS = f"{REGISTRY_PREFIX}NAME@ALIAS or {REGISTRY_PREFIX}NAME/VERSION"
 
 
 MODEL_DESCRIPTION = "Speculative-decoding drafts managed by draftops."
-LOCKS_DIR = ".draftops-locks"
-log = logging.getLogger(__name__)
-_locks: dict[str, FileLock] = {}  # one lock object per path: reentrant within a thread (a check that registers)
 
 
 class RegistryError(RuntimeError):
@@ -109,49 +99,6 @@ def _client():
     from mlflow import MlflowClient
 
     return MlflowClient()
-
-
-class ModelBusy(RuntimeError):
-    """Another process holds the lock of a registered model (a check, a retrain, a promotion, a rollback)."""
-
-
-def lock_path(name: str, uri: str | None = None) -> Path:
-    """The lock of registered model `name` in store `uri`: the same file for every process and working directory that
-    changes that model: beside a sqlite or file store, else (a tracking server) under $DRAFTOPS_HOME/locks, which
-    serializes the processes of one machine."""
-    uri = uri or store_uri()
-    parsed = urllib.parse.urlparse(uri)
-    if parsed.scheme == "sqlite":
-        base = Path(parsed.path[1:]).resolve().parent / LOCKS_DIR  # sqlite:///rel.db, sqlite:////abs.db
-    elif parsed.scheme in ("", "file"):
-        base = Path(parsed.path).resolve() / LOCKS_DIR
-    else:
-        base = draftops_home() / "locks" / hashlib.sha256(uri.encode()).hexdigest()[:12]
-    return base / f"{name}.lock"
-
-
-@contextlib.contextmanager
-def model_lock(name: str, *, timeout: float | None = 0.0, uri: str | None = None) -> Iterator[Path]:
-    """Hold the lock of registered model `name`; wait up to `timeout` seconds (None: as long as it takes), else raise
-    `ModelBusy`. Check, retrain, promotion, rollback and registration all take it."""
-    path = lock_path(name, uri)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock = _locks.setdefault(str(path), FileLock(path))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        if timeout == 0:
-            raise ModelBusy(f"registered model '{name}' is busy: another process holds {path}") from None
-        log.info("waiting for %s (registered model '%s' is busy)", path, name)
-        try:
-            lock.acquire(timeout=-1 if timeout is None else timeout)
-        except Timeout:
-            raise ModelBusy(f"registered model '{name}' stayed busy for {timeout:g} s: another process holds "
-                            f"{path}") from None
-    try:
-        yield path
-    finally:
-        lock.release()
 
 
 def store_uri() -> str:
@@ -263,7 +210,8 @@ def register(checkpoint_dir: str | Path, model_name: str, *, tags: dict[str, str
         raise RuntimeError("register needs an active MLflow run")
     mlflow.log_artifacts(str(checkpoint_dir), artifact_path)
     client = _client()
-    with model_lock(model_name, timeout=None):  # waits for a check or a rollback: the finished work is not lost
+    # waits for a check or a rollback: the finished work is not lost
+    with model_lock(model_name, store_uri(), timeout=None):
         try:
             client.get_registered_model(model_name)
         except MlflowException:
@@ -335,7 +283,7 @@ def promote(name: str, version: str) -> str | None:
     """Make `version` the champion; the old champion becomes previous-champion. Returns the old champion. Under the
     model's lock (the check that decided it holds it already)."""
     client = _client()
-    with model_lock(name, timeout=None):
+    with model_lock(name, store_uri(), timeout=None):
         old = version_by_alias(name, M.CHAMPION)
         if old is not None and old.version == str(version):
             return None
@@ -353,7 +301,7 @@ def rollback(name: str, to_version: str | None = None) -> str:
     """Point champion back at previous-champion (or `to_version`); the two aliases swap. Returns the new champion.
     Refused (`ModelBusy`) while another process holds the model's lock: a rollback never races a promotion."""
     client = _client()
-    with model_lock(name, timeout=0):
+    with model_lock(name, store_uri(), timeout=0):
         current = champion(name)
         if to_version is None:
             previous = version_by_alias(name, M.PREVIOUS_CHAMPION)

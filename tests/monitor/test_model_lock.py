@@ -11,7 +11,7 @@ from mlflow import MlflowClient
 from pipeline import metrics as M
 from pipeline import registry
 from pipeline.cli import main
-from pipeline.registry import ModelBusy, lock_path, model_lock
+from pipeline.locks import ModelBusy, lock_path, model_lock
 
 REPO = Path(__file__).resolve().parents[2]
 NAME = "draftops-draft"
@@ -30,7 +30,7 @@ def test_the_lock_path_follows_the_store_and_the_model_not_the_working_directory
 
 def test_the_lock_is_reentrant_within_a_check(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    with model_lock(NAME, uri=uri), model_lock(NAME, uri=uri):  # a check that promotes: the same thread again
+    with model_lock(NAME, uri), model_lock(NAME, uri):  # a check that promotes: the same thread again
         pass
 
 
@@ -44,8 +44,8 @@ def held_elsewhere(tmp_path, mlflow_uri):
     client.set_registered_model_alias(NAME, M.CHAMPION, "2")
     client.set_registered_model_alias(NAME, M.PREVIOUS_CHAMPION, "1")
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pipeline.registry import model_lock\n"
-         "with model_lock(sys.argv[1], uri=sys.argv[2]):\n    print('held', flush=True); time.sleep(60)",
+        [sys.executable, "-c", "import sys, time; from pipeline.locks import model_lock\n"
+         "with model_lock(sys.argv[1], sys.argv[2]):\n    print('held', flush=True); time.sleep(60)",
          NAME, mlflow_uri], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     config = tmp_path / "elsewhere.yaml"
