@@ -41,18 +41,20 @@ test-browser: setup
 distill: setup
 	.venv/bin/draftops distill --config $(CONFIG) $(ARGS)
 
-# Benchmarks on the public Spec-Bench prompts beside the repo (../shared/data), by path; never copied in.
-BENCH_TRAFFIC ?= ../shared/data/spec_bench.jsonl
+# Benchmarks on the held-out split of the traffic draftops ships (prompts the draft never trained on). The README's
+# Spec-Bench figures: make bench BENCH_TRAFFIC=../shared/data/spec_bench.jsonl BENCH_SPLIT=all (read by path).
+BENCH_TRAFFIC ?= default
+BENCH_SPLIT ?= heldout
 DRAFT ?= models:/draftops-draft@champion
 bench: setup
-	.venv/bin/draftops bench --config $(CONFIG) --draft $(DRAFT) --traffic $(BENCH_TRAFFIC) --split all \
+	.venv/bin/draftops bench --config $(CONFIG) --draft $(DRAFT) --traffic $(BENCH_TRAFFIC) --split $(BENCH_SPLIT) \
 		--per-category 5 --max-new-tokens 128 --out outputs/bench $(ARGS)
 
 # The boundary map on the default pair: the registered champion (if any), the target's first 2 layers (full head, and
 # a head cut to the 8192 most frequent traffic tokens), prompt lookup. About 7 minutes on an idle 2-core CPU.
 SWEEP_DRAFTS ?= models:/draftops-draft@champion?,target-layers:2,target-layers:2:8192,prompt-lookup
 sweep: setup
-	.venv/bin/draftops sweep --config $(CONFIG) --drafts '$(SWEEP_DRAFTS)' --traffic $(BENCH_TRAFFIC) \
+	.venv/bin/draftops sweep --config $(CONFIG) --drafts '$(SWEEP_DRAFTS)' --traffic $(BENCH_TRAFFIC) --split $(BENCH_SPLIT) \
 		--out outputs/sweep $(ARGS)
 
 monitor: setup
