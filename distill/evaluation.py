@@ -14,29 +14,34 @@ from distill.losses import to_student_columns
 from distill.responses import ResponseSet
 
 
-@torch.inference_mode()
-def cached_eval(draft, responses: ResponseSet, token_ids: torch.Tensor | None, gamma: int, batch_size: int = 8) -> dict:
+@torch.no_grad()
+def cached_eval(response_logits, responses: ResponseSet, token_ids: torch.Tensor | None, gamma: int,
+                batch_size: int = 8) -> dict:
     """α and simulated τ on held-out target responses, from the draft alone and the cached target top-k.
 
+    response_logits: a `distill.step.ResponseLogits` over the draft, or what accelerate prepared from it. The loop
+    passes the prepared module, so that under FSDP the forward gathers the sharded parameters as in training.
     Greedy (T=0) values are exact: the target's argmax is its cached top-1. At T=1, Σ over the cached top-k of
     min(p, q) is a lower bound on α (short by at most the teacher's mass beyond its top k).
     """
-    device = next(draft.parameters()).device
+    device = next(response_logits.parameters()).device
     k = responses.topk_indices.shape[1]
     greedy, sampled = [], []
     for begin in range(0, len(responses), batch_size):
         rows = list(range(begin, min(begin + batch_size, len(responses))))
         batch = collate(responses, rows, pad_id=0, token_ids=None, with_teacher=True, topk=k)
-        logits = draft(input_ids=batch["input_ids"].to(device),
-                       attention_mask=batch["attention_mask"].to(device)).logits
-        for row in range(len(rows)):
-            mask = batch["loss_mask"][row]
-            probs = torch.softmax(logits[row][mask.to(device)].float(), -1)
-            top_p = batch["teacher"].logprobs[row][mask].float().exp().to(device)
-            top_ids = batch["teacher"].indices[row][mask].long().to(device)
-            draft_argmax = probs.argmax(-1) if token_ids is None else token_ids.to(device)[probs.argmax(-1)]
-            greedy.append((draft_argmax == top_ids[:, 0]).float().tolist())
-            sampled.append(torch.minimum(top_p, _draft_probs_at(probs, top_ids, token_ids)).sum(-1).tolist())
+        mask = batch["loss_mask"]
+        logits = response_logits(input_ids=batch["input_ids"].to(device),
+                                 attention_mask=batch["attention_mask"].to(device), loss_mask=mask.to(device))
+        probs = torch.softmax(logits.float(), -1)  # [N, V_draft]: the response positions of every row, in order
+        top_p = batch["teacher"].logprobs[mask].float().exp().to(device)
+        top_ids = batch["teacher"].indices[mask].long().to(device)
+        draft_argmax = probs.argmax(-1) if token_ids is None else token_ids.to(device)[probs.argmax(-1)]
+        agree = (draft_argmax == top_ids[:, 0]).float()
+        overlap = torch.minimum(top_p, _draft_probs_at(probs, top_ids, token_ids)).sum(-1)
+        counts = mask.sum(1).tolist()
+        greedy += [chunk.tolist() for chunk in agree.split(counts)]
+        sampled += [chunk.tolist() for chunk in overlap.split(counts)]
     return summarize_acceptance(greedy, sampled, gamma)
 
 

@@ -96,6 +96,12 @@ def step_batches(cfg: DraftopsConfig, draft, tokenizer, data: TrainingData, indi
     return batches, onpolicy
 
 
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters to clip, read from the prepared model: FSDP2 replaces a module's parameters by sharded ones
+    in prepare, so a list captured before it holds tensors that never receive a gradient."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def train_loop(cfg: DraftopsConfig, accelerator, target, tokenizer, draft, data: TrainingData, job_dir: Path,
                timings: Timings) -> tuple[list[dict], list[dict], dict | None]:
     """Train `draft` in place; returns (per-step history, evaluations, best evaluation). The best weights by τ are
@@ -107,12 +113,12 @@ def train_loop(cfg: DraftopsConfig, accelerator, target, tokenizer, draft, data:
     select = "tau_t0" if cfg.decode.temperature == 0 else "tau_t1"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids(target, tokenizer)[0]
 
-    trainable = [p for p in draft.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=d.learning_rate, weight_decay=d.weight_decay)
+    optimizer = torch.optim.AdamW(trainable_parameters(draft), lr=d.learning_rate, weight_decay=d.weight_decay)
     # Not passed to prepare(): accelerate would step it once per process and change the schedule with the world size.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(
         s, warmup=d.warmup_steps, total=total_steps, min_ratio=d.min_lr_ratio))
     model, optimizer = accelerator.prepare(ResponseLogits(draft), optimizer)
+    trainable = trainable_parameters(model)
     accelerator.register_for_checkpointing(scheduler)
 
     checkpoints, best_dir = job_dir / "checkpoints", job_dir / "best"
@@ -160,11 +166,12 @@ def train_loop(cfg: DraftopsConfig, accelerator, target, tokenizer, draft, data:
 
         if state["step"] % d.eval_every == 0 or state["step"] == total_steps:
             with timings.measure("eval"):
-                # Every rank evaluates (identical inputs): with FSDP the forward needs all of them.
-                evaluated = accelerator.unwrap_model(model).draft.eval()
-                metrics = {"step": state["step"], **cached_eval(evaluated, data.heldout, data.token_ids,
+                # Every rank evaluates (identical inputs) through the prepared model: with FSDP the forward
+                # gathers the sharded parameters from all of them.
+                model.eval()
+                metrics = {"step": state["step"], **cached_eval(model, data.heldout, data.token_ids,
                                                                  cfg.decode.gamma)}
-                evaluated.train()
+                model.train()
                 state["evals"].append(metrics)
                 if state["best"] is None or metrics[select] > state["best"][select]:
                     state["best"] = metrics
