@@ -122,7 +122,7 @@ def log_and_register(cfg: DraftopsConfig, result, *, target_fingerprint: str, ta
                 metrics.DISTILL_RUN_TAG: run.info.run_id, metrics.GAMMA_TAG: str(cfg.decode.gamma),
                 metrics.LOSS_KIND_TAG: cfg.distill.loss, **{k: metrics.tag_value(v) for k, v in figures.items()}}
         version, alias = registry.register(
-            result.export_dir, cfg.tracking.registered_model, tags=tags,
+            result.export_dir, cfg.tracking.registered_model, tags=tags, job=result.job_dir.name,
             description=describe_draft(cfg, result, info, target_fingerprint=target_fingerprint,
                                        target_source=target_source))
         client = MlflowClient()

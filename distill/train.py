@@ -28,6 +28,7 @@ from distill.init import init_draft
 from distill.loop import NonFiniteLoss, Timings, TrainingData, train_loop
 from distill.responses import cached_responses
 from pipeline.config import DraftopsConfig, load_config
+from pipeline.files import write_text_atomic
 from pipeline.registry import version_uri
 from pipeline.sources import HF_ASSISTANT_DIR
 from pipeline.tracking import TrackingUnavailable, check_tracking, tracking_uri
@@ -115,7 +116,7 @@ def finished_job(job_dir: Path, data) -> DistillResult | None:
 
 
 def save_result(result: DistillResult) -> None:
-    (result.job_dir / RESULT_FILE).write_text(json.dumps(
+    write_text_atomic(result.job_dir / RESULT_FILE, json.dumps(
         {"metrics": result.metrics, "history": result.history, "evals": result.evals, "timings": result.timings,
          "export_dir": str(result.export_dir), "run_id": result.run_id, "version": result.version,
          "alias": result.alias}, indent=1))

@@ -1,4 +1,5 @@
-"""Folders written so that a process stopped at any point leaves the old folder or the new one, never half of either.
+"""Folders and files written so that a process stopped at any point leaves the old one or the new one, never half of
+either.
 
 A writer fills a temporary sibling that only it uses (`temporary_sibling`), then `swap_dir` puts it in place with
 renames alone. A reader calls `recover_dir` first: it finishes a swap that was cut between its two renames and
@@ -20,6 +21,14 @@ def temporary_sibling(final: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
     return tmp
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    """Write `text` to a temporary file of this process beside `path`, then rename it over `path`."""
+    tmp = path.with_name(f"{path.name}{TMP_SUFFIX}{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
 
 
 def swap_dir(new: Path, final: Path) -> Path:

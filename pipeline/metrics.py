@@ -102,6 +102,7 @@ SWEEP_GAP_MEAN_ABS = "sweep/gap_mean_abs"
 
 # model-version tags that link a version to its runs
 DISTILL_RUN_TAG = "draftops.distill_run"
+DISTILL_JOB_TAG = "draftops.distill_job"  # the distill job (its key) a version holds: a job is registered once
 DRIFT_DEMO_TAG = "draftops.drift_demo"  # on a registered model the drift demo created (and may delete)
 LATEST_EVAL_RUN_TAG = "draftops.latest_eval_run"
 LATEST_BENCH_RUN_TAG = "draftops.latest_bench_run"

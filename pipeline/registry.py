@@ -195,11 +195,13 @@ def delete_model(name: str) -> bool:
 
 
 def register(checkpoint_dir: str | Path, model_name: str, *, tags: dict[str, str], description: str,
-             artifact_path: str = "draft"):
+             job: str | None = None, artifact_path: str = "draft"):
     """Log a checkpoint directory to the active run and register it as a new version of `model_name`.
 
     The version's source is the run's artifact folder, so `models:/NAME@ALIAS` resolves to the plain HF checkpoint.
     The first version of a model becomes `champion`; later ones `challenger` until the monitor's gate promotes them.
+    With `job` (a distill job's key, kept in the version's tags) registration is idempotent: a version of that job
+    is returned as it is, or given its alias if a kill cut its registration short, and never registered twice.
     Returns (the MLflow ModelVersion, its alias).
     """
     import mlflow
@@ -208,7 +210,6 @@ def register(checkpoint_dir: str | Path, model_name: str, *, tags: dict[str, str
     run = mlflow.active_run()
     if run is None:
         raise RuntimeError("register needs an active MLflow run")
-    mlflow.log_artifacts(str(checkpoint_dir), artifact_path)
     client = _client()
     # waits for a check or a rollback: the finished work is not lost
     with model_lock(model_name, store_uri(), timeout=None):
@@ -216,14 +217,27 @@ def register(checkpoint_dir: str | Path, model_name: str, *, tags: dict[str, str
             client.get_registered_model(model_name)
         except MlflowException:
             client.create_registered_model(model_name, description=MODEL_DESCRIPTION)
-        version = client.create_model_version(
-            model_name, source=f"{run.info.artifact_uri}/{artifact_path}", run_id=run.info.run_id,
-            tags={k: str(v) for k, v in tags.items()}, description=description)
-        has_champion = M.CHAMPION in client.get_registered_model(model_name).aliases
-        alias = M.CHALLENGER if has_champion else M.CHAMPION
-        client.set_registered_model_alias(model_name, alias, version.version)
+        version = _version_of_job(client, model_name, job) if job else None
+        if version is None:
+            mlflow.log_artifacts(str(checkpoint_dir), artifact_path)
+            job_tag = {M.DISTILL_JOB_TAG: job} if job else {}
+            version = client.create_model_version(
+                model_name, source=f"{run.info.artifact_uri}/{artifact_path}", run_id=run.info.run_id,
+                tags={**{k: str(v) for k, v in tags.items()}, **job_tag}, description=description)
+        alias = next(iter(version.aliases), None)
+        if alias is None:
+            alias = M.CHALLENGER if M.CHAMPION in client.get_registered_model(model_name).aliases else M.CHAMPION
+            client.set_registered_model_alias(model_name, alias, version.version)
     mlflow.set_tag(M.REGISTERED_VERSION_TAG, f"{model_name}/{version.version}")
     return version, alias
+
+
+def _version_of_job(client, model_name: str, job: str):
+    """The version registered for distill job `job`, with its aliases, or None."""
+    for found in client.search_model_versions(f"name='{model_name}'"):
+        if found.tags.get(M.DISTILL_JOB_TAG) == job:
+            return client.get_model_version(model_name, found.version)
+    return None
 
 
 def link_run(source: str, tag: str, run_id: str) -> tuple[str, str] | None:
@@ -287,12 +301,14 @@ def promote(name: str, version: str) -> str | None:
         old = version_by_alias(name, M.CHAMPION)
         if old is not None and old.version == str(version):
             return None
+        # In this order a kill between two calls leaves the old champion serving (a version without an alias is
+        # found again by its distill job) or the new one, never a challenger alias on the champion.
         if old is not None:
             client.set_registered_model_alias(name, M.PREVIOUS_CHAMPION, old.version)
-        client.set_registered_model_alias(name, M.CHAMPION, str(version))
         challenger = version_by_alias(name, M.CHALLENGER)
         if challenger is not None and challenger.version == str(version):
             client.delete_registered_model_alias(name, M.CHALLENGER)
+        client.set_registered_model_alias(name, M.CHAMPION, str(version))
         client.set_model_version_tag(name, str(version), M.PROMOTED_AT_TAG, _now())
     return old.version if old is not None else None
 

@@ -16,7 +16,6 @@ import hashlib
 import importlib.util
 import json
 import math
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from pipeline import draftops_home, registry
 from pipeline.config import save_config
-from pipeline.files import recover_dir, swap_dir, temporary_sibling
+from pipeline.files import recover_dir, swap_dir, temporary_sibling, write_text_atomic
 
 if TYPE_CHECKING:
     import torch
@@ -230,9 +229,7 @@ def fingerprint_dir(path: str | Path) -> str:
         h.update(_digest_file(name, cache).encode())
     if len(cache) != before:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache))
-        os.replace(tmp, cache_file)
+        write_text_atomic(cache_file, json.dumps(cache))
     return h.hexdigest()[:16]
 
 
