@@ -18,7 +18,7 @@ from decode.factory import build_decoder
 from distill.responses import cached_responses
 from monitor.stats import PromptAcceptance
 from pipeline.config import DraftopsConfig
-from pipeline.traffic import encode_prompts, load_traffic
+from pipeline.traffic import chronological, encode_prompts, load_traffic
 
 
 @dataclass
@@ -77,11 +77,11 @@ def new_baseline(target_fingerprint: str, measurement: Measurement) -> Baseline:
     return Baseline(target_fingerprint, measurement, datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
 def heldout_by_recency(cfg: DraftopsConfig) -> list:
-    """All held-out requests, oldest first (by timestamp, then file order); the last N are the most recent."""
+    """All held-out requests, oldest first (by the instant they were logged, then log order); the last N are the most
+    recent."""
 
     traffic = load_traffic(cfg.traffic.path, skip_malformed=cfg.traffic.skip_malformed)
-    heldout = traffic.split("heldout", cfg.traffic.heldout_fraction)
-    return sorted(heldout, key=lambda r: (r.ts or "", r.line))
+    return chronological(traffic.split("heldout", cfg.traffic.heldout_fraction))
 
 
 def prompt_token_counts(prompts: list[list[int]]) -> dict[int, int]:
