@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from decode.acceptance import analytic_acceptance, expected_tokens, expected_tokens_from_positions
 from decode.drafters import DECODER, DRAFT
@@ -21,7 +22,8 @@ def evaluate(target, draft, prompts: Sequence[list[int]], categories: Sequence[s
 
     target and draft are `pipeline.sources.ResolvedModel`s. The prompts are decoded with the draft model alone (its
     own acceptance, what drift is about) and, when the configured decoder also copies from the prompt, with that
-    decoder too (the acceptance users see). `gamma` overrides the config's γ policy with a fixed γ.
+    decoder too (the acceptance users see). `gamma` overrides the config's γ policy with a fixed γ. A progress bar per
+    decoder goes to stderr when it is a terminal.
     """
     warp = dict(temperature=decode.temperature, top_k=decode.top_k, top_p=decode.top_p)
     decoders = {DRAFT: build_decoder(target, draft, decode, kind=DRAFT, gamma=gamma)}
@@ -29,7 +31,8 @@ def evaluate(target, draft, prompts: Sequence[list[int]], categories: Sequence[s
         decoders[DECODER] = build_decoder(target, draft, decode, kind=DECODER, gamma=gamma)
     results = {
         kind: [
-            d.generate(p, max_new_tokens=decode.max_new_tokens, seed=seed + i, **warp) for i, p in enumerate(prompts)
+            d.generate(p, max_new_tokens=decode.max_new_tokens, seed=seed + i, **warp)
+            for i, p in enumerate(tqdm(prompts, desc=f"eval: decoding ({kind})", unit="prompt", disable=None))
         ]
         for kind, d in decoders.items()
     }

@@ -8,9 +8,12 @@ speculative decoding; prompt i contributes accepted and verified draft tokens.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+
+from tqdm.auto import tqdm
 
 from decode.acceptance import analytic_acceptance
 from decode.drafters import DRAFT
@@ -18,7 +21,7 @@ from decode.factory import build_decoder
 from distill.responses import cached_responses
 from monitor.stats import PromptAcceptance
 from pipeline.config import DraftopsConfig
-from pipeline.traffic import encode_prompts, load_traffic
+from pipeline.traffic import chronological, encode_prompts, load_traffic
 
 
 @dataclass
@@ -77,11 +80,11 @@ def new_baseline(target_fingerprint: str, measurement: Measurement) -> Baseline:
     return Baseline(target_fingerprint, measurement, datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
 def heldout_by_recency(cfg: DraftopsConfig) -> list:
-    """All held-out requests, oldest first (by timestamp, then file order); the last N are the most recent."""
+    """All held-out requests, oldest first (by the instant they were logged, then log order); the last N are the most
+    recent."""
 
     traffic = load_traffic(cfg.traffic.path, skip_malformed=cfg.traffic.skip_malformed)
-    heldout = traffic.split("heldout", cfg.traffic.heldout_fraction)
-    return sorted(heldout, key=lambda r: (r.ts or "", r.line))
+    return chronological(traffic.split("heldout", cfg.traffic.heldout_fraction))
 
 
 def prompt_token_counts(prompts: list[list[int]]) -> dict[int, int]:
@@ -95,7 +98,7 @@ def measure_analytic(cfg: DraftopsConfig, target, draft, requests: list) -> Meas
     responses, _, _ = cached_responses(
         target.model, target.tokenizer, target.fingerprint, requests, prompts, samples=1,
         max_new_tokens=cfg.decode.max_new_tokens, temperature=cfg.distill.generation_temperature,
-        batch_size=cfg.distill.generation_batch_size, seed=cfg.seed, topk=1)
+        batch_size=cfg.distill.generation_batch_size, seed=cfg.seed, topk=1, progress=sys.stderr.isatty())
     sequences = [p + r for p, r in zip(prompts, responses.response_ids)]
     result = analytic_acceptance(
         target.model, draft.model, sequences, [len(p) for p in prompts], temperature=cfg.decode.temperature,
@@ -112,7 +115,8 @@ def measure_live(cfg: DraftopsConfig, target, draft, requests: list) -> Measurem
     prompts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
     decoder = build_decoder(target, draft, cfg.decode, kind=DRAFT)
     ids, acc, n = [], [], []
-    for request, prompt in zip(requests, prompts):
+    for request, prompt in tqdm(zip(requests, prompts), total=len(requests), desc="monitor: live acceptance",
+                                unit="prompt", disable=None):
         stats = decoder.generate(prompt, max_new_tokens=cfg.decode.max_new_tokens,
                                  temperature=cfg.decode.temperature, top_k=cfg.decode.top_k,
                                  top_p=cfg.decode.top_p, seed=cfg.seed).stats

@@ -1,4 +1,6 @@
-"""Speculative decoding of the real SmolLM2-135M-Instruct target (slow: `make test-integration`)."""
+"""Speculative decoding of the real SmolLM2-135M-Instruct target (slow: `make test-integration`).
+
+The prompts are the held-out split of the traffic draftops ships, so a clone with nothing beside it runs the test."""
 import pytest
 import torch
 
@@ -6,8 +8,7 @@ from decode.drafts import draft_from_target_layers, reduce_vocabulary
 from decode.runtime import load_model
 from decode.speculative import SpeculativeDecoder
 from pipeline.sources import eos_token_ids
-from pipeline.traffic import encode_prompts, load_traffic
-from tests.conftest import shared_data
+from pipeline.traffic import DEFAULT_TRAFFIC, encode_prompts, first_per_category, load_traffic
 
 pytestmark = pytest.mark.integration
 
@@ -17,15 +18,18 @@ def target():
     return load_model("smollm2-135m-instruct", device="cpu")  # with the decoder's CPU kernels
 
 
-def test_greedy_equals_target_only_on_spec_bench(target):
-    """Any draft must leave greedy output unchanged: here a 2-layer cut of the target with an 8k-row head."""
+def test_greedy_equals_target_only_on_shipped_heldout_traffic(target):
+    """Any draft must leave greedy output unchanged: here a 2-layer cut of the target with an 8k-row head, on two
+    held-out requests of every category and the held-out conversations (several turns)."""
     torch.manual_seed(0)
     draft = draft_from_target_layers(target.model, [0, 1]).eval()
     token_ids = torch.arange(8192)
     reduce_vocabulary(draft, token_ids, target.model.get_output_embeddings().weight.detach())
     eos = eos_token_ids(target.model, target.tokenizer)
     decoder = SpeculativeDecoder(target.model, draft, gamma=4, draft_token_ids=token_ids, eos_token_ids=eos)
-    requests = load_traffic(shared_data("spec_bench.jsonl")).requests[::18][:20]
+    traffic = load_traffic(DEFAULT_TRAFFIC)
+    heldout = traffic.split("heldout")
+    requests = first_per_category(heldout, 2) + [r for r in heldout if len(r.messages) > 1]
     prompts, _ = encode_prompts(requests, target.tokenizer, max_prompt_tokens=384)
     accepted = 0
     for request, prompt in zip(requests, prompts):
@@ -35,4 +39,4 @@ def test_greedy_equals_target_only_on_spec_bench(target):
         result = decoder.generate(prompt, max_new_tokens=32)
         assert result.token_ids == reference.tolist(), f"{request.id} diverged from target-only greedy decoding"
         accepted += result.stats.accepted
-    assert len(prompts) == 20 and accepted > 0
+    assert {r.category for r in requests} == set(traffic.categories()) and len(requests) == 17 and accepted > 0

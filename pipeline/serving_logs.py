@@ -1,0 +1,121 @@
+"""Requests as serving gateways log them: OpenAI chat-completions bodies, the envelopes around them, their times.
+
+A gateway logs each request either as the body itself (`{"model": ..., "messages": [...], ...}`) or inside an
+envelope that names it and stamps its time, e.g. `{"request_id": "r1", "timestamp": 1759280400, "body": {...}}`.
+This module turns one such record into what draftops keeps of a request: its id, its time, and its messages.
+
+- Envelope: a record that is not itself a request (no `messages`, `prompt` or `turns`) is read from its `body` or
+  `request` field, a JSON object or a string holding one. The id, category and time are looked up in the envelope
+  first, then in the body: id in `id`, `request_id`, `question_id` (Spec-Bench's), time in `ts`, `timestamp`,
+  `created`; the first key present wins.
+- Messages: a `content` is a string or a list of parts; the text parts (`{"type": "text", "text": ...}`) are
+  joined with newlines and the other parts (images, audio, files) are skipped, so a message with no text left is an
+  error. Roles: `system`, `developer` (read as `system`), `user`, `assistant`, `tool`. Tool messages stay in the
+  conversation as logged (with their `tool_call_id` and `name`), and so do an assistant's `tool_calls` (its content
+  may then be empty): chat templates that know tools render them. The request is the next assistant turn, so the
+  conversation ends with a user turn or with a tool turn (the model answering a tool's result is a request too).
+- Times: ISO-8601 strings (`2026-10-01T02:00:00+02:00`, `...Z`; without an offset it is read as UTC), or numbers:
+  epoch seconds, or epoch milliseconds when over 1e11. All become aware UTC datetimes, so requests are ordered by
+  the instant, never by how the time was written.
+"""
+from __future__ import annotations
+
+import json
+import math
+from datetime import datetime, timezone
+
+ID_KEYS = ("id", "request_id", "question_id")
+TIME_KEYS = ("ts", "timestamp", "created")
+BODY_KEYS = ("body", "request")
+REQUEST_KEYS = ("messages", "prompt", "turns")
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+ANSWERABLE_LAST_ROLES = ("user", "tool")
+KEPT_TOOL_FIELDS = {"assistant": ("tool_calls",), "tool": ("tool_call_id", "name")}
+EPOCH_MILLISECONDS_ABOVE = 1e11  # as seconds, year 5138; as milliseconds, March 1973
+
+
+def request_body(record: dict) -> dict:
+    """The request a record holds: the record itself, or the body inside its envelope."""
+    if any(key in record for key in REQUEST_KEYS):
+        return record
+    for key in BODY_KEYS:
+        if key in record:
+            body = record[key]
+            if isinstance(body, str):
+                try:
+                    body = json.loads(body)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"'{key}' is a string but not JSON: {exc}") from None
+            if not isinstance(body, dict):
+                raise ValueError(f"'{key}' must be a JSON object")
+            return body
+    return record
+
+
+def envelope_field(record: dict, body: dict, keys: tuple[str, ...]) -> tuple[str, object] | tuple[None, None]:
+    """(key, value) of the first of `keys` set in the envelope, else in the body; (None, None) when none is."""
+    for source in (record, body):
+        for key in keys:
+            if source.get(key) is not None:
+                return key, source[key]
+    return None, None
+
+
+def chat_messages(messages: object) -> list[dict]:
+    """OpenAI chat messages as draftops keeps them: text content, `developer` as `system`, tool fields kept."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("'messages' must be a non-empty list")
+    kept = [_message(i, m) for i, m in enumerate(messages)]
+    if kept[-1]["role"] not in ANSWERABLE_LAST_ROLES:
+        raise ValueError("the last message must come from the user or a tool (it is the request to answer)")
+    return kept
+
+
+def _message(i: int, message: object) -> dict:
+    if not isinstance(message, dict) or message.get("role") not in ROLES:
+        raise ValueError(f"message {i} needs a role in {sorted(ROLES)}")
+    role = ROLES[message["role"]]
+    kept = {"role": role, "content": _text(i, message.get("content"))}
+    kept.update({key: message[key] for key in KEPT_TOOL_FIELDS.get(role, ()) if message.get(key) is not None})
+    if not kept["content"].strip() and "tool_calls" not in kept:
+        raise ValueError(f"message {i} has no text content")
+    return kept
+
+
+def _text(i: int, content: object) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"message {i}: content must be a string or a list of parts")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise ValueError(f"message {i}: every content part needs a 'type'")
+        if part["type"] == "text":
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"message {i}: a text part needs a string 'text'")
+            texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def parse_instant(value: object) -> datetime:
+    """An aware UTC datetime from an ISO-8601 string (no offset: UTC) or a number of epoch seconds / milliseconds."""
+    if isinstance(value, datetime):
+        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ValueError(f"time {value!r} is not a finite number")
+        seconds = value / 1000 if abs(value) > EPOCH_MILLISECONDS_ABOVE else value
+        try:
+            return datetime.fromtimestamp(seconds, timezone.utc)
+        except (OverflowError, OSError, ValueError):
+            raise ValueError(f"time {value!r} is out of range") from None
+    if isinstance(value, str):
+        try:
+            instant = datetime.fromisoformat(value.strip())
+        except ValueError:
+            raise ValueError(f"time {value!r} is neither ISO-8601 nor epoch seconds or milliseconds") from None
+        return instant.replace(tzinfo=timezone.utc) if instant.tzinfo is None else instant.astimezone(timezone.utc)
+    raise ValueError(f"time {value!r} must be an ISO-8601 string or epoch seconds or milliseconds")
