@@ -55,7 +55,8 @@ def _decode_settings(cfg, args):
 def _requests(cfg, args):
     from pipeline.traffic import first_per_category, load_traffic
 
-    traffic = load_traffic(_pick(args.traffic, cfg.traffic.path), skip_malformed=cfg.traffic.skip_malformed)
+    traffic = load_traffic(_pick(args.traffic, cfg.traffic.path), skip_malformed=cfg.traffic.skip_malformed,
+                           since=cfg.traffic.since, until=cfg.traffic.until)
     requests = traffic.split(args.split, cfg.traffic.heldout_fraction)
     if getattr(args, "per_category", None):
         requests = first_per_category(requests, args.per_category)

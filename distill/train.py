@@ -66,7 +66,8 @@ def make_accelerator(cfg: DraftopsConfig) -> Accelerator:
 def prepare_data(cfg: DraftopsConfig, accelerator, target, timings: Timings) -> TrainingData:
     """Target responses on the train split (+ held-out ones for evaluation), cached; the draft vocabulary from them."""
     d = cfg.distill
-    traffic = load_traffic(cfg.traffic.path, skip_malformed=cfg.traffic.skip_malformed)
+    traffic = load_traffic(cfg.traffic.path, skip_malformed=cfg.traffic.skip_malformed,
+                           since=cfg.traffic.since, until=cfg.traffic.until)
     train_requests = traffic.split("train", cfg.traffic.heldout_fraction)
     if d.train_prompts:
         train_requests = train_requests[:d.train_prompts]

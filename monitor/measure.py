@@ -83,7 +83,8 @@ def heldout_by_recency(cfg: DraftopsConfig) -> list:
     """All held-out requests, oldest first (by the instant they were logged, then log order); the last N are the most
     recent."""
 
-    traffic = load_traffic(cfg.traffic.path, skip_malformed=cfg.traffic.skip_malformed)
+    traffic = load_traffic(cfg.traffic.path, skip_malformed=cfg.traffic.skip_malformed,
+                           since=cfg.traffic.since, until=cfg.traffic.until)
     return chronological(traffic.split("heldout", cfg.traffic.heldout_fraction))
 
 

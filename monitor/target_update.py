@@ -86,7 +86,8 @@ def response_loss(causal_lm, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 def prompt_requests(cfg: DraftopsConfig) -> list:
     u = cfg.target_update
     if u.prompts == "traffic":  # exactly distill's selection, so that its cached responses are reused
-        traffic = load_traffic(cfg.traffic.path, skip_malformed=cfg.traffic.skip_malformed)
+        traffic = load_traffic(cfg.traffic.path, skip_malformed=cfg.traffic.skip_malformed,
+                               since=cfg.traffic.since, until=cfg.traffic.until)
         requests = traffic.split("train", cfg.traffic.heldout_fraction)
         return requests[:cfg.distill.train_prompts] if cfg.distill.train_prompts else requests
     requests = load_traffic(u.prompts, skip_malformed=True).requests

@@ -37,7 +37,7 @@ def traffic_stats(args) -> int:
     from pipeline.sources import locate
     from pipeline.traffic import encode_prompts, load_traffic
 
-    traffic = load_traffic(args.file, skip_malformed=args.skip_malformed)
+    traffic = load_traffic(args.file, skip_malformed=args.skip_malformed, since=args.since, until=args.until)
     tokenizer = AutoTokenizer.from_pretrained(locate(args.tokenizer).path)
     ids, truncated = encode_prompts(traffic.requests, tokenizer, max_prompt_tokens=10**9)
     lengths = np.array([len(x) for x in ids])
@@ -49,6 +49,8 @@ def traffic_stats(args) -> int:
         "heldout": len(traffic.split("heldout", args.heldout_fraction)),
         "prompt_tokens": {f"p{q}": int(np.percentile(lengths, q)) for q in (5, 25, 50, 75, 95, 100)},
         "malformed": len(traffic.malformed),
+        "duplicates": traffic.duplicates,
+        "outside_window": traffic.outside_window,
         "malformed_lines": traffic.malformed[:20],
         "fingerprint": traffic.fingerprint(),
     }
@@ -86,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--tokenizer", default="smollm2-135m-instruct", help="model source whose tokenizer counts")
     stats.add_argument("--heldout-fraction", type=float, default=0.1)
     stats.add_argument("--skip-malformed", action="store_true", help="skip and count bad lines instead of failing")
+    stats.add_argument("--since", help="only requests logged at or after this time (ISO-8601 or epoch s/ms)")
+    stats.add_argument("--until", help="only requests logged before this time")
     stats.add_argument("--json", action="store_true")
     stats.set_defaults(handler=traffic_stats)
 

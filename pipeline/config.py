@@ -24,10 +24,14 @@ class Section(BaseModel):
 
 
 class TrafficConfig(Section):
-    path: str = Field("default", description="Traffic JSONL file; 'default' is the traffic shipped with draftops.")
+    path: str = Field("default", description=(
+        "Traffic JSONL file, or a glob of rotated logs (.gz too); 'default' is the traffic shipped with draftops."))
     heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Share of request ids held out (by hash).")
     max_prompt_tokens: int = Field(512, ge=8, description="Prompts longer than this keep their last tokens.")
     skip_malformed: bool = Field(False, description="Skip and count malformed lines instead of failing.")
+    since: str | float | None = Field(None, description=(
+        "Keep requests logged at or after this time (ISO-8601, or epoch seconds/milliseconds); null: no bound."))
+    until: str | float | None = Field(None, description="Keep requests logged before this time; null: no bound.")
 
 
 class TrackingConfig(Section):
