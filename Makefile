@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 CONFIG ?= configs/default.yaml
 ARGS ?=
 
-.PHONY: setup lint test test-integration test-browser distill bench monitor drift-demo sweep ui report clean
+.PHONY: setup lint test test-integration test-faults test-browser distill bench monitor drift-demo sweep ui report clean
 
 setup: .venv/.installed
 
@@ -33,6 +33,10 @@ test: setup lint
 
 test-integration: setup
 	$(call PYTEST,-m integration)
+
+# kill -9 at seeded points of distill and of a check that retrains and promotes, then run again (docs/reliability.md)
+test-faults: setup
+	$(call PYTEST,-m faults)
 
 # The MLflow UI in a real headless Chromium (Debian's chromium + chromium-driver; see .ci/run). Screenshots: test-artifacts/
 test-browser: setup
