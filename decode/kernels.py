@@ -18,11 +18,12 @@ import itertools
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
 
-from decode.kernel_choice import ROWS, Shape, Timing, interleaved_medians, shape_timings
+from decode.kernel_choice import ROWS, Shape, Timing, cache_file, interleaved_medians, machine_key, shape_timings
 
 PACK_ROWS_HINT = 8  # oneDNN picks the packed layout for this many rows; measured the same for hints 4-64
 # layer -> (weak reference to the weight it was packed from, that weight's version, packed weight). Kept outside the
@@ -129,6 +130,17 @@ def linear_shapes(model: torch.nn.Module) -> dict[Shape, int]:
             shape = (module.out_features, module.in_features)
             shapes[shape] = shapes.get(shape, 0) + 1
     return shapes
+
+
+def cpu_linear_report(model: torch.nn.Module) -> dict:
+    """What "auto" picks for `model` on this machine and why: the machine key, its cache file, and per weight shape
+    (largest first) how many layers have it and, per measured row count, both kernels' median ms and the pick."""
+    shapes = linear_shapes(model)
+    timings = shape_timings(shapes, measure_linear)
+    key = machine_key()
+    return {"key": key, "cache_file": str(cache_file(key)), "shapes": [
+        {"weight": list(shape), "layers": layers, "timings": [{**asdict(t), "pick": t.pick} for t in timings[shape]]}
+        for shape, layers in sorted(shapes.items(), key=lambda item: (-item[0][0] * item[0][1], item[0]))]}
 
 
 def cpu_linear_of(model: torch.nn.Module) -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from decode.kernels import (
     use_cpu_linear,
 )
 from decode.runtime import ModelRunner, greedy_decode
+from pipeline.cli import main
 from tests.conftest import make_tiny_model
 from tests.decode.tiny import tiny_llama
 
@@ -181,3 +183,26 @@ def test_torch_kernels_for_a_while_then_back_as_they_were(monkeypatch):
         assert cpu_linear_of(model) == "torch"
     assert type(model.lm_head) is OneDNNLinear and type(model.model.layers[0].mlp.up_proj) is AutoLinear
     assert model.model.layers[0].mlp.up_proj.plan_onednn == (False, False, True, True, True, True)
+
+
+def test_models_info_kernels_shows_each_shapes_timings_picks_and_the_cache(monkeypatch, tiny_checkpoint, capsys,
+                                                                          isolated_home):
+    monkeypatch.setattr(kernels, "measure_linear", timings_of("ttoooo"))
+    assert main(["models", "info", str(tiny_checkpoint), "--kernels", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layers"] == 2  # the checkpoint's facts first
+    report = out["cpu_linear"]
+    assert report["key"] == machine_key() and report["cache_file"] == str(cache_file(machine_key()))
+    assert report["cache_file"].startswith(str(isolated_home / "draftops_home" / "cpu_linear"))
+    # largest weight first (make_tiny_model: hidden 64, MLP 128, 2 kv heads; the tokenizer's 50 words)
+    assert [(s["weight"], s["layers"]) for s in report["shapes"]] == [
+        ([64, 128], 2), ([128, 64], 4), ([64, 64], 4), ([50, 64], 1), ([32, 64], 4)]
+    assert report["shapes"][0]["timings"][:3] == [{"rows": 1, "torch_ms": 1.0, "onednn_ms": 2.0, "pick": "torch"},
+                                                  {"rows": 2, "torch_ms": 1.0, "onednn_ms": 2.0, "pick": "torch"},
+                                                  {"rows": 4, "torch_ms": 1.0, "onednn_ms": 0.5, "pick": "onednn"}]
+
+    assert main(["models", "info", str(tiny_checkpoint), "--kernels"]) == 0
+    text = capsys.readouterr().out
+    assert f"cache: {cache_file(machine_key())}" in text
+    assert "   64 x 128      2     1      1.000      2.000  torch" in text
+    assert "                         4      1.000      0.500  onednn" in text
