@@ -29,7 +29,7 @@ from pipeline import draftops_home
 ROWS = (1, 2, 4, 6, 8, 64)
 WARMUP = 1  # an untimed turn first: oneDNN creates its primitive, pages are touched
 REPS = 31  # timed turns at most ...
-MIN_REPS = 5  # ... and at least, however long they take
+MIN_REPS = 3  # ... and at least, however long they take
 BUDGET_S = 0.15  # seconds of timed turns per (shape, rows) after which the measurement stops at MIN_REPS or beyond
 
 Shape = tuple[int, int]  # a linear layer's weight: (out_features, in_features)
