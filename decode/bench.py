@@ -92,9 +92,10 @@ def in_run_costs(stats: Sequence, target_only: dict) -> dict[str, float]:
 
     The isolated `step_costs` are taken at the first prompt's context; the run's verify passes and draft steps meet
     longer contexts, and a draft round's first step feeds two tokens. Here one target step is plain decoding's seconds
-    per token (its prefill included), c is the decoder's draft seconds per draft call and v its verify seconds per
-    target call, both over that step, and the bound counts only model time (prefill, draft, verify). So
-    speedup / bound is the share of the decoder's time spent in the models: 1 minus its own bookkeeping share.
+    per token (its prefill included) in `target_only`, the bench's baseline row; c is the decoder's draft seconds per
+    draft call and v its verify seconds per target call, both over that step, and the bound counts only model time
+    (prefill, draft, verify). So speedup / bound is the share of the decoder's time spent in the models: 1 minus its
+    own bookkeeping share.
     """
     step = target_only["seconds"] / max(1, target_only["new_tokens"])
     draft_calls, target_calls = sum(s.draft_calls for s in stats), sum(s.target_calls for s in stats)

@@ -168,7 +168,8 @@ def use_cpu_linear(model: torch.nn.Module, kind: str) -> torch.nn.Module:
         for module in linears:
             module.__class__ = OneDNNLinear
     else:
-        plans = shape_timings(linear_shapes(model), measure_linear)
+        shapes = linear_shapes(model)
+        plans = shape_timings(shapes, measure_linear) if shapes else {}
         for module in linears:
             timings = plans.get((module.out_features, module.in_features)) if _auto_eligible(module) else None
             if timings is None:
