@@ -1,9 +1,12 @@
 """`draftops bench`: target-only greedy vs HF assisted generation vs this decoder on the same prompts.
 
-Methods: `target_only` (HF `generate` on the target alone: the baseline every speedup refers to), `plain` (greedy
-decoding through this decoder's own target forward, no draft: what the runtime alone gains), `hf_assisted` (the same
-draft and γ through transformers) and `speculative` (this decoder). They run interleaved (their order rotates per
-prompt) so that machine load hits all of them alike. The step costs c and v are measured separately, and again from
+Methods: `target_only` (HF `generate` on the target alone, on the linear kernels draftops chose, `cpu_linear`),
+`target_only_torch` (the same on torch's stock kernels: what a user gets without draftops; only where draftops chose
+other kernels), `plain` (greedy decoding through this decoder's own target forward, no draft: what the runtime alone
+gains), `hf_assisted` (the same draft and γ through transformers) and `speculative` (this decoder). Every speedup is
+stated against the faster of the two target-only rows, the strongest baseline (`baseline` in the report), so that
+draftops' kernels cannot make its own denominator slow. They run interleaved (their order rotates per prompt) so
+that machine load hits all of them alike. The step costs c and v are measured separately, and again from
 the run's own timings, to compare the measured speedup with Leviathan's prediction and the overhead-free bound.
 """
 
@@ -13,10 +16,12 @@ import statistics
 from collections.abc import Callable, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from decode.acceptance import break_even_alpha, expected_speedup
 from decode.drafters import DECODER, DRAFT, LOOKUP
 from decode.factory import build_decoder
+from decode.kernels import cpu_linear_of, torch_kernels
 from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter
 from decode.runtime import ModelRunner, greedy_decode, hf_assistant_model, rollback
 from decode.stats import aggregate_stats, paired_speedup, ratio_ci
@@ -24,6 +29,8 @@ from decode.timing import run_interleaved, timed
 from pipeline import metrics as M
 from pipeline.config import DecodeConfig
 from pipeline.sources import HF_ASSISTANT_DIR, eos_token_ids
+
+TARGET_ONLY, TARGET_ONLY_TORCH = "target_only", "target_only_torch"  # the two baselines; the faster is the denominator
 
 
 def _device(model) -> torch.device:
@@ -85,9 +92,10 @@ def in_run_costs(stats: Sequence, target_only: dict) -> dict[str, float]:
 
     The isolated `step_costs` are taken at the first prompt's context; the run's verify passes and draft steps meet
     longer contexts, and a draft round's first step feeds two tokens. Here one target step is plain decoding's seconds
-    per token (its prefill included), c is the decoder's draft seconds per draft call and v its verify seconds per
-    target call, both over that step, and the bound counts only model time (prefill, draft, verify). So
-    speedup / bound is the share of the decoder's time spent in the models: 1 minus its own bookkeeping share.
+    per token (its prefill included) in `target_only`, the bench's baseline row; c is the decoder's draft seconds per
+    draft call and v its verify seconds per target call, both over that step, and the bound counts only model time
+    (prefill, draft, verify). So speedup / bound is the share of the decoder's time spent in the models: 1 minus its
+    own bookkeeping share.
     """
     step = target_only["seconds"] / max(1, target_only["new_tokens"])
     draft_calls, target_calls = sum(s.draft_calls for s in stats), sum(s.target_calls for s in stats)
@@ -103,10 +111,43 @@ def in_run_costs(stats: Sequence, target_only: dict) -> dict[str, float]:
     }
 
 
+def hf_generate_on_torch_kernels(model, prompt: list[int], **kwargs) -> list[int]:
+    """`hf_generate` with the model's linear layers on torch's stock kernels for the call (`decode.kernels`)."""
+    with torch_kernels(model):
+        return hf_generate(model, prompt, **kwargs)
+
+
+def strongest_baseline(results: dict) -> str:
+    """The target-only row with the most tokens per second: the denominator of every speedup."""
+    return max((name for name in (TARGET_ONLY, TARGET_ONLY_TORCH) if name in results),
+               key=lambda name: results[name]["tokens_per_s"]["value"])
+
+
+def method_results(outputs: dict, seconds: dict, seed: int) -> tuple[dict, str]:
+    """Per method: tokens, seconds, tokens/s, outputs equal to target_only's, and (all but the baseline) the paired
+    speedup against the strongest baseline; and that baseline's name."""
+    tokens = {name: [len(o) for o in outs] for name, outs in outputs.items()}
+    results = {}
+    for name in seconds:
+        results[name] = {
+            "new_tokens": int(sum(tokens[name])),
+            "seconds": float(sum(seconds[name])),
+            "tokens_per_s": ratio_ci(tokens[name], seconds[name], seed=seed).to_dict(),
+            "same_output_as_target": sum(o == t for o, t in zip(outputs[name], outputs[TARGET_ONLY])),
+        }
+    baseline = strongest_baseline(results)
+    for name in seconds:
+        if name != baseline:
+            results[name]["speedup"] = paired_speedup(
+                tokens[name], seconds[name], tokens[baseline], seconds[baseline], seed=seed)
+    return results, baseline
+
+
 def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[str], decode: DecodeConfig, *,
-              gamma: int | None = None, seed: int = 0) -> dict:
+              gamma: int | None = None, seed: int = 0, progress: bool = True) -> dict:
     """target is a `pipeline.sources.ResolvedModel`, draft one too, or None to bench prompt lookup alone. Greedy
-    throughout; `decode` (cfg.decode) describes the decoder, `gamma` overrides its γ policy with a fixed γ.
+    throughout; `decode` (cfg.decode) describes the decoder, `gamma` overrides its γ policy with a fixed γ. `progress`:
+    a bar over the prompts on stderr.
 
     With a γ schedule or adaptive γ, this decoder follows it; HF assisted generation and the cost model use its γ.
     """
@@ -123,10 +164,11 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     policy = decoder.gamma
     fixed_gamma = policy.gamma
     common = dict(max_new_tokens=max_new_tokens, eos_ids=eos, pad_id=pad)
-    methods: dict[str, Callable[[list[int]], object]] = {
-        "target_only": lambda p: hf_generate(target.model, p, **common),
-        "plain": lambda p: greedy_decode(decoder.target_runner, p, max_new_tokens, eos),
-    }
+    kernels = cpu_linear_of(target.model)
+    methods: dict[str, Callable[[list[int]], object]] = {TARGET_ONLY: lambda p: hf_generate(target.model, p, **common)}
+    if kernels != "torch":
+        methods[TARGET_ONLY_TORCH] = lambda p: hf_generate_on_torch_kernels(target.model, p, **common)
+    methods["plain"] = lambda p: greedy_decode(decoder.target_runner, p, max_new_tokens, eos)
     for name, d in decoders.items():
         methods[name] = (lambda d: lambda p: d.generate(p, max_new_tokens=max_new_tokens))(d)
     notes = []
@@ -154,38 +196,27 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     device = _device(target.model)
     for run in methods.values():  # warm-up
         run(prompts[0])
-    runs = run_interleaved(methods, prompts, device)
+    runs = run_interleaved(methods, tqdm(prompts, desc="bench", unit="prompt", disable=not progress), device)
     stats = {name: [result.stats for result in runs.outputs[name]] for name in decoders}
     outputs = {**runs.outputs, **{name: [result.token_ids for result in runs.outputs[name]] for name in decoders}}
-    seconds, names = runs.seconds, list(methods)
-
-    tokens = {name: [len(o) for o in outs] for name, outs in outputs.items()}
-    results = {}
-    for name in names:
-        results[name] = {
-            "new_tokens": int(sum(tokens[name])),
-            "seconds": float(sum(seconds[name])),
-            "tokens_per_s": ratio_ci(tokens[name], seconds[name], seed=seed).to_dict(),
-            "same_output_as_target": sum(o == t for o, t in zip(outputs[name], outputs["target_only"])),
-        }
-        if name != "target_only":
-            results[name]["speedup"] = paired_speedup(
-                tokens[name], seconds[name], tokens["target_only"], seconds["target_only"], seed=seed)
+    results, baseline = method_results(outputs, runs.seconds, seed)
 
     model_drafter = decoder.drafter.model if isinstance(decoder.drafter, LookupThenModelDrafter) else decoder.drafter
     costs = step_costs(decoder.target_runner, model_drafter, prompts[0], fixed_gamma)
     summary = aggregate_stats(stats["speculative"], categories, seed=seed)
     alpha, tau = summary["acceptance_rate"]["value"], summary["tau"]["value"]
     c, v = costs["c"], costs["v"]
-    in_run = in_run_costs(stats["speculative"], results["target_only"])
+    in_run = in_run_costs(stats["speculative"], results[baseline])
     draft_run = "draft_only" if "draft_only" in stats else "speculative" if draft is not None else None
     return {
         "n_prompts": len(prompts),
         "settings": {**policy.to_dict(), "max_new_tokens": max_new_tokens, "greedy": True, "device": str(device),
+                     "cpu_linear": kernels,
                      **({"lookup_min_ngram": decode.lookup_min_ngram} if draft is None or len(decoders) > 1 else {}),
                      **({"draft_min_confidence": decode.draft_min_confidence} if draft is not None else {})},
         "drafters": {name: d.drafter.name for name, d in decoders.items()},
         "methods": results,
+        "baseline": baseline,
         "alpha": summary["acceptance_rate"],
         "alpha_draft": (aggregate_stats(stats[draft_run], categories, seed=seed)["acceptance_rate"]
                         if draft_run else None),
@@ -202,20 +233,25 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
 
 
 def markdown(report: dict) -> str:
-    s = report["settings"]
+    s, baseline = report["settings"], report["baseline"]
     lines = [
         "# draftops bench",
         "",
         f"{report['n_prompts']} prompts, greedy, γ={s['gamma']}, max_new_tokens={s['max_new_tokens']}, "
         f"device {s['device']}. Intervals: 95% bootstrap over prompts.",
         "",
-        "| method | new tokens | seconds | tokens/s | speedup vs target | same output as target |",
+        f"Speedups are against {baseline}, the faster target-only row (the denominator): target_only is HF "
+        f"generate on draftops' linear kernels (cpu_linear {s['cpu_linear']})"
+        + (", target_only_torch on torch's stock kernels." if TARGET_ONLY_TORCH in report["methods"] else "."),
+        "",
+        f"| method | new tokens | seconds | tokens/s | speedup vs {baseline} | same output as target_only |",
         "|---|---:|---:|---|---|---:|",
     ]
     for name, r in report["methods"].items():
         tps = r["tokens_per_s"]
         speedup = r.get("speedup")
-        speedup_text = f"{speedup['value']:.2f}x [{speedup['low']:.2f}, {speedup['high']:.2f}]" if speedup else "1"
+        speedup_text = (f"{speedup['value']:.2f}x [{speedup['low']:.2f}, {speedup['high']:.2f}]" if speedup
+                        else "1 (denominator)")
         lines.append(f"| {name} | {r['new_tokens']} | {r['seconds']:.2f} | {tps['value']:.1f} "
                      f"[{tps['low']:.1f}, {tps['high']:.1f}] | {speedup_text} | "
                      f"{r['same_output_as_target']}/{report['n_prompts']} |")
@@ -256,7 +292,8 @@ def markdown(report: dict) -> str:
 
 
 def flat_metrics(report: dict) -> dict[str, float]:
-    """MLflow metrics under `pipeline.metrics` names: speedup vs the target, throughput, c and v, live α and τ."""
+    """MLflow metrics under `pipeline.metrics` names: speedup vs the strongest target-only baseline, throughput (of
+    both target-only rows), c and v, live α and τ."""
 
     methods, costs = report["methods"], report["costs"]
     speculative = methods["speculative"]
@@ -266,7 +303,7 @@ def flat_metrics(report: dict) -> dict[str, float]:
         M.SPEEDUP_HIGH: speculative["speedup"]["high"],
         M.SPEEDUP_PREDICTED: report["predicted_speedup"],
         M.TOKENS_PER_S: speculative["tokens_per_s"]["value"],
-        M.TARGET_TOKENS_PER_S: methods["target_only"]["tokens_per_s"]["value"],
+        M.TARGET_TOKENS_PER_S: methods[TARGET_ONLY]["tokens_per_s"]["value"],
         M.COST_RATIO_C: costs["c"],
         M.VERIFY_RATIO_V: costs["v"],
         M.OVERHEAD_FREE_BOUND: report["overhead_free_bound"],
@@ -279,6 +316,8 @@ def flat_metrics(report: dict) -> dict[str, float]:
     }
     if report["alpha_draft"] is not None:
         out[M.ACCEPTANCE_DRAFT] = report["alpha_draft"]["value"]
+    if TARGET_ONLY_TORCH in methods:
+        out[M.TARGET_TORCH_KERNELS_TOKENS_PER_S] = methods[TARGET_ONLY_TORCH]["tokens_per_s"]["value"]
     if "hf_assisted" in methods:
         out[M.SPEEDUP_HF_ASSISTED] = methods["hf_assisted"]["speedup"]["value"]
     for name, summary in report["per_category"].items():

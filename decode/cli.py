@@ -72,6 +72,33 @@ def _error(exc: Exception) -> int:
     return 2
 
 
+def models_info_kernels(args, info: dict) -> int:
+    """`draftops models info SOURCE --kernels`: the checkpoint's facts, then per weight shape of its linear layers the
+    timings of both CPU kernels at each measured row count and the pick, with the cache file and its key."""
+    from decode.kernels import cpu_linear_report
+    from pipeline.sources import resolve_model
+
+    report = cpu_linear_report(resolve_model(args.source, device="cpu", dtype="float32").model)
+    if args.json:
+        print(json.dumps({**info, "cpu_linear": report}, indent=2))
+        return 0
+    width = max(len(k) for k in info)
+    for key, value in info.items():
+        print(f"{key:<{width}}  {value}")
+    key = report["key"]
+    print(f"\ncpu_linear auto on {key['cpu']}, torch {key['torch']}, {key['threads']} threads "
+          f"(median ms of one product; a product of n rows runs the pick at the largest rows <= n)")
+    print(f"cache: {report['cache_file']}\n")
+    print(f"{'weight (out x in)':>18} {'layers':>6} {'rows':>5} {'torch ms':>10} {'oneDNN ms':>10}  pick")
+    for shape in report["shapes"]:
+        weight = " x ".join(str(n) for n in shape["weight"])
+        for i, t in enumerate(shape["timings"]):
+            first = (weight, shape["layers"]) if i == 0 else ("", "")
+            print(f"{first[0]:>18} {first[1]:>6} {t['rows']:>5} {t['torch_ms']:>10.3f} {t['onednn_ms']:>10.3f}  "
+                  f"{t['pick']}")
+    return 0
+
+
 def decode_command(args) -> int:
     from decode.drafters import DECODER, LOOKUP
     from decode.factory import build_decoder

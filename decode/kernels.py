@@ -1,25 +1,40 @@
 """Faster fp32 linear layers on x86 CPUs: oneDNN's inner product on weights packed once into its blocked layout,
-instead of torch's default MKL sgemm.
+where it beats torch's default MKL sgemm.
 
 oneDNN given a plain [out, in] weight reorders it on every call with more than one row, so a few-row product (a
 speculative verify) would cost several one-row ones; packed once, it costs little more than one. Which kernel is
-faster depends on the CPU (docs/cpu-runtime.md has the measurements), hence the `cpu_linear` setting.
-`torch.nn.functional.linear` is the reference; `tests/decode/test_kernels.py` holds the parity test.
+faster depends on the CPU, the weight's shape and the number of rows (docs/cpu-runtime.md has measurements), hence
+the `cpu_linear` setting: "onednn" or "torch" everywhere, or "auto" (the default): per weight shape and row count,
+the kernel measured faster on this machine (`AutoLinear`, `decode.kernel_choice`).
+`torch.nn.functional.linear` is the reference; `tests/decode/test_kernels.py` holds the parity tests.
 
 Only inference takes the oneDNN path: with autograd recording (training), or off CPU, or in another dtype, the layer
 is a plain `nn.Linear`.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
+
+from decode.kernel_choice import ROWS, Shape, Timing, cache_file, interleaved_medians, machine_key, shape_timings
 
 PACK_ROWS_HINT = 8  # oneDNN picks the packed layout for this many rows; measured the same for hints 4-64
 # layer -> (weak reference to the weight it was packed from, that weight's version, packed weight). Kept outside the
 # module: an opaque oneDNN tensor cannot be deep-copied or pickled, and a copied layer must pack its own weight.
 _packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+KINDS = ("auto", "onednn", "torch")
+# Weights cycled through while timing a small one, so that each call reads its weight from memory as decoding does
+# (a step reads every layer's weight once) rather than from a cache it would never sit in: copies enough to exceed
+# this many bytes, at most MAX_COPIES.
+STREAM_BYTES = 64 << 20
+MAX_COPIES = 64
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -57,20 +72,124 @@ class OneDNNLinear(torch.nn.Linear):
         return cached[2]
 
 
+class AutoLinear(OneDNNLinear):
+    """An `OneDNNLinear` that takes the oneDNN path only for the row counts where it measured faster on this machine
+    for this weight's shape, and `F.linear` elsewhere.
+
+    The rule: a product of n rows (all leading dimensions together) runs the kernel that was faster at the largest
+    measured row count <= n (`plan_rows`, ascending from 1; `plan_onednn` says which). So decoding (1 row), each
+    verify width and a batch each get the kernel that is faster for them, with no weighting between them.
+    """
+
+    plan_rows: tuple[int, ...] = (1,)
+    plan_onednn: tuple[bool, ...] = (False,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if self.plan_onednn[max(0, bisect.bisect_right(self.plan_rows, rows) - 1)]:
+            return super().forward(x)
+        return F.linear(x, self.weight, self.bias)
+
+
+def measure_linear(shape: Shape) -> list[Timing]:
+    """`F.linear` against `onednn_linear` on packed weights, for a random fp32 weight of `shape` at each of ROWS rows:
+    interleaved medians (`decode.kernel_choice.interleaved_medians`), each call on the next of enough copies of the
+    weight to exceed STREAM_BYTES, so that the weight comes from memory as it does in decoding."""
+    out_features, in_features = shape
+    copies = max(1, min(MAX_COPIES, -(-STREAM_BYTES // (4 * out_features * in_features))))
+    weights = [torch.randn(shape) for _ in range(copies)]
+    packed = [pack_weight(w) for w in weights]
+    with torch.inference_mode():
+        return [_time_kernels(torch.randn(rows, in_features), weights, packed) for rows in ROWS]
+
+
+def _time_kernels(x: torch.Tensor, weights: list[torch.Tensor], packed: list[torch.Tensor]) -> Timing:
+    plain, blocked = itertools.cycle(weights), itertools.cycle(zip(weights, packed))
+
+    def onednn_call() -> torch.Tensor:
+        weight, packed_weight = next(blocked)
+        return onednn_linear(x, weight, None, packed_weight)
+
+    torch_s, onednn_s = interleaved_medians([lambda: F.linear(x, next(plain)), onednn_call])
+    return Timing(x.shape[0], round(torch_s * 1e3, 4), round(onednn_s * 1e3, 4))
+
+
+def _auto_eligible(module: torch.nn.Module) -> bool:
+    return module.weight.device.type == "cpu" and module.weight.dtype == torch.float32
+
+
+def _switchable_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    return [m for m in model.modules() if type(m) in (torch.nn.Linear, OneDNNLinear, AutoLinear)]
+
+
+def linear_shapes(model: torch.nn.Module) -> dict[Shape, int]:
+    """Each distinct weight shape of the fp32 CPU linear layers `auto` decides for -> how many layers have it."""
+    shapes: dict[Shape, int] = {}
+    for module in _switchable_linears(model):
+        if _auto_eligible(module):
+            shape = (module.out_features, module.in_features)
+            shapes[shape] = shapes.get(shape, 0) + 1
+    return shapes
+
+
+def cpu_linear_report(model: torch.nn.Module) -> dict:
+    """What "auto" picks for `model` on this machine and why: the machine key, its cache file, and per weight shape
+    (largest first) how many layers have it and, per measured row count, both kernels' median ms and the pick."""
+    shapes = linear_shapes(model)
+    timings = shape_timings(shapes, measure_linear)
+    key = machine_key()
+    return {"key": key, "cache_file": str(cache_file(key)), "shapes": [
+        {"weight": list(shape), "layers": layers, "timings": [{**asdict(t), "pick": t.pick} for t in timings[shape]]}
+        for shape, layers in sorted(shapes.items(), key=lambda item: (-item[0][0] * item[0][1], item[0]))]}
+
+
 def cpu_linear_of(model: torch.nn.Module) -> str:
-    """The kind `use_cpu_linear` gave `model` (a draft follows its target)."""
-    return "onednn" if any(isinstance(m, OneDNNLinear) for m in model.modules()) else "torch"
+    """The kind `use_cpu_linear` gave `model` (a draft follows its target; "auto" off CPU gave "torch")."""
+    kinds = {type(m) for m in model.modules()}
+    return "auto" if AutoLinear in kinds else "onednn" if OneDNNLinear in kinds else "torch"
 
 
 def use_cpu_linear(model: torch.nn.Module, kind: str) -> torch.nn.Module:
-    """Switch every `nn.Linear` of `model` to `kind` ("onednn" or "torch") in place; returns the model.
+    """Switch every `nn.Linear` of `model` to `kind` in place; returns the model.
 
-    "onednn" falls back to "torch" where this torch build has no oneDNN.
+    "onednn": `OneDNNLinear`; "torch": `nn.Linear`; "auto": `AutoLinear` on each fp32 CPU layer, planned from this
+    machine's cached timings of its weight shape (`decode.kernel_choice.shape_timings`: measured here on first use), and
+    `nn.Linear` on any other device or dtype. A draft loaded with "auto" shares the target's plans for the shapes they
+    have in common (same cache) and has its own shapes measured. "onednn" and "auto" fall back to "torch" where this
+    torch build has no oneDNN.
     """
-    if kind not in ("onednn", "torch"):
-        raise ValueError(f"cpu_linear must be 'onednn' or 'torch', got {kind!r}")
-    cls = OneDNNLinear if kind == "onednn" and torch.backends.mkldnn.is_available() else torch.nn.Linear
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and type(module) in (torch.nn.Linear, OneDNNLinear):
-            module.__class__ = cls
+    if kind not in KINDS:
+        raise ValueError(f"cpu_linear must be one of {', '.join(KINDS)}; got {kind!r}")
+    linears = _switchable_linears(model)
+    if kind == "torch" or not torch.backends.mkldnn.is_available():
+        for module in linears:
+            module.__class__ = torch.nn.Linear
+    elif kind == "onednn":
+        for module in linears:
+            module.__class__ = OneDNNLinear
+    else:
+        shapes = linear_shapes(model)
+        plans = shape_timings(shapes, measure_linear) if shapes else {}
+        for module in linears:
+            timings = plans.get((module.out_features, module.in_features)) if _auto_eligible(module) else None
+            if timings is None:
+                module.__class__ = torch.nn.Linear
+                continue
+            module.__class__ = AutoLinear
+            module.plan_rows = tuple(t.rows for t in timings)
+            module.plan_onednn = tuple(t.pick == "onednn" for t in timings)
     return model
+
+
+@contextmanager
+def torch_kernels(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """For the duration, every linear layer of `model` runs torch's own kernel, as it does without draftops; then each
+    is back as it was (plans and packed weights kept)."""
+    kinds = {module: type(module) for module in _switchable_linears(model)}
+    for module in kinds:
+        module.__class__ = torch.nn.Linear
+    try:
+        yield model
+    finally:
+        for module, cls in kinds.items():
+            module.__class__ = cls

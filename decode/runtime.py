@@ -14,8 +14,9 @@ from pipeline.sources import HF_ASSISTANT_DIR, ResolvedModel, SourceError, load_
 
 
 def load_model(source: str, *, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
-               cpu_linear: str = "onednn") -> ResolvedModel:
-    """`pipeline.sources.resolve_model` with the model's linear layers on `cpu_linear` kernels, ready to decode."""
+               cpu_linear: str = "auto") -> ResolvedModel:
+    """`pipeline.sources.resolve_model` with the model's linear layers on `cpu_linear` kernels, ready to decode
+    ("auto": measured once per machine and weight shape, `decode.kernels.use_cpu_linear`)."""
     resolved = resolve_model(source, device=device, dtype=dtype)
     use_cpu_linear(resolved.model, cpu_linear)
     return resolved

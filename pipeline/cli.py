@@ -27,7 +27,10 @@ def _print(payload: dict, as_json: bool) -> None:
 def models_info(args) -> int:
     from pipeline.sources import checkpoint_info, locate
 
-    _print(checkpoint_info(locate(args.source)), args.json)
+    info = checkpoint_info(locate(args.source))
+    if args.kernels:  # the decode package's to measure and show, reached the way its subcommands are
+        return importlib.import_module("decode.cli").models_info_kernels(args, info)
+    _print(info, args.json)
     return 0
 
 
@@ -79,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="inspect model sources").add_subparsers(dest="action", required=True)
     info = models.add_parser("info", help="layers, hidden size, vocab, parameters, dtype, fingerprint, cache path")
     info.add_argument("source", help="checkpoint dir, .gguf file, smollm2-135m-instruct, or models:/NAME@ALIAS")
+    info.add_argument("--kernels", action="store_true",
+                      help="also the CPU linear kernels `cpu_linear: auto` picks for its weight shapes on this machine "
+                           "and the timings behind them (loads the model; measures what the cache lacks)")
     info.add_argument("--json", action="store_true")
     info.set_defaults(handler=models_info)
 

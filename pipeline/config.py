@@ -190,9 +190,10 @@ class DraftopsConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' lets accelerate pick.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="'auto': float32 on CPU, bfloat16 on CUDA.")
-    cpu_linear: Literal["onednn", "torch"] = Field("onednn", description=(
-        "fp32 linear layers on CPU at inference: oneDNN on weights packed once, or torch's own (MKL); which is faster "
-        "depends on the CPU (docs/cpu-runtime.md)."))
+    cpu_linear: Literal["auto", "onednn", "torch"] = Field("auto", description=(
+        "fp32 linear layers on CPU at inference: oneDNN on weights packed once, torch's own (MKL), or 'auto': per "
+        "weight shape and row count the one measured faster on this CPU (measured at the first load, cached under "
+        "$DRAFTOPS_HOME/cpu_linear; `draftops models info SOURCE --kernels` shows it). docs/cpu-runtime.md."))
     seed: int = 0
     traffic: TrafficConfig = TrafficConfig()
     tracking: TrackingConfig = TrackingConfig()

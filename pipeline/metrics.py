@@ -62,6 +62,7 @@ IN_RUN_BOUND = "speed/in_run_overhead_free_bound"
 BREAK_EVEN_ALPHA = "speed/break_even_alpha"  # from a bench's in-run c and v; the monitor's absolute alarm
 TOKENS_PER_S = "speed/tokens_per_s"
 TARGET_TOKENS_PER_S = "speed/target_tokens_per_s"
+TARGET_TORCH_KERNELS_TOKENS_PER_S = "speed/target_torch_kernels_tokens_per_s"  # the target on torch's stock kernels
 NEW_TOKENS = "speed/new_tokens"
 
 # the draft itself

@@ -84,7 +84,11 @@ def test_bench_writes_reports(checkpoints, capsys, tmp_path):
                                "--limit", "3", "--max-new-tokens", "6", "--gamma", "2", "--out", str(tmp_path),
                                "--json", "device=cpu"])
     # the default decoder takes prompt lookup first: its two halves run alone too
-    assert set(report["methods"]) == {"target_only", "plain", "speculative", "draft_only", "lookup_only", "hf_assisted"}
+    assert set(report["methods"]) == {"target_only", "target_only_torch", "plain", "speculative", "draft_only",
+                                      "lookup_only", "hf_assisted"}
+    # cpu_linear auto, so the target alone also runs on torch's stock kernels: the faster of the two is the denominator
+    assert report["settings"]["cpu_linear"] == "auto" and report["baseline"] in ("target_only", "target_only_torch")
+    assert "speedup" not in report["methods"][report["baseline"]]
     assert report["settings"]["lookup_min_ngram"] == 2 and report["settings"]["draft_min_confidence"] == 0.4
     assert report["costs"]["c"] > 0 and report["costs"]["v"] > 0
     assert report["predicted_speedup"] > 0 and report["overhead_free_bound"] > 0
@@ -98,6 +102,8 @@ def test_bench_writes_reports(checkpoints, capsys, tmp_path):
     assert run.data.metrics["speed/speedup_vs_target"] == pytest.approx(
         report["methods"]["speculative"]["speedup"]["value"])
     assert run.data.metrics["speed/cost_ratio_c"] == pytest.approx(report["costs"]["c"])
+    assert run.data.metrics["speed/target_torch_kernels_tokens_per_s"] == pytest.approx(
+        report["methods"]["target_only_torch"]["tokens_per_s"]["value"])
     assert run.data.metrics["acceptance/tau_gamma2"] == pytest.approx(report["tau"]["value"])
 
 
@@ -106,7 +112,7 @@ def test_bench_with_reduced_vocab_draft_gives_hf_its_full_vocab_copy(checkpoints
     report = run_json(capsys, ["bench", "--target", target, "--draft", reduced, "--traffic", traffic, "--split", "all",
                                "--limit", "2", "--max-new-tokens", "5", "--out", str(tmp_path), "--json",
                                "device=cpu", "decode.lookup_min_ngram=null", "decode.draft_min_confidence=null"])
-    assert set(report["methods"]) == {"target_only", "plain", "speculative", "hf_assisted"}
+    assert set(report["methods"]) == {"target_only", "target_only_torch", "plain", "speculative", "hf_assisted"}
     assert report["methods"]["hf_assisted"]["same_output_as_target"] == 2
     assert report["notes"] == ["HF assisted generation uses the draft's full-vocabulary copy (hf_assistant/): "
                                "transformers cannot use a reduced-vocabulary head"]

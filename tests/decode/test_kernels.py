@@ -1,12 +1,28 @@
-"""The oneDNN linear path against its reference, F.linear."""
+"""The oneDNN linear path and `cpu_linear: auto` against their reference, F.linear."""
 from __future__ import annotations
+
+import copy
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from decode.kernels import OneDNNLinear, cpu_linear_of, onednn_linear, use_cpu_linear
+from decode import kernels
+from decode.kernel_choice import ROWS, Timing, cache_file, machine_key, read_cache
+from decode.kernels import (
+    AutoLinear,
+    OneDNNLinear,
+    cpu_linear_of,
+    linear_shapes,
+    onednn_linear,
+    torch_kernels,
+    use_cpu_linear,
+)
+from decode.runtime import ModelRunner, greedy_decode
+from pipeline.cli import main
 from tests.conftest import make_tiny_model
+from tests.decode.tiny import tiny_llama
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -74,3 +90,119 @@ def test_layer_repacks_when_its_weight_changes_and_copies_pack_their_own():
         assert torch.equal(twin(x), twin.bias.expand(3, 8))
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
     assert not torch.equal(before, layer(x))
+
+
+# --------------------------------------------------------------------------- cpu_linear: auto
+
+
+def timings_of(picks: str):
+    """Hand-made timings at ROWS: "t" where torch is faster, "o" where oneDNN is."""
+    def measure(shape):
+        return [Timing(rows, torch_ms=1.0, onednn_ms=0.5 if pick == "o" else 2.0) for rows, pick in zip(ROWS, picks)]
+    return measure
+
+
+def test_auto_runs_the_kernel_picked_at_the_largest_measured_row_count_at_or_below(monkeypatch):
+    monkeypatch.setattr(kernels, "measure_linear", timings_of("tototo"))  # at 1 2 4 6 8 64 rows
+    layer = use_cpu_linear(torch.nn.Sequential(torch.nn.Linear(16, 8)), "auto")[0]
+    assert type(layer) is AutoLinear and cpu_linear_of(torch.nn.Sequential(layer)) == "auto"
+    assert layer.plan_rows == (1, 2, 4, 6, 8, 64)
+    assert layer.plan_onednn == (False, True, False, True, False, True)
+    onednn_rows = []
+
+    def spy(x, weight, bias, packed=None):
+        onednn_rows.append(x.numel() // x.shape[-1])
+        return onednn_linear(x, weight, bias, packed)
+
+    monkeypatch.setattr(kernels, "onednn_linear", spy)
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 63, 64, 300):
+            x = torch.randn(rows, 16)
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+        layer(torch.randn(2, 3, 16))  # leading dimensions together: 6 rows
+    assert onednn_rows == [2, 3, 6, 7, 64, 300, 6]
+
+
+def test_auto_matches_torch_kernels_logits_and_greedy_outputs(monkeypatch):
+    monkeypatch.setattr(kernels, "measure_linear", timings_of("ttoooo"))  # decoding on torch, verifies on oneDNN
+    reference = tiny_llama(0).float()  # peaked next-token distributions: no near ties for greedy to flip on
+    model = use_cpu_linear(copy.deepcopy(reference), "auto")
+    assert sum(isinstance(m, AutoLinear) for m in model.modules()) == 2 * 7 + 1
+    ids = torch.randint(0, 128, (1, 9))
+    with torch.inference_mode():
+        for rows in (1, 2, 5, 9):  # a step, verifies, a prefill
+            torch.testing.assert_close(model(ids[:, :rows]).logits, reference(ids[:, :rows]).logits,
+                                       rtol=1e-5, atol=1e-5)
+        greedy = dict(do_sample=False, max_new_tokens=24, attention_mask=torch.ones_like(ids), pad_token_id=0)
+        assert torch.equal(model.generate(ids, **greedy), reference.generate(ids, **greedy))
+    runner, plain = ModelRunner(model), ModelRunner(reference)  # the decoder's lean forward, 6-row verifies
+    assert greedy_decode(runner, ids[0].tolist(), 24) == greedy_decode(plain, ids[0].tolist(), 24)
+
+
+def test_auto_measures_each_shape_once_per_machine_and_a_draft_only_its_own(monkeypatch, isolated_home):
+    measured = []
+
+    def measure(shape):
+        measured.append(shape)
+        return timings_of("oooooo")(shape)
+
+    monkeypatch.setattr(kernels, "measure_linear", measure)
+    target = use_cpu_linear(make_tiny_model(64), "auto")  # q o (and the 64-row head): 64x64, k v 32x64, MLP
+    assert sorted(measured) == [(32, 64), (64, 64), (64, 128), (128, 64)]
+    assert linear_shapes(target) == {(64, 64): 2 * 2 + 1, (32, 64): 2 * 2, (128, 64): 2 * 2, (64, 128): 2}
+    draft = make_tiny_model(64, layers=1)
+    draft.lm_head = torch.nn.Linear(64, 40, bias=False)  # a reduced-vocabulary head: a shape the target lacks
+    use_cpu_linear(draft, cpu_linear_of(target))
+    assert sorted(measured) == [(32, 64), (40, 64), (64, 64), (64, 128), (128, 64)]
+    assert all(m.plan_onednn == (True,) * 6 for m in draft.modules() if isinstance(m, AutoLinear))
+    use_cpu_linear(make_tiny_model(64), "auto")  # the cache holds every shape now
+    assert len(measured) == 5
+
+
+def test_auto_off_cpu_or_off_float32_leaves_torch_kernels_unmeasured(monkeypatch):
+    monkeypatch.setattr(kernels, "measure_linear", lambda shape: pytest.fail(f"measured {shape}"))
+    for model in (make_tiny_model(64).to(torch.bfloat16), make_tiny_model(64).to("meta")):
+        use_cpu_linear(model, "auto")
+        assert cpu_linear_of(model) == "torch" and type(model.lm_head) is torch.nn.Linear
+
+
+def test_auto_measures_for_real_on_this_machine(isolated_home):
+    model = use_cpu_linear(make_tiny_model(64), "auto")
+    cached = read_cache(cache_file(machine_key()), machine_key())
+    assert set(cached) == set(linear_shapes(model)) == {(64, 64), (32, 64), (128, 64), (64, 128)}
+    for timings in cached.values():
+        assert [t.rows for t in timings] == list(ROWS) and all(t.torch_ms > 0 and t.onednn_ms > 0 for t in timings)
+    assert model.lm_head.plan_onednn == tuple(t.pick == "onednn" for t in cached[(64, 64)])
+
+
+def test_torch_kernels_for_a_while_then_back_as_they_were(monkeypatch):
+    monkeypatch.setattr(kernels, "measure_linear", timings_of("ttoooo"))
+    model = use_cpu_linear(make_tiny_model(64), "auto")
+    use_cpu_linear(model.lm_head, "onednn")
+    with torch_kernels(model):
+        assert cpu_linear_of(model) == "torch"
+    assert type(model.lm_head) is OneDNNLinear and type(model.model.layers[0].mlp.up_proj) is AutoLinear
+    assert model.model.layers[0].mlp.up_proj.plan_onednn == (False, False, True, True, True, True)
+
+
+def test_models_info_kernels_shows_each_shapes_timings_picks_and_the_cache(monkeypatch, tiny_checkpoint, capsys,
+                                                                          isolated_home):
+    monkeypatch.setattr(kernels, "measure_linear", timings_of("ttoooo"))
+    assert main(["models", "info", str(tiny_checkpoint), "--kernels", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layers"] == 2  # the checkpoint's facts first
+    report = out["cpu_linear"]
+    assert report["key"] == machine_key() and report["cache_file"] == str(cache_file(machine_key()))
+    assert report["cache_file"].startswith(str(isolated_home / "draftops_home" / "cpu_linear"))
+    # largest weight first (make_tiny_model: hidden 64, MLP 128, 2 kv heads; the tokenizer's 50 words)
+    assert [(s["weight"], s["layers"]) for s in report["shapes"]] == [
+        ([64, 128], 2), ([128, 64], 4), ([64, 64], 4), ([50, 64], 1), ([32, 64], 4)]
+    assert report["shapes"][0]["timings"][:3] == [{"rows": 1, "torch_ms": 1.0, "onednn_ms": 2.0, "pick": "torch"},
+                                                  {"rows": 2, "torch_ms": 1.0, "onednn_ms": 2.0, "pick": "torch"},
+                                                  {"rows": 4, "torch_ms": 1.0, "onednn_ms": 0.5, "pick": "onednn"}]
+
+    assert main(["models", "info", str(tiny_checkpoint), "--kernels"]) == 0
+    text = capsys.readouterr().out
+    assert f"cache: {cache_file(machine_key())}" in text
+    assert "   64 x 128      2     1      1.000      2.000  torch" in text
+    assert "                         4      1.000      0.500  onednn" in text

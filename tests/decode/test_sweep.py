@@ -187,7 +187,7 @@ def test_bench_with_prompt_lookup(checkpoints, capsys, tmp_path):
                  "--limit", "3", "--max-new-tokens", "8", "--gamma", "3", "--out", str(tmp_path), "--json",
                  "device=cpu"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert set(report["methods"]) == {"target_only", "plain", "speculative", "hf_prompt_lookup"}
+    assert set(report["methods"]) == {"target_only", "target_only_torch", "plain", "speculative", "hf_prompt_lookup"}
     assert report["methods"]["speculative"]["same_output_as_target"] == 3
     assert report["methods"]["hf_prompt_lookup"]["same_output_as_target"] == 3
     assert report["draft"] == "prompt-lookup" and 0 < report["costs"]["c"] < 1

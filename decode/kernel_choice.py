@@ -1,0 +1,130 @@
+"""What `cpu_linear: auto` rests on: per weight shape and row count, how long torch's `F.linear` and oneDNN's packed
+product take on this machine, measured once and cached.
+
+The measurement itself (`decode.kernels.measure_linear`) times the two kernels in turns (`interleaved_medians`).
+Its results are cached as JSON under `$DRAFTOPS_HOME/cpu_linear/`, one file per machine key: the CPU's model name,
+the torch version and torch's thread count, the three things the comparison depends on. The first load of a model on
+a machine measures the shapes the cache lacks and adds them; later loads read the file. A file that cannot be read
+(corrupt, another key, rows measured differently) counts as empty: its shapes are measured again and it is rewritten
+atomically.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline import draftops_home
+
+# The row counts measured: 1 (decoding), the widths of speculative verifies (γ + 1 for small γ) and a generation
+# batch. A product of n rows runs the kernel picked at the largest of these that is <= n (`decode.kernels.AutoLinear`).
+ROWS = (1, 2, 4, 6, 8, 64)
+WARMUP = 1  # an untimed turn first: oneDNN creates its primitive, pages are touched
+REPS = 31  # timed turns at most ...
+MIN_REPS = 3  # ... and at least, however long they take
+BUDGET_S = 0.15  # seconds of timed turns per (shape, rows) after which the measurement stops at MIN_REPS or beyond
+
+Shape = tuple[int, int]  # a linear layer's weight: (out_features, in_features)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median milliseconds of one product of `rows` rows with each kernel."""
+
+    rows: int
+    torch_ms: float
+    onednn_ms: float
+
+    @property
+    def pick(self) -> str:
+        """The faster kernel ("torch" on a tie: it needs no packed copy of the weight)."""
+        return "onednn" if self.onednn_ms < self.torch_ms else "torch"
+
+
+def interleaved_medians(calls: Sequence[Callable[[], object]], *, reps: int = REPS, min_reps: int = MIN_REPS,
+                        budget_s: float = BUDGET_S, clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """Median seconds of each call, timed in turns (a, b, a, b, ...) so that load on the machine hits them alike:
+    WARMUP untimed turns, then `reps` timed ones, or fewer (not under `min_reps`) once `budget_s` has passed."""
+    for _ in range(WARMUP):
+        for call in calls:
+            call()
+    times: list[list[float]] = [[] for _ in calls]
+    start = clock()
+    for turn in range(reps):
+        if turn >= min_reps and clock() - start > budget_s:
+            break
+        for call, seconds in zip(calls, times):
+            begin = clock()
+            call()
+            seconds.append(clock() - begin)
+    return [statistics.median(seconds) for seconds in times]
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (Linux), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def machine_key() -> dict:
+    """What the measured timings hold for: this CPU, this torch, this many threads."""
+    return {"cpu": cpu_model_name(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def cache_file(key: dict) -> Path:
+    """$DRAFTOPS_HOME/cpu_linear/<cpu>_torch-<version>_<threads>-threads.json"""
+    name = f"{key['cpu']}_torch-{key['torch']}_{key['threads']}-threads"
+    return draftops_home() / "cpu_linear" / (re.sub(r"[^A-Za-z0-9.+_-]+", "-", name) + ".json")
+
+
+def read_cache(path: Path, key: dict) -> dict[Shape, list[Timing]]:
+    """The timings cached in `path` for `key`; empty if the file is missing, unreadable, for another key, or holds
+    other row counts than ROWS (then every shape is measured again)."""
+    try:
+        data = json.loads(path.read_text())
+        if data["key"] != key:
+            return {}
+        cached = {}
+        for name, rows in data["shapes"].items():
+            out_features, in_features = (int(n) for n in name.split("x"))
+            timings = [Timing(int(t["rows"]), float(t["torch_ms"]), float(t["onednn_ms"])) for t in rows]
+            if tuple(t.rows for t in timings) == ROWS:
+                cached[(out_features, in_features)] = timings
+        return cached
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def write_cache(path: Path, key: dict, timings: dict[Shape, list[Timing]]) -> None:
+    """Write the file whole or not at all: into a temporary sibling of this process, then renamed over `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"key": key, "shapes": {f"{o}x{i}": [asdict(t) for t in ts] for (o, i), ts in sorted(timings.items())}}
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def shape_timings(shapes: Iterable[Shape], measure: Callable[[Shape], list[Timing]]) -> dict[Shape, list[Timing]]:
+    """Timings at ROWS for each shape: from this machine's cache file, measuring (by `measure`) and adding to the file
+    the shapes it lacks."""
+    shapes, key = list(shapes), machine_key()
+    path = cache_file(key)
+    cached = read_cache(path, key)
+    missing = sorted(set(shapes) - set(cached))
+    if missing:
+        cached.update({shape: measure(shape) for shape in missing})
+        write_cache(path, key, cached)
+    return {shape: cached[shape] for shape in shapes}
