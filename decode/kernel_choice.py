@@ -1,7 +1,9 @@
 """What `cpu_linear: auto` rests on: per weight shape and row count, how long torch's `F.linear` and oneDNN's packed
 product take on this machine, measured once and cached.
 
-The measurement itself (`decode.kernels.measure_linear`) times the two kernels in turns (`interleaved_medians`).
+The measurement itself (`decode.kernels.measure_linear`) times the two kernels in turns and keeps each one's fastest
+call (`interleaved_minimums`): other load on the machine only ever adds time, so the minimum is the estimate of the
+kernel's own cost that a busy machine distorts least (a median picked the wrong kernel where another job held a core).
 Its results are cached as JSON under `$DRAFTOPS_HOME/cpu_linear/`, one file per machine key: the CPU's model name,
 the torch version and torch's thread count, the three things the comparison depends on. The first load of a model on
 a machine measures the shapes the cache lacks and adds them; later loads read the file. A file that cannot be read
@@ -11,10 +13,8 @@ atomically.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import re
-import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from pipeline import draftops_home
+from pipeline.files import write_text_atomic
 
 # The row counts measured: 1 (decoding), the widths of speculative verifies (γ + 1 for small γ) and a generation
 # batch. A product of n rows runs the kernel picked at the largest of these that is <= n (`decode.kernels.AutoLinear`).
@@ -37,7 +38,7 @@ Shape = tuple[int, int]  # a linear layer's weight: (out_features, in_features)
 
 @dataclass(frozen=True)
 class Timing:
-    """Median milliseconds of one product of `rows` rows with each kernel."""
+    """Milliseconds of one product of `rows` rows with each kernel (the fastest of the timed calls)."""
 
     rows: int
     torch_ms: float
@@ -49,9 +50,9 @@ class Timing:
         return "onednn" if self.onednn_ms < self.torch_ms else "torch"
 
 
-def interleaved_medians(calls: Sequence[Callable[[], object]], *, reps: int = REPS, min_reps: int = MIN_REPS,
+def interleaved_minimums(calls: Sequence[Callable[[], object]], *, reps: int = REPS, min_reps: int = MIN_REPS,
                         budget_s: float = BUDGET_S, clock: Callable[[], float] = time.perf_counter) -> list[float]:
-    """Median seconds of each call, timed in turns (a, b, a, b, ...) so that load on the machine hits them alike:
+    """Fastest seconds of each call, timed in turns (a, b, a, b, ...) so that load on the machine hits them alike:
     WARMUP untimed turns, then `reps` timed ones, or fewer (not under `min_reps`) once `budget_s` has passed."""
     for _ in range(WARMUP):
         for call in calls:
@@ -65,7 +66,7 @@ def interleaved_medians(calls: Sequence[Callable[[], object]], *, reps: int = RE
             begin = clock()
             call()
             seconds.append(clock() - begin)
-    return [statistics.median(seconds) for seconds in times]
+    return [min(seconds) for seconds in times]
 
 
 def cpu_model_name() -> str:
@@ -112,9 +113,7 @@ def write_cache(path: Path, key: dict, timings: dict[Shape, list[Timing]]) -> No
     """Write the file whole or not at all: into a temporary sibling of this process, then renamed over `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {"key": key, "shapes": {f"{o}x{i}": [asdict(t) for t in ts] for (o, i), ts in sorted(timings.items())}}
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data, indent=1))
 
 
 def shape_timings(shapes: Iterable[Shape], measure: Callable[[Shape], list[Timing]]) -> dict[Shape, list[Timing]]:

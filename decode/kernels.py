@@ -23,7 +23,7 @@ from dataclasses import asdict
 import torch
 import torch.nn.functional as F
 
-from decode.kernel_choice import ROWS, Shape, Timing, cache_file, interleaved_medians, machine_key, shape_timings
+from decode.kernel_choice import ROWS, Shape, Timing, cache_file, interleaved_minimums, machine_key, shape_timings
 
 PACK_ROWS_HINT = 8  # oneDNN picks the packed layout for this many rows; measured the same for hints 4-64
 # layer -> (weak reference to the weight it was packed from, that weight's version, packed weight). Kept outside the
@@ -93,8 +93,8 @@ class AutoLinear(OneDNNLinear):
 
 def measure_linear(shape: Shape) -> list[Timing]:
     """`F.linear` against `onednn_linear` on packed weights, for a random fp32 weight of `shape` at each of ROWS rows:
-    interleaved medians (`decode.kernel_choice.interleaved_medians`), each call on the next of enough copies of the
-    weight to exceed STREAM_BYTES, so that the weight comes from memory as it does in decoding."""
+    the fastest of interleaved calls (`decode.kernel_choice.interleaved_minimums`), each call on the next of enough
+    copies of the weight to exceed STREAM_BYTES, so that the weight comes from memory as it does in decoding."""
     out_features, in_features = shape
     copies = max(1, min(MAX_COPIES, -(-STREAM_BYTES // (4 * out_features * in_features))))
     weights = [torch.randn(shape) for _ in range(copies)]
@@ -110,7 +110,7 @@ def _time_kernels(x: torch.Tensor, weights: list[torch.Tensor], packed: list[tor
         weight, packed_weight = next(blocked)
         return onednn_linear(x, weight, None, packed_weight)
 
-    torch_s, onednn_s = interleaved_medians([lambda: F.linear(x, next(plain)), onednn_call])
+    torch_s, onednn_s = interleaved_minimums([lambda: F.linear(x, next(plain)), onednn_call])
     return Timing(x.shape[0], round(torch_s * 1e3, 4), round(onednn_s * 1e3, 4))
 
 
@@ -134,7 +134,7 @@ def linear_shapes(model: torch.nn.Module) -> dict[Shape, int]:
 
 def cpu_linear_report(model: torch.nn.Module) -> dict:
     """What "auto" picks for `model` on this machine and why: the machine key, its cache file, and per weight shape
-    (largest first) how many layers have it and, per measured row count, both kernels' median ms and the pick."""
+    (largest first) how many layers have it and, per measured row count, both kernels' ms and the pick."""
     shapes = linear_shapes(model)
     timings = shape_timings(shapes, measure_linear)
     key = machine_key()

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from decode.kernel_choice import ROWS, Timing, cache_file, interleaved_medians, machine_key, read_cache, shape_timings
+from decode.kernel_choice import ROWS, Timing, cache_file, interleaved_minimums, machine_key, read_cache, shape_timings
 
 
 class FakeClock:
@@ -26,13 +26,13 @@ class FakeClock:
         return run
 
 
-def test_medians_of_interleaved_turns_after_an_untimed_one():
+def test_fastest_of_interleaved_turns_after_an_untimed_one():
     clock = FakeClock()
     # the first duration of each is the untimed warm-up turn
     a = clock.kernel([9.0, 0.001, 0.005, 0.002, 0.004, 0.003])
     b = clock.kernel([9.0, 0.010, 0.050, 0.020, 0.040, 0.030])
-    assert interleaved_medians([a, b], reps=5, min_reps=2, budget_s=10.0, clock=clock) == pytest.approx(
-        [0.003, 0.030])
+    assert interleaved_minimums([a, b], reps=5, min_reps=2, budget_s=10.0, clock=clock) == pytest.approx(
+        [0.001, 0.010])
 
 
 def test_the_budget_ends_the_turns_but_not_before_min_reps():
@@ -44,7 +44,7 @@ def test_the_budget_ends_the_turns_but_not_before_min_reps():
         clock.now += 1.0
 
     # 1 s a call against a budget of 0.5 s: 1 warm-up turn and the minimum of 3 timed turns, not 20
-    assert interleaved_medians([slow], reps=20, min_reps=3, budget_s=0.5, clock=clock) == [1.0]
+    assert interleaved_minimums([slow], reps=20, min_reps=3, budget_s=0.5, clock=clock) == [1.0]
     assert len(calls) == 4
 
 

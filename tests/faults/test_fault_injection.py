@@ -36,7 +36,8 @@ SEED = 20261130
 DISTILL_POINTS, CHECK_POINTS = 12, 12
 # A champion distilled from target A that is nearly A itself (both layers, full vocabulary, a tiny learning rate);
 # target B is another random model, so the check finds a drift, and the challenger (B's layers) is promoted.
-SETTINGS = ("cpu_linear=torch", "distill.init_layers=[0,1]", "distill.draft_vocab_size=0", "distill.learning_rate=0.0001",
+SETTINGS = ("cpu_linear=torch", "distill.init_layers=[0,1]", "distill.draft_vocab_size=0",
+            "distill.learning_rate=0.0001",
             "distill.max_steps=4", "decode.temperature=1.0", "monitor.heldout_requests=12", "monitor.n_bootstrap=200",
             "monitor.break_even_alpha=0", "monitor.retrain_init=config")
 
