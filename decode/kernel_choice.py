@@ -13,9 +13,11 @@ atomically.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import re
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -116,14 +118,35 @@ def write_cache(path: Path, key: dict, timings: dict[Shape, list[Timing]]) -> No
     write_text_atomic(path, json.dumps(data, indent=1))
 
 
+class BusyMachineWarning(UserWarning):
+    """Kernel timings were measured while the machine was busy: used for this process, not cached."""
+
+
+def machine_busy() -> str | None:
+    """Why timings measured now would mislead ("load 6.1 on 2 CPUs"), or None. With more runnable threads than CPUs,
+    a multi-threaded product waits for its descheduled threads, and that wait, not the kernel, would decide a pick
+    that is then cached for good."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not available on this platform
+        return None
+    cpus = os.cpu_count() or 1
+    return f"load {load:.1f} on {cpus} CPUs" if load > cpus else None
+
+
 def shape_timings(shapes: Iterable[Shape], measure: Callable[[Shape], list[Timing]]) -> dict[Shape, list[Timing]]:
-    """Timings at ROWS for each shape: from this machine's cache file, measuring (by `measure`) and adding to the file
-    the shapes it lacks."""
+    """Timings at ROWS for each shape: from this machine's cache file, measuring (by `measure`) the shapes it lacks
+    and adding them to the file, unless the machine is busy (`machine_busy`): then they serve this process only."""
     shapes, key = list(shapes), machine_key()
     path = cache_file(key)
     cached = read_cache(path, key)
     missing = sorted(set(shapes) - set(cached))
     if missing:
         cached.update({shape: measure(shape) for shape in missing})
-        write_cache(path, key, cached)
+        busy = machine_busy()
+        if busy:
+            warnings.warn(f"cpu_linear auto: kernels timed on a busy machine ({busy}); the picks are used now and "
+                          f"not cached, so a quieter load measures again", BusyMachineWarning, stacklevel=2)
+        else:
+            write_cache(path, key, cached)
     return {shape: cached[shape] for shape in shapes}

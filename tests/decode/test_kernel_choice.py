@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 
+from decode import kernel_choice
 from decode.kernel_choice import ROWS, Timing, cache_file, interleaved_minimums, machine_key, read_cache, shape_timings
 
 
@@ -61,6 +63,12 @@ def fake_timings(shape) -> list[Timing]:
             for r in ROWS]
 
 
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch):
+    """Whatever else runs beside the tests, the cache is written as on a quiet machine (one test says otherwise)."""
+    monkeypatch.setattr(kernel_choice, "machine_busy", lambda: None)
+
+
 class CountingMeasure:
     def __init__(self):
         self.measured: list[tuple[int, int]] = []
@@ -110,3 +118,23 @@ def test_an_unusable_cache_file_is_measured_again_and_rewritten(isolated_home, c
     assert measure.measured == [(64, 64)]
     assert read_cache(path, key) == {(64, 64): fake_timings((64, 64))}
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
+
+
+def test_timings_from_a_busy_machine_are_used_but_not_cached(isolated_home, monkeypatch):
+    monkeypatch.setattr(kernel_choice, "machine_busy", lambda: "load 6.1 on 2 CPUs")
+    measure = CountingMeasure()
+    with pytest.warns(kernel_choice.BusyMachineWarning, match=r"busy machine \(load 6.1 on 2 CPUs\)"):
+        assert shape_timings([(64, 64)], measure) == {(64, 64): fake_timings((64, 64))}
+    assert not cache_file(machine_key()).exists()
+    monkeypatch.setattr(kernel_choice, "machine_busy", lambda: None)
+    shape_timings([(64, 64)], measure)  # measured again when the machine is quiet, and kept
+    assert measure.measured == [(64, 64), (64, 64)] and cache_file(machine_key()).exists()
+
+
+def test_more_runnable_threads_than_cpus_is_busy(monkeypatch):
+    monkeypatch.undo()  # the real machine_busy
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (6.1, 5.0, 4.0))
+    assert kernel_choice.machine_busy() == "load 6.1 on 2 CPUs"
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.9, 5.0, 4.0))
+    assert kernel_choice.machine_busy() is None
