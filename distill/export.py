@@ -6,22 +6,27 @@ from pathlib import Path
 import torch
 
 from decode.drafts import full_vocab_copy
+from decode.suffix import SuffixIndex
 from pipeline import metrics, registry
 from pipeline.config import DraftopsConfig
 from pipeline.files import swap_dir, temporary_sibling
-from pipeline.sources import HF_ASSISTANT_DIR, checkpoint_info, locate, save_checkpoint
+from pipeline.sources import HF_ASSISTANT_DIR, SUFFIX_INDEX_FILE, checkpoint_info, locate, save_checkpoint
 from pipeline.tracking import git_sha, log_figure, start_run
 
 
-def export_draft(draft, tokenizer, out_dir: Path, *, token_ids: torch.Tensor | None, cfg: DraftopsConfig) -> Path:
+def export_draft(draft, tokenizer, out_dir: Path, *, token_ids: torch.Tensor | None, cfg: DraftopsConfig,
+                 suffix_index: SuffixIndex | None = None) -> Path:
     """`pipeline.sources.save_checkpoint` layout; a reduced-vocabulary draft also gets `hf_assistant/`, a plain
-    full-vocabulary copy that transformers can load and use as `assistant_model`. Written beside `out_dir` and swapped
+    full-vocabulary copy that transformers can load and use as `assistant_model`, and `suffix_index` (the target's
+    responses for suffix decoding, `decode.suffix`) goes to `SUFFIX_INDEX_FILE`. Written beside `out_dir` and swapped
     into place (`pipeline.files`): a stopped export leaves the previous draft whole."""
     tmp = temporary_sibling(out_dir)
     save_checkpoint(draft, tokenizer, tmp, token_ids=token_ids, config=cfg)
     if token_ids is not None:
         full_vocab_copy(draft, token_ids).save_pretrained(tmp / HF_ASSISTANT_DIR)
         tokenizer.save_pretrained(tmp / HF_ASSISTANT_DIR)
+    if suffix_index is not None:
+        suffix_index.save(tmp / SUFFIX_INDEX_FILE)
     return swap_dir(tmp, out_dir)
 
 

@@ -21,6 +21,7 @@ from accelerate.utils import is_bf16_available, set_seed
 
 from decode.drafts import frequent_token_ids
 from decode.runtime import load_model
+from decode.suffix import SuffixIndex
 from distill.checkpoints import job_key, load_best, point_latest
 from distill.evaluation import exact_eval
 from distill.export import export_draft, log_and_register
@@ -192,7 +193,9 @@ def run_distill(cfg: DraftopsConfig, *, init_only: bool = False, register_only: 
                           "loss": history[best["step"] - 1]["loss"],
                           "train_responses": len(data.train), "train_tokens": data.train.num_response_tokens}
         with timings.measure("export"):
-            export_draft(draft, target.tokenizer, export_dir, token_ids=data.token_ids, cfg=cfg)
+            # the draft travels with a suffix index of the target's train responses (`decode.suffix`)
+            export_draft(draft, target.tokenizer, export_dir, token_ids=data.token_ids, cfg=cfg,
+                         suffix_index=SuffixIndex(data.train.response_ids))
             point_latest(Path(cfg.distill.output_dir) / "latest", export_dir)
         save_result(result)  # finished: a re-run after a failed registration only registers
         if cfg.distill.register_model:

