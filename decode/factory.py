@@ -30,7 +30,8 @@ def build_decoder(target, draft, decode: DecodeConfig, *, kind: str = DECODER, g
     if decode.tree_budget:
         drafter = make_tree_drafter(kind, target.model, draft_model, budget=decode.tree_budget,
                                     branching=decode.tree_branching, draft_token_ids=token_ids,
-                                    lookup_min_ngram=lookup_min_ngram, lean=lean)
+                                    lookup_min_ngram=lookup_min_ngram, draft_min_confidence=decode.draft_min_confidence,
+                                    lean=lean)
     else:
         drafter = make_drafter(kind, target.model, draft_model, draft_token_ids=token_ids,
                                lookup_min_ngram=lookup_min_ngram, draft_min_confidence=decode.draft_min_confidence,

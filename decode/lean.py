@@ -4,7 +4,9 @@ Per call, transformers builds masks, cache objects, output dataclasses and keywo
 draft's step (it runs γ times a round); docs/cpu-runtime.md has the measurement.
 `LeanLlama` calls the same embedding, norm, projection, rotary and MLP modules in the order `LlamaForCausalLM.forward`
 does (gpt-fast style: explicit positions into a preallocated KV cache), so it computes the same function; the
-transformers forward is the reference, and `tests/decode/test_lean.py` holds the parity test.
+transformers forward is the reference, and `tests/decode/test_lean.py` holds the parity test. `forward_tree` feeds a
+token tree (`decode.tree`) at per-node positions under a tree mask; `tests/decode/test_tree.py` checks it against
+feeding each root-to-node path plainly.
 """
 from __future__ import annotations
 

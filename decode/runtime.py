@@ -1,6 +1,7 @@
 """How draftops runs a causal LM: the lean forward where the architecture allows, the transformers forward with a
 DynamicCache otherwise (also the reference), explicit positions into the KV cache, and the CPU kernels of its linear
-layers (`decode.kernels`)."""
+layers (`decode.kernels`). Both forwards also take token trees (a tree mask, per-node positions) and both caches are
+compacted to a tree round's accepted path (`compact`), so tree rounds run on either."""
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -248,7 +248,7 @@ class SpeculativeDecoder:
         lookup first wherever an n-gram of at least this many tokens repeats; the model ends its block where it is
         less sure than this).
         tree_budget, tree_branching: with a draft model, tree rounds of at most this many candidates (0: chain
-        rounds) from the "decoder" drafter of `make_tree_drafter` (draft_min_confidence is for chains).
+        rounds) from the "decoder" drafter of `make_tree_drafter`.
         lean: run the models through `ModelRunner`'s lean forward where possible (False: transformers').
         eos_token_ids: ids that end generation; None: the target's generation config's EOS ids; () never stops.
         """
@@ -261,7 +261,8 @@ class SpeculativeDecoder:
         self.target_runner = ModelRunner(target, lean)
         if isinstance(draft, torch.nn.Module) and tree_budget:
             draft = make_tree_drafter(DECODER, target, draft, budget=tree_budget, branching=tree_branching,
-                                      draft_token_ids=draft_token_ids, lookup_min_ngram=lookup_min_ngram, lean=lean)
+                                      draft_token_ids=draft_token_ids, lookup_min_ngram=lookup_min_ngram,
+                                      draft_min_confidence=draft_min_confidence, lean=lean)
         elif isinstance(draft, torch.nn.Module):
             draft = make_drafter(DECODER, target, draft, draft_token_ids=draft_token_ids,
                                  lookup_min_ngram=lookup_min_ngram, draft_min_confidence=draft_min_confidence,

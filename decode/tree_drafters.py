@@ -109,7 +109,9 @@ class ModelTree:
     decided from the draft's sorted probabilities at that node, before choosing them. Greedy: they are its top
     tokens (deterministic candidates). Sampling: they are drawn without replacement from the warped draft q (the
     Gumbel top-k trick: in the order of q/E, E ~ Exp(1), they are successive draws), the j-th with q renormalized
-    after removing the j-1 before it, which is the q its trial carries. With branching 1 this is a chain.
+    after removing the j-1 before it, which is the q its trial carries. With the drafter's `min_confidence`, a node
+    below the first level gets children only where the draft's top probability there reaches it (a branch ends where
+    the draft is unsure, as a chain block does). With branching 1 this is the drafter's chain.
     """
 
     def __init__(self, drafter: ModelDrafter, branching: int):
@@ -117,7 +119,8 @@ class ModelTree:
             raise ValueError(f"branching must be >= 1, got {branching}")
         self.drafter, self.branching = drafter, branching
         self.context = drafter.context
-        self.name = f"{DRAFT}(branching={branching})"
+        sure = "" if drafter.min_confidence is None else f", min_confidence={drafter.min_confidence:g}"
+        self.name = f"{DRAFT}(branching={branching}{sure})"
 
     def start(self, prompt: list[int]) -> ModelTreeState:
         return ModelTreeState(self.drafter.start(prompt))
@@ -134,7 +137,8 @@ class ModelTree:
         level, scores = [ROOT], {ROOT: 1.0}
         for d in range(1, depth + 1):
             first = len(own)
-            for parent, token, q, score in self._children(level, scores, logits, budget - first, warp, generator):
+            sure = d == 1 or self.drafter.min_confidence is None
+            for parent, token, q, score in self._children(level, scores, logits, budget - first, warp, generator, sure):
                 scores[own.add(parent, token, DRAFT, q)] = score
             level = list(range(first, len(own)))
             if d == depth or len(own) >= budget or not level:
@@ -150,13 +154,17 @@ class ModelTree:
         return calls
 
     def _children(self, level: list[int], scores: dict[int, float], logits: torch.Tensor, budget: int, warp: Warp,
-                  generator) -> list[tuple[int, int, torch.Tensor | None, float]]:
+                  generator, sure: bool) -> list[tuple[int, int, torch.Tensor | None, float]]:
         """(parent, token, q of the trial or None, cumulative score) of the next level, in draw order; logits
-        [len(level), V] are the draft's at the level's nodes."""
+        [len(level), V] are the draft's at the level's nodes; unless `sure`, only nodes where the draft is confident
+        get children."""
         base = [scores[node] for node in level]
-        probs = logits.float().softmax(-1) if warp.greedy else warp(logits)
+        plain = logits.float().softmax(-1)
+        probs = plain if warp.greedy else warp(logits)
         top, index = probs.topk(min(self.branching, probs.shape[-1]), -1)
         candidates = torch.tensor(base, device=top.device)[:, None] * top
+        if not sure:
+            candidates[plain.amax(-1) < self.drafter.min_confidence] = 0
         chosen = candidates.flatten().topk(min(budget, self.branching, candidates.numel())).indices
         counts = [0] * len(level)
         for flat in chosen[candidates.flatten()[chosen] > 0].tolist():
@@ -229,11 +237,11 @@ class TreeDrafter:
 
 def make_tree_drafter(kind: str, target, draft=None, *, budget: int, branching: int = 2,
                       draft_token_ids: torch.Tensor | None = None, lookup_min_ngram: int | None = None,
-                      lean: bool = True) -> TreeDrafter:
+                      draft_min_confidence: float | None = None, lean: bool = True) -> TreeDrafter:
     """The tree drafter of `kind` (`decode.drafters.DRAFTER_KINDS`): "draft" the model's tree, "lookup" prompt
     lookup's branches (n-grams of 1-3 tokens unless `lookup_min_ngram` is set), "decoder" lookup's branches first
-    and the model's tree in what is left of the budget (the model alone when lookup is off). `branching`: children
-    per level of the model's tree, and lookup branches."""
+    and the model's tree in what is left of the budget (the model alone when lookup is off). `branching`: nodes per
+    level of the model's tree, and lookup branches; `draft_min_confidence`: see `ModelTree`."""
     if kind not in DRAFTER_KINDS:
         raise ValueError(f"drafter kind must be one of {DRAFTER_KINDS}, got {kind!r}")
     lookup_ngrams = (3, 1) if lookup_min_ngram is None else (max(3, lookup_min_ngram), lookup_min_ngram)
@@ -242,7 +250,8 @@ def make_tree_drafter(kind: str, target, draft=None, *, budget: int, branching: 
     if draft is None:
         raise ValueError(f"the {kind!r} drafter needs a draft model")
     vocab_size, device = output_size(target), next(target.parameters()).device
-    model = ModelTree(ModelDrafter(draft, vocab_size, device, token_ids=draft_token_ids, lean=lean), branching)
+    model = ModelTree(ModelDrafter(draft, vocab_size, device, token_ids=draft_token_ids,
+                                   min_confidence=draft_min_confidence, lean=lean), branching)
     if kind == DECODER and lookup_min_ngram is not None:
         return TreeDrafter([LookupTree(*lookup_ngrams, branching), model], budget)
     return TreeDrafter([model], budget)

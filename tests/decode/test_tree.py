@@ -135,15 +135,16 @@ def test_lookup_tree_respects_the_budget():
     assert set(tree.sources) == {"lookup"}
 
 
+@pytest.mark.parametrize("min_confidence,length", [(None, 4), (0.3, 3)])  # the draft's 4th top prob is 0.24
 @torch.inference_mode()
-def test_model_tree_with_branching_one_is_the_greedy_chain(target, close_draft):
-    seq = [5, 9, 2, 77, 3]
-    chain = ModelDrafter(close_draft, 128, torch.device("cpu"))
+def test_model_tree_with_branching_one_is_the_greedy_chain(random_draft, min_confidence, length):
+    seq = [40, 41, 42, 43]
+    chain = ModelDrafter(random_draft, 128, torch.device("cpu"), min_confidence=min_confidence)
     drafts, _, calls = chain.propose(chain.start(seq), seq, 4, Warp(), None)
-    source = ModelTree(ModelDrafter(close_draft, 128, torch.device("cpu")), 1)
+    source = ModelTree(ModelDrafter(random_draft, 128, torch.device("cpu"), min_confidence=min_confidence), 1)
     tree, state = TokenTree(), source.start(seq)
-    assert source.grow(state, tree, seq, 8, 4, Warp(), None) == calls == 4
-    assert tree.tokens == drafts.tolist() and tree.parents == [ROOT, 0, 1, 2]
+    assert source.grow(state, tree, seq, 8, 4, Warp(), None) == calls
+    assert tree.tokens == drafts.tolist() and len(tree) == length and tree.parents == [ROOT, 0, 1, 2][:length]
 
 
 @torch.inference_mode()
@@ -227,7 +228,7 @@ def test_build_decoder_runs_trees_when_the_config_has_a_budget(target, close_dra
     resolved = [ResolvedModel("x", None, model, None, "", None) for model in (target, close_draft)]
     decoder = build_decoder(*resolved, DecodeConfig(tree_budget=8, tree_branching=3, lookup_min_ngram=2))
     assert isinstance(decoder.drafter, TreeDrafter) and decoder.drafter.budget == 8
-    assert decoder.drafter.name == "tree(budget=8): lookup(n=2..3, branches=3)+draft(branching=3)"
+    assert decoder.drafter.name == "tree(budget=8): lookup(n=2..3, branches=3)+draft(branching=3, min_confidence=0.4)"
     assert not isinstance(build_decoder(*resolved, DecodeConfig()).drafter, TreeDrafter)
     with pytest.raises(ValueError):
         DecodeConfig(tree_budget=-1)
