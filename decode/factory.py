@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from decode.drafters import DECODER, LOOKUP, make_drafter
 from decode.speculative import GammaPolicy, SpeculativeDecoder
+from decode.tree_drafters import make_tree_drafter
 from pipeline.config import DecodeConfig
 from pipeline.sources import eos_token_ids
 
@@ -22,12 +23,18 @@ def build_decoder(target, draft, decode: DecodeConfig, *, kind: str = DECODER, g
     """The speculative decoder `decode` describes, with the drafter of `kind` (`decode.drafters.DRAFTER_KINDS`).
 
     target: a `pipeline.sources.ResolvedModel` (its generation config and tokenizer give the EOS ids); draft: one too,
-    or None for the "lookup" drafter.
+    or None for the "lookup" drafter. `decode.tree_budget` > 0 gives tree rounds (`decode.tree_drafters`).
     """
-    drafter = make_drafter(
-        kind, target.model, None if draft is None else draft.model,
-        draft_token_ids=None if draft is None else draft.token_ids,
-        lookup_min_ngram=decode.lookup_min_ngram if kind in (DECODER, LOOKUP) else None,
-        draft_min_confidence=decode.draft_min_confidence, lean=lean)
+    draft_model, token_ids = (None, None) if draft is None else (draft.model, draft.token_ids)
+    lookup_min_ngram = decode.lookup_min_ngram if kind in (DECODER, LOOKUP) else None
+    if decode.tree_budget:
+        drafter = make_tree_drafter(kind, target.model, draft_model, budget=decode.tree_budget,
+                                    branching=decode.tree_branching, draft_token_ids=token_ids,
+                                    lookup_min_ngram=lookup_min_ngram, draft_min_confidence=decode.draft_min_confidence,
+                                    lean=lean)
+    else:
+        drafter = make_drafter(kind, target.model, draft_model, draft_token_ids=token_ids,
+                               lookup_min_ngram=lookup_min_ngram, draft_min_confidence=decode.draft_min_confidence,
+                               lean=lean)
     return SpeculativeDecoder(target.model, drafter, gamma_policy(decode, gamma),
                               eos_token_ids=eos_token_ids(target.model, target.tokenizer))

@@ -4,7 +4,9 @@ Per call, transformers builds masks, cache objects, output dataclasses and keywo
 draft's step (it runs γ times a round); docs/cpu-runtime.md has the measurement.
 `LeanLlama` calls the same embedding, norm, projection, rotary and MLP modules in the order `LlamaForCausalLM.forward`
 does (gpt-fast style: explicit positions into a preallocated KV cache), so it computes the same function; the
-transformers forward is the reference, and `tests/decode/test_lean.py` holds the parity test.
+transformers forward is the reference, and `tests/decode/test_lean.py` holds the parity test. `forward_tree` feeds a
+token tree (`decode.tree`) at per-node positions under a tree mask; `tests/decode/test_tree.py` checks it against
+feeding each root-to-node path plainly.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 class KVCache:
     """Per-layer keys and values [1, kv_heads, capacity, head_dim], grown by doubling; `length` positions are valid.
 
-    `get_seq_length` and `crop` follow transformers' DynamicCache, so `decode.speculative.rollback` works on both.
+    `get_seq_length` and `crop` follow transformers' DynamicCache, so `decode.runtime.rollback` works on both.
     """
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
@@ -30,6 +32,17 @@ class KVCache:
     def crop(self, length: int) -> None:
         """Keep the first `length` positions (a negative length drops that many from the end)."""
         self.length = length if length >= 0 else max(0, self.length + length)
+
+    def compact(self, start: int, slots: list[int]) -> None:
+        """Keep the first `start` positions, then the entries at `slots` (ascending, each >= start) moved to
+        start, start+1, ...: a tree round keeps the accepted path of the nodes it fed."""
+        end = start + len(slots)
+        if slots != list(range(start, end)):
+            index = torch.tensor(slots, device=self.keys[0].device)
+            for store in (self.keys, self.values):
+                for entry in store:
+                    entry[:, :, start:end] = entry[:, :, index]
+        self.length = end
 
     def reserve(self, end: int) -> None:
         capacity = self.keys[0].shape[2]
@@ -65,12 +78,27 @@ class LeanLlama:
     def forward_logits(self, tokens: torch.Tensor, cache: KVCache, start: int, keep_last: bool) -> torch.Tensor:
         """Feed tokens [T] at positions start..start+T-1 -> logits [T, V] (or [1, V] if keep_last)."""
         n, end = tokens.shape[0], start + tokens.shape[0]
-        cache.reserve(end)
         positions = torch.arange(start, end, device=tokens.device)
-        x = self.inner.embed_tokens(tokens[None])
-        cos, sin = self.inner.rotary_emb(x, positions[None])
         # a block of n > 1 queries sees every cached position and the block causally
         mask = None if n == 1 else torch.arange(end, device=tokens.device)[None, :] <= positions[:, None]
+        return self._forward(tokens, cache, start, positions, mask, keep_last)
+
+    def forward_tree(self, tokens: torch.Tensor, cache: KVCache, start: int, positions: torch.Tensor,
+                     tree_mask: torch.Tensor) -> torch.Tensor:
+        """Feed tokens [T] into cache slots start..start+T-1 at `positions` [T] -> logits [T, V]. tree_mask [T, m]
+        (m >= T) says which of the last m slots (start+T-m .. start+T-1) each token sees; it sees every slot before
+        them (`decode.tree.TokenTree.attention_mask`). Slots and positions differ: a node sits at its depth."""
+        n, end = tokens.shape[0], start + tokens.shape[0]
+        mask = torch.ones(n, end, dtype=torch.bool, device=tokens.device)
+        mask[:, end - tree_mask.shape[1] :] = tree_mask
+        return self._forward(tokens, cache, start, positions, mask, keep_last=False)
+
+    def _forward(self, tokens: torch.Tensor, cache: KVCache, start: int, positions: torch.Tensor,
+                 mask: torch.Tensor | None, keep_last: bool) -> torch.Tensor:
+        n, end = tokens.shape[0], start + tokens.shape[0]
+        cache.reserve(end)
+        x = self.inner.embed_tokens(tokens[None])
+        cos, sin = self.inner.rotary_emb(x, positions[None])
         for i, layer in enumerate(self.inner.layers):
             attention, h = layer.self_attn, layer.input_layernorm(x)
             q = attention.q_proj(h).view(1, n, self.heads, self.head_dim).transpose(1, 2)

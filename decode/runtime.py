@@ -1,6 +1,7 @@
 """How draftops runs a causal LM: the lean forward where the architecture allows, the transformers forward with a
 DynamicCache otherwise (also the reference), explicit positions into the KV cache, and the CPU kernels of its linear
-layers (`decode.kernels`)."""
+layers (`decode.kernels`). Both forwards also take token trees (a tree mask, per-node positions) and both caches are
+compacted to a tree round's accepted path (`compact`), so tree rounds run on either."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -9,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from decode.kernels import cpu_linear_of, use_cpu_linear
-from decode.lean import LeanLlama
+from decode.lean import KVCache, LeanLlama
 from pipeline.sources import HF_ASSISTANT_DIR, ResolvedModel, SourceError, load_checkpoint, resolve_model
 
 
@@ -50,11 +51,38 @@ def forward_logits(model, tokens: torch.Tensor, cache: DynamicCache, start: int,
     return out.logits[0]
 
 
+def forward_tree(model, tokens: torch.Tensor, cache: DynamicCache, positions: torch.Tensor,
+                 tree_mask: torch.Tensor) -> torch.Tensor:
+    """`decode.lean.LeanLlama.forward_tree` through the transformers forward: appended to the cache, with a 4D mask
+    (transformers uses a 4D mask as given) -> logits [T, V]."""
+    n, end = tokens.shape[0], cache.get_seq_length() + tokens.shape[0]
+    visible = torch.ones(n, end, dtype=torch.bool, device=tokens.device)
+    visible[:, end - tree_mask.shape[1] :] = tree_mask
+    dtype = model.get_input_embeddings().weight.dtype
+    mask = torch.zeros(n, end, dtype=dtype, device=tokens.device).masked_fill_(~visible, torch.finfo(dtype).min)
+    out = model(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask[None, None], cache=cache,
+                use_cache=True)
+    return out.logits[0]
+
+
 def rollback(cache: DynamicCache, length: int) -> None:
     """Crop the cache to its first `length` positions."""
     extra = cache.get_seq_length() - length
     if extra > 0:
         cache.crop(-extra)
+
+
+def compact(cache, start: int, slots: list[int]) -> None:
+    """Keep the first `start` positions of the cache, then the entries at `slots` (ascending, each >= start) moved
+    to start, start+1, ...; the rest is dropped. A tree round keeps the accepted path this way: the nodes' keys were
+    computed at their depth's position, so once moved they are what feeding the path plainly gives."""
+    if isinstance(cache, KVCache):
+        cache.compact(start, slots)
+        return
+    index = torch.tensor(slots, dtype=torch.long)
+    for layer in cache.layers:
+        layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys[:, :, index.to(layer.keys.device)]], 2)
+        layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, index.to(layer.values.device)]], 2)
 
 
 class ModelRunner:
@@ -72,6 +100,16 @@ class ModelRunner:
         if self.lean is not None:
             return self.lean.forward_logits(tokens, cache, start, keep_last)
         return forward_logits(self.model, tokens, cache, start, keep_last)
+
+    def forward_tree(self, tokens: torch.Tensor, cache, start: int, positions: torch.Tensor,
+                     tree_mask: torch.Tensor) -> torch.Tensor:
+        """Tokens [T] of a token tree into the cache from position `start` on (cropped there first), at `positions`,
+        each seeing the cache before the last m slots and those of them its row of tree_mask [T, m] allows
+        (`decode.lean.LeanLlama.forward_tree`) -> logits [T, V]."""
+        rollback(cache, start)
+        if self.lean is not None:
+            return self.lean.forward_tree(tokens, cache, start, positions, tree_mask)
+        return forward_tree(self.model, tokens, cache, positions, tree_mask)
 
 
 @torch.inference_mode()

@@ -6,7 +6,9 @@ explicit positions, and rejected drafts are rolled back by cropping the caches. 
 the algorithm; `SpeculativeDecoder.generate` runs rounds until a stop and keeps the statistics.
 
 Proposals come from a drafter (`decode.drafters`): a draft model, prompt lookup, or lookup first and the model
-elsewhere. `decode.factory.build_decoder` builds the decoder a config describes.
+elsewhere. With a tree budget the decoder runs `tree_round`s instead: a tree drafter (`decode.tree_drafters`) proposes
+many continuations at once, the target verifies them in one pass with a tree attention mask and `decode.tree.accept`
+keeps one path of them. `decode.factory.build_decoder` builds the decoder a config describes.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from typing import Literal
 import torch
 
 from decode.drafters import DECODER, Drafter, make_drafter, model_context, output_size
-from decode.runtime import ModelRunner, rollback
+from decode.runtime import ModelRunner, compact, rollback
 from decode.sampling import Warp, sample
 from decode.stats import GenerationStats
+from decode.tree import accept
+from decode.tree_drafters import TreeDrafter, make_tree_drafter
 from pipeline.sources import eos_token_ids as model_eos_token_ids
 
 
@@ -82,10 +86,20 @@ class GenerationResult:
 
 @dataclass(frozen=True)
 class Round:
+    """One round's outcome. A chain's `depth` is its `drafted` and its `tested` min(accepted + 1, drafted); a tree's
+    are its deepest level and the positions at which candidates met a test (`decode.tree.Verdict`)."""
+
     tokens: list[int]  # the accepted drafts, then one token from the target
     drafted: int
     accepted: int
     draft_calls: int
+    depth: int
+    tested: int
+    sources: tuple[str, ...] = ()  # per accepted draft, the tree source that proposed it (trees only)
+
+    def record(self, stats: GenerationStats) -> None:
+        stats.record_round(self.drafted, self.depth, self.tested, self.accepted, self.sources)
+        stats.draft_calls += self.draft_calls
 
 
 def scheduled_gamma(schedule: Sequence[tuple[int, int]], length: int) -> int:
@@ -183,7 +197,28 @@ def speculative_round(target: ModelRunner, target_cache, drafter: Drafter, draft
     n = ok.index(0) if 0 in ok else k
     rollback(target_cache, len(seq) + n)
     drafter.rollback(draft_state, len(seq) + n)
-    return Round(proposed[:n] + [target_tokens[n]], k, n, draft_calls)
+    return Round(proposed[:n] + [target_tokens[n]], k, n, draft_calls, k, min(n + 1, k))
+
+
+def tree_round(target: ModelRunner, target_cache, drafter: TreeDrafter, draft_state, seq: list[int], depth: int,
+               warp: Warp, generator: torch.Generator | None,
+               lap: Callable[[str], None] = lambda phase: None) -> Round:
+    """One tree round: the drafter's tree of at most `depth` levels after `seq`; the target scores the pending token
+    and every node in one pass (each node sees the prefix and its ancestors, at its depth's position); `accept` keeps
+    one path and a token from the target; the target's cache keeps that path, compacted next to the prefix."""
+    tree, draft_calls = drafter.grow(draft_state, seq, depth, warp, generator)
+    lap("draft")
+    device, start = next(target.model.parameters()).device, len(seq) - 1
+    tokens = torch.tensor(seq[-1:] + tree.tokens, device=device)
+    positions = torch.tensor([0, *tree.depths], device=device) + start
+    logits = target.forward_tree(tokens, target_cache, start, positions, tree.attention_mask(device))
+    verdict = accept(tree, logits, warp, generator)
+    lap("verify")
+    compact(target_cache, start + 1, [start + 1 + node for node in verdict.path])
+    new = [tree.tokens[node] for node in verdict.path] + [verdict.next_token]
+    drafter.commit(draft_state, seq + new)
+    return Round(new, len(tree), len(verdict.path), draft_calls, tree.depth, verdict.tested,
+                 tuple(tree.sources[node] for node in verdict.path))
 
 
 class SpeculativeDecoder:
@@ -198,17 +233,22 @@ class SpeculativeDecoder:
         draft_token_ids: torch.Tensor | None = None,
         lookup_min_ngram: int | None = None,
         draft_min_confidence: float | None = None,
+        tree_budget: int = 0,
+        tree_branching: int = 2,
         lean: bool = True,
         eos_token_ids: Sequence[int] | int | None = None,
         stop_strings: Sequence[str] | None = None,
         tokenizer=None,
     ):
-        """draft: an HF causal LM, or a drafter (`decode.drafters`, e.g. `decode.ngram.PromptLookupDrafter`).
+        """draft: an HF causal LM, or a drafter (`decode.drafters`, e.g. `decode.ngram.PromptLookupDrafter`), or a
+        `decode.tree_drafters.TreeDrafter` (tree rounds).
 
-        gamma: a fixed γ, or a `GammaPolicy` (schedule by context length, adaptive).
+        gamma: a fixed γ, or a `GammaPolicy` (schedule by context length, adaptive); in tree rounds, the deepest level.
         lookup_min_ngram, draft_min_confidence: with a draft model, the "decoder" drafter of `make_drafter` (prompt
         lookup first wherever an n-gram of at least this many tokens repeats; the model ends its block where it is
         less sure than this).
+        tree_budget, tree_branching: with a draft model, tree rounds of at most this many candidates (0: chain
+        rounds) from the "decoder" drafter of `make_tree_drafter`.
         lean: run the models through `ModelRunner`'s lean forward where possible (False: transformers').
         eos_token_ids: ids that end generation; None: the target's generation config's EOS ids; () never stops.
         """
@@ -219,13 +259,18 @@ class SpeculativeDecoder:
         self.device = next(target.parameters()).device
         self.vocab_size = output_size(target)
         self.target_runner = ModelRunner(target, lean)
-        if isinstance(draft, torch.nn.Module):
+        if isinstance(draft, torch.nn.Module) and tree_budget:
+            draft = make_tree_drafter(DECODER, target, draft, budget=tree_budget, branching=tree_branching,
+                                      draft_token_ids=draft_token_ids, lookup_min_ngram=lookup_min_ngram,
+                                      draft_min_confidence=draft_min_confidence, lean=lean)
+        elif isinstance(draft, torch.nn.Module):
             draft = make_drafter(DECODER, target, draft, draft_token_ids=draft_token_ids,
                                  lookup_min_ngram=lookup_min_ngram, draft_min_confidence=draft_min_confidence,
                                  lean=lean)
-        elif draft_token_ids is not None or lookup_min_ngram is not None or draft_min_confidence is not None:
-            raise ValueError("draft_token_ids, lookup_min_ngram and draft_min_confidence apply to draft models only")
-        self.drafter: Drafter = draft
+        elif tree_budget or any(x is not None for x in (draft_token_ids, lookup_min_ngram, draft_min_confidence)):
+            raise ValueError("draft_token_ids, lookup_min_ngram, draft_min_confidence and tree_budget apply to draft "
+                             "models only")
+        self.drafter: Drafter | TreeDrafter = draft
         if eos_token_ids is None:
             eos_token_ids = model_eos_token_ids(target, tokenizer)
         elif isinstance(eos_token_ids, int):
@@ -307,13 +352,12 @@ class SpeculativeDecoder:
         while len(seq) < limit:
             clock[0] = time.perf_counter()  # bookkeeping between rounds counts as overhead, not as drafting
             k = min(gamma, limit - len(seq) - 1)
-            step = speculative_round(self.target_runner, target_cache, self.drafter, draft_state, seq, k, warp,
-                                     generator, lap)
-            stats.record_block(step.drafted, step.accepted)
-            stats.draft_calls += step.draft_calls
+            run = tree_round if isinstance(self.drafter, TreeDrafter) else speculative_round
+            step = run(self.target_runner, target_cache, self.drafter, draft_state, seq, k, warp, generator, lap)
+            step.record(stats)
             n_old = len(seq) - len(prompt)
             seq.extend(step.tokens)
-            gamma = self.gamma.next(gamma, len(seq), step.drafted, step.accepted)
+            gamma = self.gamma.next(gamma, len(seq), step.depth, step.accepted)
             reason = self._stop(seq, len(prompt), n_old)
             if reason is not None:
                 stats.stop_reason = reason

@@ -8,6 +8,7 @@ ratio estimators (sum of numerators / sum of denominators over prompts) with a s
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -23,7 +24,10 @@ class GenerationStats:
     accepted / verified estimates the per-token acceptance α, while accepted / drafted is the draft's efficiency.
     Per block position i: `drafted_at[i]` blocks drafted it, `verified_at[i]` tested it (all before it accepted),
     `accepted_at[i]` accepted it; accepted_at[i] / verified_at[i] is the acceptance at position i given that
-    position i was reached.
+    position i was reached. In a tree round (`decode.speculative.tree_round`) `drafted` counts the tree's nodes, a
+    position is drafted when the tree reaches that depth and verified when the walk tested candidates there, so
+    accepted / verified stays the per-position acceptance; `accepted_by_source` counts the accepted tokens by the tree
+    source that proposed them (chain rounds do not label theirs).
     """
 
     new_tokens: int = 0
@@ -33,6 +37,7 @@ class GenerationStats:
     accepted_at: list[int] = field(default_factory=list)
     verified_at: list[int] = field(default_factory=list)
     drafted_at: list[int] = field(default_factory=list)
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
     target_calls: int = 0
     draft_calls: int = 0
     prefill_s: float = 0.0
@@ -42,20 +47,25 @@ class GenerationStats:
     stop_reason: str = ""
 
     def record_block(self, n_drafted: int, n_accepted: int) -> None:
-        self.drafted += n_drafted
-        self.accepted += n_accepted
-        self.verified += min(n_accepted + 1, n_drafted)
+        """A chain round: n_drafted drafts, the first n_accepted accepted (the next one, if any, was tested)."""
+        self.record_round(n_drafted, n_drafted, min(n_accepted + 1, n_drafted), n_accepted)
+
+    def record_round(self, drafted: int, depth: int, tested: int, accepted: int, sources: Sequence[str] = ()) -> None:
+        """One target call over `drafted` candidates `depth` positions deep, with tests at the first `tested`
+        positions and `accepted` tokens accepted (`sources`: the source of each, where known)."""
+        self.drafted += drafted
+        self.accepted += accepted
+        self.verified += tested
         self.target_calls += 1
-        grow = n_drafted - len(self.drafted_at)
+        grow = depth - len(self.drafted_at)
         if grow > 0:
             for counts in (self.drafted_at, self.verified_at, self.accepted_at):
                 counts.extend([0] * grow)
-        for i in range(n_drafted):
-            self.drafted_at[i] += 1
-        for i in range(min(n_accepted + 1, n_drafted)):
-            self.verified_at[i] += 1
-        for i in range(n_accepted):
-            self.accepted_at[i] += 1
+        for counts, n in ((self.drafted_at, depth), (self.verified_at, tested), (self.accepted_at, accepted)):
+            for i in range(n):
+                counts[i] += 1
+        for source in sources:
+            self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + 1
 
     @property
     def acceptance_rate(self) -> float:
@@ -243,6 +253,7 @@ def _summarize(stats: Sequence[GenerationStats], *, confidence: float, seed: int
         "tau": ci([s.new_tokens for s in stats], [s.target_calls for s in stats]),
         "tokens_per_s": ci([s.new_tokens for s in stats], [s.total_s for s in stats]),
         "acceptance_at_position": [float(a / v) if v else float("nan") for a, v in zip(accepted_at, verified_at)],
+        "accepted_by_source": dict(sum((Counter(s.accepted_by_source) for s in stats), Counter())),
         "time_s": {
             name: float(sum(getattr(s, name) for s in stats))
             for name in ("prefill_s", "draft_s", "verify_s", "overhead_s", "total_s")

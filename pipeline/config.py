@@ -54,6 +54,13 @@ class DecodeConfig(Section):
     draft_min_confidence: float | None = Field(0.4, gt=0.0, le=1.0, description=(
         "A draft model ends its block at the first token (after the first) whose top probability is below this, "
         "saving draft steps and verify width where it is likely wrong. null: always draft gamma tokens."))
+    tree_budget: int = Field(0, ge=0, description=(
+        "Tree rounds: up to this many candidates per target call (prompt lookup's matches, then the draft model's "
+        "tree) merged into one token tree and verified in one pass, gamma levels deep at most (docs/trees.md). 0: "
+        "chain rounds."))
+    tree_branching: int = Field(2, ge=1, description=(
+        "Tree rounds: nodes per level of the draft model's tree (each level keeps the best children of the last by "
+        "cumulative draft probability) and prompt lookup's branches."))
     max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0, description="0 is greedy.")
     top_k: int = Field(0, ge=0, description="0 disables top-k.")

@@ -1,0 +1,257 @@
+"""Tree sources: what proposes the candidates of a tree round (`decode.speculative.tree_round`), under a node budget.
+
+A `TreeSource` has three methods. `start(prompt)` returns its state for a new generation; `grow(state, tree, seq,
+budget, depth, warp, generator)` adds at most `budget` new nodes of at most `depth` levels to the round's
+`decode.tree.TokenTree` continuing `seq` and returns the number of model forwards it ran; `commit(state, seq)` is told
+the sequence after the round, so a model source keeps what it computed along the accepted path. Sources label their
+nodes (`LOOKUP`, `DRAFT`, ...), and the decoder's statistics count accepted tokens per label.
+
+A source must keep the tree's sampled test lossless (`decode.tree`): every sampled trial's token is drawn from the q
+it carries given what was drawn before it, trials are added in the order they were drawn, and how many trials a node
+gets is decided before they are drawn. Deterministic candidates (q None) may be chosen any way that does not look at
+the target.
+
+- `LookupTree`: prompt lookup's matches, several earlier occurrences as several branches (deterministic);
+- `ModelTree`: the draft model's tree, grown level by level with one draft forward per level (a per-level beam);
+- `TreeDrafter`: what the decoder runs, its sources in order under one budget per round: lookup first, then the
+  model fills what is left (`make_tree_drafter`).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from decode.drafters import DECODER, DRAFT, DRAFTER_KINDS, LOOKUP, ModelDrafter, output_size
+from decode.runtime import compact
+from decode.sampling import Warp, to_target_vocab
+from decode.tree import ROOT, TokenTree
+
+
+class TreeSource(Protocol):
+    name: str
+    context: int | None
+
+    def start(self, prompt: list[int]) -> object: ...
+
+    def grow(self, state, tree: TokenTree, seq: list[int], budget: int, depth: int, warp: Warp,
+             generator: torch.Generator | None) -> int: ...
+
+    def commit(self, state, seq: list[int]) -> None: ...
+
+
+def lookup_matches(seq: list[int], k: int, max_ngram: int, min_ngram: int, branches: int) -> list[list[int]]:
+    """Up to `branches` distinct continuations of up to k tokens that followed earlier occurrences of seq's last n
+    tokens: n = max_ngram down to min_ngram, the most recent occurrence first (`decode.ngram` takes the first)."""
+    found: list[list[int]] = []
+    if k < 1 or len(seq) < 2:
+        return found
+    tokens = torch.tensor(seq)
+    for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
+        windows = tokens[:-1].unfold(0, n, 1)  # every n-gram that has at least one token after it
+        for hit in (windows == tokens[-n:]).all(1).nonzero().flatten().tolist()[::-1]:
+            continuation = seq[hit + n : hit + n + k]
+            if continuation not in found:
+                found.append(continuation)
+                if len(found) == branches:
+                    return found
+    return found
+
+
+class LookupTree:
+    """Prompt lookup as a tree source: each of up to `branches` matches (`lookup_matches`) becomes a branch."""
+
+    context = None  # no positions of its own
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, branches: int = 2):
+        if not 1 <= min_ngram <= max_ngram or branches < 1:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram and branches >= 1, got {min_ngram}, {max_ngram}, "
+                             f"{branches}")
+        self.max_ngram, self.min_ngram, self.branches = max_ngram, min_ngram, branches
+        self.name = f"lookup(n={min_ngram}..{max_ngram}, branches={branches})"
+
+    def start(self, prompt: list[int]) -> None:
+        return None
+
+    def grow(self, state, tree: TokenTree, seq: list[int], budget: int, depth: int, warp, generator) -> int:
+        limit = len(tree) + budget
+        for branch in lookup_matches(seq, depth, self.max_ngram, self.min_ngram, self.branches):
+            node = ROOT
+            for token in branch:
+                if len(tree) >= limit and tree.child(node, token) is None:
+                    break
+                node = tree.add(node, token, LOOKUP)
+        return 0
+
+    def commit(self, state, seq: list[int]) -> None:
+        pass
+
+
+@dataclass
+class ModelTreeState:
+    """The draft's cache, its tree of the last round, the cache slot of that tree's node 0 (the pending token's slot
+    plus one) and how many of its nodes the draft has fed (the last level is never fed)."""
+
+    cache: object
+    tree: TokenTree | None = None
+    base: int = 0
+    fed: int = 0
+
+
+class ModelTree:
+    """The draft model's candidates, grown one level per draft forward (a per-level beam, after EAGLE-2).
+
+    Level d+1 holds the `branching` best children of level d's nodes by cumulative draft probability (the product
+    of the draft's probabilities down the path, which EAGLE-2 found tracks acceptance), so a confident path grows
+    deep and an unsure one splits; at most `depth` levels and `budget` nodes. How many children a node gets is
+    decided from the draft's sorted probabilities at that node, before choosing them. Greedy: they are its top
+    tokens (deterministic candidates). Sampling: they are drawn without replacement from the warped draft q (the
+    Gumbel top-k trick: in the order of q/E, E ~ Exp(1), they are successive draws), the j-th with q renormalized
+    after removing the j-1 before it, which is the q its trial carries. With the drafter's `min_confidence`, a node
+    below the first level gets children only where the draft's top probability there reaches it (a branch ends where
+    the draft is unsure, as a chain block does). With branching 1 this is the drafter's chain.
+    """
+
+    def __init__(self, drafter: ModelDrafter, branching: int):
+        if branching < 1:
+            raise ValueError(f"branching must be >= 1, got {branching}")
+        self.drafter, self.branching = drafter, branching
+        self.context = drafter.context
+        sure = "" if drafter.min_confidence is None else f", min_confidence={drafter.min_confidence:g}"
+        self.name = f"{DRAFT}(branching={branching}{sure})"
+
+    def start(self, prompt: list[int]) -> ModelTreeState:
+        return ModelTreeState(self.drafter.start(prompt))
+
+    def grow(self, state: ModelTreeState, tree: TokenTree, seq: list[int], budget: int, depth: int, warp: Warp,
+             generator: torch.Generator | None) -> int:
+        state.tree, state.base, state.fed = None, len(seq), 0
+        if budget < 1 or depth < 1:
+            return 0
+        runner, cache, device = self.drafter.runner, state.cache, self.drafter.device
+        seen = cache.get_seq_length()
+        logits = runner.forward(torch.tensor(seq[seen:], device=device), cache, seen, True)
+        own, calls = TokenTree(), 1
+        level, scores = [ROOT], {ROOT: 1.0}
+        for d in range(1, depth + 1):
+            first = len(own)
+            sure = d == 1 or self.drafter.min_confidence is None
+            for parent, token, q, score in self._children(level, scores, logits, budget - first, warp, generator, sure):
+                scores[own.add(parent, token, DRAFT, q)] = score
+            level = list(range(first, len(own)))
+            if d == depth or len(own) >= budget or not level:
+                break
+            positions = torch.tensor([len(seq) - 1 + own.depths[i] for i in level], device=device)
+            mask = own.attention_mask(device)[first + 1 :, 1:]
+            logits = runner.forward_tree(torch.tensor(own.tokens[first:], device=device), cache, len(seq) + first,
+                                         positions, mask)
+            calls += 1
+            state.fed = len(own)
+        state.tree = own
+        tree.merge(own)
+        return calls
+
+    def _children(self, level: list[int], scores: dict[int, float], logits: torch.Tensor, budget: int, warp: Warp,
+                  generator, sure: bool) -> list[tuple[int, int, torch.Tensor | None, float]]:
+        """(parent, token, q of the trial or None, cumulative score) of the next level, in draw order; logits
+        [len(level), V] are the draft's at the level's nodes; unless `sure`, only nodes where the draft is confident
+        get children."""
+        base = [scores[node] for node in level]
+        plain = logits.float().softmax(-1)
+        probs = plain if warp.greedy else warp(logits)
+        top, index = probs.topk(min(self.branching, probs.shape[-1]), -1)
+        candidates = torch.tensor(base, device=top.device)[:, None] * top
+        if not sure:
+            candidates[plain.amax(-1) < self.drafter.min_confidence] = 0
+        chosen = candidates.flatten().topk(min(budget, self.branching, candidates.numel())).indices
+        counts = [0] * len(level)
+        for flat in chosen[candidates.flatten()[chosen] > 0].tolist():
+            counts[flat // top.shape[1]] += 1
+        token_ids = self.drafter.token_ids
+        out = []
+        for row, (parent, count) in enumerate(zip(level, counts)):
+            if warp.greedy:
+                picks, trial_qs = index[row, :count], [None] * count
+            else:
+                picks = (probs[row] / torch.empty_like(probs[row]).exponential_(1, generator=generator)).topk(count)[1]
+                trial_qs = list(without_replacement(probs[row], picks))
+            for j, pick in enumerate(picks.tolist()):
+                token = pick if token_ids is None else int(token_ids[pick])
+                q = None if trial_qs[j] is None else to_target_vocab(trial_qs[j], token_ids, self.drafter.vocab_size)
+                out.append((parent, token, q, base[row] * float(probs[row, pick])))
+        return out
+
+    def commit(self, state: ModelTreeState, seq: list[int]) -> None:
+        """Keep the fed nodes along `seq` in the draft's cache (moved next to the prefix); the rest is dropped."""
+        if state.tree is None:
+            return
+        node, slots = ROOT, []
+        for token in seq[state.base :]:
+            node = state.tree.child(node, token)
+            if node is None or node >= state.fed:
+                break
+            slots.append(state.base + node)
+        compact(state.cache, state.base, slots)
+        state.tree = None
+
+
+def without_replacement(q: torch.Tensor, picks: torch.Tensor):
+    """The distribution each of successive draws `picks` without replacement came from: q, then q without the
+    earlier picks, renormalized."""
+    rest = q
+    for pick in picks.tolist():
+        yield rest
+        rest = rest.clone()
+        rest[pick] = 0
+        rest = rest / rest.sum()
+
+
+class TreeDrafter:
+    """What the decoder runs in tree rounds: `sources` in order, each given what is left of `budget` nodes per round
+    (one `decode.tree.TokenTree` per round, identical prefixes merged)."""
+
+    def __init__(self, sources: Sequence[TreeSource], budget: int):
+        if budget < 1 or not sources:
+            raise ValueError(f"a tree drafter needs sources and a budget >= 1, got {len(sources)} and {budget}")
+        self.sources, self.budget = list(sources), budget
+        contexts = [s.context for s in self.sources if s.context]
+        self.context = min(contexts) if contexts else None
+        self.name = f"tree(budget={budget}): " + "+".join(s.name for s in self.sources)
+
+    def start(self, prompt: list[int]) -> list:
+        return [source.start(prompt) for source in self.sources]
+
+    def grow(self, states: list, seq: list[int], depth: int, warp: Warp, generator) -> tuple[TokenTree, int]:
+        """The round's tree of at most `depth` levels and its draft model forwards."""
+        tree, calls = TokenTree(), 0
+        for source, state in zip(self.sources, states):
+            calls += source.grow(state, tree, seq, self.budget - len(tree), depth, warp, generator)
+        return tree, calls
+
+    def commit(self, states: list, seq: list[int]) -> None:
+        for source, state in zip(self.sources, states):
+            source.commit(state, seq)
+
+
+def make_tree_drafter(kind: str, target, draft=None, *, budget: int, branching: int = 2,
+                      draft_token_ids: torch.Tensor | None = None, lookup_min_ngram: int | None = None,
+                      draft_min_confidence: float | None = None, lean: bool = True) -> TreeDrafter:
+    """The tree drafter of `kind` (`decode.drafters.DRAFTER_KINDS`): "draft" the model's tree, "lookup" prompt
+    lookup's branches (n-grams of 1-3 tokens unless `lookup_min_ngram` is set), "decoder" lookup's branches first
+    and the model's tree in what is left of the budget (the model alone when lookup is off). `branching`: nodes per
+    level of the model's tree, and lookup branches; `draft_min_confidence`: see `ModelTree`."""
+    if kind not in DRAFTER_KINDS:
+        raise ValueError(f"drafter kind must be one of {DRAFTER_KINDS}, got {kind!r}")
+    lookup_ngrams = (3, 1) if lookup_min_ngram is None else (max(3, lookup_min_ngram), lookup_min_ngram)
+    if kind == LOOKUP:
+        return TreeDrafter([LookupTree(*lookup_ngrams, branching)], budget)
+    if draft is None:
+        raise ValueError(f"the {kind!r} drafter needs a draft model")
+    vocab_size, device = output_size(target), next(target.parameters()).device
+    model = ModelTree(ModelDrafter(draft, vocab_size, device, token_ids=draft_token_ids,
+                                   min_confidence=draft_min_confidence, lean=lean), branching)
+    if kind == DECODER and lookup_min_ngram is not None:
+        return TreeDrafter([LookupTree(*lookup_ngrams, branching), model], budget)
+    return TreeDrafter([model], budget)
