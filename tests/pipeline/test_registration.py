@@ -9,6 +9,7 @@ NAME = "drafts"
 
 
 def register(checkpoint, job=None):
+    mlflow.set_experiment("registration")  # fluent mlflow remembers the experiment id of an earlier test's store
     with mlflow.start_run():
         version, alias = registry.register(checkpoint, NAME, tags={"kind": "test"}, description="d", job=job)
     return str(version.version), alias
