@@ -66,14 +66,15 @@ def test_accelerate_runs_fsdp_only_on_accelerators(tmp_path):
     fails, accelerate runs FSDP on CPUs: run `draftops distill --accelerate-config configs/accelerate/fsdp.yaml` in
     a test against one process, as for configs/accelerate/cpu_2proc.yaml."""
     probe = tmp_path / "probe.py"
-    probe.write_text("from accelerate import Accelerator\n"
-                     "a = Accelerator(cpu=True)\n"
-                     "print('TYPE', a.process_index, a.distributed_type, getattr(a.state, 'fsdp_plugin', None))\n")
+    probe.write_text("import sys\nfrom pathlib import Path\nfrom accelerate import Accelerator\n"
+                     "a = Accelerator(cpu=True)\n"  # each rank writes its own file: their stdout interleaves
+                     "Path(sys.argv[1], f'rank{a.process_index}').write_text("
+                     "f'{a.distributed_type} {getattr(a.state, \"fsdp_plugin\", None)}')\n")
     launched = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch",
          "--config_file", str(REPO / "configs/accelerate/fsdp.yaml"),
-         "--main_process_port", str(free_port()), str(probe)],
+         "--main_process_port", str(free_port()), str(probe), str(tmp_path)],
         cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
     assert launched.returncode == 0, launched.stderr[-8000:]
-    seen = sorted(line for line in launched.stdout.splitlines() if line.startswith("TYPE"))
-    assert seen == ["TYPE 0 DistributedType.MULTI_CPU None", "TYPE 1 DistributedType.MULTI_CPU None"]
+    seen = [(tmp_path / f"rank{r}").read_text() for r in range(2)]
+    assert seen == ["DistributedType.MULTI_CPU None"] * 2
