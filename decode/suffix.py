@@ -10,14 +10,16 @@ of min(budget, max_spec_factor·m + max_spec_offset) tokens, skipping those belo
 lengths and both stores, the candidates with the highest score (the sum of their probabilities) win; ties go to the
 longer match, then to the request. Longer matches are both sharper and allowed more tokens.
 
-The counts are those of the reference's depth-bounded suffix tree (a node at depth d counts the occurrences of its d
-tokens, a path never deeper than `max_depth`), read from an inverted index instead of a tree: the occurrences of a
-(m+1)-token match are those of the m-token match whose preceding token is right, so each extension filters an array.
-Memory is two int32 arrays the size of the store whatever the depth, and nothing is built per depth.
+The counts are those of the reference's suffix tree (a node counts the occurrences of its tokens), read from an
+inverted index instead of a tree: the occurrences of a (m+1)-token match are those of the m-token match whose preceding
+token is right, so each extension filters an array, and a continuation's occurrences are those of its parent followed
+by it. Memory is two int32 arrays the size of the store plus one offset per token id, whatever the depth: nothing is
+built per depth.
 
-Two deviations from the reference: the current request's last position is not an occurrence of its own suffix (it
-has no continuation yet, and counting it halves every estimate from the request), and the request store is searched
-as a sequence, not kept as a tree.
+Deviations from the reference: the current request's last position is not an occurrence of its own suffix (it has no
+continuation yet, and counting it halves every estimate from the request); the request is searched as a sequence, not
+kept as a tree; and `max_depth` bounds the match only, not match + continuation (the reference's tree stops there),
+which differs only for matches within a budget of `max_depth`.
 
 `SuffixDrafter` is the drafter (`decode.drafters`): its chain (`propose`) is the candidates with only the most frequent
 continuation followed, deterministic, so the decoder's test with a one-hot q stays lossless; `candidates` gives the
@@ -41,7 +43,9 @@ from pipeline.sources import SUFFIX_INDEX_FILE
 
 END = -1  # stored before and after every sequence: never matched, and a continuation that is END is none
 FORMAT = "draftops.suffix_index"
-SMALL = 32  # below this many occurrences, counting continuations in Python is faster than numpy's unique
+# Below these many occurrences Python beats numpy's per-call overhead: counting continuations (Counter vs np.unique),
+# and extending a match one token to the left (a loop vs a masked copy).
+SMALL, FEW = 256, 8
 
 
 @dataclass
@@ -156,20 +160,29 @@ class RequestTokens:
 
 def match(store, context: Sequence[int], longest: int) -> list[np.ndarray]:
     """ends[m - 1]: the positions right after each occurrence of context's last m tokens in `store`, for m = 1 up to
-    the longest match (at most `longest`)."""
-    if not context or longest < 1:
+    the longest match (at most `longest`). Levels with the same occurrences share one array."""
+    limit = min(longest, len(context))
+    if limit < 1:
         return []
     ends = store.after(context[-1])
-    found = []
-    while ends.size:
+    found: list[np.ndarray] = []
+    while ends.size > FEW:
         found.append(ends)
+        if len(found) == limit:
+            return found
         m = len(found)
-        if m == min(longest, len(context)):
-            break
         ends = ends[store.tokens[ends - m - 1] == context[-m - 1]]
+    # a few occurrences of the last len(found) + 1 tokens: extend each one to the left on its own
+    reach = {}
+    for end in ends.tolist():
+        m = len(found) + 1
+        while m < limit and store.tokens[end - m - 1] == context[-m - 1]:
+            m += 1
+        reach[end] = m
+    for _ in range(len(found), max(reach.values(), default=0)):
+        keep = [end for end, m in reach.items() if m > len(found)]
+        found.append(found[-1] if found and found[-1].size == len(keep) else np.array(keep))
     return found
-
-
 def continuations(tokens: np.ndarray, ends: np.ndarray) -> tuple[list[tuple[int, int]], np.ndarray]:
     """The tokens that follow `ends` with their counts, most frequent first (then by id), and the tokens themselves."""
     following = tokens[ends]
@@ -184,34 +197,32 @@ def continuations(tokens: np.ndarray, ends: np.ndarray) -> tuple[list[tuple[int,
     return pairs, following
 
 
-def grow(tokens: np.ndarray, ends: np.ndarray, budget: int, depth: int, min_prob: float, tree: bool) -> Candidates:
-    """Candidates continuing the match whose occurrences end at `ends`, at most `budget` nodes and `depth` deep.
+def grow(tokens: np.ndarray, ends: np.ndarray, budget: int, min_prob: float, tree: bool) -> Candidates:
+    """Candidates continuing the match whose occurrences end at `ends`, at most `budget` nodes.
 
     tree: each node taken is the most probable of all the continuations of the nodes taken so far (a heap, as the
     reference's `_speculate_tree`); else the chain that follows the most frequent continuation at every step.
     """
     out = Candidates()
     order = counter()
-    heap: list = []  # (-probability, tie-break, token, parent node, parent's occurrences, what followed them, depth)
+    heap: list = []  # (-probability, tie-break, token, parent node, parent's occurrences, what followed them)
 
-    def expand(node_ends: np.ndarray, prob: float, node: int, node_depth: int) -> None:
-        if node_depth == depth:
-            return
+    def expand(node_ends: np.ndarray, prob: float, node: int) -> None:
         pairs, following = continuations(tokens, node_ends)
         for token, number in pairs if tree else pairs[:1]:
             child = prob * number / node_ends.size
             if child < min_prob:
                 break
-            heapq.heappush(heap, (-child, next(order), token, node, node_ends, following, node_depth + 1))
+            heapq.heappush(heap, (-child, next(order), token, node, node_ends, following))
 
-    expand(ends, 1.0, -1, 0)
+    expand(ends, 1.0, -1)
     while heap and len(out.tokens) < budget:
-        minus_prob, _, token, parent, parent_ends, following, node_depth = heapq.heappop(heap)
+        minus_prob, _, token, parent, parent_ends, following = heapq.heappop(heap)
         out.tokens.append(token)
         out.parents.append(parent)
         out.scores.append(-minus_prob)
         if len(out.tokens) < budget:
-            expand(parent_ends[following == token] + 1, -minus_prob, len(out.tokens) - 1, node_depth)
+            expand(parent_ends[following == token] + 1, -minus_prob, len(out.tokens) - 1)
     return out
 
 
@@ -219,7 +230,7 @@ def grow(tokens: np.ndarray, ends: np.ndarray, budget: int, depth: int, min_prob
 class SuffixSearch:
     """The search's settings (the reference's names and defaults: ArcticInference's suffix decoding)."""
 
-    max_depth: int = 64  # a match and its continuation together never longer than this
+    max_depth: int = 64  # matches are shorter than this (the reference's tree depth; the budget bounds continuations)
     max_spec_factor: float = 1.0  # a match of m tokens is continued by at most max_spec_factor·m + max_spec_offset
     max_spec_offset: float = 0.0
     min_token_prob: float = 0.1  # candidates whose estimated probability is lower are not proposed
@@ -229,14 +240,20 @@ class SuffixSearch:
 
     def best(self, store, context: Sequence[int], budget: int, tree: bool, beat: Candidates) -> Candidates:
         """The best candidates from `store` that score higher than `beat`, else `beat`. Longest match first: a match of
-        m tokens scores at most its budget, so shorter ones stop being tried once that is no more than the best."""
+        m tokens scores at most its budget, so shorter ones stop being tried once that is no more than the best; and
+        a shorter match with the same occurrences and budget as a longer one grows the same candidates (the longer
+        wins the tie), so it is skipped."""
         best = beat
         found = match(store, context, self.max_depth - 1)
+        longer = None  # (occurrences, budget) of the match one token longer
         for m in range(len(found), 0, -1):
             limit = self.budget(m, budget)
             if limit <= best.score:
                 break
-            candidates = grow(store.tokens, found[m - 1], limit, self.max_depth - m, self.min_token_prob, tree)
+            if longer == (found[m - 1].size, limit):
+                continue
+            longer = (found[m - 1].size, limit)
+            candidates = grow(store.tokens, found[m - 1], limit, self.min_token_prob, tree)
             if candidates.score > best.score:
                 candidates.match_length = m
                 best = candidates

@@ -64,9 +64,10 @@ def test_candidates_by_hand():
         [6, 7, 5], [-1, 0, 1], [1.0, 1.0, 1.0], 4)
     assert search.candidates(None, RequestTokens([8, 8]), 8) == Candidates([8], [-1], [1.0], 1)
     assert search.candidates(index, RequestTokens([8]), 8) == Candidates()
-    # max_spec_offset lets a 1-token match propose 3 tokens; max_depth bounds match + continuation
+    # max_spec_offset lets a 1-token match propose 3 tokens; max_depth bounds the match
     assert SuffixSearch(max_spec_offset=2).candidates(index, RequestTokens([9]), 8).tokens == [2, 3, 4]
-    assert SuffixSearch(max_depth=3).candidates(index, RequestTokens([9, 2]), 8).tokens == [3]
+    assert search.candidates(index, RequestTokens([9, 2]), 8) == Candidates([3, 4], [-1, 0], [1.0, 1.0], 2)
+    assert SuffixSearch(max_depth=2).candidates(index, RequestTokens([9, 2]), 8) == Candidates([3], [-1], [1.0], 1)
 
 
 def occurrences(stores: list[tuple[list[int], bool]], pattern: tuple, match_length: int) -> int:
@@ -95,7 +96,7 @@ def brute_force(stores, context: list[int], budget: int, search: SuffixSearch, t
                 out.parents.append(node)
                 out.scores.append(-minus_prob)
                 node = len(out.tokens) - 1
-            if m + len(path) == search.max_depth or len(out.tokens) == limit:
+            if len(out.tokens) == limit:
                 continue
             parent = occurrences(stores, match + path, m)
             children = sorted((-occurrences(stores, match + path + (t,), m), t) for t in range(10))
