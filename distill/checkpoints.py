@@ -69,7 +69,10 @@ def save_best(accelerator, model, best_dir: Path) -> None:
     tmp = best_dir.with_name(best_dir.name + TMP_SUFFIX)  # one name every rank agrees on
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
     accelerator.save_model(model, str(tmp), safe_serialization=True)  # a collective: every rank calls it
+    # every rank lists the folder inside save_model: the main one renames it away only after all are done
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         swap_dir(tmp, best_dir)
     accelerator.wait_for_everyone()
