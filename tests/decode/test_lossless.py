@@ -19,13 +19,32 @@ PROMPT = [3]
 SAMPLES = 1000
 
 
+T1 = dict(temperature=1.0, top_k=0, top_p=1.0)
+
+
 @torch.no_grad()
-def exact_first_two(target, temperature, top_k, top_p) -> tuple[np.ndarray, np.ndarray]:
-    """p(x1) [V] and the joint p(x1, x2) [V, V] of the target's warped sampling distribution."""
-    first = warp_logits(target(torch.tensor([PROMPT])).logits[0, -1], temperature, top_k, top_p).double()
-    pairs = torch.tensor([PROMPT + [x] for x in range(VOCAB)])
-    second = warp_logits(target(pairs).logits[:, -1], temperature, top_k, top_p).double()
+def exact_first_two(target, prompt: list[int], warp: dict) -> tuple[np.ndarray, np.ndarray]:
+    """p(x1) [V] and the joint p(x1, x2) [V, V] of the target's warped sampling distribution after `prompt`."""
+    vocab = target.get_output_embeddings().weight.shape[0]
+    first = warp_logits(target(torch.tensor([prompt])).logits[0, -1], **warp).double()
+    second = warp_logits(target(torch.tensor([prompt + [x] for x in range(vocab)])).logits[:, -1], **warp).double()
     return first.numpy(), (first[:, None] * second).numpy()
+
+
+def check_first_two(target, decoder, prompt: list[int], warp: dict = T1, samples: int = SAMPLES) -> list:
+    """Generate 3 tokens `samples` times (seeds 0, 1, ...) and chi-square the first two (both marginals and the joint)
+    against the target's exact distribution; returns each generation's stats for the caller's own checks."""
+    vocab = target.get_output_embeddings().weight.shape[0]
+    pairs, stats = np.zeros((vocab, vocab)), []
+    for seed in range(samples):
+        result = decoder.generate(prompt, max_new_tokens=3, seed=seed, **warp)
+        pairs[result.token_ids[0], result.token_ids[1]] += 1
+        stats.append(result.stats)
+    first, joint = exact_first_two(target, prompt, warp)
+    assert_matches(pairs.sum(1), first)
+    assert_matches(pairs.sum(0), joint.sum(0))
+    assert_matches(pairs, joint)
+    return stats
 
 
 def assert_matches(observed: np.ndarray, expected_probs: np.ndarray) -> None:
@@ -54,18 +73,8 @@ def target():
 
 
 def run_case(target, draft, warp: dict, token_ids=None, gamma: int = 2) -> float:
-    decoder = SpeculativeDecoder(target, draft, gamma, draft_token_ids=token_ids)
-    pairs = np.zeros((VOCAB, VOCAB))
-    accepted = verified = 0
-    for seed in range(SAMPLES):
-        result = decoder.generate(PROMPT, max_new_tokens=3, seed=seed, **warp)
-        pairs[result.token_ids[0], result.token_ids[1]] += 1
-        accepted, verified = accepted + result.stats.accepted, verified + result.stats.verified
-    first, joint = exact_first_two(target, **warp)
-    assert_matches(pairs.sum(1), first)
-    assert_matches(pairs.sum(0), joint.sum(0))
-    assert_matches(pairs, joint)
-    return accepted / verified
+    stats = check_first_two(target, SpeculativeDecoder(target, draft, gamma, draft_token_ids=token_ids), PROMPT, warp)
+    return sum(s.accepted for s in stats) / sum(s.verified for s in stats)
 
 
 WARPS = {

@@ -1,13 +1,12 @@
 """Prompt lookup drafting: what it proposes, and that decoding with it is lossless (greedy and sampled)."""
 
-import numpy as np
 import pytest
 import torch
 
 from decode.ngram import PromptLookupDrafter
-from decode.sampling import Warp, warp_logits
+from decode.sampling import Warp
 from decode.speculative import GammaPolicy, SpeculativeDecoder
-from tests.decode.test_lossless import assert_matches
+from tests.decode.test_lossless import check_first_two
 from tests.decode.tiny import greedy_reference, tiny_llama
 
 
@@ -63,27 +62,10 @@ VOCAB = 16
 PROMPT = [3, 5, 3, 5, 3]  # the first block proposes "5 3": both draft positions and the bonus token are exercised
 
 
-@torch.no_grad()
-def exact_first_two(target) -> tuple[np.ndarray, np.ndarray]:
-    first = warp_logits(target(torch.tensor([PROMPT])).logits[0, -1]).double()
-    second = warp_logits(target(torch.tensor([PROMPT + [x] for x in range(VOCAB)])).logits[:, -1]).double()
-    return first.numpy(), (first[:, None] * second).numpy()
-
-
 def test_lossless_when_sampling():
     target = tiny_llama(10, vocab_size=VOCAB, init_range=0.15)
-    decoder = SpeculativeDecoder(target, PromptLookupDrafter.for_model(target), 2)
-    pairs = np.zeros((VOCAB, VOCAB))
-    accepted = verified = 0
-    for seed in range(1000):
-        result = decoder.generate(PROMPT, max_new_tokens=3, temperature=1.0, seed=seed)
-        pairs[result.token_ids[0], result.token_ids[1]] += 1
-        accepted, verified = accepted + result.stats.accepted, verified + result.stats.verified
-    first, joint = exact_first_two(target)
-    assert_matches(pairs.sum(1), first)
-    assert_matches(pairs.sum(0), joint.sum(0))
-    assert_matches(pairs, joint)
-    assert 0.0 < accepted / verified < 1.0  # both acceptances and rejections happened
+    stats = check_first_two(target, SpeculativeDecoder(target, PromptLookupDrafter.for_model(target), 2), PROMPT)
+    assert 0 < sum(s.accepted for s in stats) < sum(s.verified for s in stats)  # acceptances and rejections
 
 
 def test_lookup_then_model_is_lossless_and_uses_both(target, close_draft):
@@ -103,16 +85,5 @@ def test_lookup_then_model_is_lossless_and_uses_both(target, close_draft):
 def test_lookup_then_model_is_lossless_when_sampling():
     target = tiny_llama(10, vocab_size=VOCAB, init_range=0.15)
     draft = tiny_llama(11, vocab_size=VOCAB, init_range=0.15)
-    decoder = SpeculativeDecoder(target, draft, 2, lookup_min_ngram=1)
-    pairs = np.zeros((VOCAB, VOCAB))
-    for seed in range(1000):
-        result = decoder.generate(PROMPT + [7], max_new_tokens=3, temperature=1.0, seed=seed)
-        pairs[result.token_ids[0], result.token_ids[1]] += 1
     # "7" never occurred before: the first block is the model's; the second may be a lookup
-    prompt = PROMPT + [7]
-    with torch.no_grad():
-        first = warp_logits(target(torch.tensor([prompt])).logits[0, -1]).double()
-        second = warp_logits(target(torch.tensor([prompt + [x] for x in range(VOCAB)])).logits[:, -1]).double()
-    joint = (first[:, None] * second).numpy()
-    assert_matches(pairs.sum(1), first.numpy())
-    assert_matches(pairs, joint)
+    check_first_two(target, SpeculativeDecoder(target, draft, 2, lookup_min_ngram=1), PROMPT + [7])
