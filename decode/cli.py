@@ -87,7 +87,7 @@ def models_info_kernels(args, info: dict) -> int:
         print(f"{key:<{width}}  {value}")
     key = report["key"]
     print(f"\ncpu_linear auto on {key['cpu']}, torch {key['torch']}, {key['threads']} threads "
-          f"(median ms of one product; a product of n rows runs the pick at the largest rows <= n)")
+          f"(ms of one product, fastest timed call; a product of n rows runs the pick at the largest rows <= n)")
     print(f"cache: {report['cache_file']}\n")
     print(f"{'weight (out x in)':>18} {'layers':>6} {'rows':>5} {'torch ms':>10} {'oneDNN ms':>10}  pick")
     for shape in report["shapes"]:
