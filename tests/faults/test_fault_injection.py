@@ -119,7 +119,9 @@ def write_outcomes(name: str, outcomes: list[dict]) -> None:
 
 
 def weights(folder: Path) -> dict[str, torch.Tensor]:
-    result = json.loads(next((folder / "out").glob("*/result.json")).read_text())
+    """The exported weights of the one distill job in `folder`."""
+    (path,) = (folder / "out").glob("*/result.json")
+    result = json.loads(path.read_text())
     return load_file(Path(result["export_dir"]) / "model.safetensors")
 
 
@@ -141,6 +143,7 @@ def reference(world, tmp_path_factory) -> dict:
     cfg = config_in(folder, world)
     distilled = draftops(folder, ["distill", "--config", str(cfg)], instrument=["count", str(folder / "d.json")])
     assert distilled.returncode == 0, distilled.stderr[-4000:]
+    distilled_weights = weights(folder)  # before the retrain below adds a second job to out/
     first = draftops(folder, ["monitor", "check", "--config", str(cfg)])
     assert first.returncode == 0, first.stderr[-4000:]
     before_check = tmp_path_factory.mktemp("before-check")
@@ -155,7 +158,8 @@ def reference(world, tmp_path_factory) -> dict:
     assert drift.returncode == 3 and "-> PROMOTED" in drift.stdout, drift.stdout[-3000:] + drift.stderr[-3000:]
     state = registry_state(folder)
     assert state["aliases"] == {M.CHAMPION: "2", M.PREVIOUS_CHAMPION: "1"}
-    return {"folder": folder, "distill_timeline": json.loads((folder / "d.json").read_text()),
+    return {"folder": folder, "distilled_weights": distilled_weights,
+            "distill_timeline": json.loads((folder / "d.json").read_text()),
             "check_timeline": json.loads((folder / "c.json").read_text()), "state": state,
             "before_check": before_check}
 
@@ -181,7 +185,7 @@ def test_kill_9_anywhere_in_distill_then_rerun(world, reference, tmp_path):
         state = registry_state(folder)
         assert_consistent(state)
         assert list(state["versions"]) == ["1"] and state["aliases"] == {M.CHAMPION: "1"}, (point, state)
-        expected, got = weights(reference["folder"]), weights(folder)
+        expected, got = reference["distilled_weights"], weights(folder)
         assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected), point
         outcomes.append({"point": str(point), "left": summary(left), "rerun_exit": again.returncode,
                          "rerun_trained": "nothing trained again" not in again.stdout})
