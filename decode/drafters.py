@@ -4,10 +4,14 @@ A drafter has three methods. `start(prompt)` returns its state for a new generat
 generator)` returns up to k draft tokens continuing `seq`, their probabilities q on the target vocabulary (None when
 greedy: the greedy test reads the tokens only) and the number of model forwards it ran; `rollback(state, length)`
 forgets everything past the first `length` tokens of the sequence after a rejection. `context` is the number of
-positions the drafter can see (None: no limit of its own), and `name` says what it is in run records.
+positions the drafter can see (None: no limit of its own), and `name` says what it is in run records. A drafter that
+reads the target's hidden states (`decode.feature_draft.FeatureDrafter`) names the layers in `feature_layers`; the
+decoder then captures them in every target pass and hands the kept positions' states to `observe(state, features)`.
+Token-level drafters have `feature_layers = ()`.
 
 The kinds (`DRAFTER_KINDS`):
-- "draft": the draft model alone (`ModelDrafter`): the draft's own acceptance, which is what drift is about;
+- "draft": the draft model alone (`ModelDrafter`, or `decode.feature_draft.FeatureDrafter` for a feature draft): the
+  draft's own acceptance, which is what drift is about;
 - "lookup": prompt lookup alone (`decode.ngram.PromptLookupDrafter`), no model;
 - "decoder": what users run: prompt lookup first wherever the text repeats, the draft model elsewhere
   (`decode.ngram.LookupThenModelDrafter`), or the draft model alone when lookup is off.
@@ -19,6 +23,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
+from decode.feature_draft import FeatureDraft, FeatureDrafter
 from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter, lookup_first_drafter
 from decode.runtime import ModelRunner, rollback
 from decode.sampling import Warp, sample, to_target_vocab
@@ -30,6 +35,7 @@ DRAFTER_KINDS = (DRAFT, LOOKUP, DECODER)
 class Drafter(Protocol):
     name: str
     context: int | None
+    feature_layers: tuple[int, ...]  # target layers whose input hidden states it reads (`observe`); () for tokens
 
     def start(self, prompt: list[int]) -> object: ...
 
@@ -57,6 +63,8 @@ def output_size(model) -> int:
 
 class ModelDrafter:
     """A draft LM proposing tokens autoregressively through its own KV cache (the drafter the decoder wraps)."""
+
+    feature_layers = ()
 
     def __init__(self, draft, vocab_size: int, device: torch.device, *, token_ids: torch.Tensor | None = None,
                  min_confidence: float | None = None, lean: bool = True):
@@ -149,8 +157,13 @@ def make_drafter(kind: str, target, draft=None, *, draft_token_ids: torch.Tensor
         return lookup_first_drafter(vocab_size, device, lookup_min_ngram)
     if draft is None:
         raise ValueError(f"the {kind!r} drafter needs a draft model")
-    model = ModelDrafter(draft, vocab_size, device, token_ids=draft_token_ids, min_confidence=draft_min_confidence,
-                         lean=lean)
+    if isinstance(draft, FeatureDraft):
+        if draft_token_ids is not None or draft_min_confidence is not None:
+            raise ValueError("a feature draft carries its own vocabulary; draft_min_confidence is for draft LMs")
+        model = FeatureDrafter(draft, vocab_size, device)
+    else:
+        model = ModelDrafter(draft, vocab_size, device, token_ids=draft_token_ids,
+                             min_confidence=draft_min_confidence, lean=lean)
     if kind == DECODER and lookup_min_ngram is not None:
         return LookupThenModelDrafter(lookup_first_drafter(vocab_size, device, lookup_min_ngram), model)
     return model

@@ -81,7 +81,16 @@ class LeanLlama:
         positions = torch.arange(start, end, device=tokens.device)
         # a block of n > 1 queries sees every cached position and the block causally
         mask = None if n == 1 else torch.arange(end, device=tokens.device)[None, :] <= positions[:, None]
-        return self._forward(tokens, cache, start, positions, mask, keep_last)
+        return self._forward(tokens, cache, start, positions, mask, keep_last)[0]
+
+    def forward_features(self, tokens: torch.Tensor, cache: KVCache, start: int,
+                         layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward_logits` of every token, and the hidden states entering `layers`, concatenated -> (logits [T, V],
+        features [T, len(layers) * H]): what a feature draft (`decode.feature_draft`) reads."""
+        n, end = tokens.shape[0], start + tokens.shape[0]
+        positions = torch.arange(start, end, device=tokens.device)
+        mask = None if n == 1 else torch.arange(end, device=tokens.device)[None, :] <= positions[:, None]
+        return self._forward(tokens, cache, start, positions, mask, False, layers)
 
     def forward_tree(self, tokens: torch.Tensor, cache: KVCache, start: int, positions: torch.Tensor,
                      tree_mask: torch.Tensor) -> torch.Tensor:
@@ -91,15 +100,19 @@ class LeanLlama:
         n, end = tokens.shape[0], start + tokens.shape[0]
         mask = torch.ones(n, end, dtype=torch.bool, device=tokens.device)
         mask[:, end - tree_mask.shape[1] :] = tree_mask
-        return self._forward(tokens, cache, start, positions, mask, keep_last=False)
+        return self._forward(tokens, cache, start, positions, mask, keep_last=False)[0]
 
     def _forward(self, tokens: torch.Tensor, cache: KVCache, start: int, positions: torch.Tensor,
-                 mask: torch.Tensor | None, keep_last: bool) -> torch.Tensor:
+                 mask: torch.Tensor | None, keep_last: bool,
+                 capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         n, end = tokens.shape[0], start + tokens.shape[0]
         cache.reserve(end)
         x = self.inner.embed_tokens(tokens[None])
         cos, sin = self.inner.rotary_emb(x, positions[None])
+        captured = {}
         for i, layer in enumerate(self.inner.layers):
+            if i in capture:
+                captured[i] = x[0]
             attention, h = layer.self_attn, layer.input_layernorm(x)
             q = attention.q_proj(h).view(1, n, self.heads, self.head_dim).transpose(1, 2)
             k = attention.k_proj(h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -112,4 +125,5 @@ class LeanLlama:
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         cache.length = end
         x = self.inner.norm(x[:, -1:] if keep_last else x)
-        return self.model.lm_head(x)[0]
+        features = torch.cat([captured[i] for i in capture], -1) if capture else None
+        return self.model.lm_head(x)[0], features

@@ -17,6 +17,7 @@ class PromptLookupDrafter:
     """Model-free drafter for `SpeculativeDecoder(target, PromptLookupDrafter.for_model(target), γ)`."""
 
     context = None  # no positions of its own: the target's context is the limit
+    feature_layers = ()
 
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu", *, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
@@ -72,7 +73,7 @@ class LookupThenModelDrafter:
 
     def __init__(self, lookup: PromptLookupDrafter, model_drafter):
         self.lookup, self.model = lookup, model_drafter
-        self.context = model_drafter.context
+        self.context, self.feature_layers = model_drafter.context, model_drafter.feature_layers
         self.name = f"{lookup.name}+{model_drafter.name}"
 
     def start(self, prompt: list[int]):
@@ -86,3 +87,7 @@ class LookupThenModelDrafter:
 
     def rollback(self, state, length: int) -> None:
         self.model.rollback(state, length)
+
+    def observe(self, state, features: torch.Tensor) -> None:
+        """The target's hidden states, for a feature draft: it reads them in lookup rounds too."""
+        self.model.observe(state, features)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
+from decode.feature_draft import target_features
 from decode.kernels import cpu_linear_of, use_cpu_linear
 from decode.lean import KVCache, LeanLlama
 from pipeline.sources import HF_ASSISTANT_DIR, ResolvedModel, SourceError, load_checkpoint, resolve_model
@@ -49,6 +50,15 @@ def forward_logits(model, tokens: torch.Tensor, cache: DynamicCache, start: int,
         logits_to_keep=1 if keep_last else 0,
     )
     return out.logits[0]
+
+
+def forward_features(model, tokens: torch.Tensor, cache: DynamicCache, start: int,
+                     layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode.lean.LeanLlama.forward_features` through the transformers forward (`output_hidden_states`)."""
+    positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)
+    out = model(input_ids=tokens[None], position_ids=positions[None], cache=cache, use_cache=True,
+                output_hidden_states=True)
+    return out.logits[0], target_features(out.hidden_states, layers)[0]
 
 
 def forward_tree(model, tokens: torch.Tensor, cache: DynamicCache, positions: torch.Tensor,
@@ -100,6 +110,14 @@ class ModelRunner:
         if self.lean is not None:
             return self.lean.forward_logits(tokens, cache, start, keep_last)
         return forward_logits(self.model, tokens, cache, start, keep_last)
+
+    def forward_features(self, tokens: torch.Tensor, cache, start: int,
+                         layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` of every token, with the hidden states entering `layers` concatenated -> (logits [T, V],
+        features [T, len(layers) * H]) for a feature draft."""
+        if self.lean is not None:
+            return self.lean.forward_features(tokens, cache, start, layers)
+        return forward_features(self.model, tokens, cache, start, layers)
 
     def forward_tree(self, tokens: torch.Tensor, cache, start: int, positions: torch.Tensor,
                      tree_mask: torch.Tensor) -> torch.Tensor:

@@ -188,7 +188,11 @@ def speculative_round(target: ModelRunner, target_cache, drafter: Drafter, draft
     drafts, q, draft_calls = drafter.propose(draft_state, seq, k, warp, generator)
     lap("draft")
     fed = torch.cat([torch.tensor(seq[-1:], device=drafts.device), drafts])
-    logits = target.forward(fed, target_cache, len(seq) - 1, keep_last=False)
+    layers = drafter.feature_layers
+    if layers:
+        logits, features = target.forward_features(fed, target_cache, len(seq) - 1, layers)
+    else:
+        logits = target.forward(fed, target_cache, len(seq) - 1, keep_last=False)
     accepted, next_tokens = check_drafts(logits, q, drafts, warp, generator)
     k = drafts.shape[0]
     host = torch.cat([accepted.long(), drafts, next_tokens]).tolist()  # the round's one device-to-host copy
@@ -197,6 +201,8 @@ def speculative_round(target: ModelRunner, target_cache, drafter: Drafter, draft
     n = ok.index(0) if 0 in ok else k
     rollback(target_cache, len(seq) + n)
     drafter.rollback(draft_state, len(seq) + n)
+    if layers:  # a feature drafter reads the target's hidden states of the kept tokens
+        drafter.observe(draft_state, features[: n + 1])
     return Round(proposed[:n] + [target_tokens[n]], k, n, draft_calls, k, min(n + 1, k))
 
 
@@ -343,9 +349,14 @@ class SpeculativeDecoder:
         self._sync()
         start = clock[0] = time.perf_counter()
         target_cache = self.target_runner.new_cache()
-        if len(prompt) > 1:
-            self.target_runner.forward(torch.tensor(prompt[:-1], device=self.device), target_cache, 0, True)
         draft_state = self.drafter.start(prompt)
+        layers = self.drafter.feature_layers
+        if len(prompt) > 1 and layers:
+            _, features = self.target_runner.forward_features(torch.tensor(prompt[:-1], device=self.device),
+                                                              target_cache, 0, layers)
+            self.drafter.observe(draft_state, features)
+        elif len(prompt) > 1:
+            self.target_runner.forward(torch.tensor(prompt[:-1], device=self.device), target_cache, 0, True)
         lap("prefill")
 
         seq, gamma = list(prompt), self.gamma.first(len(prompt))

@@ -271,6 +271,7 @@ class SuffixDrafter:
     """Suffix decoding as a drafter: `SpeculativeDecoder(target, SuffixDrafter.for_model(target, index), γ)`."""
 
     context = None  # no positions of its own: the target's context is the limit
+    feature_layers = ()
 
     def __init__(self, index: SuffixIndex | None, vocab_size: int, device: torch.device | str = "cpu",
                  search: SuffixSearch = SuffixSearch()):

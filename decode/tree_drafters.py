@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 
 from decode.drafters import DECODER, DRAFT, DRAFTER_KINDS, LOOKUP, ModelDrafter, output_size
+from decode.feature_draft import FeatureDraft
 from decode.runtime import compact
 from decode.sampling import Warp, to_target_vocab
 from decode.tree import ROOT, TokenTree
@@ -212,6 +213,8 @@ class TreeDrafter:
     """What the decoder runs in tree rounds: `sources` in order, each given what is left of `budget` nodes per round
     (one `decode.tree.TokenTree` per round, identical prefixes merged)."""
 
+    feature_layers = ()  # tree sources read tokens only
+
     def __init__(self, sources: Sequence[TreeSource], budget: int):
         if budget < 1 or not sources:
             raise ValueError(f"a tree drafter needs sources and a budget >= 1, got {len(sources)} and {budget}")
@@ -249,6 +252,8 @@ def make_tree_drafter(kind: str, target, draft=None, *, budget: int, branching: 
         return TreeDrafter([LookupTree(*lookup_ngrams, branching)], budget)
     if draft is None:
         raise ValueError(f"the {kind!r} drafter needs a draft model")
+    if isinstance(draft, FeatureDraft):
+        raise ValueError("token trees take draft LMs and lookup; a feature draft decodes in chains (tree_budget 0)")
     vocab_size, device = output_size(target), next(target.parameters()).device
     model = ModelTree(ModelDrafter(draft, vocab_size, device, token_ids=draft_token_ids,
                                    min_confidence=draft_min_confidence, lean=lean), branching)

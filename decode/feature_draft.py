@@ -1,0 +1,221 @@
+"""A feature-level draft (EAGLE-3, Li et al. 2025): one decoder layer that reads the target's own hidden states.
+
+The target computes hidden states for every token it verifies; this draft reads three of them (the states entering
+target layers `feature_layers`, by default 2, L/2 and L-3 as in vLLM and `speculators`), fuses them with one linear
+layer (`fc`), and runs one decoder layer whose attention reads [norm(embedding of the next token), norm(features)]
+concatenated (so q/k/v take 2H inputs), then the target's final norm and a (reduced-vocabulary) head. Index i of the
+draft pairs the target's features at position i with token i+1 and sits at position i+1; its output predicts token
+i+2. Beyond the verified tokens the draft feeds its own output hidden state as the next index's features.
+
+The parameter names follow `speculators`' Eagle3 layout (`fc`, `layers.0.*` with `hidden_norm`, `norm`, `lm_head`),
+so the export (`distill.export`) is a rename-free copy. The token embeddings are the target's, shared and frozen.
+
+`FeatureDraft.step` is the one computation: decoding calls it with a KV cache and explicit positions; training
+(`FeatureDraft.unroll`) calls it K times over a whole sequence with "training-time test" masks (EAGLE-3, HASS): step
+j at index i sees the step-0 entries of indices <= i and its own entries of steps 1..j at index i, which is exactly
+what decoding j tokens past a verified prefix sees. `tests/decode/test_feature_draft.py` checks the two agree.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from decode.lean import KVCache
+from decode.sampling import Warp, sample, to_target_vocab
+
+FEATURES = "features"  # the draft family's name in configs and run records
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low, middle and high layers (`speculators`' default [2, L/2, L-3]), kept inside shallow models."""
+    return min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)
+
+
+def target_features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) -> torch.Tensor:
+    """The draft's input from transformers' `output_hidden_states` (entry i is the state entering layer i)."""
+    return torch.cat([hidden_states[i] for i in layers], dim=-1)
+
+
+class FeatureDraft(nn.Module):
+    """The EAGLE-3 draft head over a Llama-architecture target (see the module docstring)."""
+
+    def __init__(self, target_config, embed_tokens: nn.Embedding, *, feature_layers: tuple[int, ...] | None = None,
+                 token_ids: torch.Tensor | None = None):
+        """target_config: the target's config (the layer copies its shapes); embed_tokens: the target's embeddings
+        (shared, not trained, not saved); token_ids: the target ids of a reduced head's rows (None: full vocab)."""
+        super().__init__()
+        config = copy.deepcopy(target_config.get_text_config(decoder=True))
+        config.num_hidden_layers = 1
+        hidden = config.hidden_size
+        self.config = config
+        self.feature_layers = tuple(feature_layers or default_feature_layers(target_config.num_hidden_layers))
+        self.embed_tokens = embed_tokens.requires_grad_(False)
+        self.fc = nn.Linear(len(self.feature_layers) * hidden, hidden, bias=False)
+        layer = LlamaDecoderLayer(config, 0)
+        attention, head_dim = layer.self_attn, layer.self_attn.head_dim
+        attention.q_proj = nn.Linear(2 * hidden, config.num_attention_heads * head_dim, bias=config.attention_bias)
+        attention.k_proj = nn.Linear(2 * hidden, config.num_key_value_heads * head_dim, bias=config.attention_bias)
+        attention.v_proj = nn.Linear(2 * hidden, config.num_key_value_heads * head_dim, bias=config.attention_bias)
+        layer.hidden_norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList([layer])
+        self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        rows = config.vocab_size if token_ids is None else len(token_ids)
+        self.lm_head = nn.Linear(hidden, rows, bias=False)
+        self.register_buffer("token_ids", None if token_ids is None else torch.as_tensor(token_ids).long(),
+                             persistent=False)
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, head_dim
+
+    @property
+    def layer(self) -> LlamaDecoderLayer:
+        return self.layers[0]
+
+    def new_cache(self) -> KVCache:
+        weight = self.fc.weight
+        return KVCache(1, self.kv_heads, self.head_dim, weight.dtype, weight.device)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [..., 3H] -> the layer's hidden input [..., H]."""
+        return self.fc(features)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+    def project(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
+        """q, k, v [B, heads, T, d] of hidden [B, T, H] paired with `tokens` [B, T] at `positions` [B, T]; and the
+        residual the layer adds its attention output to."""
+        layer, (b, n) = self.layer, tokens.shape
+        x = torch.cat([layer.input_layernorm(self.embed_tokens(tokens)), layer.hidden_norm(hidden)], dim=-1)
+        attention = layer.self_attn
+        q = attention.q_proj(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
+        k = attention.k_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = attention.v_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = self.rotary_emb(x, positions)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v, hidden
+
+    def finish(self, q, keys, values, mask, residual) -> torch.Tensor:
+        """Attention of q over keys/values under mask, then the layer's residual and MLP -> output hidden."""
+        layer, (b, _, n, _) = self.layer, q.shape
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.self_attn.scaling,
+                                             enable_gqa=True)
+        h = residual + layer.self_attn.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def step(self, hidden: torch.Tensor, tokens: torch.Tensor, cache: KVCache, start: int,
+             positions: torch.Tensor) -> torch.Tensor:
+        """Decoding: indices start..start+T-1 with hidden [T, H] and tokens [T] at positions [T], causally after the
+        cache's first `start` entries -> output hidden [T, H] (logits: `logits`)."""
+        n, end = tokens.shape[0], start + tokens.shape[0]
+        cache.reserve(end)
+        q, k, v, residual = self.project(hidden[None], tokens[None], positions[None])
+        cache.keys[0][:, :, start:end], cache.values[0][:, :, start:end] = k, v
+        mask = None if n == 1 else torch.arange(end, device=tokens.device)[None, :] <= torch.arange(
+            start, end, device=tokens.device)[:, None]
+        cache.length = end
+        return self.finish(q, cache.keys[0][:, :, :end], cache.values[0][:, :, :end], mask, residual)[0]
+
+    def unroll(self, features: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               steps: int) -> list[torch.Tensor]:
+        """Training-time test over whole right-padded sequences: features [B, T, 3H] (the target's, at every
+        position), input_ids and attention_mask [B, T] -> per step j the output hidden [B, T, H] at every index i,
+        which predicts token i+2+j (as decoding j tokens past index i, with the right tokens fed in between)."""
+        b, n = input_ids.shape
+        device = input_ids.device
+        index = torch.arange(n, device=device)
+        valid = attention_mask.bool()
+        # step 0 sees indices <= i of its own sequence; step j > 0 adds its own entry at index i in each step 1..j
+        causal = (index[None, :] <= index[:, None])[None] & valid[:, None, :]
+        diagonal = torch.eye(n, dtype=torch.bool, device=device).expand(b, n, n)
+        hidden, keys, values, outputs = self.fuse(features), [], [], []
+        for j in range(steps):
+            tokens = torch.cat([input_ids[:, 1 + j :], input_ids.new_zeros(b, 1 + j)], dim=1)
+            positions = (index + 1 + j).expand(b, n)
+            q, k, v, residual = self.project(hidden, tokens, positions)
+            keys.append(k)
+            values.append(v)
+            mask = torch.cat([causal] + [diagonal] * j, dim=-1)[:, None]
+            hidden = self.finish(q, torch.cat(keys, 2), torch.cat(values, 2), mask, residual)
+            outputs.append(hidden)
+        return outputs
+
+
+@dataclass
+class FeatureState:
+    """A feature drafter's state: its cache holds `verified` indices built from target features; `pending` holds the
+    target features of the next indices, not fed yet (the round's accepted positions)."""
+
+    cache: KVCache
+    pending: torch.Tensor
+    verified: int = 0
+
+
+class FeatureDrafter:
+    """Proposes with a `FeatureDraft` from the target's features, which the decoder hands over after every target
+    pass (`observe`). `feature_layers` tells the decoder which of the target's hidden states to capture."""
+
+    def __init__(self, draft: FeatureDraft, vocab_size: int, device: torch.device):
+        if next(draft.parameters()).device != device:
+            raise ValueError(f"target is on {device} but the feature draft on {next(draft.parameters()).device}")
+        if draft.token_ids is None and draft.lm_head.out_features != vocab_size:
+            raise ValueError(f"vocab mismatch: the feature draft predicts {draft.lm_head.out_features} tokens, the "
+                             f"target {vocab_size}")
+        self.model, self.vocab_size, self.device = draft, vocab_size, device
+        self.feature_layers = draft.feature_layers
+        self.context = getattr(draft.config, "max_position_embeddings", None)
+        self.name = FEATURES
+
+    def start(self, prompt: list[int]) -> FeatureState:
+        width = len(self.feature_layers) * self.model.config.hidden_size
+        return FeatureState(self.model.new_cache(), torch.empty(0, width, dtype=self.model.fc.weight.dtype,
+                                                                device=self.device))
+
+    def observe(self, state: FeatureState, features: torch.Tensor) -> None:
+        """The target's features [m, 3H] at the positions after those already handed over."""
+        state.pending = torch.cat([state.pending, features.to(state.pending.dtype)])
+
+    def propose(self, state: FeatureState, seq: list[int], k: int, warp: Warp, generator):
+        """Up to k drafts after `seq`: the pending target features first (one forward), then the draft's own hidden
+        state for each further token. Returns (drafts [k'], q [k', V] or None when greedy, forwards run)."""
+        start, m = state.verified, state.pending.shape[0]
+        if start + m != len(seq) - 1:
+            raise RuntimeError(f"the feature drafter has features for {start + m} positions, the sequence needs "
+                               f"{len(seq) - 1}: the decoder did not hand over every target pass")
+        if k < 1 or start + m == 0:
+            return torch.empty(0, dtype=torch.long, device=self.device), None if warp.greedy else torch.empty(
+                0, self.vocab_size, device=self.device), 0
+        hidden = self.model.fuse(state.pending)
+        tokens = torch.tensor(seq[start + 1 :], device=self.device)
+        positions = torch.arange(start + 1, start + m + 1, device=self.device)
+        state.pending, state.verified = state.pending[:0], start + m
+        drafts, probs, index = [], [], start
+        for _ in range(k):
+            out = self.model.step(hidden, tokens, state.cache, index, positions)[-1:]
+            index += tokens.shape[0]
+            logits = self.model.logits(out)[0]
+            if warp.greedy:
+                row = logits.argmax()
+                token = row if self.model.token_ids is None else self.model.token_ids[row]
+            else:
+                probs.append(to_target_vocab(warp(logits), self.model.token_ids, self.vocab_size))
+                token = sample(probs[-1], generator)
+            drafts.append(token)
+            # the next index pairs this output with the token it proposed, at that token's position
+            hidden, tokens, positions = out, token[None], positions[-1:] + 1
+        q = None if warp.greedy else torch.stack(probs)
+        return torch.stack(drafts), q, k
+
+    def rollback(self, state: FeatureState, length: int) -> None:
+        """Forget the draft's own entries (the target's features of the kept tokens come through `observe`)."""
+        state.cache.crop(min(state.verified, length - 1))
+        state.verified = state.cache.length

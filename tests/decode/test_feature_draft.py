@@ -1,0 +1,109 @@
+"""The feature draft (decode.feature_draft): training's unrolled steps compute what decoding computes, the target's
+lean forward hands over the same features as transformers', and decoding with it stays lossless."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decode.feature_draft import FeatureDraft, FeatureDrafter, default_feature_layers, target_features
+from decode.runtime import ModelRunner, greedy_decode
+from decode.sampling import Warp
+from decode.speculative import SpeculativeDecoder
+from tests.conftest import make_tiny_model
+from tests.decode.test_lossless import check_first_two
+
+VOCAB = 40
+
+
+def make_feature_draft(target, seed: int = 1, token_ids=None) -> FeatureDraft:
+    torch.manual_seed(seed)
+    draft = FeatureDraft(target.config, target.get_input_embeddings(), token_ids=token_ids)
+    with torch.no_grad():  # a random head over small logits would be near uniform: give it some confidence
+        draft.lm_head.weight.mul_(8)
+    return draft.eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_tiny_model(VOCAB, seed=3, layers=4)
+
+
+def test_default_layers_are_speculators_and_fit_shallow_models():
+    assert default_feature_layers(30) == (2, 15, 27)
+    assert default_feature_layers(4) == (2, 2, 1)
+    assert default_feature_layers(1) == (0, 0, 0)
+
+
+@torch.no_grad()
+def test_lean_forward_hands_over_the_features_transformers_computes(target):
+    layers = default_feature_layers(4)
+    tokens = torch.tensor([1, 5, 9, 3, 7, 7, 2])
+    hidden = target(input_ids=tokens[None], output_hidden_states=True).hidden_states
+    expected = target_features(hidden, layers)[0]
+    for lean in (True, False):
+        runner = ModelRunner(target, lean)
+        cache = runner.new_cache()
+        logits_a, first = runner.forward_features(tokens[:4], cache, 0, layers)
+        logits_b, rest = runner.forward_features(tokens[4:], cache, 4, layers)
+        torch.testing.assert_close(torch.cat([first, rest]), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.cat([logits_a, logits_b]), target(tokens[None]).logits[0], atol=1e-5,
+                                   rtol=1e-5)
+
+
+@torch.no_grad()
+def test_unrolled_training_steps_equal_decoding_past_each_index(target):
+    """Step j of `unroll` at index i is what decoding computes for the j-th token past index i, when the tokens fed
+    in between are the sequence's own (training feeds the right tokens)."""
+    draft = make_feature_draft(target)
+    seq = torch.tensor([1, 5, 9, 3, 7, 7, 4, 12, 30, 2])
+    features = target_features(target(input_ids=seq[None], output_hidden_states=True).hidden_states,
+                               draft.feature_layers)
+    steps = draft.unroll(features, seq[None], torch.ones(1, len(seq), dtype=torch.long), steps=3)
+    for i in (0, 3, 5):
+        cache = draft.new_cache()
+        out = draft.step(draft.fuse(features[0, : i + 1]), seq[1 : i + 2], cache, 0, torch.arange(1, i + 2))[-1:]
+        torch.testing.assert_close(out[0], steps[0][0, i], atol=1e-5, rtol=1e-5)
+        for j in (1, 2):
+            out = draft.step(out, seq[i + 1 + j][None], cache, i + j, torch.tensor([i + 1 + j]))
+            torch.testing.assert_close(out[0], steps[j][0, i], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_unroll_ignores_padding_and_other_rows(target):
+    draft = make_feature_draft(target)
+    seq = torch.tensor([[1, 5, 9, 3, 7, 7], [1, 8, 4, 0, 0, 0]])
+    mask = torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0]])
+    features = target_features(target(input_ids=seq, attention_mask=mask, output_hidden_states=True).hidden_states,
+                               draft.feature_layers)
+    both = draft.unroll(features, seq, mask, steps=2)
+    alone = draft.unroll(features[1:, :3], seq[1:, :3], mask[1:, :3], steps=2)
+    torch.testing.assert_close(both[0][1, :3], alone[0][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(both[1][1, :1], alone[1][0, :1], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("lookup", [None, 2])
+@pytest.mark.parametrize("reduced", [False, True])
+def test_greedy_decoding_with_a_feature_draft_equals_the_target_alone(target, lookup, reduced):
+    token_ids = torch.arange(0, VOCAB, 2) if reduced else None
+    draft = make_feature_draft(target, token_ids=token_ids)
+    decoder = SpeculativeDecoder(target, draft, gamma=3, lookup_min_ngram=lookup, eos_token_ids=())
+    runner = ModelRunner(target)
+    for prompt in ([1, 5, 9, 3], [1, 7], [1]):
+        result = decoder.generate(prompt, max_new_tokens=20)
+        assert result.token_ids == greedy_decode(runner, prompt, 20)
+        assert result.stats.new_tokens == 20
+
+
+def test_sampling_with_a_feature_draft_keeps_the_targets_distribution():
+    target = make_tiny_model(12, seed=4, layers=3, hidden=32)
+    draft = make_feature_draft(target, seed=2, token_ids=torch.tensor([0, 2, 3, 5, 7, 8, 11]))
+    stats = check_first_two(target, SpeculativeDecoder(target, draft, gamma=2, eos_token_ids=()), [1, 4, 6])
+    assert sum(s.accepted for s in stats) > 0  # the draft's proposals were tested, some accepted
+
+
+def test_the_drafter_refuses_a_decoder_that_skips_a_target_pass(target):
+    drafter = FeatureDrafter(make_feature_draft(target), VOCAB, torch.device("cpu"))
+    state = drafter.start([1, 5, 9])
+    with pytest.raises(RuntimeError, match="did not hand over"):
+        drafter.propose(state, [1, 5, 9], 2, Warp(0.0, 0, 1.0), None)
