@@ -26,7 +26,7 @@ from transformers import DynamicCache
 from decode.feature_draft import FeatureDraft, FeatureDrafter
 from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter, lookup_first_drafter
 from decode.runtime import ModelRunner, rollback
-from decode.sampling import Warp, sample, to_target_vocab
+from decode.sampling import Warp, confident, sample, to_target_vocab
 
 DRAFT, LOOKUP, DECODER = "draft", "lookup", "decoder"
 DRAFTER_KINDS = (DRAFT, LOOKUP, DECODER)
@@ -43,12 +43,6 @@ class Drafter(Protocol):
                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None, int]: ...
 
     def rollback(self, state, length: int) -> None: ...
-
-
-def confident(draft_logits: torch.Tensor, min_confidence: float) -> bool:
-    """Whether the draft's top probability (softmax at temperature 1) reaches `min_confidence`: a weak draft's
-    confidence predicts its acceptance, so stopping a block where it is unsure saves draft steps and verify width."""
-    return draft_logits.float().softmax(-1).max().item() >= min_confidence
 
 
 def model_context(model) -> int | None:
@@ -158,9 +152,9 @@ def make_drafter(kind: str, target, draft=None, *, draft_token_ids: torch.Tensor
     if draft is None:
         raise ValueError(f"the {kind!r} drafter needs a draft model")
     if isinstance(draft, FeatureDraft):
-        if draft_token_ids is not None or draft_min_confidence is not None:
-            raise ValueError("a feature draft carries its own vocabulary; draft_min_confidence is for draft LMs")
-        model = FeatureDrafter(draft, vocab_size, device)
+        if draft_token_ids is not None:
+            raise ValueError("a feature draft carries its own vocabulary: pass no draft_token_ids")
+        model = FeatureDrafter(draft, vocab_size, device, min_confidence=draft_min_confidence)
     else:
         model = ModelDrafter(draft, vocab_size, device, token_ids=draft_token_ids,
                              min_confidence=draft_min_confidence, lean=lean)

@@ -31,7 +31,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from decode.lean import KVCache
-from decode.sampling import Warp, sample, to_target_vocab
+from decode.sampling import Warp, confident, sample, to_target_vocab
 
 FEATURES = "features"  # the draft family's name in configs and run records
 
@@ -79,6 +79,12 @@ class FeatureDraft(nn.Module):
     @property
     def layer(self) -> LlamaDecoderLayer:
         return self.layers[0]
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
 
     def new_cache(self) -> KVCache:
         weight = self.fc.weight
@@ -150,6 +156,35 @@ class FeatureDraft(nn.Module):
         return outputs
 
 
+def feature_draft_from_target(target, token_ids: torch.Tensor | None = None,
+                              feature_layers: tuple[int, ...] | None = None) -> FeatureDraft:
+    """A feature draft that starts from the target's own weights: the decoder layer is the target's last layer (the
+    features half of q/k/v from it, the embedding half from layer 0, which reads embeddings), `fc` passes the
+    highest captured state through, and the final norm and head rows are the target's."""
+    draft = FeatureDraft(target.config, target.get_input_embeddings(), feature_layers=feature_layers,
+                         token_ids=token_ids).to(device=target.device, dtype=target.dtype)
+    first, last, layer = target.model.layers[0], target.model.layers[-1], draft.layer
+    hidden = draft.config.hidden_size
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            fused = getattr(layer.self_attn, name)
+            fused.weight.copy_(torch.cat([getattr(first.self_attn, name).weight,
+                                          getattr(last.self_attn, name).weight], dim=1))
+            if fused.bias is not None:
+                fused.bias.copy_(getattr(last.self_attn, name).bias)
+        layer.self_attn.o_proj.load_state_dict(last.self_attn.o_proj.state_dict())
+        layer.mlp.load_state_dict(last.mlp.state_dict())
+        layer.input_layernorm.load_state_dict(first.input_layernorm.state_dict())
+        layer.hidden_norm.load_state_dict(last.input_layernorm.state_dict())
+        layer.post_attention_layernorm.load_state_dict(last.post_attention_layernorm.state_dict())
+        draft.fc.weight.zero_()
+        draft.fc.weight[:, -hidden:] = torch.eye(hidden)
+        draft.norm.load_state_dict(target.model.norm.state_dict())
+        head = target.get_output_embeddings().weight
+        draft.lm_head.weight.copy_(head if token_ids is None else head[token_ids.to(head.device)])
+    return draft
+
+
 @dataclass
 class FeatureState:
     """A feature drafter's state: its cache holds `verified` indices built from target features; `pending` holds the
@@ -164,16 +199,19 @@ class FeatureDrafter:
     """Proposes with a `FeatureDraft` from the target's features, which the decoder hands over after every target
     pass (`observe`). `feature_layers` tells the decoder which of the target's hidden states to capture."""
 
-    def __init__(self, draft: FeatureDraft, vocab_size: int, device: torch.device):
+    def __init__(self, draft: FeatureDraft, vocab_size: int, device: torch.device, *,
+                 min_confidence: float | None = None):
+        """min_confidence: end a block at the first draft after the first whose top probability is below this
+        (`decode.sampling.confident`)."""
         if next(draft.parameters()).device != device:
             raise ValueError(f"target is on {device} but the feature draft on {next(draft.parameters()).device}")
         if draft.token_ids is None and draft.lm_head.out_features != vocab_size:
             raise ValueError(f"vocab mismatch: the feature draft predicts {draft.lm_head.out_features} tokens, the "
                              f"target {vocab_size}")
         self.model, self.vocab_size, self.device = draft, vocab_size, device
-        self.feature_layers = draft.feature_layers
+        self.feature_layers, self.min_confidence = draft.feature_layers, min_confidence
         self.context = getattr(draft.config, "max_position_embeddings", None)
-        self.name = FEATURES
+        self.name = FEATURES if min_confidence is None else f"{FEATURES}(min_confidence={min_confidence:g})"
 
     def start(self, prompt: list[int]) -> FeatureState:
         width = len(self.feature_layers) * self.model.config.hidden_size
@@ -198,11 +236,13 @@ class FeatureDrafter:
         tokens = torch.tensor(seq[start + 1 :], device=self.device)
         positions = torch.arange(start + 1, start + m + 1, device=self.device)
         state.pending, state.verified = state.pending[:0], start + m
-        drafts, probs, index = [], [], start
-        for _ in range(k):
+        drafts, probs, index, calls = [], [], start, 0
+        for i in range(k):
             out = self.model.step(hidden, tokens, state.cache, index, positions)[-1:]
-            index += tokens.shape[0]
+            index, calls = index + tokens.shape[0], calls + 1
             logits = self.model.logits(out)[0]
+            if i > 0 and self.min_confidence is not None and not confident(logits, self.min_confidence):
+                break
             if warp.greedy:
                 row = logits.argmax()
                 token = row if self.model.token_ids is None else self.model.token_ids[row]
@@ -213,7 +253,7 @@ class FeatureDrafter:
             # the next index pairs this output with the token it proposed, at that token's position
             hidden, tokens, positions = out, token[None], positions[-1:] + 1
         q = None if warp.greedy else torch.stack(probs)
-        return torch.stack(drafts), q, k
+        return torch.stack(drafts), q, calls
 
     def rollback(self, state: FeatureState, length: int) -> None:
         """Forget the draft's own entries (the target's features of the kept tokens come through `observe`)."""

@@ -67,3 +67,9 @@ class Warp:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
+
+
+def confident(draft_logits: torch.Tensor, min_confidence: float) -> bool:
+    """Whether the draft's top probability (softmax at temperature 1) reaches `min_confidence`: a weak draft's
+    confidence predicts its acceptance, so stopping a block where it is unsure saves draft steps and verify width."""
+    return draft_logits.float().softmax(-1).max().item() >= min_confidence

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_model as load_safetensors
 
 from distill.init import init_draft
-from distill.step import ResponseLogits
+from distill.step import draft_module
 from pipeline.config import DraftopsConfig
 from pipeline.files import TMP_SUFFIX, recover_dir, swap_dir
 
@@ -81,7 +81,7 @@ def save_best(accelerator, model, best_dir: Path) -> None:
 def load_best(cfg: DraftopsConfig, target_model, token_ids: torch.Tensor | None, best_dir: Path):
     """A fresh, plain (unsharded) draft holding the best weights: what export sees whatever the distribution was."""
     draft = init_draft(cfg.distill, target_model, token_ids=token_ids)
-    load_safetensors(ResponseLogits(draft), str(recover_dir(best_dir) / "model.safetensors"))
+    load_safetensors(draft_module(cfg.distill, draft), str(recover_dir(best_dir) / "model.safetensors"))
     return draft.eval()
 
 

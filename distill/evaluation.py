@@ -6,12 +6,15 @@ checkpoint); `exact_eval` runs the target alongside (once, on the best draft at 
 """
 from __future__ import annotations
 
+import random
+
 import torch
 
 from decode.acceptance import analytic_acceptance, simulated_tau
 from distill.batches import collate
 from distill.losses import to_student_columns
 from distill.responses import ResponseSet
+from distill.step import features_and_teacher
 
 
 @torch.no_grad()
@@ -68,3 +71,88 @@ def exact_eval(target, draft, responses: ResponseSet, token_ids: torch.Tensor | 
     per_t = {t: analytic_acceptance(target, draft, seqs, starts, temperature=t, draft_token_ids=token_ids).per_position
              for t in (0.0, 1.0)}
     return summarize_acceptance(per_t[0.0], per_t[1.0], gamma)
+
+
+@torch.no_grad()
+def feature_eval(step_logits, target, responses: ResponseSet, token_ids: torch.Tensor | None, gamma: int,
+                 batch_size: int = 4, rollouts: int = 16, seed: int = 0) -> dict:
+    """`cached_eval` for a feature draft, whose j-th token past a verified prefix comes from its own features:
+    acceptance by draft position and τ from walking each held-out response in rounds of γ, each round's drafts
+    taken from the draft's unrolled steps at the round's start (what decoding proposes there).
+
+    step_logits: a `distill.step.FeatureStepLogits` (or what accelerate prepared from it) unrolling at least γ steps;
+    target: the HF target, which gives the features. α(T=0) is exact; at T=1 a draft position's acceptance is Σ over
+    the cached top-k of min(p, q) along the response (a lower bound), and τ(T=1) is walked with those values.
+    """
+    device = next(step_logits.parameters()).device
+    module = getattr(step_logits, "module", step_logits)
+    layers, k = module.draft.feature_layers, responses.topk_indices.shape[1]
+    chains = {0.0: [], 1.0: []}  # per response: [γ, positions] acceptance of draft position j at each round start
+    for begin in range(0, len(responses), batch_size):
+        rows = list(range(begin, min(begin + batch_size, len(responses))))
+        batch = collate(responses, rows, pad_id=0, token_ids=None, with_teacher=True, topk=k)
+        features, _ = features_and_teacher(batch, target, layers, device)
+        mask = batch["loss_mask"].to(device)
+        every = torch.ones_like(mask)
+        per_step = step_logits(features=features, input_ids=batch["input_ids"].to(device),
+                               attention_mask=batch["attention_mask"].to(device), loss_mask=every, steps=gamma)
+        top_p = batch["teacher"].logprobs.float().exp().to(device)  # [B, T, k]
+        top_ids = batch["teacher"].indices.long().to(device)
+        b, t = mask.shape
+        greedy = torch.zeros(gamma, b, t, device=device)
+        sampled = torch.zeros(gamma, b, t, device=device)
+        for j, logits in enumerate(per_step):
+            probs = torch.softmax(logits.float(), -1).view(b, t - 1 - j, -1)
+            draft_ids = probs.argmax(-1) if token_ids is None else token_ids.to(device)[probs.argmax(-1)]
+            # step j at index i proposes token i + 2 + j, tested against the target at position i + 1 + j
+            valid = mask[:, 1 + j :]
+            agree = (draft_ids == top_ids[:, 1 + j :, 0]) & valid
+            overlap = torch.minimum(top_p[:, 1 + j :], _draft_probs_at(probs, top_ids[:, 1 + j :], token_ids))
+            greedy[j, :, : t - 1 - j] = agree.float()
+            sampled[j, :, : t - 1 - j] = overlap.sum(-1) * valid
+        for row, index in enumerate(rows):
+            start, end = len(responses.prompt_ids[index]), int(batch["attention_mask"][row].sum())
+            chains[0.0].append((greedy[:, row, : end].cpu(), start, end))
+            chains[1.0].append((sampled[:, row, : end].cpu(), start, end))
+    return summarize_feature_acceptance(chains, gamma, rollouts, seed)
+
+
+def walk_rounds(chain: torch.Tensor, start: int, end: int, rng) -> tuple[int, list[tuple[int, bool]]]:
+    """Target calls to produce tokens start..end-1, in rounds that each begin at sequence length L with the drafts
+    of index L - 2 (chain[j, L - 2]: acceptance of its j-th draft), and the (position, accepted) of every tested
+    draft. 0/1 values walk exactly; others accept with that probability."""
+    length, calls, tested = start, 0, []
+    gamma = chain.shape[0]
+    while length < end:
+        calls, n = calls + 1, 0
+        while n < gamma and length + n < end:
+            accepted = rng.random() < float(chain[n, length - 2]) if length >= 2 else False
+            tested.append((n, accepted))
+            if not accepted:
+                break
+            n += 1
+        length += n + 1
+    return calls, tested
+
+
+def summarize_feature_acceptance(chains: dict, gamma: int, rollouts: int, seed: int) -> dict:
+    """α(T=0), α(T=1) of the first draft position, τ at both temperatures from `walk_rounds`, and the acceptance at
+    each draft position given the ones before it were accepted (`alpha_t0_pos{j}`, `alpha_t1_pos{j}`)."""
+    rng, out = random.Random(seed), {}
+    for temperature, name in ((0.0, "t0"), (1.0, "t1")):
+        tokens = calls = 0
+        tested, accepted = [0] * gamma, [0] * gamma
+        first = [v for chain, start, end in chains[temperature] for v in chain[0, max(start - 2, 0) : end - 2].tolist()]
+        for chain, start, end in chains[temperature]:
+            repeats = 1 if temperature == 0.0 else rollouts
+            for _ in range(repeats):
+                n_calls, outcomes = walk_rounds(chain, start, end, rng)
+                tokens, calls = tokens + end - start, calls + n_calls
+                for position, ok in outcomes:
+                    tested[position] += 1
+                    accepted[position] += ok
+        out[f"alpha_{name}"] = sum(first) / len(first) if first else float("nan")
+        out[f"tau_{name}"] = tokens / calls if calls else float("nan")
+        for j in range(gamma):
+            out[f"alpha_{name}_pos{j + 1}"] = accepted[j] / tested[j] if tested[j] else float("nan")
+    return out

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from decode.drafts import draft_from_target_layers, reduce_vocabulary
+from decode.feature_draft import feature_draft_from_target
 from pipeline.config import DistillConfig
 from pipeline.sources import check_tokenizer_compat, resolve_model
 
@@ -47,7 +48,10 @@ def init_draft(cfg: DistillConfig, target, *, token_ids: torch.Tensor | None = N
     With `token_ids`, the head is cut to those rows, taken from the target's head; a checkpoint with a reduced head
     over other ids keeps its rows for the ids both share (`remap_vocabulary`). `tokenizer`: the target's; a checkpoint
     to start from must map text to the same ids (`check_tokenizer_compat`), or its weights mean other tokens.
+    family "features": a `decode.feature_draft.FeatureDraft` from the target's weights (the init keys do not apply).
     """
+    if cfg.family == "features":
+        return feature_draft_from_target(target, token_ids).train()
     if cfg.init == "target_layers":
         draft = draft_from_target_layers(target, cfg.init_layers)
     elif cfg.init == "config":

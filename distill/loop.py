@@ -19,10 +19,10 @@ from tqdm.auto import tqdm
 
 from distill.batches import collate, global_batch_indices, micro_batch
 from distill.checkpoints import latest_checkpoint, load_training_state, save_best, save_training_state
-from distill.evaluation import cached_eval
+from distill.evaluation import cached_eval, feature_eval
 from distill.onpolicy import draft_continuations
 from distill.responses import ResponseSet
-from distill.step import ResponseLogits, loss_step
+from distill.step import draft_module, feature_loss_step, loss_step
 from pipeline.config import DistillConfig, DraftopsConfig
 from pipeline.sources import eos_token_ids
 
@@ -117,7 +117,8 @@ def train_loop(cfg: DraftopsConfig, accelerator, target, tokenizer, draft, data:
     # Not passed to prepare(): accelerate would step it once per process and change the schedule with the world size.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(
         s, warmup=d.warmup_steps, total=total_steps, min_ratio=d.min_lr_ratio))
-    model, optimizer = accelerator.prepare(ResponseLogits(draft), optimizer)
+    model, optimizer = accelerator.prepare(draft_module(d, draft), optimizer)
+    features = d.family == "features"
     trainable = trainable_parameters(model)
     accelerator.register_for_checkpointing(scheduler)
 
@@ -143,8 +144,13 @@ def train_loop(cfg: DraftopsConfig, accelerator, target, tokenizer, draft, data:
             for micro, batch in enumerate(batches):
                 # Gradients are synchronized across processes once, on the last micro-batch.
                 with nullcontext() if micro == d.grad_accum - 1 else accelerator.no_sync(model):
-                    loss = loss_step(model, batch, d, num_tokens=global_tokens, token_ids=data.token_ids,
-                                     device=accelerator.device, target=target)
+                    if features:
+                        loss = feature_loss_step(model, batch, d, target=target, layers=draft.feature_layers,
+                                                 num_tokens=global_tokens, token_ids=data.token_ids,
+                                                 device=accelerator.device)
+                    else:
+                        loss = loss_step(model, batch, d, num_tokens=global_tokens, token_ids=data.token_ids,
+                                         device=accelerator.device, target=target)
                     # DDP averages gradients over processes; the loss is already a share of the global token mean.
                     accelerator.backward(loss * P)
                 step_loss += loss.detach()
@@ -169,16 +175,22 @@ def train_loop(cfg: DraftopsConfig, accelerator, target, tokenizer, draft, data:
                 # Every rank evaluates (identical inputs) through the prepared model: with FSDP the forward
                 # gathers the sharded parameters from all of them.
                 model.eval()
-                metrics = {"step": state["step"], **cached_eval(model, data.heldout, data.token_ids,
-                                                                 cfg.decode.gamma)}
+                if features:
+                    measured = feature_eval(model, target, data.heldout, data.token_ids, cfg.decode.gamma)
+                else:
+                    measured = cached_eval(model, data.heldout, data.token_ids, cfg.decode.gamma)
+                metrics = {"step": state["step"], **measured}
                 model.train()
                 state["evals"].append(metrics)
                 if state["best"] is None or metrics[select] > state["best"][select]:
                     state["best"] = metrics
                     save_best(accelerator, model, best_dir)
                 if accelerator.is_main_process:
+                    by_position = "  ".join(f"{metrics[f'alpha_t0_pos{j}']:.2f}" for j in
+                                            range(1, cfg.decode.gamma + 1) if f"alpha_t0_pos{j}" in metrics)
                     bar.write(f"step {state['step']}: α(T=0) {metrics['alpha_t0']:.3f}  α(T=1) ≥ "
-                              f"{metrics['alpha_t1']:.3f}  τ(γ={cfg.decode.gamma}, T=0) {metrics['tau_t0']:.2f}")
+                              f"{metrics['alpha_t1']:.3f}  τ(γ={cfg.decode.gamma}, T=0) {metrics['tau_t0']:.2f}"
+                              + (f"  α(T=0) by draft position {by_position}" if by_position else ""))
         if state["step"] % d.checkpoint_every == 0 and state["step"] < total_steps:
             with timings.measure("checkpoints"):
                 save_training_state(accelerator, checkpoints, state["step"], state, d.keep_checkpoints)

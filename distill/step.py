@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from decode.feature_draft import FEATURES, FeatureDraft, target_features
 from distill.losses import TopKTeacher, distillation_loss
 from pipeline.config import DistillConfig
 
@@ -54,3 +55,72 @@ def loss_step(model, batch: dict, settings: DistillConfig, *, num_tokens: int | 
                              temperature=settings.temperature, token_ids=token_ids,
                              labels=batch["labels"].to(device)[loss_mask], ce_weight=settings.ce_weight,
                              num_tokens=num_tokens)
+
+
+class FeatureStepLogits(torch.nn.Module):
+    """A feature draft's logits for each training-time-test step j at the positions whose token 2 + j ahead is a
+    response token: [N_j, V_draft] per step (`FeatureDraft.unroll`; step j at index i predicts token i + 2 + j, so
+    its teacher is the target's distribution at position i + 1 + j). The module accelerate wraps."""
+
+    def __init__(self, draft: FeatureDraft, steps: int):
+        super().__init__()
+        self.draft, self.steps = draft, steps
+
+    def forward(self, features, input_ids, attention_mask, loss_mask, steps: int | None = None) -> list[torch.Tensor]:
+        """steps: how many steps to unroll (default: the training's)."""
+        outputs = self.draft.unroll(features, input_ids, attention_mask, steps or self.steps)
+        return [self.draft.logits(hidden[:, : hidden.shape[1] - 1 - j][step_mask(loss_mask, j)])
+                for j, hidden in enumerate(outputs)]
+
+
+def step_mask(loss_mask: torch.Tensor, j: int) -> torch.Tensor:
+    """Indices i of step j whose prediction (token i + 2 + j) is a response token: loss_mask shifted by 1 + j."""
+    return loss_mask[:, 1 + j :]
+
+
+@torch.no_grad()
+def features_and_teacher(batch: dict, target, layers: tuple[int, ...], device) -> tuple[torch.Tensor, object]:
+    """The target's features [B, T, len(layers) * H] on the batch, and its teacher [B, T, ...] (the cached top-k
+    when the batch has it, else the target's logits from the same pass)."""
+    input_ids, attention_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    if "teacher" in batch:
+        hidden = target.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        teacher = batch["teacher"]
+        teacher = TopKTeacher(teacher.logprobs.to(device), teacher.indices.to(device))
+    else:
+        hidden = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        teacher = hidden.logits
+    return target_features(hidden.hidden_states, layers), teacher
+
+
+def shifted(teacher, j: int):
+    """The teacher rows of positions 1 + j onwards (what step j's indices are scored against)."""
+    if isinstance(teacher, TopKTeacher):
+        return TopKTeacher(teacher.logprobs[:, 1 + j :], teacher.indices[:, 1 + j :])
+    return teacher[:, 1 + j :]
+
+
+def feature_loss_step(model, batch: dict, settings: DistillConfig, *, target, layers: tuple[int, ...],
+                      num_tokens: int | torch.Tensor, token_ids: torch.Tensor | None,
+                      device: torch.device | str) -> torch.Tensor:
+    """`loss_step` for a feature draft: the mean over its training-time-test steps of `settings.loss` against the
+    teacher, each step's sum divided by `num_tokens` (the global batch's response tokens, as in `loss_step`)."""
+    features, teacher = features_and_teacher(batch, target, layers, device)
+    loss_mask = batch["loss_mask"].to(device)
+    per_step = model(features=features, input_ids=batch["input_ids"].to(device),
+                     attention_mask=batch["attention_mask"].to(device), loss_mask=loss_mask)
+    labels = batch["labels"].to(device)
+    total = 0
+    for j, logits in enumerate(per_step):
+        mask = step_mask(loss_mask, j)
+        total = total + distillation_loss(
+            logits, shifted(teacher, j)[mask], loss=settings.loss, beta=settings.jsd_beta,
+            temperature=settings.temperature, token_ids=token_ids, labels=labels[:, 1 + j :][mask],
+            ce_weight=settings.ce_weight, num_tokens=num_tokens)
+    return total / len(per_step)
+
+
+def draft_module(settings: DistillConfig, draft) -> torch.nn.Module:
+    """What the loop trains and accelerate wraps: `ResponseLogits` for a draft LM, `FeatureStepLogits` (unrolling
+    `ttt_steps`) for a feature draft."""
+    return FeatureStepLogits(draft, settings.ttt_steps) if settings.family == FEATURES else ResponseLogits(draft)

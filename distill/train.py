@@ -20,14 +20,16 @@ from accelerate import Accelerator
 from accelerate.utils import is_bf16_available, set_seed
 
 from decode.drafts import frequent_token_ids
+from decode.feature_draft import FEATURES
 from decode.runtime import load_model
 from decode.suffix import SuffixIndex
 from distill.checkpoints import job_key, load_best, point_latest
-from distill.evaluation import exact_eval
+from distill.evaluation import exact_eval, feature_eval
 from distill.export import export_draft, log_and_register
 from distill.init import init_draft
 from distill.loop import NonFiniteLoss, Timings, TrainingData, train_loop
 from distill.responses import cached_responses
+from distill.step import draft_module
 from pipeline.config import DraftopsConfig, load_config
 from pipeline.files import write_text_atomic
 from pipeline.registry import version_uri
@@ -173,7 +175,8 @@ def run_distill(cfg: DraftopsConfig, *, init_only: bool = False, register_only: 
                   "nothing trained or registered")
         return DistillResult(export_dir, job_dir, {}, [], [], timings.seconds, data.token_ids, data.fingerprint)
     embeddings = draft.get_input_embeddings().weight
-    if draft.get_output_embeddings().weight is not embeddings:  # a tied head is trained, and its embeddings with it
+    if draft.get_output_embeddings().weight is not embeddings and cfg.distill.family != FEATURES:
+        # a tied head is trained, and its embeddings with it; a feature draft's embeddings are the target's
         embeddings.requires_grad_(cfg.distill.train_embeddings)
     accelerator.print(f"draftops distill: draft of {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M parameters "
                       f"({sum(p.numel() for p in draft.parameters() if p.requires_grad) / 1e6:.1f}M trained), "
@@ -187,7 +190,11 @@ def run_distill(cfg: DraftopsConfig, *, init_only: bool = False, register_only: 
     if accelerator.is_main_process:
         draft = load_best(cfg, target.model, data.token_ids, job_dir / "best")
         with timings.measure("eval"):
-            exact = exact_eval(target.model, draft, data.heldout, data.token_ids, cfg.decode.gamma)
+            if cfg.distill.family == FEATURES:  # exact at T=0 already: the target gives the features
+                exact = feature_eval(draft_module(cfg.distill, draft), target.model, data.heldout, data.token_ids,
+                                     cfg.decode.gamma)
+            else:
+                exact = exact_eval(target.model, draft, data.heldout, data.token_ids, cfg.decode.gamma)
         select = "tau_t0" if cfg.decode.temperature == 0 else "tau_t1"
         result.metrics = {**exact, "tau": exact[select], "best_step": best["step"],
                           "loss": history[best["step"] - 1]["loss"],

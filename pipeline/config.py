@@ -79,6 +79,11 @@ class DistillConfig(Section):
     output_dir: str = Field("outputs/distill", description="Where checkpoints and the exported draft go.")
     resume: bool = Field(True, description="Continue from the last checkpoint of an identical job in output_dir.")
     register_model: bool = Field(True, description="Log the run to MLflow and register the exported draft.")
+    family: Literal["layers", "features"] = Field(
+        "layers", description="layers: a small LM (init below) that reads tokens; features: an EAGLE-3 head that "
+        "reads the target's hidden states (one decoder layer from the target's weights; init keys do not apply).")
+    ttt_steps: int = Field(3, ge=1, description="features only: draft steps unrolled in training (training-time "
+                           "test), each fed the draft's own previous output.")
     # draft initialization
     init: Literal["target_layers", "checkpoint", "config"] = Field(
         "target_layers", description="target_layers: copy init_layers + embeddings, norm, head from the target; "
@@ -128,6 +133,13 @@ class DistillConfig(Section):
     eval_every: int = Field(50, ge=1, description="Optimizer steps between held-out evaluations.")
     checkpoint_every: int = Field(25, ge=1, description="Optimizer steps between resumable checkpoints.")
     keep_checkpoints: int = Field(2, ge=1)
+
+    @model_validator(mode="after")
+    def _features_train_on_target_responses(self) -> DistillConfig:
+        if self.family == "features" and self.onpolicy_fraction > 0:
+            raise ValueError("distill.onpolicy_fraction applies to family 'layers': a feature draft cannot generate "
+                             "continuations without the target's features")
+        return self
 
 
 class MonitorConfig(Section):

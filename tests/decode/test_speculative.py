@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from decode.drafters import confident
+from decode.sampling import confident
 from decode.speculative import GammaPolicy, SpeculativeDecoder
 from tests.decode.tiny import greedy_reference, tiny_llama, word_tokenizer
 
