@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from decode.acceptance import break_even_alpha, expected_speedup
 from decode.drafters import DECODER, DRAFT, LOOKUP
 from decode.factory import build_decoder
+from decode.feature_draft import FeatureDraft, FeatureDrafter
 from decode.kernels import cpu_linear_of, torch_kernels
 from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter
 from decode.runtime import ModelRunner, greedy_decode, hf_assistant_model, rollback
@@ -80,11 +81,25 @@ def step_costs(target: ModelRunner, draft, prompt: list[int], gamma: int, reps: 
     if isinstance(draft, PromptLookupDrafter):
         lookups = [timed(lambda: draft.lookup(prompt, gamma), torch.device("cpu"))[1] for _ in range(reps + 2)]
         draft_step = statistics.median(lookups[2:]) / gamma
+    elif isinstance(draft, FeatureDrafter):  # one step of the feature draft and its head, on stand-in features
+        draft_step = cost(feature_step(draft.model), draft.model.new_cache(), draft.device, 1)
     else:  # the ModelDrafter the decoder runs: the draft's forward as the decoder calls it
         draft_step = cost(draft.runner.forward, draft.runner.new_cache(), draft.device, 1)
     target_step, verify = target_cost(1), target_cost(gamma + 1)
     return {"target_step_s": target_step, "draft_step_s": draft_step, "verify_s": verify,
             "c": draft_step / target_step, "v": verify / target_step}
+
+
+def feature_step(draft: FeatureDraft) -> Callable:
+    """A feature draft's step in `step_costs`' forward signature: what a decoding step computes (the layer over the
+    token and a hidden state, then the head), with zeros for the hidden state (the cost does not depend on it)."""
+    def forward(tokens: torch.Tensor, cache, start: int, keep_last: bool) -> torch.Tensor:
+        hidden = torch.zeros(tokens.shape[0], draft.config.hidden_size, dtype=draft.fc.weight.dtype,
+                             device=tokens.device)
+        positions = torch.arange(start + 1, start + 1 + tokens.shape[0], device=tokens.device)
+        out = draft.step(hidden, tokens, cache, start, positions)
+        return draft.logits(out[-1:] if keep_last else out)
+    return forward
 
 
 def in_run_costs(stats: Sequence, target_only: dict) -> dict[str, float]:
@@ -185,6 +200,9 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     if draft is None:
         lookup = decoder.drafter
         methods["hf_prompt_lookup"] = lambda p: hf_generate(target.model, p, gamma=fixed_gamma, lookup=lookup, **common)
+    elif isinstance(draft.model, FeatureDraft):
+        notes.append("no hf_assisted row: transformers' assisted generation cannot run a feature draft (it reads the "
+                     "target's hidden states, which assisted generation does not hand to an assistant model)")
     else:
         assistant = hf_assistant_model(draft)
         if draft.token_ids is not None:
@@ -208,6 +226,7 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     c, v = costs["c"], costs["v"]
     in_run = in_run_costs(stats["speculative"], results[baseline])
     draft_run = "draft_only" if "draft_only" in stats else "speculative" if draft is not None else None
+    draft_summary = aggregate_stats(stats[draft_run], categories, seed=seed) if draft_run else None
     return {
         "n_prompts": len(prompts),
         "settings": {**policy.to_dict(), "max_new_tokens": max_new_tokens, "greedy": True, "device": str(device),
@@ -218,8 +237,9 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
         "methods": results,
         "baseline": baseline,
         "alpha": summary["acceptance_rate"],
-        "alpha_draft": (aggregate_stats(stats[draft_run], categories, seed=seed)["acceptance_rate"]
-                        if draft_run else None),
+        "alpha_draft": draft_summary["acceptance_rate"] if draft_summary else None,
+        # the draft model alone: acceptance at each draft position given the ones before it were accepted
+        "alpha_draft_at_position": draft_summary["acceptance_at_position"] if draft_summary else None,
         "tau": summary["tau"],
         "costs": costs,
         "predicted_speedup": expected_speedup(alpha, fixed_gamma, c, v),
@@ -281,6 +301,8 @@ def markdown(report: dict) -> str:
     if report["alpha_draft"] is not None:
         d = report["alpha_draft"]
         lines.append(f"- acceptance of the draft model alone α̂ = {d['value']:.3f} [{d['low']:.3f}, {d['high']:.3f}]")
+        lines.append("- its acceptance by draft position (given the earlier ones accepted): " + ", ".join(
+            f"{a:.2f}" for a in report.get("alpha_draft_at_position") or []))
     if report["per_category"]:
         lines += ["", "| category | prompts | α̂ | τ |", "|---|---:|---|---|"]
         for name, c in report["per_category"].items():

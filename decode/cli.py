@@ -28,17 +28,13 @@ def _load_target(args):
 def _load(args):
     """Config (with overrides), then target and draft on the same device and dtype, tokenizers checked."""
     from decode.ngram import PROMPT_LOOKUP
-    from decode.runtime import load_model
-    from pipeline.sources import check_tokenizer_compat
+    from decode.runtime import load_draft
 
     if args.draft == PROMPT_LOOKUP:
         raise ValueError(f"--draft {PROMPT_LOOKUP} works with `draftops decode`, `bench` and `sweep`; "
                          "this command needs a draft model")
     cfg, target = _load_target(args)
-    parameter = next(target.model.parameters())
-    draft = load_model(args.draft, device=parameter.device, dtype=parameter.dtype, cpu_linear=cfg.cpu_linear)
-    check_tokenizer_compat(target.tokenizer, draft.tokenizer)
-    return cfg, target, draft
+    return cfg, target, load_draft(args.draft, target, cpu_linear=cfg.cpu_linear)
 
 
 def _pick(value, default):

@@ -37,8 +37,12 @@ FEATURES = "features"  # the draft family's name in configs and run records
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's low, middle and high layers (`speculators`' default [2, L/2, L-3]), kept inside shallow models."""
-    return min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)
+    """EAGLE-3's low, middle and high layers (`speculators`' default [2, L/2, L-3]); a model of fewer than 7 layers
+    gets its last three (increasing, so vLLM can capture them, from 3 layers on)."""
+    if num_layers >= 7:
+        return 2, num_layers // 2, num_layers - 3
+    low = max(num_layers - 3, 0)
+    return low, min(low + 1, num_layers - 1), min(low + 2, num_layers - 1)
 
 
 def target_features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) -> torch.Tensor:

@@ -12,7 +12,17 @@ from transformers import DynamicCache
 from decode.feature_draft import target_features
 from decode.kernels import cpu_linear_of, use_cpu_linear
 from decode.lean import KVCache, LeanLlama
-from pipeline.sources import HF_ASSISTANT_DIR, ResolvedModel, SourceError, load_checkpoint, resolve_model
+from decode.speculators_format import load_speculators
+from pipeline.sources import (
+    HF_ASSISTANT_DIR,
+    ResolvedModel,
+    SourceError,
+    check_tokenizer_compat,
+    is_speculators_dir,
+    load_checkpoint,
+    locate,
+    resolve_model,
+)
 
 
 def load_model(source: str, *, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
@@ -22,6 +32,24 @@ def load_model(source: str, *, device: str | torch.device = "auto", dtype: str |
     resolved = resolve_model(source, device=device, dtype=dtype)
     use_cpu_linear(resolved.model, cpu_linear)
     return resolved
+
+
+def load_draft(source: str, target: ResolvedModel, *, cpu_linear: str = "auto") -> ResolvedModel:
+    """A draft for `target`, on its device and in its dtype: a draft LM (`load_model`, its tokenizer checked against
+    the target's), or a feature draft in the speculators format (`decode.speculators_format`), which reads the
+    target's embeddings and features and so is built over the loaded target (its tokenizer is the target's)."""
+    local = locate(source)
+    if is_speculators_dir(local.path):
+        try:
+            draft = load_speculators(local.path, target.model)
+        except ValueError as exc:
+            raise SourceError(f"{source}: {exc}") from exc
+        use_cpu_linear(draft, cpu_linear)
+        return ResolvedModel(source, local.path, draft.eval(), target.tokenizer, local.fingerprint, None)
+    parameter = next(target.model.parameters())
+    draft = load_model(source, device=parameter.device, dtype=parameter.dtype, cpu_linear=cpu_linear)
+    check_tokenizer_compat(target.tokenizer, draft.tokenizer)
+    return draft
 
 
 def hf_assistant_model(draft: ResolvedModel) -> torch.nn.Module:

@@ -22,6 +22,7 @@ from transformers import LlamaConfig
 
 from decode.feature_draft import FeatureDraft
 from pipeline.files import swap_dir, temporary_sibling
+from pipeline.sources import is_speculators_dir
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 SHARED = "embed_tokens.weight"  # the target's embeddings: never written, ignored when a folder has them
@@ -75,14 +76,6 @@ def save_speculators(draft: FeatureDraft, path, *, verifier_name_or_path: str,
     (tmp / CONFIG_FILE).write_text(json.dumps(speculator, indent=2, sort_keys=True) + "\n")
     save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
     return swap_dir(tmp, path)
-
-
-def is_speculators_dir(path) -> bool:
-    """Whether `path` holds a speculators export (any algorithm): its config.json names a speculators model type."""
-    try:
-        return "speculators_model_type" in json.loads((Path(path) / CONFIG_FILE).read_text())
-    except (OSError, ValueError):
-        return False
 
 
 def load_speculators(path, target) -> FeatureDraft:

@@ -24,12 +24,12 @@ from decode.drafters import DRAFT, LOOKUP, Drafter, make_drafter
 from decode.drafts import draft_from_target_layers, frequent_token_ids, reduce_vocabulary
 from decode.kernels import cpu_linear_of, use_cpu_linear
 from decode.ngram import PROMPT_LOOKUP, PromptLookupDrafter
-from decode.runtime import ModelRunner, greedy_decode, load_model
+from decode.runtime import ModelRunner, greedy_decode, load_draft
 from decode.speculative import SpeculativeDecoder
 from decode.stats import aggregate_stats, paired_speedup, ratio_ci
 from decode.sweep_costs import measure_costs, predict_cells
 from decode.timing import run_interleaved
-from pipeline.sources import SourceError, check_tokenizer_compat
+from pipeline.sources import SourceError
 from pipeline.traffic import encode_prompts
 
 TARGET_LAYERS = "target-layers:"  # `target-layers:N[:V]`: the target's first N layers, embeddings, norm and head
@@ -79,13 +79,12 @@ def load_drafts(sources: Sequence[str], target, notes: list[str], vocab_texts: S
             drafts.append(Draft(name, use_cpu_linear(model.eval(), kernels), token_ids))
         else:
             try:
-                resolved = load_model(name, device=parameter.device, dtype=parameter.dtype, cpu_linear=kernels)
+                resolved = load_draft(name, target, cpu_linear=kernels)
             except SourceError as exc:
                 if not source.endswith("?"):
                     raise
                 notes.append(f"optional draft {name} skipped: {exc}")
                 continue
-            check_tokenizer_compat(target.tokenizer, resolved.tokenizer)
             drafts.append(Draft(name, resolved.model, resolved.token_ids))
     if not drafts:
         raise ValueError("no drafts to sweep")

@@ -1,4 +1,5 @@
-"""Export the best draft (draftops checkpoint + an HF `assistant_model` copy) and record it in MLflow."""
+"""Export the best draft (draftops checkpoint + an HF `assistant_model` copy, or for a feature draft the speculators
+format vLLM serves) and record it in MLflow."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,11 +7,13 @@ from pathlib import Path
 import torch
 
 from decode.drafts import full_vocab_copy
+from decode.feature_draft import FeatureDraft
+from decode.speculators_format import save_speculators
 from decode.suffix import SuffixIndex
 from pipeline import metrics, registry
-from pipeline.config import DraftopsConfig
+from pipeline.config import DraftopsConfig, save_config
 from pipeline.files import swap_dir, temporary_sibling
-from pipeline.sources import HF_ASSISTANT_DIR, SUFFIX_INDEX_FILE, checkpoint_info, locate, save_checkpoint
+from pipeline.sources import CONFIG_FILE, HF_ASSISTANT_DIR, SUFFIX_INDEX_FILE, checkpoint_info, locate, save_checkpoint
 from pipeline.tracking import git_sha, log_figure, start_run
 
 
@@ -19,10 +22,16 @@ def export_draft(draft, tokenizer, out_dir: Path, *, token_ids: torch.Tensor | N
     """`pipeline.sources.save_checkpoint` layout; a reduced-vocabulary draft also gets `hf_assistant/`, a plain
     full-vocabulary copy that transformers can load and use as `assistant_model`, and `suffix_index` (the target's
     responses for suffix decoding, `decode.suffix`) goes to `SUFFIX_INDEX_FILE`. Written beside `out_dir` and swapped
-    into place (`pipeline.files`): a stopped export leaves the previous draft whole."""
+    into place (`pipeline.files`): a stopped export leaves the previous draft whole. A feature draft
+    (`decode.feature_draft`) is written in the speculators Eagle3 format (`decode.speculators_format`), with the
+    config and the suffix index beside it; HF assisted generation cannot run it, so it gets no copy for that."""
     tmp = temporary_sibling(out_dir)
-    save_checkpoint(draft, tokenizer, tmp, token_ids=token_ids, config=cfg)
-    if token_ids is not None:
+    if isinstance(draft, FeatureDraft):
+        save_speculators(draft, tmp, verifier_name_or_path=cfg.target, speculative_tokens=cfg.decode.gamma)
+        save_config(cfg, tmp / CONFIG_FILE)
+    else:
+        save_checkpoint(draft, tokenizer, tmp, token_ids=token_ids, config=cfg)
+    if token_ids is not None and not isinstance(draft, FeatureDraft):
         full_vocab_copy(draft, token_ids).save_pretrained(tmp / HF_ASSISTANT_DIR)
         tokenizer.save_pretrained(tmp / HF_ASSISTANT_DIR)
     if suffix_index is not None:

@@ -155,6 +155,14 @@ def _gguf_to_checkpoint(gguf: Path) -> Path:
     return out
 
 
+def is_speculators_dir(path) -> bool:
+    """Whether `path` holds a speculators export (any algorithm): its config.json names a speculators model type."""
+    try:
+        return "speculators_model_type" in json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
 def _registry_checkpoint(source: str) -> Path:
     """Download a registered version's files once into $DRAFTOPS_HOME/models/registry (keyed by store and location)."""
     try:
@@ -171,9 +179,11 @@ def _registry_checkpoint(source: str) -> Path:
         except registry.RegistryError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             raise SourceError(f"{source}: {exc}") from None
-        found = sorted(p.parent for p in tmp.rglob("config.json") if (p.parent / "tokenizer_config.json").exists())
+        found = sorted(p.parent for p in tmp.rglob("config.json")
+                       if (p.parent / "tokenizer_config.json").exists() or is_speculators_dir(p.parent))
         if not found:
-            raise SourceError(f"{source}: version {version.version} at {version.artifact_uri} holds no HF checkpoint")
+            raise SourceError(f"{source}: version {version.version} at {version.artifact_uri} holds no HF checkpoint "
+                              "or speculators export")
         swap_dir(min(found, key=lambda p: len(p.parts)), out)
         shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -347,6 +357,9 @@ def checkpoint_info(local: LocalCheckpoint) -> dict:
     from safetensors import safe_open
 
     config = json.loads((local.path / "config.json").read_text())
+    # a speculators export (a feature draft) keeps its layer's config inside, and its head size beside it
+    speculators = "speculators_model_type" in config
+    layer = config.get("transformer_layer_config", config)
     params, dtypes = 0, set()
     for weights in sorted(local.path.glob("*.safetensors")):
         with safe_open(weights, framework="numpy") as f:
@@ -355,13 +368,17 @@ def checkpoint_info(local: LocalCheckpoint) -> dict:
                 params += math.prod(tensor_slice.get_shape())
                 dtypes.add(tensor_slice.get_dtype())
     token_ids = local.token_ids
+    draft_vocab = None if token_ids is None else len(token_ids)
+    if speculators and config.get("draft_vocab_size") != layer.get("vocab_size"):
+        draft_vocab = config.get("draft_vocab_size")
     return {
         "source": local.source,
         "architecture": (config.get("architectures") or [config.get("model_type")])[0],
-        "layers": config.get("num_hidden_layers"),
-        "hidden_size": config.get("hidden_size"),
-        "vocab_size": config.get("vocab_size"),
-        "draft_vocab_size": None if token_ids is None else len(token_ids),
+        "family": "features" if speculators else "layers",
+        "layers": layer.get("num_hidden_layers"),
+        "hidden_size": layer.get("hidden_size"),
+        "vocab_size": layer.get("vocab_size"),
+        "draft_vocab_size": draft_vocab,
         "parameters": params,
         "dtype": ",".join(sorted(dtypes)),
         "fingerprint": local.fingerprint,

@@ -30,8 +30,9 @@ def target():
 
 def test_default_layers_are_speculators_and_fit_shallow_models():
     assert default_feature_layers(30) == (2, 15, 27)
-    assert default_feature_layers(4) == (2, 2, 1)
-    assert default_feature_layers(1) == (0, 0, 0)
+    assert default_feature_layers(7) == (2, 3, 4)
+    assert default_feature_layers(4) == (1, 2, 3)
+    assert default_feature_layers(2) == (0, 1, 1)
 
 
 @torch.no_grad()

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from decode.drafts import draft_from_target_layers, reduce_vocabulary
+from decode.feature_draft import feature_draft_from_target
 from decode.runtime import load_model
 from decode.speculative import SpeculativeDecoder
 from pipeline.sources import eos_token_ids
@@ -40,3 +41,21 @@ def test_greedy_equals_target_only_on_shipped_heldout_traffic(target):
         assert result.token_ids == reference.tolist(), f"{request.id} diverged from target-only greedy decoding"
         accepted += result.stats.accepted
     assert {r.category for r in requests} == set(traffic.categories()) and len(requests) == 17 and accepted > 0
+
+
+def test_greedy_with_a_feature_draft_equals_target_only(target):
+    """The EAGLE-3 feature draft (untrained: from the target's own weights, an 8k-row head) reads the target's
+    hidden states of every verify pass; with prompt lookup first, as the default decoder runs. One held-out request
+    of every category."""
+    draft = feature_draft_from_target(target.model, torch.arange(8192)).eval()
+    eos = eos_token_ids(target.model, target.tokenizer)
+    decoder = SpeculativeDecoder(target.model, draft, gamma=3, lookup_min_ngram=3, eos_token_ids=eos)
+    requests = first_per_category(load_traffic(DEFAULT_TRAFFIC).split("heldout"), 1)
+    prompts, _ = encode_prompts(requests, target.tokenizer, max_prompt_tokens=384)
+    for request, prompt in zip(requests, prompts):
+        ids = torch.tensor([prompt])
+        reference = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
+                                          do_sample=False, eos_token_id=eos, pad_token_id=eos[0])[0, len(prompt):]
+        result = decoder.generate(prompt, max_new_tokens=32)
+        assert result.token_ids == reference.tolist(), f"{request.id} diverged from target-only greedy decoding"
+        assert result.stats.draft_calls > 0

@@ -214,3 +214,34 @@ def test_a_finished_job_is_registered_once_and_not_trained_again(isolated_home, 
     other = tiny_config(isolated_home, "distill.max_steps=5")
     with pytest.raises(train.NothingToRegister, match="nothing to register"):
         run_distill(other, register_only=True)
+
+
+def test_a_feature_draft_job_exports_the_speculators_format_registers_and_decodes_losslessly(isolated_home):
+    """family=features end to end on a 4-layer tiny target (3 increasing feature layers): trained with training-time
+    test, evaluated by draft position, exported as speculators Eagle3, registered, then loaded back from the registry
+    through `load_draft` and decoded greedily: the target's own output. A re-run trains nothing."""
+    from decode.factory import build_decoder
+    from decode.feature_draft import FeatureDraft
+    from decode.runtime import ModelRunner, greedy_decode, load_draft, load_model
+    from decode.speculators_format import is_speculators_dir
+    from pipeline.sources import save_checkpoint
+    from pipeline.tracking import setup_mlflow
+    from tests.conftest import make_tiny_model, make_tokenizer
+
+    tokenizer = make_tokenizer(extra_words=40)
+    save_checkpoint(make_tiny_model(len(tokenizer), seed=0, layers=4), tokenizer, isolated_home / "target")
+    cfg = tiny_config(isolated_home, "distill.family=features", "distill.ttt_steps=2", "distill.max_steps=4",
+                      "decode.gamma=3")
+    result = run_distill(cfg)
+    assert result.version == "1" and is_speculators_dir(result.export_dir)
+    assert {f"alpha_t0_pos{j}" for j in (1, 2, 3)} <= set(result.metrics) and result.metrics["tau_t0"] >= 1
+    setup_mlflow(cfg)
+    target = load_model(cfg.target, device="cpu", cpu_linear="torch")
+    draft = load_draft(f"models:/{cfg.tracking.registered_model}@champion", target, cpu_linear="torch")
+    assert isinstance(draft.model, FeatureDraft) and draft.model.feature_layers == (1, 2, 3)
+    decoder = build_decoder(target, draft, cfg.decode)
+    prompt = target.tokenizer("the cat sat on", add_special_tokens=False)["input_ids"]
+    expected = greedy_decode(ModelRunner(target.model), prompt, 16, decoder.eos_token_ids)
+    assert decoder.generate(prompt, max_new_tokens=16).token_ids == expected
+    again = run_distill(cfg)
+    assert again.version == "1" and again.history == result.history
