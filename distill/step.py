@@ -80,9 +80,13 @@ def step_mask(loss_mask: torch.Tensor, j: int) -> torch.Tensor:
 
 @torch.no_grad()
 def features_and_teacher(batch: dict, target, layers: tuple[int, ...], device) -> tuple[torch.Tensor, object]:
-    """The target's features [B, T, len(layers) * H] on the batch, and its teacher [B, T, ...] (the cached top-k
-    when the batch has it, else the target's logits from the same pass)."""
+    """The target's features [B, T, len(layers) * H] on the batch (cached in it by `distill.features`, else from a
+    target pass), and its teacher [B, T, ...] (the cached top-k when the batch has it, else the target's logits from
+    the same pass)."""
     input_ids, attention_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    if "teacher" in batch and "features" in batch:
+        teacher = batch["teacher"]
+        return batch["features"].to(device), TopKTeacher(teacher.logprobs.to(device), teacher.indices.to(device))
     if "teacher" in batch:
         hidden = target.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
         teacher = batch["teacher"]

@@ -20,12 +20,13 @@ from accelerate import Accelerator
 from accelerate.utils import is_bf16_available, set_seed
 
 from decode.drafts import frequent_token_ids
-from decode.feature_draft import FEATURES
+from decode.feature_draft import FEATURES, default_feature_layers
 from decode.runtime import load_model
 from decode.suffix import SuffixIndex
 from distill.checkpoints import job_key, load_best, point_latest
 from distill.evaluation import exact_eval, feature_eval
 from distill.export import export_draft, log_and_register
+from distill.features import cached_features
 from distill.init import init_draft
 from distill.loop import NonFiniteLoss, Timings, TrainingData, train_loop
 from distill.responses import cached_responses
@@ -90,6 +91,14 @@ def prepare_data(cfg: DraftopsConfig, accelerator, target, timings: Timings) -> 
                                          prompts, samples=1, **common)
     accelerator.print(f"draftops distill: {len(train)} target responses ({train.num_response_tokens} tokens) "
                       f"{'from the cache' if hit else 'generated'} at {train_dir}")
+    if d.family == FEATURES:  # the feature draft's inputs, once for the data set (`distill.features`)
+        with timings.measure("target_features"), accelerator.main_process_first():
+            layers = default_feature_layers(target.model.config.num_hidden_layers)
+            train.features, train.feature_offsets, hit = cached_features(
+                target.model, train, train_dir, layers, progress=accelerator.is_local_main_process)
+        size = train.features.numel() * train.features.element_size() / 2**20
+        accelerator.print(f"draftops distill: target features of layers {list(layers)} ({size:.0f} MiB fp16) "
+                          f"{'from the cache' if hit else 'computed'}")
     token_ids = None
     if d.draft_vocab_size:
         token_ids = frequent_token_ids(train.response_ids, d.draft_vocab_size, target.tokenizer.all_special_ids)
