@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from decode.runtime import load_model
+from decode.runtime import load_draft, load_model
 from monitor.decision import EXIT_ERROR, Decision, Status, challenger_gate, decide, non_finite
 from monitor.measure import Baseline, Measurement, heldout_by_recency, measure_analytic, measure_live, new_baseline
 from monitor.report import monitor_checks, monitor_history_figure
@@ -28,7 +28,6 @@ from monitor.stats import AcceptanceCheck, DropTest, TrafficDrift, acceptance_ch
 from pipeline import metrics as M
 from pipeline import registry
 from pipeline.config import DraftopsConfig
-from pipeline.sources import check_tokenizer_compat
 from pipeline.tracking import log_figure, setup_mlflow, start_run
 from pipeline.traffic import TrafficError
 
@@ -125,9 +124,7 @@ def load_models(cfg: DraftopsConfig, draft_source: str, target=None):
     """(target, draft) as ResolvedModels on the configured device (reusing `target` if given); tokenizers must agree."""
 
     target = target or load_model(cfg.target, device=cfg.device, dtype=cfg.dtype, cpu_linear=cfg.cpu_linear)
-    draft = load_model(draft_source, device=target.model.device, dtype=cfg.dtype, cpu_linear=cfg.cpu_linear)
-    check_tokenizer_compat(target.tokenizer, draft.tokenizer)
-    return target, draft
+    return target, load_draft(draft_source, target, cpu_linear=cfg.cpu_linear)
 
 
 def evaluate(cfg: DraftopsConfig, baseline: Baseline, current_fingerprint: str,
