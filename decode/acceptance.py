@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decode.feature_draft import FeatureDraft, target_features
 from decode.sampling import to_target_vocab, warp_logits
 
 
@@ -49,7 +50,9 @@ def analytic_acceptance(
     """α at every response token of each sequence (prompt + response; the response starts at response_starts[i]).
 
     Sequences are right-padded and batched; both models see the same tokens and the same logit warping. Only the
-    logits from the first scored position on are computed, and they are warped one sequence at a time.
+    logits from the first scored position on are computed, and they are warped one sequence at a time. A feature draft
+    (`decode.feature_draft`) reads the target's features from the same pass; its α is that of its first draft position
+    (its prediction of token t from the target's features at t - 2 and token t - 1).
     """
     if len(sequences) != len(response_starts):
         raise ValueError(f"{len(sequences)} sequences but {len(response_starts)} response starts")
@@ -68,8 +71,17 @@ def analytic_acceptance(
             mask[row, : len(seq)] = 1
         # Logits at position j predict token j+1: response tokens start..len-1 are scored at start-1..len-2.
         first = min(max(start, 1) - 1 for start in starts)
-        p_logits = target(input_ids=ids, attention_mask=mask, logits_to_keep=width - first).logits
-        q_logits = draft(input_ids=ids, attention_mask=mask, logits_to_keep=width - first).logits
+        if isinstance(draft, FeatureDraft):
+            draft_token_ids = draft.token_ids
+            out = target(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+            p_logits = out.logits[:, first:]
+            steps = draft.logits(draft.unroll(target_features(out.hidden_states, draft.feature_layers), ids, mask,
+                                              steps=1)[0])
+            # index i predicts token i + 2, so position j's prediction (of token j + 1) is index j - 1's
+            q_logits = torch.cat([torch.zeros_like(steps[:, :1]), steps[:, :-1]], 1)[:, first:]
+        else:
+            p_logits = target(input_ids=ids, attention_mask=mask, logits_to_keep=width - first).logits
+            q_logits = draft(input_ids=ids, attention_mask=mask, logits_to_keep=width - first).logits
         for row, (seq, start) in enumerate(zip(batch, starts)):
             scored = slice(max(start, 1) - 1 - first, len(seq) - 1 - first)
             if scored.start >= scored.stop:

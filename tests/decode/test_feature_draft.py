@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from decode.acceptance import analytic_acceptance
 from decode.feature_draft import FeatureDraft, FeatureDrafter, default_feature_layers, target_features
 from decode.runtime import ModelRunner, greedy_decode
 from decode.sampling import Warp
@@ -108,3 +109,22 @@ def test_the_drafter_refuses_a_decoder_that_skips_a_target_pass(target):
     state = drafter.start([1, 5, 9])
     with pytest.raises(RuntimeError, match="did not hand over"):
         drafter.propose(state, [1, 5, 9], 2, Warp(0.0, 0, 1.0), None)
+
+
+@torch.no_grad()
+def test_analytic_acceptance_of_a_feature_draft_is_its_first_draft_position(target):
+    """α at response token t: Σ min(p, q) with q the draft's prediction from the target's features at t - 2 and
+    token t - 1, as decoding proposes the first token of a round."""
+    draft = make_feature_draft(target, token_ids=torch.arange(0, VOCAB, 2))
+    seq, start = [1, 5, 9, 3, 7, 7, 4], 4
+    got = analytic_acceptance(target, draft, [seq], [start]).per_position[0]
+    hidden = target(input_ids=torch.tensor([seq]), output_hidden_states=True).hidden_states
+    features = target_features(hidden, draft.feature_layers)[0]
+    expected = []
+    for t in range(start, len(seq)):
+        p = target(input_ids=torch.tensor([seq[:t]])).logits[0, -1].softmax(-1)
+        out = draft.step(draft.fuse(features[: t - 1]), torch.tensor(seq[1:t]), draft.new_cache(), 0,
+                         torch.arange(1, t))[-1]
+        q = torch.zeros(VOCAB).index_copy_(0, draft.token_ids, draft.logits(out).softmax(-1))
+        expected.append(torch.minimum(p, q).sum().item())
+    assert got == pytest.approx(expected, abs=1e-5)
