@@ -4,7 +4,9 @@
 2. No baseline yet: measure one on the most recent N held-out requests, record it, report OK.
 3. Else measure now: the champion on the baseline's own prompts (paired test) and on the most recent
    held-out requests the baseline has not seen (unpaired test, token drift); live acceptance on a
-   few requests when configured.
+   few requests when configured. With `monitor.server_metrics_url`, also read the serving engine's
+   counters: the window since the last check, and the window test once enough windows exist
+   (monitor.server_metrics).
 4. Decide OK / DRIFT with its cause (monitor.decision).
 5. On DRIFT with retraining on: distill a challenger, measure both on the same held-out prompts and
    promote it only if it beats the champion by `promote_margin` (paired test); it brings its baseline.
@@ -24,6 +26,7 @@ from monitor.decision import EXIT_ERROR, Decision, Status, challenger_gate, deci
 from monitor.measure import Baseline, Measurement, heldout_by_recency, measure_analytic, measure_live, new_baseline
 from monitor.report import monitor_checks, monitor_history_figure
 from monitor.retrain import distill_challenger
+from monitor.server_metrics import ServerReading, read_server
 from monitor.stats import AcceptanceCheck, DropTest, TrafficDrift, acceptance_check, traffic_drift
 from pipeline import metrics as M
 from pipeline import registry
@@ -65,6 +68,7 @@ class CheckReport:
     n_recent_prompts: int = 0
     baseline_recorded: bool = False
     retrain: RetrainOutcome | None = None
+    server: ServerReading | None = None
     timings: dict[str, float] = field(default_factory=dict)
     run_id: str | None = None
 
@@ -83,7 +87,8 @@ class CheckReport:
             "break_even": self.break_even, "break_even_source": self.break_even_source,
             "n_baseline_prompts": self.n_baseline_prompts,
             "n_recent_prompts": self.n_recent_prompts, "baseline_recorded": self.baseline_recorded,
-            "retrain": self.retrain and self.retrain.to_dict(), "timings": self.timings, "run_id": self.run_id,
+            "retrain": self.retrain and self.retrain.to_dict(), "server": self.server and self.server.to_dict(),
+            "timings": self.timings, "run_id": self.run_id,
         }
 
     def summary(self) -> str:
@@ -102,6 +107,9 @@ class CheckReport:
         if self.drift is not None:
             lines.append(f"  traffic: JS {self.drift.js_divergence:.3f} bits (threshold {self.drift.threshold}), "
                          f"PSI {self.drift.psi:.2f}")
+        server = self.server.summary() if self.server is not None else ""
+        if server:
+            lines.append(server)
         lines += [f"  reason: {r}" for r in d.reasons] + [f"  note: {n}" for n in d.notes]
         if self.retrain is not None:
             r = self.retrain
@@ -129,9 +137,10 @@ def load_models(cfg: DraftopsConfig, draft_source: str, target=None):
 
 def evaluate(cfg: DraftopsConfig, baseline: Baseline, current_fingerprint: str,
              champion_fingerprint: str | None, remeasured: Measurement | None, recent: Measurement | None,
-             live: Measurement | None, break_even: float | None = None
+             live: Measurement | None, break_even: float | None = None, server: DropTest | None = None
              ) -> tuple[AcceptanceCheck | None, TrafficDrift | None, float, str, Decision]:
-    """Tests and decision from measurements alone (no models, no registry); break_even defaults to the config's."""
+    """Tests and decision from measurements alone (no models, no registry); break_even defaults to the config's;
+    `server` is the serving engine's window test, if any."""
     m = cfg.monitor
     base = baseline.measurement
     acceptance = None
@@ -151,7 +160,7 @@ def evaluate(cfg: DraftopsConfig, baseline: Baseline, current_fingerprint: str,
     decision = decide(champion_target_fingerprint=champion_fingerprint, current_target_fingerprint=current_fingerprint,
                       acceptance=acceptance, drift=drift, current_acceptance=current,
                       break_even=m.break_even_alpha if break_even is None else break_even,
-                      acceptance_source=source)
+                      acceptance_source=source, server=server)
     return acceptance, drift, current, source, decision
 
 
@@ -182,6 +191,10 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
     if not heldout:
         raise TrafficError(f"{cfg.traffic.path}: the held-out split is empty at traffic.heldout_fraction="
                            f"{cfg.traffic.heldout_fraction}; the check measures held-out requests only")
+    server = None
+    if m.server_metrics_url:
+        with timer("server_metrics"):
+            server = read_server(cfg, champ.version)
     with timer("load_models"):
         target, draft = load(cfg, registry.version_uri(name, champ.version))
     recent_requests = heldout[-m.heldout_requests:]
@@ -189,7 +202,7 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
     baseline = None if stored is None else Baseline.from_dict(stored)
     break_even, break_even_source = registry.break_even(champ, m.break_even_alpha)
     report = CheckReport(Decision(Status.OK, None), name, champ.version, target.fingerprint, champion_fingerprint,
-                         break_even=break_even, break_even_source=break_even_source, timings=timer)
+                         break_even=break_even, break_even_source=break_even_source, server=server, timings=timer)
     to_record: list[tuple[str, Baseline]] = []
 
     if baseline is None:
@@ -224,7 +237,7 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
         remeasured, recent = _enough_measured(remeasured), _enough_measured(recent)
         (report.acceptance, report.drift, report.current_acceptance, report.acceptance_source,
          report.decision) = evaluate(cfg, baseline, target.fingerprint, champion_fingerprint, remeasured, recent,
-                                     live, break_even)
+                                     live, break_even, server and server.test)
         if report.acceptance is None:
             report.decision.notes.append("nothing to compare: the baseline's prompts left the traffic and there are "
                                          "no new held-out requests")
@@ -244,6 +257,12 @@ def run_check(cfg: DraftopsConfig, *, load: Callable = load_models, measure: Mea
                 if report.retrain.promoted:
                     to_record.append((version, challenger_baseline))
 
+    if server is not None:
+        report.decision.notes.extend(f"server metrics: {note}" for note in
+                                     ([f"not read: {server.error}"] if server.error else server.notes))
+        if report.baseline_recorded and server.test is not None:
+            report.decision.notes.append("server metrics: the window test is logged, and decides once the champion "
+                                         "has its offline baseline")
     if len(heldout) < m.heldout_requests:
         report.decision.notes.append(
             f"the traffic holds {len(heldout)} held-out requests, fewer than monitor.heldout_requests="
@@ -328,7 +347,26 @@ def _run_metrics(report: CheckReport, margin: float) -> dict[str, float]:
     if report.retrain is not None:
         out.update({M.MONITOR_GATE_GAIN: report.retrain.gate.drop, M.MONITOR_GATE_P_VALUE: report.retrain.gate.p_value,
                     M.MONITOR_PROMOTED: float(report.retrain.promoted)})
+    if report.server is not None:
+        out.update(_server_metrics(report.server))
     return M.finite(out)
+
+
+def _server_metrics(server: ServerReading) -> dict[str, float]:
+    """The serving engine's window (acceptance, by draft position, its size) and window test, when there are."""
+    out: dict[str, float] = {}
+    if server.window is not None:
+        c = server.window.counters
+        out.update({M.ACCEPTANCE_SERVER: c.acceptance, M.monitor_test("server", "draft_tokens"): c.draft_tokens,
+                    M.monitor_test("server", "drafts"): c.drafts})
+        out.update({M.server_position(i + 1): a for i, a in enumerate(c.position_acceptance())})
+    if server.test is not None:
+        t = server.test
+        figures = {"acceptance_baseline": t.baseline_acceptance, "acceptance_now": t.current_acceptance,
+                   "drop": t.drop, "drop_ci_low": t.ci_low, "drop_ci_high": t.ci_high, "p_value": t.p_value,
+                   "windows": t.n_current_prompts}
+        out.update({M.monitor_test("server", k): v for k, v in figures.items()})
+    return out
 
 
 def scheduled_check(cfg: DraftopsConfig) -> int:

@@ -65,6 +65,8 @@ def simulate_command(args) -> int:
     cfg = load_config(args.config, args.overrides)
     m = cfg.monitor
     pairs = _read_pairs(args.pairs) if args.pairs else None
+    if args.server:
+        return _simulate_server(cfg, pairs, args)
     result = simulate_checks(args.n or m.heldout_requests, m.level, m.margin, drops=m.simulate_drops,
                              n_checks=args.checks or m.simulate_checks, pairs=pairs, method=m.test_method,
                              n_bootstrap=min(m.n_bootstrap, 1000), seed=cfg.seed)
@@ -72,6 +74,27 @@ def simulate_command(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "simulation.json").write_text(json.dumps(result.to_dict(), indent=2))
     power_figure(result).savefig(out / "power.png", dpi=120)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else f"{result.summary()}\nwritten to {out}")
+    return 0
+
+
+def _simulate_server(cfg, windows, args) -> int:
+    """`simulate --server`: the window test of the serving engine's counters, on the given windows, else on those the
+    state file keeps (at least 2), else on synthetic ones."""
+    from monitor.server_metrics import recorded_windows
+    from monitor.service import state_dir
+    from monitor.simulate import simulate_window_checks
+
+    m = cfg.monitor
+    if windows is None:
+        windows = recorded_windows(cfg)
+        windows = windows if len(windows) >= 2 else None
+    result = simulate_window_checks(m.server_baseline_windows, m.server_recent_windows, m.level, m.margin,
+                                    drops=m.simulate_drops, n_checks=args.checks or m.simulate_checks,
+                                    windows=windows, seed=cfg.seed)
+    out = Path(args.out) if args.out else state_dir(cfg) / "simulation"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "server_simulation.json").write_text(json.dumps(result.to_dict(), indent=2))
     print(json.dumps(result.to_dict(), indent=2) if args.json else f"{result.summary()}\nwritten to {out}")
     return 0
 
@@ -171,6 +194,10 @@ def add_commands(subparsers) -> None:
     simulate.add_argument("--pairs", help="JSON per-prompt (accepted, drafted) pairs to resample (default: a "
                                           "beta-binomial model with per-prompt heterogeneity)")
     simulate.add_argument("--n", type=int, help="prompts per measurement (default monitor.heldout_requests)")
+    simulate.add_argument("--server", action="store_true",
+                          help="simulate the window test of the serving engine's counters instead (monitor."
+                               "server_*): windows resampled from --pairs (per-window accepted, draft tokens), else "
+                               "from the state file's recorded windows, else synthetic")
     simulate.add_argument("--checks", type=int, help="simulated checks per point (default monitor.simulate_checks)")
     simulate.add_argument("--out", help="folder for simulation.json and power.png (default <state_dir>/simulation)")
     simulate.add_argument("--json", action="store_true")

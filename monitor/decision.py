@@ -1,10 +1,12 @@
 """OK or DRIFT, and why: from the target fingerprint, the acceptance tests and the traffic drift.
 
-DRIFT needs evidence that the champion got slower: a significant acceptance drop (paired or unpaired test) or
-acceptance below break-even. A changed fingerprint or shifted traffic alone is reported as a note, not an alarm: the
-draft may still fit. The cause of a DRIFT is what changed alongside it: the target (fingerprint differs from the
-champion's tag), the traffic (token drift above threshold), both, or neither ("unexplained"). A measurement that is not
-a finite number (NaN weights, an overflow) is an ERROR, never OK: the check cannot tell whether the champion pays.
+DRIFT needs evidence that the champion got slower: a significant acceptance drop (paired or unpaired test, or the
+window test of a serving engine's counters) or acceptance below break-even. A changed fingerprint or shifted traffic
+alone is reported as a note, not an alarm: the draft may still fit. The cause of a DRIFT is what changed alongside it:
+the target (fingerprint differs from the champion's tag), the traffic (token drift above threshold), both, or neither;
+with neither, a drop that only the serving engine saw is "server_acceptance_dropped" (the offline measurement on
+held-out traffic did not see it), any other "unexplained". A measurement that is not a finite number (NaN weights, an
+overflow) is an ERROR, never OK: the check cannot tell whether the champion pays.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class Cause(str, Enum):
     TRAFFIC_SHIFTED = "traffic_shifted"
     BOTH = "both"
     UNEXPLAINED = "unexplained"
+    SERVER_ACCEPTANCE_DROPPED = "server_acceptance_dropped"
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,10 @@ def decide(
     current_acceptance: float,
     break_even: float,
     acceptance_source: str = "analytic",
+    server: DropTest | None = None,
 ) -> Decision:
-    """The decision table. `current_acceptance` is the live acceptance when measured, else the analytic one."""
+    """The decision table. `current_acceptance` is the live acceptance when measured, else the analytic one; `server`
+    is the window test of the serving engine's counters, when there is one."""
     target_changed = (
         champion_target_fingerprint is not None and champion_target_fingerprint != current_target_fingerprint
     )
@@ -75,6 +80,9 @@ def decide(
         if test is not None:
             figures.update({f"{name} baseline acceptance": test.baseline_acceptance,
                             f"{name} current acceptance": test.current_acceptance, f"{name} drop": test.drop})
+    if server is not None:
+        figures.update({"server baseline acceptance": server.baseline_acceptance,
+                        "server current acceptance": server.current_acceptance, "server drop": server.drop})
     reasons = non_finite(figures)
     if reasons:
         return Decision(Status.ERROR, None, reasons, [])
@@ -84,6 +92,11 @@ def decide(
                            f"drop {test.drop:.3f} > margin {test.margin:.3f} (p={test.p_value:.2g})")
     if current_acceptance < break_even:
         reasons.append(f"{acceptance_source} acceptance {current_acceptance:.3f} below break-even {break_even:.3f}")
+    server_only = server is not None and server.alarm and not reasons
+    if server is not None and server.alarm:
+        reasons.append(f"server windows ({server.n_current_prompts} recent vs {server.n_baseline_prompts} baseline): "
+                       f"acceptance {server.baseline_acceptance:.3f} -> {server.current_acceptance:.3f}, drop "
+                       f"{server.drop:.3f} > margin {server.margin:.3f} (p={server.p_value:.2g})")
 
     notes: list[str] = []
     if champion_target_fingerprint is None:
@@ -102,6 +115,8 @@ def decide(
         cause = Cause.TARGET_CHANGED
     elif traffic_shifted:
         cause = Cause.TRAFFIC_SHIFTED
+    elif server_only:
+        cause = Cause.SERVER_ACCEPTANCE_DROPPED
     else:
         cause = Cause.UNEXPLAINED
     return Decision(Status.DRIFT, cause, reasons, notes)

@@ -14,10 +14,15 @@ reported interval is the central (1 - 2*level) interval, so its lower end is the
 the bootstrap (`decode.stats.bootstrap_ci`) takes its p-value from the share of resampled drops
 at or below the margin and its interval by BCa, whose bias and skew correction can move the
 bound a little off that share's quantile.
+
+A serving engine's counters (monitor.server_metrics) give acceptance per window between two
+scrapes, not per prompt: there the window is the unit (`window_drop_test`).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -336,3 +341,48 @@ def acceptance_check(
         unpaired_test = unpaired_drop_test(base.acc, base.n, now.acc, now.n, margin, per_test, method, seed + 1,
                                            n_bootstrap)
     return AcceptanceCheck(paired_test, unpaired_test)
+
+
+def window_drop_test(
+    baseline_acc: ArrayLike,
+    baseline_n: ArrayLike,
+    current_acc: ArrayLike,
+    current_n: ArrayLike,
+    margin: float = 0.0,
+    level: float = 0.05,
+    max_splits: int = 10000,
+    seed: int = 0,
+) -> DropTest:
+    """Drop in acceptance between two sets of serving windows (acc[j] accepted of n[j] draft tokens in window j), by a
+    permutation test with the window as the unit.
+
+    The draft tokens of one window come from a few requests and prompts and are correlated like the tokens of one
+    prompt; when nothing changed, it is the windows that are exchangeable. The statistic is the drop of the ratio
+    acceptance. H0 (drop <= margin) is tested by raising every current window by `margin` (acc + margin * n) and
+    splitting the pooled windows into a baseline and a current set every way there is (or `max_splits` random ways
+    when there are more): p is the share of splits whose drop is at least the observed one. With b baseline and c
+    current windows there are C(b + c, c) splits, so the smallest p is 1 / C(b + c, c): too few windows can never
+    alarm. The interval is the drop minus the (1 - level) and level quantiles of the split drops (the permutation
+    distribution inverted under a shift), so that `alarm` agrees with `ci_low > margin` up to ties.
+    """
+    if min(np.size(baseline_acc), np.size(current_acc)) < 2:
+        raise ValueError("window test: need at least 2 baseline and 2 current windows")
+    acc0, n0 = _validated(baseline_acc, baseline_n, "baseline windows")
+    acc1, n1 = _validated(current_acc, current_n, "current windows")
+    a0, a1 = _ratio(acc0, n0), _ratio(acc1, n1)
+    drop = a0 - a1
+    acc, n = np.concatenate([acc0, acc1 + margin * n1]), np.concatenate([n0, n1])
+    n_splits = math.comb(acc.size, acc1.size)
+    if n_splits <= max_splits:
+        current = np.array(list(itertools.combinations(range(acc.size), acc1.size)))
+    else:
+        current = np.argsort(np.random.default_rng(seed).random((max_splits, acc.size)), axis=1)[:, :acc1.size]
+    acc_c, n_c = acc[current].sum(axis=1), n[current].sum(axis=1)
+    tiny = np.finfo(np.float64).tiny
+    drops = (acc.sum() - acc_c) / np.maximum(n.sum() - n_c, tiny) - acc_c / np.maximum(n_c, tiny)
+    hits = int(np.count_nonzero(drops >= drop - margin - 1e-12))
+    # every split enumerated (the observed one among them), or a Monte Carlo p that counts the observed split
+    p_value = hits / n_splits if n_splits <= max_splits else (1 + hits) / (1 + max_splits)
+    ci_low, ci_high = drop - np.quantile(drops, 1.0 - level), drop - np.quantile(drops, level)
+    return DropTest("window_permutation", a0, a1, drop, float(ci_low), float(ci_high), float(p_value),
+                    p_value < level, margin, level, acc0.size, acc1.size)

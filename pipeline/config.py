@@ -171,11 +171,24 @@ class MonitorConfig(Section):
     timezone: str = Field("UTC", description="Time zone of the schedule.")
     misfire_grace_time: int = Field(3600, ge=1, description=(
         "Seconds after its time a missed check (service down) still runs, once, when the service comes back."))
-    state_dir: str = Field("outputs/monitor", description="Job store (jobs.sqlite), check lock and reports.")
+    state_dir: str = Field("outputs/monitor", description=(
+        "Job store (jobs.sqlite), check lock, reports and the server metrics' windows (server_metrics.json)."))
     lock_timeout: float = Field(0.0, ge=0.0, description=(
         "Seconds a check waits for another check or retrain to finish; 0 skips immediately."))
     simulate_checks: int = Field(200, ge=1, description="Simulated checks per point in `draftops monitor simulate`.")
     simulate_drops: list[float] = Field([0.02, 0.05, 0.10], description="Drops (absolute) whose power is simulated.")
+    server_metrics_url: str | None = Field(None, description=(
+        "Prometheus endpoint of the engine serving the champion (vLLM /metrics, llama-server --metrics): each check "
+        "reads its speculative-decoding counters, logs the acceptance since the last check (one window) and tests "
+        "the recent windows against the champion's first ones. null: off."))
+    server_model_name: str | None = Field(None, description=(
+        "Read only the counters labelled with this model_name (vLLM's served model name); null: the sum over all."))
+    server_baseline_windows: int = Field(7, ge=2, description=(
+        "Windows (checks) closed while a version is champion that form its server baseline."))
+    server_recent_windows: int = Field(3, ge=2, description=(
+        "Latest windows compared with the server baseline (permutation test over windows, at monitor.level and "
+        "monitor.margin); `draftops monitor simulate --server` shows its false-alarm rate and power."))
+    server_timeout: float = Field(10.0, gt=0.0, description="Seconds to wait for the metrics endpoint.")
 
 
 class TargetUpdateConfig(Section):

@@ -13,6 +13,8 @@ names for the same quantities, so MLflow's compare view lines them up column by 
 | `acceptance/decoder` | the acceptance of the decoder users run: prompt lookup first, the draft elsewhere |
 | `acceptance/tau_gamma<γ>` | tokens per target call at γ draft tokens |
 | `acceptance/pos_<i>` | the draft's acceptance at draft position i (given the position was reached) |
+| `acceptance/server` | accepted / draft tokens that the serving engine counted since the last monitor check |
+| `acceptance/server_pos_<i>` | share of the engine's drafts (same window) whose first i tokens were all accepted |
 | `speed/...` | tokens per second, speedup vs the target alone, cost ratios c and v |
 | `draft/...` | the draft's size: parameters, layers, vocabulary |
 | `train/...` | training curves (per step) |
@@ -45,6 +47,7 @@ ACCEPTANCE_DRAFT_HIGH = "acceptance/draft_ci_high"
 ACCEPTANCE_DECODER = "acceptance/decoder"
 ACCEPTANCE_DECODER_LOW = "acceptance/decoder_ci_low"
 ACCEPTANCE_DECODER_HIGH = "acceptance/decoder_ci_high"
+ACCEPTANCE_SERVER = "acceptance/server"  # a serving engine's counters over one window (monitor.server_metrics)
 DRAFT_EFFICIENCY = "acceptance/draft_efficiency"
 
 # speed
@@ -170,6 +173,11 @@ def position(i: int) -> str:
     return f"acceptance/pos_{int(i)}"
 
 
+def server_position(i: int) -> str:
+    """A serving engine's per-draft acceptance at draft position i (1-based): not given the position was reached."""
+    return f"acceptance/server_pos_{int(i)}"
+
+
 def per_category(metric: str, category: str) -> str:
     return f"{metric}/{_key(category)}"
 
@@ -179,7 +187,8 @@ def seconds(phase: str) -> str:
 
 
 def monitor_test(test: str, quantity: str) -> str:
-    """A quantity of one of the monitor's two drop tests: `monitor/paired/drop`, `monitor/unpaired/p_value`."""
+    """A quantity of one of the monitor's drop tests: `monitor/paired/drop`, `monitor/unpaired/p_value`,
+    `monitor/server/drop` (the serving engine's windows)."""
     return f"monitor/{test}/{quantity}"
 
 
