@@ -1,4 +1,5 @@
-"""`draftops decode | eval | bench`: speculative decoding, acceptance evaluation and benchmarks from the shell.
+"""`draftops decode | eval | bench | sweep | export`: speculative decoding, acceptance evaluation, benchmarks and the
+export of a draft for a serving engine, from the shell.
 
 Command handlers import the modules their command runs when they run: the one documented exception to imports at the
 top, so that building `draftops`' parser loads neither torch, transformers nor mlflow (tests/test_layout.py)."""
@@ -230,6 +231,28 @@ def bench_command(args) -> int:
     return 0
 
 
+def export_command(args) -> int:
+    from decode.export_formats import ExportError, draft_source, export_format, folder_vocab_size, serving_commands
+    from pipeline.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if any(is_registry_uri(source or "") for source in (args.source, args.target)):
+        from pipeline.tracking import setup_mlflow
+
+        setup_mlflow(cfg)  # registry sources resolve against the configured store
+    try:
+        draft = draft_source(args.source)
+        target = args.target or draft.target or cfg.target
+        out = export_format(draft, args.format, Path(args.out), force=args.force,
+                            target_vocab_size=folder_vocab_size(target))
+    except ExportError as exc:
+        return _error(exc)
+    print(f"exported the {draft.family} draft {draft.source} as {args.format} to {out}")
+    print("\n".join(serving_commands(draft.family, args.format, out, target, args.gamma or draft.gamma
+                                     or cfg.decode.gamma)))
+    return 0
+
+
 def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -369,3 +392,22 @@ def add_commands(subparsers) -> None:
     sweep.add_argument("--json", action="store_true")
     sweep.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. device=cpu")
     sweep.set_defaults(handler=sweep_command)
+
+    export = subparsers.add_parser(
+        "export", help="write a draft as a serving engine loads it: hf, vllm or speculators",
+        description="Write a distilled draft without draftops' own files, checked (config vocab_size = embedding "
+                    "rows = lm_head rows = the target's), beside --out and swapped in. A layer draft exports as hf or "
+                    "vllm (its full-vocabulary copy: vLLM needs the target's vocabulary size), a feature draft as "
+                    "vllm or speculators (its Eagle3 folder). Prints the vLLM and SGLang command lines to serve it.")
+    export.add_argument("source", help="the draft: a folder (outputs/distill/latest) or models:/NAME@ALIAS")
+    export.add_argument("--format", required=True, choices=["hf", "vllm", "speculators"])
+    export.add_argument("--out", required=True, help="folder to write (must be empty or absent unless --force)")
+    export.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    export.add_argument("--target", default=None,
+                        help="target the printed commands serve (default: the one the draft records, else the "
+                             "config's); a local folder's vocabulary size is checked against the draft's")
+    export.add_argument("--gamma", type=int, default=None,
+                        help="draft tokens per round in the printed commands (default: the draft's decode.gamma)")
+    export.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
+    export.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. tracking.uri=...")
+    export.set_defaults(handler=export_command)

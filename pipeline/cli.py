@@ -123,7 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.tracking import TrackingUnavailable
     from pipeline.traffic import TrafficError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse fills a command's key=value list in one run of positionals: after `SOURCE --format vllm` (a positional,
+    # then options) it has closed, so later key=value words come back unrecognized and are the overrides' rest
+    if extra and (not hasattr(args, "overrides") or any(word.startswith("-") or "=" not in word for word in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     try:
         return args.handler(args)
     except (ConfigError, RegistryError, SourceError, TokenizerMismatch, TrackingUnavailable, TrafficError) as exc:

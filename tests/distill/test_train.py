@@ -14,7 +14,7 @@ from decode.suffix import load_suffix_index
 from distill.checkpoints import latest_checkpoint
 from distill.loop import NonFiniteLoss
 from distill.onpolicy import draft_continuations
-from distill.train import run_distill
+from distill.train import DistillResult, print_summary, run_distill
 from pipeline import metrics
 from pipeline.config import save_config
 from tests.distill.tiny_job import tiny_config
@@ -245,3 +245,11 @@ def test_a_feature_draft_job_exports_the_speculators_format_registers_and_decode
     assert decoder.generate(prompt, max_new_tokens=16).token_ids == expected
     again = run_distill(cfg)
     assert again.version == "1" and again.history == result.history
+
+
+def test_the_summary_points_at_the_export_for_vllm(isolated_home, capsys):
+    cfg = tiny_config(isolated_home)
+    draft = isolated_home / "out" / "job" / "draft"
+    metrics_ = {"best_step": 4, "alpha_t0": 0.5, "alpha_t1": 0.4, "tau_t0": 1.8, "tau_t1": 1.6}
+    print_summary(cfg, DistillResult(draft, draft.parent, metrics_, [], [], {"training": 3.0}, None, "fp"))
+    assert f"  to serve:     draftops export {draft} --format vllm --out DIR" in capsys.readouterr().out

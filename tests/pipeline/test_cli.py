@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from pipeline.cli import main
 
 
@@ -28,3 +30,14 @@ def test_traffic_stats_reports_counts_and_malformed_lines(tmp_path, tiny_checkpo
 def test_unknown_source_is_a_clean_error(capsys):
     assert main(["models", "info", "/nonexistent/model.gguf"]) == 2
     assert "GGUF file not found" in capsys.readouterr().err
+
+
+def test_overrides_may_follow_options_that_follow_another_positional(tiny_checkpoint, capsys):
+    # argparse closes the key=value list at the first option; the words after it still count as overrides
+    assert main(["config", "seed=1", "--config", "configs/default.yaml", "decode.gamma=7"]) == 0
+    shown = capsys.readouterr().out
+    assert "seed: 1\n" in shown and "gamma: 7\n" in shown
+    for argv in (["config", "seed=1", "--reference", "stray"], ["models", "info", str(tiny_checkpoint), "seed=1"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
