@@ -27,7 +27,9 @@ def export_draft(draft, tokenizer, out_dir: Path, *, token_ids: torch.Tensor | N
     config and the suffix index beside it; HF assisted generation cannot run it, so it gets no copy for that."""
     tmp = temporary_sibling(out_dir)
     if isinstance(draft, FeatureDraft):
-        save_speculators(draft, tmp, verifier_name_or_path=cfg.target, speculative_tokens=cfg.decode.gamma)
+        # the verifier as a serving engine can load it: the target's local HF folder (a named GGUF's dequantized copy)
+        save_speculators(draft, tmp, verifier_name_or_path=str(locate(cfg.target).path),
+                         speculative_tokens=cfg.decode.gamma)
         save_config(cfg, tmp / CONFIG_FILE)
     else:
         save_checkpoint(draft, tokenizer, tmp, token_ids=token_ids, config=cfg)
