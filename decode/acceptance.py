@@ -20,10 +20,13 @@ from decode.sampling import to_target_vocab, warp_logits
 
 @dataclass
 class AnalyticAcceptance:
-    """per_position[i][t]: α at the t-th response token of sequence i; per_sequence: their means (nan if empty)."""
+    """per_position[i][t]: α at the t-th response token of sequence i; per_sequence: their means (nan if empty);
+    ranks[i][t] (with `greedy_ranks`): where the target's greedy token t stands in the draft's order at that position
+    (1: the draft's top choice; 0: outside the draft's vocabulary, never proposed)."""
 
     per_sequence: list[float]
     per_position: list[list[float]]
+    ranks: list[list[int]] | None = None
 
     @property
     def counts(self) -> list[int]:
@@ -46,6 +49,7 @@ def analytic_acceptance(
     top_p: float = 1.0,
     draft_token_ids: torch.Tensor | None = None,
     batch_size: int = 8,
+    greedy_ranks: bool = False,
 ) -> AnalyticAcceptance:
     """α at every response token of each sequence (prompt + response; the response starts at response_starts[i]).
 
@@ -53,6 +57,10 @@ def analytic_acceptance(
     logits from the first scored position on are computed, and they are warped one sequence at a time. A feature draft
     (`decode.feature_draft`) reads the target's features from the same pass; its α is that of its first draft position
     (its prediction of token t from the target's features at t - 2 and token t - 1).
+
+    greedy_ranks: also rank the target's argmax among the draft's unwarped probabilities at every position, the order
+    in which a greedy token tree offers the draft's candidates (`decode.tree_drafters.ModelTree`): a rank-r candidate
+    is the one the greedy walk accepts exactly where this rank is r (`decode.tree_budget.rank_acceptance`).
     """
     if len(sequences) != len(response_starts):
         raise ValueError(f"{len(sequences)} sequences but {len(response_starts)} response starts")
@@ -60,6 +68,7 @@ def analytic_acceptance(
     if draft_token_ids is not None:
         draft_token_ids = torch.as_tensor(draft_token_ids, dtype=torch.long, device=device)
     per_position: list[list[float]] = []
+    ranks: list[list[int]] = []
     for begin in range(0, len(sequences), batch_size):
         batch = [list(s) for s in sequences[begin : begin + batch_size]]
         starts = response_starts[begin : begin + batch_size]
@@ -86,13 +95,25 @@ def analytic_acceptance(
             scored = slice(max(start, 1) - 1 - first, len(seq) - 1 - first)
             if scored.start >= scored.stop:
                 per_position.append([])
+                ranks.append([])
                 continue
             p = warp_logits(p_logits[row, scored], temperature, top_k, top_p)
             q = warp_logits(q_logits[row, scored], temperature, top_k, top_p)
             q = to_target_vocab(q, draft_token_ids, p.shape[-1])
             per_position.append(torch.minimum(p, q).sum(-1).tolist())
+            if greedy_ranks:
+                ranks.append(greedy_rank(p_logits[row, scored], q_logits[row, scored], draft_token_ids))
     per_sequence = [sum(a) / len(a) if a else float("nan") for a in per_position]
-    return AnalyticAcceptance(per_sequence, per_position)
+    return AnalyticAcceptance(per_sequence, per_position, ranks if greedy_ranks else None)
+
+
+def greedy_rank(p_logits: torch.Tensor, q_logits: torch.Tensor, draft_token_ids: torch.Tensor | None) -> list[int]:
+    """Per position (rows of p_logits [T, V] and the draft's q_logits [T, V_draft]): 1 + the number of tokens the
+    draft ranks strictly above the target's argmax, or 0 where the argmax is outside the draft's vocabulary."""
+    q = to_target_vocab(q_logits.float().softmax(-1), draft_token_ids, p_logits.shape[-1])
+    mine = q.gather(-1, p_logits.argmax(-1, keepdim=True))
+    rank = 1 + (q > mine).sum(-1)
+    return torch.where(mine[:, 0] > 0, rank, 0).tolist()
 
 
 Block = Callable[[int, int], tuple[int, int]]  # (t, k) -> (drafted, accepted) of one round

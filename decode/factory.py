@@ -23,15 +23,16 @@ def build_decoder(target, draft, decode: DecodeConfig, *, kind: str = DECODER, g
     """The speculative decoder `decode` describes, with the drafter of `kind` (`decode.drafters.DRAFTER_KINDS`).
 
     target: a `pipeline.sources.ResolvedModel` (its generation config and tokenizer give the EOS ids); draft: one too,
-    or None for the "lookup" drafter. `decode.tree_budget` > 0 gives tree rounds (`decode.tree_drafters`).
+    or None for the "lookup" drafter. `decode.tree_budget` > 0 or `decode.tree_budget_schedule` gives tree rounds
+    (`decode.tree_drafters`).
     """
     draft_model, token_ids = (None, None) if draft is None else (draft.model, draft.token_ids)
     lookup_min_ngram = decode.lookup_min_ngram if kind in (DECODER, LOOKUP) else None
-    if decode.tree_budget:
+    if decode.tree_budget or decode.tree_budget_schedule is not None:
         drafter = make_tree_drafter(kind, target.model, draft_model, budget=decode.tree_budget,
-                                    branching=decode.tree_branching, draft_token_ids=token_ids,
-                                    lookup_min_ngram=lookup_min_ngram, draft_min_confidence=decode.draft_min_confidence,
-                                    lean=lean)
+                                    budget_schedule=decode.tree_budget_schedule, branching=decode.tree_branching,
+                                    draft_token_ids=token_ids, lookup_min_ngram=lookup_min_ngram,
+                                    draft_min_confidence=decode.draft_min_confidence, lean=lean)
     else:
         drafter = make_drafter(kind, target.model, draft_model, draft_token_ids=token_ids,
                                lookup_min_ngram=lookup_min_ngram, draft_min_confidence=decode.draft_min_confidence,

@@ -7,6 +7,10 @@ Step costs and each cell's predicted time: `decode.sweep_costs`. A subset of cel
 (target-only greedy vs the speculative decoder, interleaved, same prompts), and the measured/predicted gap is
 reported: it holds the per-round overhead and how much acceptance moves with context. EOS does not stop any
 generation here, so every cell generates exactly G tokens. Figures and markdown: `decode.sweep_report`.
+
+Token trees: the same pass ranks the target's token among each draft model's choices, and the tree verify is timed
+at node budgets up to 64; `decode.tree_budget` predicts tokens/s per budget and context, and the sweep recommends a
+node budget by context length (`decode.tree_budget_schedule`) next to the γ schedule.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from decode.acceptance import Block, analytic_acceptance, greedy_block, walk
 from decode.drafters import DRAFT, LOOKUP, Drafter, make_drafter
 from decode.drafts import draft_from_target_layers, frequent_token_ids, reduce_vocabulary
+from decode.feature_draft import FeatureDraft
 from decode.kernels import cpu_linear_of, use_cpu_linear
 from decode.ngram import PROMPT_LOOKUP, PromptLookupDrafter
 from decode.runtime import ModelRunner, greedy_decode, load_draft
@@ -29,10 +34,12 @@ from decode.speculative import SpeculativeDecoder
 from decode.stats import aggregate_stats, paired_speedup, ratio_ci
 from decode.sweep_costs import measure_costs, predict_cells
 from decode.timing import run_interleaved
+from decode.tree_budget import predict_tree_budgets, rank_acceptance
 from pipeline.sources import SourceError
 from pipeline.traffic import encode_prompts
 
 TARGET_LAYERS = "target-layers:"  # `target-layers:N[:V]`: the target's first N layers, embeddings, norm and head
+TREE_BUDGETS = (2, 4, 8, 16, 32, 64)  # node budgets whose tree verify the sweep times
 
 
 @dataclass
@@ -47,6 +54,12 @@ class Draft:
     @property
     def is_model(self) -> bool:
         return self.model is not None
+
+    @property
+    def grows_trees(self) -> bool:
+        """A draft LM: what `decode.tree_drafters.ModelTree` grows trees with (not prompt lookup, not a feature
+        draft)."""
+        return self.is_model and not isinstance(self.model, FeatureDraft)
 
     def drafter(self, target_model) -> Drafter:
         return make_drafter(DRAFT if self.is_model else LOOKUP, target_model, self.model,
@@ -133,17 +146,21 @@ def lookup_block(drafter: PromptLookupDrafter, prompt: list[int], response: list
     return block
 
 
-def acceptance_table(target_model, draft: Draft, prompts, responses, gammas, lengths, *, seed: int = 0) -> dict:
-    """α and τ per γ and generation length from the walk; for draft models also the per-token analytic α."""
+def acceptance_table(target_model, draft: Draft, prompts, responses, gammas, lengths, *, max_rank: int = 0,
+                     seed: int = 0) -> dict:
+    """α and τ per γ and generation length from the walk; for draft models also the per-token analytic α, and with
+    max_rank the rank acceptances p_1..p_max_rank of the draft's tree (`decode.tree_budget.rank_acceptance`)."""
     if draft.is_model:
         analytic = analytic_acceptance(
             target_model, draft.model, [p + r for p, r in zip(prompts, responses)], [len(p) for p in prompts],
-            temperature=0.0, draft_token_ids=draft.token_ids, batch_size=1)
+            temperature=0.0, draft_token_ids=draft.token_ids, batch_size=1, greedy_ranks=max_rank > 0)
         blocks = [greedy_block(m) for m in analytic.per_position]
     else:
         analytic = None
         blocks = [lookup_block(draft.drafter(target_model), p, r) for p, r in zip(prompts, responses)]
     table: dict = {"per_gamma": {}}
+    if analytic is not None and max_rank:
+        table["rank_acceptance"] = rank_acceptance(analytic.ranks, max_rank)
     if analytic is not None:
         table["analytic_alpha"] = {
             str(n): ratio_ci([sum(m[:n]) for m in analytic.per_position], [len(m[:n]) for m in analytic.per_position],
@@ -192,18 +209,46 @@ def recommend(cells: list[dict], drafts: Sequence[str], contexts: Sequence[int],
     """
     mean = {d: float(np.mean([c["predicted_speedup"] for c in cells if c["draft"] == d])) for d in drafts}
     draft = max(mean, key=mean.get)
+
+    def gamma_at(context: int) -> int:
+        here = [c for c in cells
+                if c["draft"] == draft and c["context"] == context and c["max_new_tokens"] == long_tokens]
+        return max(here, key=lambda c: c["steady_speedup"])["gamma"]
+
+    return {"draft": draft, "mean_predicted_speedup": mean, "gamma_schedule": context_schedule(contexts, gamma_at)}
+
+
+def context_schedule(contexts: Sequence[int], pick: Callable[[int], int]) -> list[list[int]]:
+    """[[max_context, value], ...]: pick(L) at each measured context L, each entry covering lengths up to the midpoint
+    with the next measured context (the last: up to its own); equal neighbours merge."""
     schedule: list[list[int]] = []
     contexts = sorted(contexts)
     for i, context in enumerate(contexts):
-        here = [c for c in cells
-                if c["draft"] == draft and c["context"] == context and c["max_new_tokens"] == long_tokens]
-        gamma = max(here, key=lambda c: c["steady_speedup"])["gamma"]
+        value = pick(context)
         bound = (context + contexts[i + 1]) // 2 if i + 1 < len(contexts) else context
-        if schedule and schedule[-1][1] == gamma:
+        if schedule and schedule[-1][1] == value:
             schedule[-1][0] = bound
         else:
-            schedule.append([bound, gamma])
-    return {"draft": draft, "mean_predicted_speedup": mean, "gamma_schedule": schedule}
+            schedule.append([bound, value])
+    return schedule
+
+
+def recommend_tree_budget(rows: list[dict], contexts: Sequence[int]) -> dict:
+    """The draft whose best budget per context has the best mean predicted speedup, and its node budget by context
+    length (`context_schedule`): the budget with the most predicted tokens/s at each measured context
+    (`decode.tree_budget.predict_tree_budgets`)."""
+    drafts = list(dict.fromkeys(r["draft"] for r in rows))
+
+    def best(draft: str, context: int) -> dict:
+        return max((r for r in rows if r["draft"] == draft and r["context"] == context),
+                   key=lambda r: r["predicted_tokens_per_s"])
+
+    mean = {d: float(np.mean([best(d, c)["predicted_speedup"] for c in contexts])) for d in drafts}
+    draft = max(mean, key=mean.get)
+    return {"tree_draft": draft, "tree_mean_predicted_speedup": mean,
+            "tree_budget_schedule": context_schedule(contexts, lambda c: best(draft, c)["budget"]),
+            "tree_shapes": [{key: best(draft, c)[key] for key in ("context", "budget", "nodes", "depth", "width")}
+                            for c in sorted(contexts)]}
 
 
 # --------------------------------------------------------------------------- measured cells
@@ -268,11 +313,14 @@ def measure_cells(target_model, drafts: Sequence[Draft], plan, prompts: Sequence
 
 def run_sweep(target, drafts: Sequence[Draft], requests: Sequence, *, gammas: Sequence[int], contexts: Sequence[int],
               lengths: Sequence[int], max_prompt_tokens: int, analytic_prompts: int = 8, measure_prompts: int = 3,
-              reps: int = 10, seed: int = 0, log: Callable[[str], None] = print) -> dict:
-    """target: a `pipeline.sources.ResolvedModel`; requests: traffic requests. Greedy decoding throughout."""
+              reps: int = 10, tree_budgets: Sequence[int] = TREE_BUDGETS, seed: int = 0,
+              log: Callable[[str], None] = print) -> dict:
+    """target: a `pipeline.sources.ResolvedModel`; requests: traffic requests. Greedy decoding throughout.
+    tree_budgets: node budgets of the tree recommendation (empty: none); trees are at most max(gammas) levels deep."""
     gammas, contexts, lengths = sorted(set(gammas)), sorted(set(contexts)), sorted(set(lengths))
-    if min(gammas) < 1 or min(contexts) < 2 or min(lengths) < 2:
-        raise ValueError("need gammas >= 1, contexts >= 2 and max-new-tokens >= 2")
+    tree_budgets = sorted(set(tree_budgets))
+    if min(gammas) < 1 or min(contexts) < 2 or min(lengths) < 2 or min(tree_budgets, default=1) < 1:
+        raise ValueError("need gammas >= 1, contexts >= 2, max-new-tokens >= 2 and tree budgets >= 1")
     window = getattr(target.model.config, "max_position_embeddings", None)
     if window is not None and max(contexts) + max(lengths) > window:
         raise ValueError(f"context {max(contexts)} + {max(lengths)} new tokens exceed the target's {window} positions")
@@ -300,13 +348,22 @@ def run_sweep(target, drafts: Sequence[Draft], requests: Sequence, *, gammas: Se
     responses = [greedy_decode(runner, p, max(lengths)) for p in analytic]
     acceptance = {}
     phase("acceptance", f"acceptance walks: {', '.join(names)}")
+    tree_drafts = [d.name for d in drafts if d.grows_trees] if tree_budgets else []
     for d in drafts:
-        acceptance[d.name] = acceptance_table(model, d, analytic, responses, gammas, lengths, seed=seed)
+        acceptance[d.name] = acceptance_table(model, d, analytic, responses, gammas, lengths, seed=seed,
+                                              max_rank=max(tree_budgets) if d.name in tree_drafts else 0)
     phase("costs", f"step costs at contexts {contexts}")
     cost_tokens = at_context([], filler, max(contexts) + max(gammas) + 1)
     proposers = {d.name: d.drafter(model) for d in drafts}
-    costs = measure_costs(model, proposers, cost_tokens, contexts, gammas, reps=reps)
+    costs = measure_costs(model, proposers, cost_tokens, contexts, gammas, reps=reps,
+                          tree_budgets=tree_budgets if tree_drafts else ())
     cells = predict_cells(costs, acceptance, gammas, contexts, lengths)
+    trees = {"budgets": tree_budgets, "max_depth": max(gammas), "rows": [], "chains": []}
+    for name in tree_drafts:
+        rows, chains = predict_tree_budgets(costs, name, acceptance[name]["rank_acceptance"], tree_budgets,
+                                            max(gammas))
+        trees["rows"] += rows
+        trees["chains"] += chains
     plan = measured_plan(cells, names, gammas, contexts, lengths)
     phase("measured", f"decoding {len(plan)} cells for real on {len(measured)} prompts")
     measured_cells = measure_cells(model, drafts, plan, measured, filler, seed=seed)
@@ -319,8 +376,8 @@ def run_sweep(target, drafts: Sequence[Draft], requests: Sequence, *, gammas: Se
         m["gap"] = m["speedup"]["value"] / predicted - 1
     gaps = [abs(m["gap"]) for m in measured_cells]
     return {
-        "settings": {"gammas": gammas, "contexts": contexts, "max_new_tokens": lengths, "greedy": True,
-                     "analytic_prompts": len(analytic), "measure_prompts": len(measured), "reps": reps,
+        "settings": {"gammas": gammas, "contexts": contexts, "max_new_tokens": lengths, "tree_budgets": tree_budgets,
+                     "greedy": True, "analytic_prompts": len(analytic), "measure_prompts": len(measured), "reps": reps,
                      "device": str(next(model.parameters()).device)},
         "phase_seconds": phases,
         "drafts": {d.name: {"kind": "model" if d.is_model else "lookup",
@@ -332,5 +389,7 @@ def run_sweep(target, drafts: Sequence[Draft], requests: Sequence, *, gammas: Se
         "measured": measured_cells,
         "gap": {"mean_abs": float(np.mean(gaps)), "max_abs": float(np.max(gaps)),
                 "mean": float(np.mean([m["gap"] for m in measured_cells]))},
-        "recommendation": recommend(cells, names, contexts, max(lengths)),
+        "tree_budgets": trees,
+        "recommendation": {**recommend(cells, names, contexts, max(lengths)),
+                           **(recommend_tree_budget(trees["rows"], contexts) if trees["rows"] else {})},
     }

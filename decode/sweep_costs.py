@@ -3,7 +3,9 @@ request from them.
 
 Measured with the KV cache filled to each context length L: the target's prefill, greedy step t(L) and verify round
 of n = 2..γmax+1 tokens (v(n) = verify / t); per draft its prefill and one round of γ proposals for every γ
-(c(γ) = round / (γ t); prompt lookup's round is one lookup).
+(c(γ) = round / (γ t); prompt lookup's round is one lookup); for token trees, the verify round of the pending token and
+B nodes for every node budget B (v_tree(B) = tree verify / t; `decode.tree_budget` turns them into a budget by
+context length).
 
 Predicted time of a request (prompt of L tokens, G new tokens), with costs at the mean context L + G/2:
     target alone:  P_t(L) + (G − 1) t
@@ -23,19 +25,34 @@ from decode.acceptance import break_even_alpha
 from decode.runtime import ModelRunner, rollback
 from decode.speculative import Warp, check_drafts
 from decode.timing import timed
+from decode.tree import ROOT, TokenTree, accept
 
 # --------------------------------------------------------------------------- measured costs
 
 
+def representative_tree(budget: int, vocab_size: int) -> TokenTree:
+    """A tree of `budget` nodes to time the tree verify with: breadth-first, two children per node (siblings hold
+    different tokens, so none merge). A tree pass costs the same for any shape of the same size (every node attends
+    through one dense masked attention); the shape only sets the positions, here at most log2(budget + 2) levels
+    past the context."""
+    tree = TokenTree()
+    for i in range(budget):
+        tree.add(ROOT if i < 2 else (i - 2) // 2, i % vocab_size, "timing")
+    return tree
+
+
 @torch.inference_mode()
 def measure_costs(target_model, proposers: Mapping[str, object], tokens: list[int], contexts: Sequence[int],
-                  gammas: Sequence[int], reps: int = 10, prefill_reps: int = 3) -> dict:
+                  gammas: Sequence[int], reps: int = 10, prefill_reps: int = 3,
+                  tree_budgets: Sequence[int] = ()) -> dict:
     """Median seconds at each context length L, through the decoder's own functions (greedy warp).
 
     proposers: draft name -> what the decoder drafts with (a `ModelDrafter` or a model-free drafter).
     Target: prefill of L tokens, one greedy step, and a verify round of n = 2..γmax+1 tokens (forward with every
     logit, the decoder's acceptance test `check_drafts`, the one sync). Per draft: its prefill (`start`) and one
     round of γ proposals (`propose`: forwards, warps and sampling of a draft model, or one lookup) for every γ.
+    Per tree budget B: a tree round's verify on `representative_tree(B)` as the decoder runs it (`tree_round`: the
+    attention mask, the target's tree forward of the pending token and B nodes, the greedy walk `accept`).
     Every repetition times every quantity once, so a burst of load on the shared machine hits them alike; c and v
     are medians of the per-repetition ratios to that repetition's target step.
     """
@@ -67,6 +84,13 @@ def measure_costs(target_model, proposers: Mapping[str, object], tokens: list[in
 
         return run
 
+    def tree_verify(cache, length: int, budget: int) -> Callable[[], object]:
+        tree = representative_tree(budget, vocab_size)
+        fed = torch.tensor(tokens[length : length + 1] + tree.tokens, device=device)
+        positions = torch.tensor([0, *tree.depths], device=device) + length
+        return lambda: accept(tree, runner.forward_tree(fed, cache, length, positions, tree.attention_mask(device)),
+                              warp, None)
+
     # (quantity key, context index) -> (run, undo)
     timers: dict[tuple[str, int], tuple[Callable, Callable]] = {}
     prefill_s: dict[str, list[float]] = {"target": [], **{name: [] for name in proposers}}
@@ -77,6 +101,8 @@ def measure_costs(target_model, proposers: Mapping[str, object], tokens: list[in
         timers[("step", i)] = (step(cache, length), undo)
         for n in range(2, max_gamma + 2):
             timers[(f"verify{n}", i)] = (verify_round(cache, length, n), undo)
+        for budget in tree_budgets:
+            timers[(f"tree{budget}", i)] = (tree_verify(cache, length, budget), undo)
         seq = tokens[: length + 1]
         for name, drafter in proposers.items():
             state, seconds = prefill(lambda: drafter.start(seq))
@@ -103,7 +129,9 @@ def measure_costs(target_model, proposers: Mapping[str, object], tokens: list[in
     verify_keys = [str(n) for n in range(2, max_gamma + 2)]
     target = {"prefill_s": prefill_s["target"], "step_s": seconds_of("step"),
               "verify_s": {n: seconds_of(f"verify{n}") for n in verify_keys},
-              "v": {n: ratio_to_step(f"verify{n}") for n in verify_keys}}
+              "v": {n: ratio_to_step(f"verify{n}") for n in verify_keys},
+              "tree_verify_s": {str(b): seconds_of(f"tree{b}") for b in tree_budgets},
+              "v_tree": {str(b): ratio_to_step(f"tree{b}") for b in tree_budgets}}
     per_draft = {name: {"prefill_s": prefill_s[name],
                         "round_s": {str(g): seconds_of(f"{name}|{g}") for g in gammas},
                         "c": {str(g): ratio_to_step(f"{name}|{g}", g) for g in gammas}} for name in proposers}

@@ -11,7 +11,8 @@ from pipeline.config import DecodeConfig, save_config
 
 
 def figures(report: dict) -> dict:
-    """Name -> matplotlib figure: speedup vs γ, heat maps, break-even α vs draft cost, measured vs predicted."""
+    """Name -> matplotlib figure: speedup vs γ, heat maps, break-even α vs draft cost, measured vs predicted, and
+    predicted tokens/s vs tree node budget when a draft model was swept."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -93,6 +94,24 @@ def figures(report: dict) -> dict:
     ax.legend(fontsize=7)
     fig.tight_layout()
     out["measured_vs_predicted.png"] = fig
+
+    trees, r = report["tree_budgets"], report["recommendation"]
+    if trees["rows"]:
+        draft = r["tree_draft"]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for i, context in enumerate(s["contexts"]):
+            rows = [row for row in trees["rows"] if row["draft"] == draft and row["context"] == context]
+            chain = next(c for c in trees["chains"] if c["draft"] == draft and c["context"] == context)
+            ax.plot([row["budget"] for row in rows], [row["predicted_tokens_per_s"] for row in rows], "o-",
+                    color=f"C{i}", label=f"context {context}")
+            ax.axhline(chain["predicted_tokens_per_s"], color=f"C{i}", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set(xticks=trees["budgets"], xticklabels=trees["budgets"], xlabel="tree node budget",
+               ylabel="predicted tokens/s")
+        ax.set_title(f"{draft}\nbest tree per budget (dashed: best chain, same model)", fontsize=8)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        out["tree_budget.png"] = fig
     return out
 
 
@@ -150,10 +169,51 @@ def markdown(report: dict) -> str:
                      f"{m['same_output_as_target']}/{m['n_prompts']} |")
     g, r = report["gap"], report["recommendation"]
     lines += ["", f"Gap measured/predicted − 1: mean {g['mean']:+.1%}, mean |gap| {g['mean_abs']:.1%}, "
-              f"max |gap| {g['max_abs']:.1%}.", "",
-              f"## Recommendation: --draft {r['draft']} with decode.gamma_schedule {r['gamma_schedule']}", ""]
+              f"max |gap| {g['max_abs']:.1%}.", ""]
+    lines += tree_markdown(report)
+    lines += [f"## Recommendation: --draft {r['draft']} with decode.gamma_schedule {r['gamma_schedule']}", ""]
+    if "tree_budget_schedule" in r:
+        shapes = ", ".join(f"budget {e['budget']} at context {e['context']}: {e['nodes']} nodes in {e['depth']} "
+                           f"levels, widest {e['width']}" for e in r["tree_shapes"])
+        lines += [f"Token trees: --draft {r['tree_draft']} with decode.tree_budget_schedule "
+                  f"{r['tree_budget_schedule']} (best trees {shapes}; the decoder's tree reaches a shape with "
+                  "decode.gamma ≥ its levels and decode.tree_branching ≥ its widest level).", ""]
     lines += [f"- note: {n}" for n in report.get("notes", [])]
     return "\n".join(lines) + "\n"
+
+
+def tree_markdown(report: dict) -> list[str]:
+    """The tree section: v_tree by context, rank acceptances, predicted tokens/s per node budget and context."""
+    trees, costs, s = report["tree_budgets"], report["costs"], report["settings"]
+    if not trees["rows"]:
+        return []
+    budgets = trees["budgets"]
+    lines = ["## Token trees: node budget by context (predicted)", "",
+             "| context | " + " | ".join(f"v_tree({b})" for b in budgets) + " |",
+             "|---:|" + "---:|" * len(budgets)]
+    for i, context in enumerate(costs["contexts"]):
+        lines.append(f"| {context} | " + " | ".join(f"{costs['target']['v_tree'][str(b)][i]:.2f}" for b in budgets)
+                     + " |")
+    lines += ["", "v_tree(B) = verify of the pending token and B tree nodes / target step. p_r: share of response "
+              "positions where the target's token is the draft's r-th choice.", ""]
+    for draft in dict.fromkeys(row["draft"] for row in trees["rows"]):
+        p = report["acceptance"][draft]["rank_acceptance"]
+        lines.append(f"- {draft}: p_1..p_{min(len(p), 6)} = " + ", ".join(f"{x:.3f}" for x in p[:6]))
+    lines += ["", f"Predicted tokens/s of the best tree of B nodes, at most {trees['max_depth']} levels (in brackets: "
+              "nodes that can be accepted, levels × widest level); the chain column is the best γ under the same "
+              "acceptance model.", "",
+              "| draft | context | target alone | chain: γ, tok/s | " + " | ".join(f"B={b}" for b in budgets) + " |",
+              "|---|---:|---:|---|" + "---|" * len(budgets)]
+    for chain in trees["chains"]:
+        draft, context = chain["draft"], chain["context"]
+        i = s["contexts"].index(context)
+        rows = [row for row in trees["rows"] if row["draft"] == draft and row["context"] == context]
+        lines.append(f"| {draft} | {context} | {1 / costs['target']['step_s'][i]:.1f} | {chain['gamma']}, "
+                     f"{chain['predicted_tokens_per_s']:.1f} | " + " | ".join(
+                         f"{row['predicted_tokens_per_s']:.1f} ({row['nodes']}: {row['depth']}×{row['width']})"
+                         for row in rows)
+                     + " |")
+    return lines + [""]
 
 
 def write_decode_config(cfg, recommendation: dict, path: Path, target: str) -> Path:

@@ -14,7 +14,8 @@ the target.
 - `LookupTree`: prompt lookup's matches, several earlier occurrences as several branches (deterministic);
 - `ModelTree`: the draft model's tree, grown level by level with one draft forward per level (a per-level beam);
 - `TreeDrafter`: what the decoder runs, its sources in order under one budget per round: lookup first, then the
-  model fills what is left (`make_tree_drafter`).
+  model fills what is left (`make_tree_drafter`); the budget is fixed or set by the sequence's length from a schedule
+  (`decode.tree_budget_schedule`; `draftops sweep` recommends one).
 """
 from __future__ import annotations
 
@@ -210,27 +211,43 @@ def without_replacement(q: torch.Tensor, picks: torch.Tensor):
 
 
 class TreeDrafter:
-    """What the decoder runs in tree rounds: `sources` in order, each given what is left of `budget` nodes per round
-    (one `decode.tree.TokenTree` per round, identical prefixes merged)."""
+    """What the decoder runs in tree rounds: `sources` in order, each given what is left of the round's node budget
+    (one `decode.tree.TokenTree` per round, identical prefixes merged).
+
+    The budget is `budget` nodes every round, or, with `schedule` [(max_context, budget), ...] (increasing
+    max_context), that of the first entry whose max_context is at least the current sequence length, the last
+    beyond them (as `decode.speculative.scheduled_gamma` picks γ).
+    """
 
     feature_layers = ()  # tree sources read tokens only
 
-    def __init__(self, sources: Sequence[TreeSource], budget: int):
-        if budget < 1 or not sources:
-            raise ValueError(f"a tree drafter needs sources and a budget >= 1, got {len(sources)} and {budget}")
-        self.sources, self.budget = list(sources), budget
+    def __init__(self, sources: Sequence[TreeSource], budget: int = 0,
+                 schedule: Sequence[Sequence[int]] | None = None):
+        if not sources or (budget < 1) == (schedule is None):
+            raise ValueError(f"a tree drafter needs sources and either a budget >= 1 or a schedule, got "
+                             f"{len(sources)} sources, budget {budget} and schedule {schedule}")
+        self.sources = list(sources)
+        self.schedule = [] if schedule is None else check_budget_schedule(schedule)
+        self.budget = max(b for _, b in self.schedule) if self.schedule else budget  # the most nodes of any round
         contexts = [s.context for s in self.sources if s.context]
         self.context = min(contexts) if contexts else None
-        self.name = f"tree(budget={budget}): " + "+".join(s.name for s in self.sources)
+        shown = f"budget={budget}" if budget else f"budget_schedule={[list(e) for e in self.schedule]}"
+        self.name = f"tree({shown}): " + "+".join(s.name for s in self.sources)
+
+    def budget_at(self, length: int) -> int:
+        """The node budget of a round after a sequence of `length` tokens."""
+        if not self.schedule:
+            return self.budget
+        return next((b for max_context, b in self.schedule if length <= max_context), self.schedule[-1][1])
 
     def start(self, prompt: list[int]) -> list:
         return [source.start(prompt) for source in self.sources]
 
     def grow(self, states: list, seq: list[int], depth: int, warp: Warp, generator) -> tuple[TokenTree, int]:
         """The round's tree of at most `depth` levels and its draft model forwards."""
-        tree, calls = TokenTree(), 0
+        tree, calls, budget = TokenTree(), 0, self.budget_at(len(seq))
         for source, state in zip(self.sources, states):
-            calls += source.grow(state, tree, seq, self.budget - len(tree), depth, warp, generator)
+            calls += source.grow(state, tree, seq, budget - len(tree), depth, warp, generator)
         return tree, calls
 
     def commit(self, states: list, seq: list[int]) -> None:
@@ -238,18 +255,30 @@ class TreeDrafter:
             source.commit(state, seq)
 
 
-def make_tree_drafter(kind: str, target, draft=None, *, budget: int, branching: int = 2,
+def check_budget_schedule(schedule: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    schedule = [(int(m), int(b)) for m, b in schedule]
+    if not schedule or any(b < 1 for _, b in schedule) or any(a[0] >= b[0] for a, b in zip(schedule, schedule[1:])):
+        raise ValueError(
+            f"tree_budget_schedule must be non-empty [(max_context, budget), ...] with increasing max_context and "
+            f"budget >= 1, got {schedule}")
+    return schedule
+
+
+def make_tree_drafter(kind: str, target, draft=None, *, budget: int = 0,
+                      budget_schedule: Sequence[Sequence[int]] | None = None, branching: int = 2,
                       draft_token_ids: torch.Tensor | None = None, lookup_min_ngram: int | None = None,
                       draft_min_confidence: float | None = None, lean: bool = True) -> TreeDrafter:
     """The tree drafter of `kind` (`decode.drafters.DRAFTER_KINDS`): "draft" the model's tree, "lookup" prompt
     lookup's branches (n-grams of 1-3 tokens unless `lookup_min_ngram` is set), "decoder" lookup's branches first
-    and the model's tree in what is left of the budget (the model alone when lookup is off). `branching`: nodes per
-    level of the model's tree, and lookup branches; `draft_min_confidence`: see `ModelTree`."""
+    and the model's tree in what is left of the budget (the model alone when lookup is off). `budget` nodes per round,
+    or by sequence length from `budget_schedule` (`TreeDrafter`); `branching`: nodes per level of the model's tree,
+    and lookup branches; `draft_min_confidence`: see `ModelTree`."""
     if kind not in DRAFTER_KINDS:
         raise ValueError(f"drafter kind must be one of {DRAFTER_KINDS}, got {kind!r}")
     lookup_ngrams = (3, 1) if lookup_min_ngram is None else (max(3, lookup_min_ngram), lookup_min_ngram)
+    size = {"budget": budget, "schedule": budget_schedule}
     if kind == LOOKUP:
-        return TreeDrafter([LookupTree(*lookup_ngrams, branching)], budget)
+        return TreeDrafter([LookupTree(*lookup_ngrams, branching)], **size)
     if draft is None:
         raise ValueError(f"the {kind!r} drafter needs a draft model")
     if isinstance(draft, FeatureDraft):
@@ -258,5 +287,5 @@ def make_tree_drafter(kind: str, target, draft=None, *, budget: int, branching: 
     model = ModelTree(ModelDrafter(draft, vocab_size, device, token_ids=draft_token_ids,
                                    min_confidence=draft_min_confidence, lean=lean), branching)
     if kind == DECODER and lookup_min_ngram is not None:
-        return TreeDrafter([LookupTree(*lookup_ngrams, branching), model], budget)
-    return TreeDrafter([model], budget)
+        return TreeDrafter([LookupTree(*lookup_ngrams, branching), model], **size)
+    return TreeDrafter([model], **size)

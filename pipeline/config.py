@@ -57,7 +57,11 @@ class DecodeConfig(Section):
     tree_budget: int = Field(0, ge=0, description=(
         "Tree rounds: up to this many candidates per target call (prompt lookup's matches, then the draft model's "
         "tree) merged into one token tree and verified in one pass, gamma levels deep at most (docs/trees.md). 0: "
-        "chain rounds."))
+        "chain rounds, unless tree_budget_schedule is set."))
+    tree_budget_schedule: list[tuple[int, int]] | None = Field(None, description=(
+        "Tree rounds with the node budget by sequence length: [[max_context, budget], ...] with increasing "
+        "max_context (prompt + generated; the last budget beyond), instead of tree_budget (which stays 0). "
+        "`draftops sweep` recommends one. null: tree_budget decides."))
     tree_branching: int = Field(2, ge=1, description=(
         "Tree rounds: nodes per level of the draft model's tree (each level keeps the best children of the last by "
         "cumulative draft probability) and prompt lookup's branches."))
@@ -70,6 +74,8 @@ class DecodeConfig(Section):
     def _schedule_matches_policy(self) -> DecodeConfig:
         if (self.gamma_policy == "schedule") != (self.gamma_schedule is not None):
             raise ValueError("decode.gamma_schedule is set exactly when decode.gamma_policy is 'schedule'")
+        if self.tree_budget and self.tree_budget_schedule is not None:
+            raise ValueError("decode.tree_budget_schedule replaces decode.tree_budget: keep tree_budget 0 with it")
         return self
 
 

@@ -140,6 +140,18 @@ def test_sweep_cli(checkpoints, capsys, tmp_path):
     assert set(per_gamma) == {"1", "3"} and set(per_gamma["3"]) == {"4", "8"}
     assert ("analytic_alpha" in report["acceptance"][draft]
             and "analytic_alpha" not in report["acceptance"]["prompt-lookup"])
+    # token trees: v_tree per budget, rank acceptances of the draft models, a budget schedule for one of them
+    budgets = [2, 4, 8, 16, 32, 64]
+    assert report["settings"]["tree_budgets"] == budgets and set(costs["target"]["v_tree"]) == {str(b) for b in budgets}
+    assert all(len(v) == 2 and min(v) > 0 for v in costs["target"]["v_tree"].values())
+    ranks = report["acceptance"][draft]["rank_acceptance"]
+    assert len(ranks) == 64 and 0 < sum(ranks) <= 1 + 1e-9
+    assert ranks[0] == pytest.approx(report["acceptance"][draft]["analytic_alpha"]["8"]["value"])  # rank 1 = a match
+    assert "rank_acceptance" not in report["acceptance"]["prompt-lookup"]
+    trees = report["tree_budgets"]
+    assert trees["max_depth"] == 3 and len(trees["rows"]) == 2 * 2 * 6 and len(trees["chains"]) == 2 * 2
+    assert {r["draft"] for r in trees["rows"]} == {draft, "target-layers:1:20"}
+    assert all(r["predicted_tokens_per_s"] > 0 and 1 <= r["depth"] <= 3 and r["tau"] >= 1 for r in trees["rows"])
     # every γ of every draft at (16, 4), plus each draft's best γ at (40, 8)
     measured = {(m["draft"], m["gamma"], m["context"], m["max_new_tokens"]) for m in report["measured"]}
     assert {(d, g, 16, 4) for d in drafts for g in (1, 3)} <= measured and len(measured) == 9
@@ -152,9 +164,13 @@ def test_sweep_cli(checkpoints, capsys, tmp_path):
     tuned = load_config(tmp_path / "decode_config.yaml")
     assert [list(e) for e in tuned.decode.gamma_schedule] == recommendation["gamma_schedule"]
     assert tuned.target == target and tuned.decode.gamma == recommendation["gamma_schedule"][0][1]
+    tree_schedule = recommendation["tree_budget_schedule"]
+    assert recommendation["tree_draft"] in (draft, "target-layers:1:20") and tree_schedule[-1][0] == 40
+    best_budgets = [shape["budget"] for shape in recommendation["tree_shapes"]]  # per context; the schedule merges
+    assert [b for _, b in tree_schedule] == [b for i, b in enumerate(best_budgets) if b not in best_budgets[i - 1 : i]]
     assert (tmp_path / "decode_config.yaml").read_text().startswith("# Written by `draftops sweep`")
     names = {"sweep.json", "sweep.md", "decode_config.yaml", "speedup_vs_gamma.png", "speedup_heatmap.png",
-             "break_even_alpha.png", "measured_vs_predicted.png"}
+             "break_even_alpha.png", "measured_vs_predicted.png", "tree_budget.png"}
     assert names <= {p.name for p in tmp_path.iterdir()}
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(report["mlflow_run_id"], "sweep")}
     assert artifacts == {f"sweep/{n}" for n in names}
@@ -163,13 +179,21 @@ def test_sweep_cli(checkpoints, capsys, tmp_path):
     best = report["best"][0]
     assert logged[f"sweep/best_speedup/ctx{best['context']}_gen{best['max_new_tokens']}"] == pytest.approx(
         best["predicted_speedup"])
-    assert "## Recommendation" in (tmp_path / "sweep.md").read_text()
+    page = (tmp_path / "sweep.md").read_text()
+    assert "## Recommendation" in page and "## Token trees" in page
+    assert f"decode.tree_budget_schedule {tree_schedule}" in page
 
     # the written config drives the decoder
     assert main(["decode", "--config", str(tmp_path / "decode_config.yaml"), "--draft",
                  "prompt-lookup", "--prompt", "what is one and two", "--max-new-tokens", "6", "--json",
                  "device=cpu"]) == 0
     assert json.loads(capsys.readouterr().out)["stats"]["new_tokens"] == 6
+    # and the recommended tree budget schedule, as an override
+    assert main(["decode", "--target", target, "--draft", draft, "--prompt", "what is one and two",
+                 "--max-new-tokens", "6", "--json", "device=cpu",
+                 f"decode.tree_budget_schedule={json.dumps(tree_schedule)}"]) == 0
+    decoded = json.loads(capsys.readouterr().out)
+    assert decoded["stats"]["new_tokens"] == 6 and decoded["drafter"].startswith("tree(budget_schedule=")
 
 
 def test_sweep_cli_errors(checkpoints, capsys, tmp_path):
