@@ -19,6 +19,13 @@ def target():
     return load_model("smollm2-135m-instruct", device="cpu")  # with the decoder's CPU kernels
 
 
+def target_only(target, prompt: list[int], eos: list[int]) -> torch.Tensor:
+    """HF greedy `generate` on the target alone: 32 new tokens."""
+    ids = torch.tensor([prompt])
+    return target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=eos[0])[0, len(prompt):]
+
+
 def test_greedy_equals_target_only_on_shipped_heldout_traffic(target):
     """Any draft must leave greedy output unchanged: here a 2-layer cut of the target with an 8k-row head, on two
     held-out requests of every category and the held-out conversations (several turns)."""
@@ -34,9 +41,7 @@ def test_greedy_equals_target_only_on_shipped_heldout_traffic(target):
     prompts, _ = encode_prompts(requests, target.tokenizer, max_prompt_tokens=384)
     accepted = 0
     for request, prompt in zip(requests, prompts):
-        ids = torch.tensor([prompt])
-        reference = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
-                                          do_sample=False, eos_token_id=eos, pad_token_id=eos[0])[0, len(prompt):]
+        reference = target_only(target, prompt, eos)
         result = decoder.generate(prompt, max_new_tokens=32)
         assert result.token_ids == reference.tolist(), f"{request.id} diverged from target-only greedy decoding"
         accepted += result.stats.accepted
@@ -53,9 +58,7 @@ def test_greedy_with_a_feature_draft_equals_target_only(target):
     requests = first_per_category(load_traffic(DEFAULT_TRAFFIC).split("heldout"), 1)
     prompts, _ = encode_prompts(requests, target.tokenizer, max_prompt_tokens=384)
     for request, prompt in zip(requests, prompts):
-        ids = torch.tensor([prompt])
-        reference = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
-                                          do_sample=False, eos_token_id=eos, pad_token_id=eos[0])[0, len(prompt):]
+        reference = target_only(target, prompt, eos)
         result = decoder.generate(prompt, max_new_tokens=32)
         assert result.token_ids == reference.tolist(), f"{request.id} diverged from target-only greedy decoding"
         assert result.stats.draft_calls > 0
