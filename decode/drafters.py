@@ -26,7 +26,7 @@ from transformers import DynamicCache
 from decode.feature_draft import FeatureDraft, FeatureDrafter
 from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter, lookup_first_drafter
 from decode.runtime import ModelRunner, rollback
-from decode.sampling import Warp, confident, sample, to_target_vocab
+from decode.sampling import Warp, confident, draft_token
 
 DRAFT, LOOKUP, DECODER = "draft", "lookup", "decoder"
 DRAFTER_KINDS = (DRAFT, LOOKUP, DECODER)
@@ -116,11 +116,8 @@ class ModelDrafter:
             calls += 1
             if i > 0 and self.min_confidence is not None and not confident(logits, self.min_confidence):
                 break
-            if warp.greedy:
-                token = logits.argmax() if self.token_ids is None else self.token_ids[logits.argmax()]
-            else:
-                probs.append(to_target_vocab(warp(logits), self.token_ids, self.vocab_size))
-                token = sample(probs[-1], generator)
+            token, q = draft_token(logits, warp, self.token_ids, self.vocab_size, generator)
+            probs += [] if q is None else [q]
             drafts.append(token)
             unseen = token[None]
         if warp.greedy:

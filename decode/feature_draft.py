@@ -31,7 +31,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from decode.lean import KVCache
-from decode.sampling import Warp, confident, sample, to_target_vocab
+from decode.sampling import Warp, confident, draft_token
 
 FEATURES = "features"  # the draft family's name in configs and run records
 
@@ -247,12 +247,8 @@ class FeatureDrafter:
             logits = self.model.logits(out)[0]
             if i > 0 and self.min_confidence is not None and not confident(logits, self.min_confidence):
                 break
-            if warp.greedy:
-                row = logits.argmax()
-                token = row if self.model.token_ids is None else self.model.token_ids[row]
-            else:
-                probs.append(to_target_vocab(warp(logits), self.model.token_ids, self.vocab_size))
-                token = sample(probs[-1], generator)
+            token, q = draft_token(logits, warp, self.model.token_ids, self.vocab_size, generator)
+            probs += [] if q is None else [q]
             drafts.append(token)
             # the next index pairs this output with the token it proposed, at that token's position
             hidden, tokens, positions = out, token[None], positions[-1:] + 1

@@ -73,3 +73,14 @@ def confident(draft_logits: torch.Tensor, min_confidence: float) -> bool:
     """Whether the draft's top probability (softmax at temperature 1) reaches `min_confidence`: a weak draft's
     confidence predicts its acceptance, so stopping a block where it is unsure saves draft steps and verify width."""
     return draft_logits.float().softmax(-1).max().item() >= min_confidence
+
+
+def draft_token(logits: torch.Tensor, warp: Warp, token_ids: torch.Tensor | None, vocab_size: int,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A draft's next token (a target id) from its logits over its own rows (`token_ids`: the target ids of a reduced
+    head's rows), and its q over the target vocabulary (None when greedy: the greedy test reads the token only)."""
+    if warp.greedy:
+        row = logits.argmax()
+        return (row if token_ids is None else token_ids[row]), None
+    q = to_target_vocab(warp(logits), token_ids, vocab_size)
+    return sample(q, generator), q
