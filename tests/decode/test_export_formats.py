@@ -139,12 +139,12 @@ def test_a_feature_draft_exports_as_its_speculators_folder(drafts, tmp_path, fmt
 
 def test_formats_a_draft_has_not_and_unknown_formats_are_refused(drafts, tmp_path):
     layer, feature = draft_source(str(drafts["root"] / "job/draft")), draft_source(str(drafts["root"] / "feature"))
-    with pytest.raises(ExportError, match="is a layer draft: it exports as hf or vllm, not speculators"):
+    with pytest.raises(ExportError, match="is a layer draft: it exports as hf, vllm or gguf, not speculators"):
         export_format(layer, "speculators", tmp_path / "a")
     with pytest.raises(ExportError, match=r"is a feature draft \(speculators Eagle3 folder\): it exports as vllm or "
                                           r"speculators, not hf"):
         export_format(feature, "hf", tmp_path / "b")
-    with pytest.raises(ExportError, match="unknown format 'onnx': choose one of hf, vllm, speculators"):
+    with pytest.raises(ExportError, match="unknown format 'onnx': choose one of hf, vllm, speculators, gguf"):
         export_format(layer, "onnx", tmp_path / "c")
     assert list(tmp_path.iterdir()) == []
 
@@ -232,7 +232,7 @@ def test_draftops_export_writes_the_folder_and_prints_how_to_serve_it(drafts, tm
     assert main(["export", str(source), "--format", "vllm", "--out", str(out)]) == 2
     assert "exists and is not empty (--force replaces it)" in capsys.readouterr().err
     assert main(["export", str(source), "--format", "speculators", "--out", str(tmp_path / "s")]) == 2
-    assert "it exports as hf or vllm, not speculators" in capsys.readouterr().err
+    assert "it exports as hf, vllm or gguf, not speculators" in capsys.readouterr().err
     assert main(["export", str(source), "--format", "vllm", "--out", str(out), "--force", "--gamma", "5",
                  "--target", "org/target"]) == 0
     printed = capsys.readouterr().out
