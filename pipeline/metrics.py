@@ -67,6 +67,10 @@ TOKENS_PER_S = "speed/tokens_per_s"
 TARGET_TOKENS_PER_S = "speed/target_tokens_per_s"
 TARGET_TORCH_KERNELS_TOKENS_PER_S = "speed/target_torch_kernels_tokens_per_s"  # the target on torch's stock kernels
 NEW_TOKENS = "speed/new_tokens"
+LLAMA_CPP_TOKENS_PER_S = "speed/llama_cpp_target_tokens_per_s"  # llama.cpp's target alone (decode.bench)
+LLAMA_CPP_SPECULATIVE_TOKENS_PER_S = "speed/llama_cpp_speculative_tokens_per_s"  # llama.cpp with the GGUF draft
+LLAMA_CPP_SPEEDUP = "speed/llama_cpp_speculative_speedup_vs_llama_cpp_target"
+ACCEPTANCE_LLAMA_CPP = "acceptance/llama_cpp"  # accepted / drafted tokens, as llama-server reports them
 
 # the draft itself
 DRAFT_PARAMS = "draft/params"

@@ -1,9 +1,19 @@
-"""decode.bench's cost accounting and its denominator, on hand-made timings."""
+"""decode.bench's cost accounting, its denominator and its llama.cpp rows, on hand-made timings."""
 from __future__ import annotations
 
 import pytest
 
-from decode.bench import TARGET_ONLY, TARGET_ONLY_TORCH, in_run_costs, method_results
+from decode.bench import (
+    LLAMA_CPP_SPECULATIVE,
+    LLAMA_CPP_TARGET_ONLY,
+    TARGET_ONLY,
+    TARGET_ONLY_TORCH,
+    in_run_costs,
+    llama_cpp_rows,
+    llama_cpp_summary,
+    method_results,
+)
+from decode.llamacpp import Completion
 from decode.stats import GenerationStats
 
 
@@ -47,3 +57,36 @@ def test_speedups_are_against_the_faster_target_only_row():
 
     outputs, seconds = bench_rows({TARGET_ONLY: 0.05, "speculative": 0.02})  # kernels already torch's: one row
     assert method_results(outputs, seconds, seed=0)[1] == TARGET_ONLY
+
+
+class FakeServer:
+    """Stands in for a started `decode.llamacpp.LlamaServer`: a fixed completion per prompt, with its timings."""
+
+    def __init__(self, replies: dict[int, tuple[list[int], int, int]]):
+        self.replies, self.asked = replies, []
+
+    def complete(self, prompt: list[int], max_new_tokens: int) -> Completion:
+        self.asked.append((prompt, max_new_tokens))
+        tokens, drafted, accepted = self.replies[prompt[0]]
+        return Completion(tokens, {"draft_n": drafted, "draft_n_accepted": accepted})
+
+
+def test_llama_cpp_rows_compare_its_speculative_row_with_its_own_target_alone():
+    alone = FakeServer({1: ([5] * 10, 0, 0), 2: ([6] * 30, 0, 0)})
+    spec = FakeServer({1: ([5] * 10, 12, 6), 2: ([6] * 29 + [7], 40, 30)})
+    completions = {}
+    rows = llama_cpp_rows({LLAMA_CPP_TARGET_ONLY: alone, LLAMA_CPP_SPECULATIVE: spec}, 32, completions)
+    rows[LLAMA_CPP_SPECULATIVE]([1, 9])  # a warm-up: its completion is not counted
+    outputs = {name: [rows[name]([1, 9]), rows[name]([2, 9])] for name in rows}
+    assert alone.asked == [([1, 9], 32), ([2, 9], 32)] and outputs[LLAMA_CPP_TARGET_ONLY][1] == [6] * 30
+    seconds = {LLAMA_CPP_TARGET_ONLY: [1.0, 3.0], LLAMA_CPP_SPECULATIVE: [0.5, 1.5]}  # twice as fast
+    summary = llama_cpp_summary(outputs, seconds, completions, seed=0)
+    assert summary["speedup_vs_llama_cpp_target_only"]["value"] == pytest.approx(2.0)
+    assert summary["same_output_as_llama_cpp_target_only"] == 1  # the second prompt's last token differs
+    assert (summary["drafted"], summary["accepted"], summary["acceptance"]) == (52, 36, pytest.approx(36 / 52))
+
+    # the llama.cpp rows never become the denominator, however fast
+    outputs, seconds = bench_rows({TARGET_ONLY: 0.05, "speculative": 0.02, LLAMA_CPP_TARGET_ONLY: 0.01,
+                                   LLAMA_CPP_SPECULATIVE: 0.008})
+    results, baseline = method_results(outputs, seconds, seed=0)
+    assert baseline == TARGET_ONLY and results[LLAMA_CPP_TARGET_ONLY]["speedup"]["value"] == pytest.approx(5.0)
