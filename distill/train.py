@@ -233,7 +233,8 @@ def print_summary(cfg: DraftopsConfig, result: DistillResult) -> None:
     print(f"  draft:        {result.export_dir}  (also {Path(cfg.distill.output_dir) / 'latest'})")
     if (result.export_dir / HF_ASSISTANT_DIR).exists():
         print(f"  HF assistant: {result.export_dir / HF_ASSISTANT_DIR}")
-    print(f"  to serve:     draftops export {result.export_dir} --format vllm --out DIR  (prints the vLLM command)")
+    formats = "vllm|gguf" if cfg.distill.family == "layers" else "vllm"
+    print(f"  to serve:     draftops export {result.export_dir} --format {formats} --out DIR  (vLLM; gguf: llama.cpp)")
     if result.version:
         print(f"  MLflow:       {tracking_uri(cfg)}  run {result.run_id}  (experiment draftops-distill)")
         print(f"  registered:   {version_uri(cfg.tracking.registered_model, result.version)}  alias {result.alias}")

@@ -247,9 +247,13 @@ def test_a_feature_draft_job_exports_the_speculators_format_registers_and_decode
     assert again.version == "1" and again.history == result.history
 
 
-def test_the_summary_points_at_the_export_for_vllm(isolated_home, capsys):
+def test_the_summary_points_at_the_export_for_vllm_and_llama_cpp(isolated_home, capsys):
     cfg = tiny_config(isolated_home)
     draft = isolated_home / "out" / "job" / "draft"
     metrics_ = {"best_step": 4, "alpha_t0": 0.5, "alpha_t1": 0.4, "tau_t0": 1.8, "tau_t1": 1.6}
     print_summary(cfg, DistillResult(draft, draft.parent, metrics_, [], [], {"training": 3.0}, None, "fp"))
+    assert (f"  to serve:     draftops export {draft} --format vllm|gguf --out DIR  (vLLM; gguf: llama.cpp)"
+            in capsys.readouterr().out)
+    print_summary(cfg.model_copy(update={"distill": cfg.distill.model_copy(update={"family": "features"})}),
+                  DistillResult(draft, draft.parent, metrics_, [], [], {"training": 3.0}, None, "fp"))
     assert f"  to serve:     draftops export {draft} --format vllm --out DIR" in capsys.readouterr().out
