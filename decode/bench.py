@@ -213,7 +213,7 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else (eos or [0])[0]
     decoders = {"speculative": build_decoder(target, draft, decode, kind=LOOKUP if draft is None else DECODER,
                                              gamma=gamma)}
-    if draft is not None and decode.lookup_min_ngram is not None:
+    if draft is not None and (decode.lookup_min_ngram is not None or decode.suffix):
         decoders["draft_only"] = build_decoder(target, draft, decode, kind=DRAFT, gamma=gamma)
         decoders["lookup_only"] = build_decoder(target, draft, decode, kind=LOOKUP, gamma=gamma)
     decoder = decoders["speculative"]
@@ -229,9 +229,11 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
         methods[name] = (lambda d: lambda p: d.generate(p, max_new_tokens=max_new_tokens))(d)
     notes = []
     if len(decoders) > 1:
-        notes.append(f"this decoder takes prompt-lookup proposals first (n-grams of >= {decode.lookup_min_ngram} "
-                     "tokens), the draft model elsewhere; draft_only and lookup_only are its two halves alone; HF "
-                     "assisted generation uses the draft model only")
+        first = ([] if decode.lookup_min_ngram is None
+                 else [f"prompt-lookup proposals (n-grams of >= {decode.lookup_min_ngram} tokens)"])
+        first += ["suffix decoding's candidates"] if decode.suffix else []
+        notes.append(f"this decoder takes {' and '.join(first)} first, the draft model elsewhere; draft_only and "
+                     "lookup_only are its two halves alone; HF assisted generation uses the draft model only")
     if draft is not None and decode.draft_min_confidence is not None:
         notes.append(f"the draft model ends a block where its top probability is below {decode.draft_min_confidence}; "
                      f"the cost model assumes γ={fixed_gamma} drafts a round, the in-run costs count the real ones")

@@ -30,6 +30,7 @@ from decode.sampling import Warp, confident, draft_token
 
 DRAFT, LOOKUP, DECODER = "draft", "lookup", "decoder"
 DRAFTER_KINDS = (DRAFT, LOOKUP, DECODER)
+SUFFIX = "suffix"  # the label of suffix decoding's tree nodes (`decode.tree_drafters.SuffixTree`), not a kind
 
 
 class Drafter(Protocol):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from decode.drafters import DECODER, LOOKUP, make_drafter
 from decode.speculative import GammaPolicy, SpeculativeDecoder
+from decode.suffix import load_suffix_index
 from decode.tree_drafters import make_tree_drafter
 from pipeline.config import DecodeConfig
 from pipeline.sources import eos_token_ids
@@ -24,14 +25,17 @@ def build_decoder(target, draft, decode: DecodeConfig, *, kind: str = DECODER, g
 
     target: a `pipeline.sources.ResolvedModel` (its generation config and tokenizer give the EOS ids); draft: one too,
     or None for the "lookup" drafter. `decode.tree_budget` > 0 or `decode.tree_budget_schedule` gives tree rounds
-    (`decode.tree_drafters`).
+    (`decode.tree_drafters`); `decode.suffix` adds suffix decoding to the trees of "decoder" and "lookup", with the
+    suffix index the draft's folder carries (`decode.suffix.load_suffix_index`), if any.
     """
     draft_model, token_ids = (None, None) if draft is None else (draft.model, draft.token_ids)
     lookup_min_ngram = decode.lookup_min_ngram if kind in (DECODER, LOOKUP) else None
+    suffix = decode.suffix and kind in (DECODER, LOOKUP)
     if decode.tree_budget or decode.tree_budget_schedule is not None:
         drafter = make_tree_drafter(kind, target.model, draft_model, budget=decode.tree_budget,
                                     budget_schedule=decode.tree_budget_schedule, branching=decode.tree_branching,
-                                    draft_token_ids=token_ids, lookup_min_ngram=lookup_min_ngram,
+                                    draft_token_ids=token_ids, lookup_min_ngram=lookup_min_ngram, suffix=suffix,
+                                    suffix_index=load_suffix_index(draft.path) if suffix and draft else None,
                                     draft_min_confidence=decode.draft_min_confidence, lean=lean)
     else:
         drafter = make_drafter(kind, target.model, draft_model, draft_token_ids=token_ids,

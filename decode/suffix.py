@@ -23,7 +23,7 @@ which differs only for matches within a budget of `max_depth`.
 
 `SuffixDrafter` is the drafter (`decode.drafters`): its chain (`propose`) is the candidates with only the most frequent
 continuation followed, deterministic, so the decoder's test with a one-hot q stays lossless; `candidates` gives the
-tree (plain lists: tokens, parents, scores) for a tree verifier.
+tree (plain lists: tokens, parents, scores), which `decode.tree_drafters.SuffixTree` adds to a tree round.
 """
 from __future__ import annotations
 
@@ -197,8 +197,10 @@ def continuations(tokens: np.ndarray, ends: np.ndarray) -> tuple[list[tuple[int,
     return pairs, following
 
 
-def grow(tokens: np.ndarray, ends: np.ndarray, budget: int, min_prob: float, tree: bool) -> Candidates:
-    """Candidates continuing the match whose occurrences end at `ends`, at most `budget` nodes.
+def grow(tokens: np.ndarray, ends: np.ndarray, budget: int, min_prob: float, tree: bool,
+         depth: int | None = None) -> Candidates:
+    """Candidates continuing the match whose occurrences end at `ends`, at most `budget` nodes of at most `depth`
+    levels (None: any; a node at the last level gets no children).
 
     tree: each node taken is the most probable of all the continuations of the nodes taken so far (a heap, as the
     reference's `_speculate_tree`); else the chain that follows the most frequent continuation at every step.
@@ -216,12 +218,14 @@ def grow(tokens: np.ndarray, ends: np.ndarray, budget: int, min_prob: float, tre
             heapq.heappush(heap, (-child, next(order), token, node, node_ends, following))
 
     expand(ends, 1.0, -1)
+    depths: list[int] = []
     while heap and len(out.tokens) < budget:
         minus_prob, _, token, parent, parent_ends, following = heapq.heappop(heap)
         out.tokens.append(token)
         out.parents.append(parent)
         out.scores.append(-minus_prob)
-        if len(out.tokens) < budget:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+        if len(out.tokens) < budget and (depth is None or depths[-1] < depth):
             expand(parent_ends[following == token] + 1, -minus_prob, len(out.tokens) - 1)
     return out
 
@@ -238,7 +242,8 @@ class SuffixSearch:
     def budget(self, match_length: int, budget: int) -> int:
         return max(0, min(budget, int(match_length * self.max_spec_factor + self.max_spec_offset + 1e-6)))
 
-    def best(self, store, context: Sequence[int], budget: int, tree: bool, beat: Candidates) -> Candidates:
+    def best(self, store, context: Sequence[int], budget: int, tree: bool, depth: int | None,
+             beat: Candidates) -> Candidates:
         """The best candidates from `store` that score higher than `beat`, else `beat`. Longest match first: a match of
         m tokens scores at most its budget, so shorter ones stop being tried once that is no more than the best; and
         a shorter match with the same occurrences and budget as a longer one grows the same candidates (the longer
@@ -253,18 +258,19 @@ class SuffixSearch:
             if longer == (found[m - 1].size, limit):
                 continue
             longer = (found[m - 1].size, limit)
-            candidates = grow(store.tokens, found[m - 1], limit, self.min_token_prob, tree)
+            candidates = grow(store.tokens, found[m - 1], limit, self.min_token_prob, tree, depth)
             if candidates.score > best.score:
                 candidates.match_length = m
                 best = candidates
         return best
 
     def candidates(self, index: SuffixIndex | None, request: RequestTokens, budget: int, *,
-                   tree: bool = True) -> Candidates:
-        """The request's best candidates of at most `budget` tokens, from the request itself and the index."""
+                   tree: bool = True, depth: int | None = None) -> Candidates:
+        """The request's best candidates of at most `budget` tokens and `depth` levels (None: any), from the request
+        itself and the index."""
         context = request.tokens[max(1, 1 + request.length - self.max_depth):1 + request.length].tolist()
-        best = self.best(request, context, budget, tree, Candidates())
-        return best if index is None else self.best(index, context, budget, tree, best)
+        best = self.best(request, context, budget, tree, depth, Candidates())
+        return best if index is None else self.best(index, context, budget, tree, depth, best)
 
 
 class SuffixDrafter:
@@ -276,7 +282,7 @@ class SuffixDrafter:
     def __init__(self, index: SuffixIndex | None, vocab_size: int, device: torch.device | str = "cpu",
                  search: SuffixSearch = SuffixSearch()):
         self.index, self.vocab_size, self.device, self.search = index, vocab_size, torch.device(device), search
-        self.name = "suffix" if index is None else f"suffix(index of {len(index)} sequences)"
+        self.name = "suffix(request only, no index)" if index is None else f"suffix(index of {len(index)} sequences)"
 
     @classmethod
     def for_model(cls, target, index: SuffixIndex | None, **kwargs) -> SuffixDrafter:
@@ -285,10 +291,10 @@ class SuffixDrafter:
     def start(self, prompt: list[int]) -> RequestTokens:
         return RequestTokens(prompt)
 
-    def candidates(self, state: RequestTokens, seq: list[int], budget: int) -> Candidates:
-        """The candidate tree of at most `budget` tokens after `seq`."""
+    def candidates(self, state: RequestTokens, seq: list[int], budget: int, depth: int | None = None) -> Candidates:
+        """The candidate tree of at most `budget` tokens and `depth` levels (None: any) after `seq`."""
         state.sync(seq)
-        return self.search.candidates(self.index, state, budget, tree=True)
+        return self.search.candidates(self.index, state, budget, tree=True, depth=depth)
 
     def propose(self, state: RequestTokens, seq: list[int], k: int, warp, generator):
         """(drafts [k'], one-hot q [k', V] (None when greedy), 0 model forwards): the most probable chain, k' <= k."""

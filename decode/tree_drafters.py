@@ -12,10 +12,12 @@ gets is decided before they are drawn. Deterministic candidates (q None) may be 
 the target.
 
 - `LookupTree`: prompt lookup's matches, several earlier occurrences as several branches (deterministic);
+- `SuffixTree`: suffix decoding's candidate tree (`decode.suffix`) from the target's earlier outputs and the request's
+  own text (deterministic);
 - `ModelTree`: the draft model's tree, grown level by level with one draft forward per level (a per-level beam);
-- `TreeDrafter`: what the decoder runs, its sources in order under one budget per round: lookup first, then the
-  model fills what is left (`make_tree_drafter`); the budget is fixed or set by the sequence's length from a schedule
-  (`decode.tree_budget_schedule`; `draftops sweep` recommends one).
+- `TreeDrafter`: what the decoder runs, its sources in order under one budget per round: lookup first, then suffix
+  decoding's candidates, then the model fills what is left (`make_tree_drafter`); the budget is fixed or set by the
+  sequence's length from a schedule (`decode.tree_budget_schedule`; `draftops sweep` recommends one).
 """
 from __future__ import annotations
 
@@ -25,10 +27,11 @@ from typing import Protocol
 
 import torch
 
-from decode.drafters import DECODER, DRAFT, DRAFTER_KINDS, LOOKUP, ModelDrafter, output_size
+from decode.drafters import DRAFT, DRAFTER_KINDS, LOOKUP, SUFFIX, ModelDrafter, output_size
 from decode.feature_draft import FeatureDraft
 from decode.runtime import compact
 from decode.sampling import Warp, to_target_vocab
+from decode.suffix import RequestTokens, SuffixDrafter, SuffixIndex
 from decode.tree import ROOT, TokenTree
 
 
@@ -89,6 +92,33 @@ class LookupTree:
 
     def commit(self, state, seq: list[int]) -> None:
         pass
+
+
+class SuffixTree:
+    """Suffix decoding as a tree source: `SuffixDrafter.candidates` within the round's budget and depth, added as
+    deterministic candidates (chosen from the text alone, never from the target, so the test stays lossless). Its
+    state is the request's tokens (`decode.suffix.RequestTokens`), brought up to date with the sequence every round."""
+
+    context = None  # no positions of its own
+
+    def __init__(self, drafter: SuffixDrafter):
+        self.drafter, self.name = drafter, drafter.name
+
+    def start(self, prompt: list[int]) -> RequestTokens:
+        return self.drafter.start(prompt)
+
+    def grow(self, state: RequestTokens, tree: TokenTree, seq: list[int], budget: int, depth: int, warp,
+             generator) -> int:
+        if budget < 1 or depth < 1:
+            return 0
+        found = self.drafter.candidates(state, seq, budget, depth)
+        nodes: list[int] = []  # the tree's node of each candidate (a new one, or one another source proposed)
+        for token, parent in zip(found.tokens, found.parents):
+            nodes.append(tree.add(ROOT if parent < 0 else nodes[parent], token, SUFFIX))
+        return 0
+
+    def commit(self, state: RequestTokens, seq: list[int]) -> None:
+        state.sync(seq)
 
 
 @dataclass
@@ -267,18 +297,22 @@ def check_budget_schedule(schedule: Sequence[Sequence[int]]) -> list[tuple[int, 
 def make_tree_drafter(kind: str, target, draft=None, *, budget: int = 0,
                       budget_schedule: Sequence[Sequence[int]] | None = None, branching: int = 2,
                       draft_token_ids: torch.Tensor | None = None, lookup_min_ngram: int | None = None,
+                      suffix: bool = False, suffix_index: SuffixIndex | None = None,
                       draft_min_confidence: float | None = None, lean: bool = True) -> TreeDrafter:
     """The tree drafter of `kind` (`decode.drafters.DRAFTER_KINDS`): "draft" the model's tree, "lookup" prompt
     lookup's branches (n-grams of 1-3 tokens unless `lookup_min_ngram` is set), "decoder" lookup's branches first
-    and the model's tree in what is left of the budget (the model alone when lookup is off). `budget` nodes per round,
-    or by sequence length from `budget_schedule` (`TreeDrafter`); `branching`: nodes per level of the model's tree,
-    and lookup branches; `draft_min_confidence`: see `ModelTree`."""
+    and the model's tree in what is left of the budget (the model alone when lookup is off). With `suffix`, "lookup"
+    and "decoder" add suffix decoding's candidates after lookup's ("draft" stays the model alone; `SuffixTree`,
+    searching `suffix_index` and the request, the request alone when the index is None). `budget` nodes per round, or
+    by sequence length from `budget_schedule` (`TreeDrafter`); `branching`: nodes per level of the model's tree, and
+    lookup branches; `draft_min_confidence`: see `ModelTree`."""
     if kind not in DRAFTER_KINDS:
         raise ValueError(f"drafter kind must be one of {DRAFTER_KINDS}, got {kind!r}")
     lookup_ngrams = (3, 1) if lookup_min_ngram is None else (max(3, lookup_min_ngram), lookup_min_ngram)
     size = {"budget": budget, "schedule": budget_schedule}
+    suffix_sources = [SuffixTree(SuffixDrafter.for_model(target, suffix_index))] if suffix else []
     if kind == LOOKUP:
-        return TreeDrafter([LookupTree(*lookup_ngrams, branching)], **size)
+        return TreeDrafter([LookupTree(*lookup_ngrams, branching), *suffix_sources], **size)
     if draft is None:
         raise ValueError(f"the {kind!r} drafter needs a draft model")
     if isinstance(draft, FeatureDraft):
@@ -286,6 +320,7 @@ def make_tree_drafter(kind: str, target, draft=None, *, budget: int = 0,
     vocab_size, device = output_size(target), next(target.parameters()).device
     model = ModelTree(ModelDrafter(draft, vocab_size, device, token_ids=draft_token_ids,
                                    min_confidence=draft_min_confidence, lean=lean), branching)
-    if kind == DECODER and lookup_min_ngram is not None:
-        return TreeDrafter([LookupTree(*lookup_ngrams, branching), model], **size)
-    return TreeDrafter([model], **size)
+    if kind == DRAFT:
+        return TreeDrafter([model], **size)
+    lookup = [] if lookup_min_ngram is None else [LookupTree(*lookup_ngrams, branching)]
+    return TreeDrafter([*lookup, *suffix_sources, model], **size)

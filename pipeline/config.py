@@ -55,13 +55,18 @@ class DecodeConfig(Section):
         "A draft model ends its block at the first token (after the first) whose top probability is below this, "
         "saving draft steps and verify width where it is likely wrong. null: always draft gamma tokens."))
     tree_budget: int = Field(0, ge=0, description=(
-        "Tree rounds: up to this many candidates per target call (prompt lookup's matches, then the draft model's "
-        "tree) merged into one token tree and verified in one pass, gamma levels deep at most (docs/trees.md). 0: "
-        "chain rounds, unless tree_budget_schedule is set."))
+        "Tree rounds: up to this many candidates per target call (prompt lookup's matches, suffix decoding's with "
+        "suffix, then the draft model's tree) merged into one token tree and verified in one pass, gamma levels deep "
+        "at most (docs/trees.md). 0: chain rounds, unless tree_budget_schedule is set."))
     tree_budget_schedule: list[tuple[int, int]] | None = Field(None, description=(
         "Tree rounds with the node budget by sequence length: [[max_context, budget], ...] with increasing "
         "max_context (prompt + generated; the last budget beyond), instead of tree_budget (which stays 0). "
         "`draftops sweep` recommends one. null: tree_budget decides."))
+    suffix: bool = Field(False, description=(
+        "Tree rounds: suffix decoding's candidates join the tree after prompt lookup's, before the draft model's: "
+        "continuations of the text's last tokens in the target's earlier outputs (the suffix index `make distill` "
+        "ships beside the draft) and in the request itself (the request alone when the draft has no index). Trees "
+        "only (docs/trees.md)."))
     tree_branching: int = Field(2, ge=1, description=(
         "Tree rounds: nodes per level of the draft model's tree (each level keeps the best children of the last by "
         "cumulative draft probability) and prompt lookup's branches."))
@@ -76,6 +81,10 @@ class DecodeConfig(Section):
             raise ValueError("decode.gamma_schedule is set exactly when decode.gamma_policy is 'schedule'")
         if self.tree_budget and self.tree_budget_schedule is not None:
             raise ValueError("decode.tree_budget_schedule replaces decode.tree_budget: keep tree_budget 0 with it")
+        if self.suffix and not self.tree_budget and self.tree_budget_schedule is None:
+            raise ValueError("decode.suffix adds a source to tree rounds: set decode.tree_budget or "
+                             "decode.tree_budget_schedule too (chain rounds take prompt lookup and the draft model "
+                             "only)")
         return self
 
 

@@ -17,6 +17,7 @@ import torch
 
 from decode.sampling import Warp, sample
 from decode.speculative import SpeculativeDecoder
+from decode.suffix import SuffixIndex
 from decode.tree import ROOT, TokenTree, accept_sampled
 from decode.tree_drafters import make_tree_drafter, without_replacement
 from tests.decode.test_lossless import assert_matches, check_first_two
@@ -142,3 +143,14 @@ def test_tree_decoding_is_lossless_with_a_reduced_vocabulary_draft(target):
     drafter = make_tree_drafter("draft", target, draft, budget=5, branching=2, draft_token_ids=token_ids)
     decoder = SpeculativeDecoder(target, drafter, 2)
     run_case(target, decoder, [3], dict(temperature=0.7, top_k=6, top_p=1.0))
+
+
+def test_tree_decoding_is_lossless_with_suffix_candidates_beside_sampled_draft_siblings(target):
+    # after "3 5 7" the index has 14 twice (then 12) and 13 once: the suffix offers 14, its child 12, and 13 under the
+    # root, deterministic; the draft samples siblings beside them in the rest of the budget
+    index = SuffixIndex([[3, 5, 7, 14, 12], [3, 5, 7, 14, 12], [3, 5, 7, 13]])
+    drafter = make_tree_drafter("decoder", target, perturbed_copy(target, seed=11, noise=0.15), budget=6, branching=2,
+                                suffix=True, suffix_index=index)
+    accepted = run_case(target, SpeculativeDecoder(target, drafter, 2), [3, 5, 7],
+                        dict(temperature=1.0, top_k=0, top_p=1.0))
+    assert accepted.get("suffix", 0) > 300 and accepted.get("draft", 0) > 50
