@@ -10,7 +10,6 @@ import json
 
 import mlflow
 import pytest
-import torch
 import yaml
 from mlflow import MlflowClient
 
@@ -72,7 +71,8 @@ def test_a_server_that_dies_at_start_says_what_it_printed(tmp_path):
 def llama_cpp(tmp_path_factory):
     """The default target's GGUF and, as `make distill` would export it, a draft of its first two layers (untrained:
     greedy identity does not depend on the draft) written as GGUF; shipped held-out prompts, one per category."""
-    if find_server() is None:
+    server = find_server()  # before the tests' own $DRAFTOPS_HOME hides the build
+    if server is None:
         pytest.fail("no llama-server: `make test-llamacpp` builds it first (draftops llama-cpp build)")
     root = tmp_path_factory.mktemp("llamacpp")
     target = resolve_model(DEFAULT_TARGET, device="cpu")
@@ -83,15 +83,15 @@ def llama_cpp(tmp_path_factory):
     exported = export_format(draft_source(str(root / "draft")), GGUF, root / "gguf", vocabulary=target_file)
     requests = first_per_category(load_traffic(DEFAULT_TRAFFIC).split("heldout"), 1)
     prompts, _ = encode_prompts(requests, target.tokenizer, max_prompt_tokens=384)
-    return {"root": root, "target": target_file, "draft": exported / "draft-f16.gguf", "prompts": prompts,
-            "draft_folder": root / "draft"}
+    return {"root": root, "server": server, "target": target_file, "draft": exported / "draft-f16.gguf",
+            "prompts": prompts}
 
 
 @pytest.mark.llamacpp
 def test_llama_cpp_speculative_greedy_equals_its_target_alone(llama_cpp):
-    threads = torch.get_num_threads()
-    with LlamaServer(llama_cpp["target"], threads=threads, log=llama_cpp["root"] / "alone.log") as alone, \
-            LlamaServer(llama_cpp["target"], draft=llama_cpp["draft"], draft_max=4, threads=threads,
+    binary = llama_cpp["server"]
+    with LlamaServer(llama_cpp["target"], binary=binary, log=llama_cpp["root"] / "alone.log") as alone, \
+            LlamaServer(llama_cpp["target"], draft=llama_cpp["draft"], draft_max=4, binary=binary,
                         log=llama_cpp["root"] / "spec.log") as spec:
         drafted = accepted = 0
         for prompt in llama_cpp["prompts"]:
@@ -118,7 +118,7 @@ def test_monitor_check_reads_a_live_llama_server(llama_cpp, tmp_path, mlflow_uri
         for i in range(40):
             f.write(json.dumps({"id": f"q{i}", "messages": [{"role": "user", "content": f"write code {i % 7}"}]})
                     + "\n")
-    with LlamaServer(llama_cpp["target"], draft=llama_cpp["draft"], draft_max=4,
+    with LlamaServer(llama_cpp["target"], draft=llama_cpp["draft"], draft_max=4, binary=llama_cpp["server"],
                      log=tmp_path / "server.log") as server:
         cfg_path = tmp_path / "cfg.yaml"
         cfg_path.write_text(yaml.safe_dump({
