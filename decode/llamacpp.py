@@ -189,6 +189,7 @@ class LlamaServer:
         self.log = Path(log) if log else None
         self.startup_timeout = startup_timeout
         self.process: subprocess.Popen | None = None
+        self.log_file = None
 
     @property
     def url(self) -> str:
@@ -202,17 +203,19 @@ class LlamaServer:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-20:]) if self.log else ""
 
     def __enter__(self) -> LlamaServer:
-        out = open(self.log, "w") if self.log else subprocess.DEVNULL
-        self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT)
+        self.log_file = open(self.log, "w") if self.log else None
+        self.process = subprocess.Popen(self.command, stdout=self.log_file or subprocess.DEVNULL,
+                                        stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                self.__exit__(None, None, None)
                 raise LlamaCppError(f"{SERVER} exited with {self.process.returncode}:\n{self._log_tail()}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
                     if response.status == 200:
                         return self
-            except OSError:
+            except OSError:  # not listening yet, or loading the model (503)
                 pass
             time.sleep(0.2)
         self.__exit__(None, None, None)
@@ -226,6 +229,9 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self.log_file is not None:
+            self.log_file.close()
+            self.log_file = None
 
     def _post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
         request = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body).encode(),
