@@ -97,6 +97,11 @@ def test_bench_writes_reports(checkpoints, capsys, tmp_path):
     assert in_run["c"] > 0 and in_run["v"] > 0 and 0 < in_run["model_time_share"] <= 1
     assert 0 <= report["break_even_alpha"] <= 1
     assert json.loads((tmp_path / "bench.json").read_text())["n_prompts"] == 3
+    # llama.cpp's rows run only where llama-server is built and the target has a GGUF: here the report says why not
+    assert report["llama_cpp"] is None and any(note.startswith("no llama_cpp rows: ") for note in report["notes"])
+    assert main(["bench", "--target", target, "--draft", draft, "--traffic", traffic, "--split", "all", "--limit", "1",
+                 "--out", str(tmp_path / "on"), "--llama-cpp", "on", "device=cpu"]) == 2
+    assert "draftops: error: --llama-cpp on: " in capsys.readouterr().err
     assert "Leviathan's prediction" in (tmp_path / "bench.md").read_text()
     run = mlflow.get_run(report["mlflow_run_id"])
     assert run.data.metrics["speed/speedup_vs_target"] == pytest.approx(
@@ -111,7 +116,8 @@ def test_bench_with_reduced_vocab_draft_gives_hf_its_full_vocab_copy(checkpoints
     target, _, traffic, reduced = checkpoints
     report = run_json(capsys, ["bench", "--target", target, "--draft", reduced, "--traffic", traffic, "--split", "all",
                                "--limit", "2", "--max-new-tokens", "5", "--out", str(tmp_path), "--json",
-                               "device=cpu", "decode.lookup_min_ngram=null", "decode.draft_min_confidence=null"])
+                               "--llama-cpp", "off", "device=cpu", "decode.lookup_min_ngram=null",
+                               "decode.draft_min_confidence=null"])
     assert set(report["methods"]) == {"target_only", "target_only_torch", "plain", "speculative", "hf_assisted"}
     assert report["methods"]["hf_assisted"]["same_output_as_target"] == 2
     assert report["notes"] == ["HF assisted generation uses the draft's full-vocabulary copy (hf_assistant/): "
