@@ -18,18 +18,21 @@ identical outputs, the acceptance its server reports), and it is not a candidate
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from decode.acceptance import break_even_alpha, expected_speedup
 from decode.drafters import DECODER, DRAFT, LOOKUP
+from decode.export_formats import GGUF, ExportError, draft_source, export_format, target_gguf
 from decode.factory import build_decoder
 from decode.feature_draft import FeatureDraft, FeatureDrafter
 from decode.kernels import cpu_linear_of, torch_kernels
-from decode.llamacpp import Completion, LlamaServer
+from decode.llamacpp import Completion, LlamaCppError, LlamaServer, find_server
 from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter
 from decode.runtime import ModelRunner, greedy_decode, hf_assistant_model, rollback
 from decode.stats import aggregate_stats, paired_speedup, ratio_ci
@@ -180,6 +183,41 @@ def llama_cpp_rows(servers: dict[str, LlamaServer], max_new_tokens: int,
     for name in servers:
         completions[name] = []
     return {name: row(name, server) for name, server in servers.items()}
+
+
+def gguf_draft(draft, vocabulary: Path, folder: Path) -> Path:
+    """The layer `draft` (a loaded draft: its source and fingerprint) as a GGUF under `folder`, exported the first
+    time and reused while the draft's fingerprint is the one recorded beside it."""
+    out, recorded = folder / "draft", folder / "draft.fingerprint"
+    if not (recorded.is_file() and recorded.read_text() == draft.fingerprint and any(out.glob("*.gguf"))):
+        export_format(draft_source(str(draft.path)), GGUF, out, force=True, vocabulary=vocabulary)
+        recorded.write_text(draft.fingerprint)
+    return next(out.glob("*.gguf"))
+
+
+def llama_cpp_servers(mode: str, target: str, draft, gamma: int, folder: Path,
+                      stack: contextlib.ExitStack) -> tuple[dict[str, LlamaServer] | None, str | None]:
+    """({row: started LlamaServer}, None) for the llama.cpp rows, or (None, why not). `mode` "auto" runs them where
+    they can run (llama-server built, a layer draft, a target with a GGUF), "on" makes their absence an error
+    (LlamaCppError), "off" skips them. The servers stop when `stack` closes."""
+    if mode == "off":
+        return None, None
+    try:
+        if draft is None or isinstance(draft.model, FeatureDraft):
+            raise LlamaCppError("llama.cpp's draft-model speculation takes a layer draft, not "
+                                f"{'prompt lookup' if draft is None else 'a feature draft'}")
+        if find_server() is None:
+            raise LlamaCppError("llama-server is not built here (make llama-cpp)")
+        target_file = target_gguf(target)
+        draft_file = gguf_draft(draft, target_file, folder)
+    except (LlamaCppError, ExportError) as exc:
+        if mode == "on":
+            raise LlamaCppError(f"--llama-cpp on: {exc}") from exc
+        return None, str(exc)
+    threads = torch.get_num_threads()
+    alone = LlamaServer(target_file, threads=threads, log=folder / "target_only.log")
+    spec = LlamaServer(target_file, draft=draft_file, draft_max=gamma, threads=threads, log=folder / "speculative.log")
+    return {LLAMA_CPP_TARGET_ONLY: stack.enter_context(alone), LLAMA_CPP_SPECULATIVE: stack.enter_context(spec)}, None
 
 
 def llama_cpp_summary(outputs: dict, seconds: dict, completions: dict[str, list[Completion]], seed: int) -> dict:

@@ -190,44 +190,11 @@ def eval_command(args) -> int:
     return 0
 
 
-def llama_cpp_servers(mode: str, target: str, draft_arg: str, draft, gamma: int, folder: Path,
-                      stack: contextlib.ExitStack):
-    """({row: started LlamaServer}, None) for bench's llama.cpp rows, or (None, why not). `mode` auto runs them
-    where they can run: llama-server built, a layer draft, a target with a GGUF; `on` makes their absence an error."""
-    import torch
-
-    from decode.bench import LLAMA_CPP_SPECULATIVE, LLAMA_CPP_TARGET_ONLY
-    from decode.export_formats import GGUF, ExportError, draft_source, export_format, target_gguf
-    from decode.feature_draft import FeatureDraft
-    from decode.llamacpp import LlamaCppError, LlamaServer, find_server
-
-    if mode == "off":
-        return None, None
-    try:
-        if draft is None or isinstance(draft.model, FeatureDraft):
-            raise LlamaCppError("llama.cpp's draft-model speculation takes a layer draft, not "
-                                f"{'prompt lookup' if draft is None else 'a feature draft'}")
-        if find_server() is None:
-            raise LlamaCppError("llama-server is not built here (make llama-cpp)")
-        target_file = target_gguf(target)
-        exported = export_format(draft_source(draft_arg), GGUF, folder / "draft", force=True,
-                                 vocabulary=target_file)
-    except (LlamaCppError, ExportError) as exc:
-        if mode == "on":
-            raise LlamaCppError(f"--llama-cpp on: {exc}") from exc
-        return None, str(exc)
-    threads = torch.get_num_threads()
-    alone = LlamaServer(target_file, threads=threads, log=folder / "target_only.log")
-    spec = LlamaServer(target_file, draft=next(exported.glob("*.gguf")), draft_max=gamma, threads=threads,
-                       log=folder / "speculative.log")
-    return {LLAMA_CPP_TARGET_ONLY: stack.enter_context(alone), LLAMA_CPP_SPECULATIVE: stack.enter_context(spec)}, None
-
-
 def bench_command(args) -> int:
     import mlflow
 
     from decode.bench import flat_metrics as bench_metrics
-    from decode.bench import markdown, run_bench
+    from decode.bench import llama_cpp_servers, markdown, run_bench
     from decode.llamacpp import LlamaCppError
     from decode.ngram import PROMPT_LOOKUP
     from pipeline.metrics import DRAFT_FINGERPRINT_TAG, DRAFT_SOURCE_TAG, LATEST_BENCH_RUN_TAG, TARGET_FINGERPRINT_TAG
@@ -246,8 +213,8 @@ def bench_command(args) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         with contextlib.ExitStack() as stack:
-            servers, skipped = llama_cpp_servers(args.llama_cpp, target.source, args.draft, draft,
-                                                 args.gamma or decode.gamma, out / "llama.cpp", stack)
+            servers, skipped = llama_cpp_servers(args.llama_cpp, target.source, draft, args.gamma or decode.gamma,
+                                                 out / "llama.cpp", stack)
             report = run_bench(target, draft, prompts, [r.category for r in requests], decode, gamma=args.gamma,
                                seed=cfg.seed, llama_cpp=servers)
         if skipped:

@@ -1,19 +1,26 @@
 """decode.bench's cost accounting, its denominator and its llama.cpp rows, on hand-made timings."""
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 
+import decode.bench as bench
 from decode.bench import (
     LLAMA_CPP_SPECULATIVE,
     LLAMA_CPP_TARGET_ONLY,
     TARGET_ONLY,
     TARGET_ONLY_TORCH,
+    gguf_draft,
     in_run_costs,
     llama_cpp_rows,
+    llama_cpp_servers,
     llama_cpp_summary,
     method_results,
 )
-from decode.llamacpp import Completion
+from decode.llamacpp import Completion, LlamaCppError
 from decode.stats import GenerationStats
 
 
@@ -90,3 +97,55 @@ def test_llama_cpp_rows_compare_its_speculative_row_with_its_own_target_alone():
                                    LLAMA_CPP_SPECULATIVE: 0.008})
     results, baseline = method_results(outputs, seconds, seed=0)
     assert baseline == TARGET_ONLY and results[LLAMA_CPP_TARGET_ONLY]["speedup"]["value"] == pytest.approx(5.0)
+
+
+def test_llama_cpp_servers_say_why_their_rows_cannot_run_and_on_makes_that_an_error(tmp_path, monkeypatch):
+    with contextlib.ExitStack() as stack:
+        assert llama_cpp_servers("off", "t.gguf", None, 5, tmp_path, stack) == (None, None)
+        servers, why = llama_cpp_servers("auto", "t.gguf", None, 5, tmp_path, stack)
+        assert servers is None and why == "llama.cpp's draft-model speculation takes a layer draft, not prompt lookup"
+        with pytest.raises(LlamaCppError, match="^--llama-cpp on: llama.cpp's draft-model speculation takes a layer"):
+            llama_cpp_servers("on", "t.gguf", None, 5, tmp_path, stack)
+        layer_draft = SimpleNamespace(model=object(), path=tmp_path, fingerprint="f1")
+        monkeypatch.setattr(bench, "find_server", lambda: None)
+        assert llama_cpp_servers("auto", "t.gguf", layer_draft, 5, tmp_path, stack) == (
+            None, "llama-server is not built here (make llama-cpp)")
+        monkeypatch.setattr(bench, "find_server", lambda: Path("llama-server"))
+        servers, why = llama_cpp_servers("auto", "HuggingFaceTB/SmolLM2-135M-Instruct", layer_draft, 5, tmp_path,
+                                         stack)
+        assert servers is None and why.startswith("the GGUF format takes its vocabulary from the target's GGUF")
+
+
+def test_llama_cpp_servers_start_both_rows_on_a_draft_exported_once_per_fingerprint(tmp_path, monkeypatch):
+    exports, started = [], []
+
+    def fake_export(source, fmt, out, *, force, vocabulary):
+        exports.append((source, fmt, vocabulary))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "draft-f16.gguf").write_text(f"export {len(exports)}")
+        return out
+
+    @contextlib.contextmanager
+    def fake_server(model, *, draft=None, draft_max=5, threads=None, log=None):
+        started.append((model, draft, draft_max))
+        yield f"server {len(started)}"
+
+    monkeypatch.setattr(bench, "export_format", fake_export)
+    monkeypatch.setattr(bench, "draft_source", lambda source: f"located {source}")
+    monkeypatch.setattr(bench, "find_server", lambda: Path("llama-server"))
+    monkeypatch.setattr(bench, "LlamaServer", fake_server)
+    target = tmp_path / "target.gguf"
+    target.write_text("gguf")
+    draft = SimpleNamespace(model=object(), path=tmp_path / "draft-checkpoint", fingerprint="f1")
+    folder = tmp_path / "llama.cpp"
+    with contextlib.ExitStack() as stack:
+        servers, why = llama_cpp_servers("on", str(target), draft, 4, folder, stack)
+    assert why is None and servers == {LLAMA_CPP_TARGET_ONLY: "server 1", LLAMA_CPP_SPECULATIVE: "server 2"}
+    gguf = folder / "draft" / "draft-f16.gguf"
+    assert started == [(target, None, 5), (target, gguf, 4)]
+    assert exports == [(f"located {draft.path}", "gguf", target)]
+    # the same draft again: the GGUF beside its recorded fingerprint is reused; another draft is exported anew
+    assert gguf_draft(draft, target, folder) == gguf and len(exports) == 1
+    draft.fingerprint = "f2"
+    assert gguf_draft(draft, target, folder) == gguf and len(exports) == 2 and gguf.read_text() == "export 2"
+    assert (folder / "draft.fingerprint").read_text() == "f2"
