@@ -25,7 +25,7 @@ setup: .venv/.installed
 	touch $@
 
 # pytest exits 5 when a selection holds no tests; that is not a failure of the code under test.
-PYTEST = $(PY) -m pytest -q $(1); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; exit 0; fi; exit $$rc
+PYTEST = $(PY) -m pytest -q --durations=15 $(1); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; exit 0; fi; exit $$rc
 
 # Lint (ruff) and the package layering (import-linter's contract in pyproject.toml) before the tests.
 lint: setup

@@ -308,7 +308,8 @@ def sweep_command(args) -> int:
             target, drafts, requests, gammas=_int_list(args.gammas), contexts=_int_list(args.contexts),
             lengths=_int_list(args.max_new_tokens), max_prompt_tokens=cfg.traffic.max_prompt_tokens,
             analytic_prompts=args.analytic_prompts, measure_prompts=args.measure_prompts, reps=args.reps,
-            seed=cfg.seed, log=lambda line: print(f"[sweep] {line}", file=sys.stderr, flush=True))
+            batches=_int_list(args.batches), batch_context=args.batch_context, seed=cfg.seed,
+            log=lambda line: print(f"[sweep] {line}", file=sys.stderr, flush=True))
     except ValueError as exc:
         return _error(exc)
     report.update(target=target.source, traffic=str(args.traffic or cfg.traffic.path), notes=notes)
@@ -331,6 +332,9 @@ def sweep_command(args) -> int:
         for b in report["best"]:
             metrics[M.sweep_cell("best_speedup", b["context"], b["max_new_tokens"])] = b["predicted_speedup"]
             metrics[M.sweep_cell("break_even_alpha", b["context"], b["max_new_tokens"])] = b["break_even_alpha"]
+        for row in (report["batch"] or {}).get("rows", []):
+            key = M.sweep_batch(row["batch"])
+            metrics[key] = max(metrics.get(key, 0.0), row["predicted_speedup"])
         mlflow.log_metrics(M.finite(metrics))
         for name in ("sweep.json", "sweep.md", "decode_config.yaml"):
             mlflow.log_artifact(str(out / name), "sweep")
@@ -404,8 +408,9 @@ def add_commands(subparsers) -> None:
         "sweep", help="the boundary map: where speculative decoding pays on this machine, with which draft and γ",
         description="Measure step, verify and prefill costs by context length, and acceptance on the traffic, per "
                     "draft; predict the speedup of every (draft, γ, context, generation length) cell, decode a subset "
-                    "for real, and report the best (draft, γ), the break-even acceptance, the measured/predicted gap "
-                    "and a recommended γ schedule (written as a decoder config). Logged to MLflow (draftops-sweep).")
+                    "for real, and report the best (draft, γ), the break-even acceptance, the measured/predicted gap, "
+                    "the speedup by batch size and a recommended γ schedule (written as a decoder config). Logged to "
+                    "MLflow (draftops-sweep).")
     sweep.add_argument("--target", default=None, help="target model source (default: the config's target)")
     sweep.add_argument("--drafts", required=True,
                        help="comma-separated: model sources, target-layers:N[:V] (the target's first N layers; "
@@ -421,6 +426,9 @@ def add_commands(subparsers) -> None:
     sweep.add_argument("--analytic-prompts", type=int, default=8, help="traffic prompts for the acceptance walk")
     sweep.add_argument("--measure-prompts", type=int, default=3, help="prompts decoded for real per measured cell")
     sweep.add_argument("--reps", type=int, default=10, help="timed repetitions per step-cost measurement")
+    sweep.add_argument("--batches", default="1,2,4,8,16,32",
+                       help="batch sizes of the batch axis: B sequences decoded together (empty: no batch axis)")
+    sweep.add_argument("--batch-context", type=int, default=512, help="tokens in each sequence of the batch axis")
     sweep.add_argument("--out", default="outputs/sweep", help="folder for sweep.md/json, plots, decode_config.yaml")
     sweep.add_argument("--json", action="store_true")
     sweep.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. device=cpu")

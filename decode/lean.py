@@ -16,15 +16,25 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 
 class KVCache:
-    """Per-layer keys and values [1, kv_heads, capacity, head_dim], grown by doubling; `length` positions are valid.
+    """Per-layer keys and values [batch, kv_heads, capacity, head_dim], grown by doubling; `length` positions are
+    valid (the same for every sequence of a batch).
 
     `get_seq_length` and `crop` follow transformers' DynamicCache, so `decode.runtime.rollback` works on both.
     """
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 batch: int = 1):
         self.length = 0
-        self.keys = [torch.empty(1, kv_heads, 0, head_dim, dtype=dtype, device=device) for _ in range(layers)]
+        self.keys = [torch.empty(batch, kv_heads, 0, head_dim, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [k.clone() for k in self.keys]
+
+    def repeated(self, batch: int) -> KVCache:
+        """A cache of `batch` sequences, each a copy of this one-sequence cache's valid positions."""
+        copy = KVCache(0, 0, 0, self.keys[0].dtype, self.keys[0].device)
+        copy.length = self.length
+        copy.keys = [entry[:1, :, : self.length].repeat(batch, 1, 1, 1) for entry in self.keys]
+        copy.values = [entry[:1, :, : self.length].repeat(batch, 1, 1, 1) for entry in self.values]
+        return copy
 
     def get_seq_length(self) -> int:
         return self.length
@@ -71,15 +81,24 @@ class LeanLlama:
         return (config.model_type == "llama" and not model.training and not getattr(config, "pretraining_tp", 1) > 1
                 and getattr(config, "_attn_implementation", "sdpa") in ("sdpa", "eager"))
 
-    def new_cache(self) -> KVCache:
+    def new_cache(self, batch: int = 1) -> KVCache:
         weight = self.inner.embed_tokens.weight
-        return KVCache(len(self.inner.layers), self.kv_heads, self.head_dim, weight.dtype, weight.device)
+        return KVCache(len(self.inner.layers), self.kv_heads, self.head_dim, weight.dtype, weight.device, batch)
 
     def forward_logits(self, tokens: torch.Tensor, cache: KVCache, start: int, keep_last: bool) -> torch.Tensor:
         """Feed tokens [T] at positions start..start+T-1 -> logits [T, V] (or [1, V] if keep_last)."""
         n, end = tokens.shape[0], start + tokens.shape[0]
         positions = torch.arange(start, end, device=tokens.device)
         # a block of n > 1 queries sees every cached position and the block causally
+        mask = None if n == 1 else torch.arange(end, device=tokens.device)[None, :] <= positions[:, None]
+        return self._forward(tokens[None], cache, start, positions, mask, keep_last)[0][0]
+
+    def forward_batch(self, tokens: torch.Tensor, cache: KVCache, start: int, keep_last: bool) -> torch.Tensor:
+        """`forward_logits` of a batch: tokens [B, T] at positions start..start+T-1 of every sequence of a cache of
+        B sequences of one length -> logits [B, T, V] (or [B, 1, V] if keep_last). What a serving engine's batched
+        step or verify costs (`decode.sweep_costs.measure_batch_costs`)."""
+        n, end = tokens.shape[1], start + tokens.shape[1]
+        positions = torch.arange(start, end, device=tokens.device)
         mask = None if n == 1 else torch.arange(end, device=tokens.device)[None, :] <= positions[:, None]
         return self._forward(tokens, cache, start, positions, mask, keep_last)[0]
 
@@ -90,7 +109,8 @@ class LeanLlama:
         n, end = tokens.shape[0], start + tokens.shape[0]
         positions = torch.arange(start, end, device=tokens.device)
         mask = None if n == 1 else torch.arange(end, device=tokens.device)[None, :] <= positions[:, None]
-        return self._forward(tokens, cache, start, positions, mask, False, layers)
+        logits, features = self._forward(tokens[None], cache, start, positions, mask, False, layers)
+        return logits[0], features[0]
 
     def forward_tree(self, tokens: torch.Tensor, cache: KVCache, start: int, positions: torch.Tensor,
                      tree_mask: torch.Tensor) -> torch.Tensor:
@@ -100,30 +120,32 @@ class LeanLlama:
         n, end = tokens.shape[0], start + tokens.shape[0]
         mask = torch.ones(n, end, dtype=torch.bool, device=tokens.device)
         mask[:, end - tree_mask.shape[1] :] = tree_mask
-        return self._forward(tokens, cache, start, positions, mask, keep_last=False)[0]
+        return self._forward(tokens[None], cache, start, positions, mask, keep_last=False)[0][0]
 
     def _forward(self, tokens: torch.Tensor, cache: KVCache, start: int, positions: torch.Tensor,
                  mask: torch.Tensor | None, keep_last: bool,
                  capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        n, end = tokens.shape[0], start + tokens.shape[0]
+        """tokens [B, T] -> (logits [B, T or 1, V], features [B, T, len(capture) * H] or None)."""
+        b, n = tokens.shape
+        end = start + n
         cache.reserve(end)
-        x = self.inner.embed_tokens(tokens[None])
+        x = self.inner.embed_tokens(tokens)
         cos, sin = self.inner.rotary_emb(x, positions[None])
         captured = {}
         for i, layer in enumerate(self.inner.layers):
             if i in capture:
-                captured[i] = x[0]
+                captured[i] = x
             attention, h = layer.self_attn, layer.input_layernorm(x)
-            q = attention.q_proj(h).view(1, n, self.heads, self.head_dim).transpose(1, 2)
-            k = attention.k_proj(h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = attention.v_proj(h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
+            q = attention.q_proj(h).view(b, n, self.heads, self.head_dim).transpose(1, 2)
+            k = attention.k_proj(h).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = attention.v_proj(h).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             cache.keys[i][:, :, start:end], cache.values[i][:, :, start:end] = k, v
             out = F.scaled_dot_product_attention(q, cache.keys[i][:, :, :end], cache.values[i][:, :, :end],
                                                  attn_mask=mask, scale=attention.scaling, enable_gqa=True)
-            x = x + attention.o_proj(out.transpose(1, 2).reshape(1, n, -1))
+            x = x + attention.o_proj(out.transpose(1, 2).reshape(b, n, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         cache.length = end
         x = self.inner.norm(x[:, -1:] if keep_last else x)
         features = torch.cat([captured[i] for i in capture], -1) if capture else None
-        return self.model.lm_head(x)[0], features
+        return self.model.lm_head(x), features

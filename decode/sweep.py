@@ -8,6 +8,10 @@ Step costs and each cell's predicted time: `decode.sweep_costs`. A subset of cel
 reported: it holds the per-round overhead and how much acceptance moves with context. EOS does not stop any
 generation here, so every cell generates exactly G tokens. Figures and markdown: `decode.sweep_report`.
 
+The batch axis (`decode.sweep_costs.measure_batch_costs`): the target's step and verify and each draft model's step
+for B sequences at once, and the predicted speedup by batch size from the same walks: where speculation stops paying
+as a server batches more requests.
+
 Token trees: the same pass ranks the target's token among each draft model's choices, and the tree verify is timed
 at node budgets up to 64; `decode.tree_budget` predicts tokens/s per budget and context, and the sweep recommends a
 node budget by context length (`decode.tree_budget_schedule`) next to the γ schedule.
@@ -32,7 +36,7 @@ from decode.ngram import PROMPT_LOOKUP, PromptLookupDrafter
 from decode.runtime import ModelRunner, greedy_decode, load_draft
 from decode.speculative import SpeculativeDecoder
 from decode.stats import aggregate_stats, paired_speedup, ratio_ci
-from decode.sweep_costs import measure_costs, predict_cells
+from decode.sweep_costs import measure_batch_costs, measure_costs, predict_batches, predict_cells
 from decode.timing import run_interleaved
 from decode.tree_budget import predict_tree_budgets, rank_acceptance
 from pipeline.sources import SourceError
@@ -40,6 +44,8 @@ from pipeline.traffic import encode_prompts
 
 TARGET_LAYERS = "target-layers:"  # `target-layers:N[:V]`: the target's first N layers, embeddings, norm and head
 TREE_BUDGETS = (2, 4, 8, 16, 32, 64)  # node budgets whose tree verify the sweep times
+BATCHES = (1, 2, 4, 8, 16, 32)  # batch sizes of the batch axis
+BATCH_CONTEXT = 512  # the context length of every sequence of the batch axis
 
 
 @dataclass
@@ -313,17 +319,23 @@ def measure_cells(target_model, drafts: Sequence[Draft], plan, prompts: Sequence
 
 def run_sweep(target, drafts: Sequence[Draft], requests: Sequence, *, gammas: Sequence[int], contexts: Sequence[int],
               lengths: Sequence[int], max_prompt_tokens: int, analytic_prompts: int = 8, measure_prompts: int = 3,
-              reps: int = 10, tree_budgets: Sequence[int] = TREE_BUDGETS, seed: int = 0,
-              log: Callable[[str], None] = print) -> dict:
+              reps: int = 10, tree_budgets: Sequence[int] = TREE_BUDGETS, batches: Sequence[int] = BATCHES,
+              batch_context: int = BATCH_CONTEXT, seed: int = 0, log: Callable[[str], None] = print) -> dict:
     """target: a `pipeline.sources.ResolvedModel`; requests: traffic requests. Greedy decoding throughout.
-    tree_budgets: node budgets of the tree recommendation (empty: none); trees are at most max(gammas) levels deep."""
+    tree_budgets: node budgets of the tree recommendation (empty: none); trees are at most max(gammas) levels deep.
+    batches: batch sizes of the batch axis (empty: none), every sequence `batch_context` tokens long; its
+    acceptance is the walk's over the longest generation length."""
     gammas, contexts, lengths = sorted(set(gammas)), sorted(set(contexts)), sorted(set(lengths))
-    tree_budgets = sorted(set(tree_budgets))
+    tree_budgets, batches = sorted(set(tree_budgets)), sorted(set(batches))
     if min(gammas) < 1 or min(contexts) < 2 or min(lengths) < 2 or min(tree_budgets, default=1) < 1:
         raise ValueError("need gammas >= 1, contexts >= 2, max-new-tokens >= 2 and tree budgets >= 1")
+    if min(batches, default=1) < 1 or (batches and batch_context < 2):
+        raise ValueError("need batch sizes >= 1 and a batch context >= 2")
     window = getattr(target.model.config, "max_position_embeddings", None)
     if window is not None and max(contexts) + max(lengths) > window:
         raise ValueError(f"context {max(contexts)} + {max(lengths)} new tokens exceed the target's {window} positions")
+    if window is not None and batches and batch_context + max(gammas) + 1 > window:
+        raise ValueError(f"batch context {batch_context} exceeds the target's {window} positions")
     names = [d.name for d in drafts]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate drafts: {names}")
@@ -364,6 +376,15 @@ def run_sweep(target, drafts: Sequence[Draft], requests: Sequence, *, gammas: Se
                                             max(gammas))
         trees["rows"] += rows
         trees["chains"] += chains
+    batch = None
+    if batches:
+        phase("batch", f"batch costs at B = {batches}, context {batch_context}")
+        batch_costs = measure_batch_costs(model, {d.name: d.model for d in drafts if d.is_model},
+                                          at_context([], filler, batch_context + max(gammas) + 1), batch_context,
+                                          batches, range(2, max(gammas) + 2), reps=reps)
+        batch = {"costs": batch_costs,
+                 **predict_batches(batch_costs, costs, acceptance, [d.name for d in drafts if not d.is_model], gammas,
+                                   max(lengths))}
     plan = measured_plan(cells, names, gammas, contexts, lengths)
     phase("measured", f"decoding {len(plan)} cells for real on {len(measured)} prompts")
     measured_cells = measure_cells(model, drafts, plan, measured, filler, seed=seed)
@@ -377,6 +398,7 @@ def run_sweep(target, drafts: Sequence[Draft], requests: Sequence, *, gammas: Se
     gaps = [abs(m["gap"]) for m in measured_cells]
     return {
         "settings": {"gammas": gammas, "contexts": contexts, "max_new_tokens": lengths, "tree_budgets": tree_budgets,
+                     "batches": batches, "batch_context": batch_context,
                      "greedy": True, "analytic_prompts": len(analytic), "measure_prompts": len(measured), "reps": reps,
                      "device": str(next(model.parameters()).device)},
         "phase_seconds": phases,
@@ -390,6 +412,7 @@ def run_sweep(target, drafts: Sequence[Draft], requests: Sequence, *, gammas: Se
         "gap": {"mean_abs": float(np.mean(gaps)), "max_abs": float(np.max(gaps)),
                 "mean": float(np.mean([m["gap"] for m in measured_cells]))},
         "tree_budgets": trees,
+        "batch": batch,
         "recommendation": {**recommend(cells, names, contexts, max(lengths)),
                            **(recommend_tree_budget(trees["rows"], contexts) if trees["rows"] else {})},
     }

@@ -7,6 +7,11 @@ of n = 2..γmax+1 tokens (v(n) = verify / t); per draft its prefill and one roun
 B nodes for every node budget B (v_tree(B) = tree verify / t; `decode.tree_budget` turns them into a budget by
 context length).
 
+The batch axis (`measure_batch_costs`, `predict_batches`): B sequences at one context length, through the lean forward
+of a batch, as a serving engine decodes them: the target's step of B × 1 tokens, its verify of B × n, each draft
+model's step of B × 1. As B grows the target turns from memory-bound to compute-bound, verifying n tokens costs more
+than one step, and the gain shrinks; the batch where the best γ stops paying is reported per draft.
+
 Predicted time of a request (prompt of L tokens, G new tokens), with costs at the mean context L + G/2:
     target alone:  P_t(L) + (G − 1) t
     speculative:   P_t(L) + P_d(L) + Σ over rounds (draft round + verify of d+1 tokens), d = tokens drafted that round
@@ -17,11 +22,13 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 
 import numpy as np
 import torch
 
 from decode.acceptance import break_even_alpha
+from decode.lean import LeanLlama
 from decode.runtime import ModelRunner, rollback
 from decode.speculative import Warp, check_drafts
 from decode.timing import timed
@@ -138,6 +145,65 @@ def measure_costs(target_model, proposers: Mapping[str, object], tokens: list[in
     return {"contexts": list(contexts), "target": target, "drafts": per_draft}
 
 
+@torch.inference_mode()
+def measure_batch_costs(target_model, draft_models: Mapping[str, torch.nn.Module], tokens: list[int], context: int,
+                        batches: Sequence[int], widths: Sequence[int], reps: int = 10) -> dict:
+    """Median seconds of a batch of B sequences, each `context` tokens long (`tokens[:context]`), for every B in
+    `batches`, through `decode.lean.LeanLlama.forward_batch` (the decoder's own forward, batched): the target's step
+    (B × 1 tokens, last logits, argmax), its verify of B × n tokens for every n in `widths` (every logit, argmax), and
+    each draft model's step (B × 1). v_B(n) = verify / step and c_B = draft step / target step are medians of
+    per-repetition ratios, every quantity timed once a repetition (`measure_costs`). Draft models the lean forward
+    does not run (a feature draft) are left out and named under "skipped"."""
+    if not LeanLlama.supports(target_model):
+        raise ValueError("the batch axis runs the lean forward: it needs a Llama-architecture target")
+    device = next(target_model.parameters()).device
+    models = {"target": target_model}
+    skipped = []
+    for name, model in draft_models.items():
+        if LeanLlama.supports(model):
+            models[name] = model
+        else:
+            skipped.append(name)
+    prefix = torch.tensor(tokens[:context], device=device)
+    fed = torch.tensor(tokens[context : context + max(widths, default=1)], device=device)
+    timers: dict[tuple[str, int], tuple[Callable, Callable]] = {}
+    for name, model in models.items():
+        lean = LeanLlama(model)
+        single = lean.new_cache()
+        lean.forward_logits(prefix, single, 0, True)
+        for b in batches:
+            cache = single.repeated(b)
+            undo = (lambda c: lambda: c.crop(context))(cache)
+
+            def forward(n: int, lean=lean, cache=cache, b=b) -> list:
+                return lean.forward_batch(fed[:n].repeat(b, 1), cache, context, n == 1).argmax(-1).tolist()
+
+            timers[(name, b)] = (partial(forward, 1), undo)
+            if name == "target":
+                for n in widths:
+                    timers[(f"verify{n}", b)] = (partial(forward, n), undo)
+    samples: dict[tuple[str, int], list[float]] = {key: [] for key in timers}
+    for rep in range(reps + 2):
+        for key, (run, undo) in timers.items():
+            seconds = timed(run, device)[1]
+            undo()
+            if rep >= 2:  # warm-up
+                samples[key].append(seconds)
+
+    def seconds_of(key: str) -> list[float]:
+        return [statistics.median(samples[(key, b)]) for b in batches]
+
+    def ratio_to_step(key: str) -> list[float]:
+        return [statistics.median(s / t for s, t in zip(samples[(key, b)], samples[("target", b)])) for b in batches]
+
+    return {"context": context, "batches": list(batches), "skipped": skipped,
+            "target": {"step_s": seconds_of("target"),
+                       "verify_s": {str(n): seconds_of(f"verify{n}") for n in widths},
+                       "v": {str(n): ratio_to_step(f"verify{n}") for n in widths}},
+            "drafts": {name: {"step_s": seconds_of(name), "c": ratio_to_step(name)} for name in models
+                       if name != "target"}}
+
+
 # --------------------------------------------------------------------------- the cost model
 
 
@@ -210,3 +276,48 @@ def predict_cells(costs: dict, acceptance: dict, gammas, contexts, lengths) -> l
                         "c": k["c"], "v": k["v"],
                     })
     return cells
+
+
+def predict_batches(batch_costs: dict, costs: dict, acceptance: dict, lookups: Sequence[str], gammas: Sequence[int],
+                    new_tokens: int) -> dict:
+    """Per draft and batch size B: the predicted speedup of each γ in steady state (prefills left out), the best γ,
+    its c and v at B and the i.i.d. break-even α they give (`decode.acceptance.break_even_alpha`), and the smallest
+    measured B at which the best γ no longer pays ("stops_paying_at"; None when every measured B pays).
+
+    Each sequence of the batch takes its own rounds (`acceptance[draft]["per_gamma"][γ][new_tokens]
+    ["rounds_per_prompt"]`, from the walk): a round that drafts d tokens costs the draft round plus a verify of d + 1
+    tokens at B (a plain step when d = 0), against new_tokens steps of the target alone at B. A draft model's round
+    of γ proposals is γ of its steps at B; a prompt-lookup draft's (`lookups`) is B of its lookups, one per sequence,
+    each as long as one in `costs` (`measure_costs`) at the batch's context. Drafts measured neither way (a feature
+    draft) are left out.
+    """
+    t = batch_costs["target"]
+    lookup_round_s = {name: {g: _at(costs, seconds, batch_costs["context"])
+                             for g, seconds in costs["drafts"][name]["round_s"].items()} for name in lookups}
+    rows, stops = [], {}
+    for draft, table in acceptance.items():
+        if draft not in batch_costs["drafts"] and draft not in lookup_round_s:
+            continue
+        per_batch = []
+        for i, b in enumerate(batch_costs["batches"]):
+            step = t["step_s"][i]
+            verify = {1: step, **{int(n): seconds[i] for n, seconds in t["verify_s"].items()}}
+            speedups, draft_rounds = {}, {}
+            for gamma in gammas:
+                if draft in batch_costs["drafts"]:
+                    draft_rounds[gamma] = gamma * batch_costs["drafts"][draft]["step_s"][i]
+                else:
+                    draft_rounds[gamma] = b * lookup_round_s[draft][str(gamma)]
+                rounds = table["per_gamma"][str(gamma)][str(new_tokens)]["rounds_per_prompt"]
+                spec = sum(count * (draft_rounds[gamma] + verify[int(d) + 1]) for d, count in rounds.items())
+                speedups[gamma] = new_tokens * step / spec
+            gamma = max(speedups, key=speedups.get)
+            row = table["per_gamma"][str(gamma)][str(new_tokens)]
+            c, v = draft_rounds[gamma] / (gamma * step), verify[gamma + 1] / step
+            per_batch.append({"draft": draft, "batch": b, "gamma": gamma, "predicted_speedup": speedups[gamma],
+                              "per_gamma": {str(g): x for g, x in speedups.items()}, "alpha": row["alpha"]["value"],
+                              "tau": row["tau"]["value"], "c": c, "v": v,
+                              "break_even_alpha": break_even_alpha(gamma, c, v)})
+        rows += per_batch
+        stops[draft] = next((r["batch"] for r in per_batch if r["predicted_speedup"] < 1), None)
+    return {"rows": rows, "stops_paying_at": stops}

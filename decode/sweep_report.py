@@ -11,8 +11,8 @@ from pipeline.config import DecodeConfig, save_config
 
 
 def figures(report: dict) -> dict:
-    """Name -> matplotlib figure: speedup vs γ, heat maps, break-even α vs draft cost, measured vs predicted, and
-    predicted tokens/s vs tree node budget when a draft model was swept."""
+    """Name -> matplotlib figure: speedup vs γ, heat maps, break-even α vs draft cost, measured vs predicted,
+    predicted tokens/s vs tree node budget when a draft model was swept, and speedup and costs by batch size."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,7 +112,37 @@ def figures(report: dict) -> dict:
         ax.legend(fontsize=7)
         fig.tight_layout()
         out["tree_budget.png"] = fig
+    if report.get("batch"):
+        out["batch.png"] = batch_figure(report["batch"], colors, plt)
     return out
+
+
+def batch_figure(batch: dict, colors: dict, plt):
+    """Predicted speedup (best γ) by batch size per draft, beside the verify cost v_B(n) and the draft cost c_B."""
+    costs, batches = batch["costs"], batch["costs"]["batches"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for d in dict.fromkeys(r["draft"] for r in batch["rows"]):
+        rows = [r for r in batch["rows"] if r["draft"] == d]
+        left.plot(batches, [r["predicted_speedup"] for r in rows], "o-", color=colors[d], label=d)
+        for r in rows:
+            left.annotate(f"γ={r['gamma']}", (r["batch"], r["predicted_speedup"]), fontsize=6,
+                          textcoords="offset points", xytext=(0, 5), ha="center")
+    left.axhline(1.0, color="gray", lw=0.8, ls="--")
+    left.set(xlabel="batch size B (sequences decoded together)", ylabel="predicted speedup vs target alone at B",
+             title=f"best γ per batch size, context {costs['context']}")
+    widths = sorted(costs["target"]["v"], key=int)
+    for n, shade in zip(dict.fromkeys((widths[0], widths[len(widths) // 2], widths[-1])), ("0.65", "0.4", "0")):
+        right.plot(batches, costs["target"]["v"][n], "o-", color=shade, label=f"v_B({n}) target verify / step")
+    for d, draft in costs["drafts"].items():
+        right.plot(batches, draft["c"], "s--", color=colors[d], label=f"c_B {d}")
+    right.axhline(1.0, color="gray", lw=0.8, ls=":")
+    right.set(xlabel="batch size B", ylabel="cost / target step at B", title="costs by batch size")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set(xticks=batches, xticklabels=batches)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    return fig
 
 
 def markdown(report: dict) -> str:
@@ -171,6 +201,7 @@ def markdown(report: dict) -> str:
     lines += ["", f"Gap measured/predicted − 1: mean {g['mean']:+.1%}, mean |gap| {g['mean_abs']:.1%}, "
               f"max |gap| {g['max_abs']:.1%}.", ""]
     lines += tree_markdown(report)
+    lines += batch_markdown(report)
     lines += [f"## Recommendation: --draft {r['draft']} with decode.gamma_schedule {r['gamma_schedule']}", ""]
     if "tree_budget_schedule" in r:
         shapes = ", ".join(f"budget {e['budget']} at context {e['context']}: {e['nodes']} nodes in {e['depth']} "
@@ -214,6 +245,39 @@ def tree_markdown(report: dict) -> list[str]:
                          for row in rows)
                      + " |")
     return lines + [""]
+
+
+def batch_markdown(report: dict) -> list[str]:
+    """The batch section: target step, verify and draft costs by batch size, and the predicted speedup per draft."""
+    batch = report.get("batch")
+    if not batch:
+        return []
+    costs, batches = batch["costs"], batch["costs"]["batches"]
+    t = costs["target"]
+    widths = sorted(t["v"], key=int)
+    lines = [f"## Batch size: B sequences of {costs['context']} tokens decoded together (predicted)", "",
+             "| B | target step (ms) | per sequence (ms) | " + " | ".join(f"v_B({n})" for n in widths) + " | "
+             + " | ".join(f"c_B {d}" for d in costs["drafts"]) + " |",
+             "|---:|---:|---:|" + "---:|" * (len(widths) + len(costs["drafts"]))]
+    for i, b in enumerate(batches):
+        lines.append(f"| {b} | {t['step_s'][i] * 1e3:.2f} | {t['step_s'][i] * 1e3 / b:.2f} | "
+                     + " | ".join(f"{t['v'][n][i]:.2f}" for n in widths) + " | "
+                     + " | ".join(f"{d['c'][i]:.3f}" for d in costs["drafts"].values()) + " |")
+    drafts = list(dict.fromkeys(r["draft"] for r in batch["rows"]))
+    lines += ["", "Predicted speedup against the target alone at the same B (best γ, steady state: acceptance from the "
+              f"walk over {max(report['settings']['max_new_tokens'])} new tokens, prefills left out).", "",
+              "| draft | " + " | ".join(f"B={b}" for b in batches) + " | stops paying at |",
+              "|---|" + "---|" * len(batches) + "---:|"]
+    for d in drafts:
+        rows = [r for r in batch["rows"] if r["draft"] == d]
+        stop = batch["stops_paying_at"][d]
+        lines.append(f"| {d} | " + " | ".join(f"{r['predicted_speedup']:.2f}x (γ={r['gamma']}, break-even α "
+                                              f"{r['break_even_alpha']:.2f})" for r in rows)
+                     + f" | {'B=' + str(stop) if stop else f'pays at every B ≤ {max(batches)}'} |")
+    skipped = costs["skipped"]
+    lines += [""] + ([f"Not on the batch axis (the lean forward does not run them): {', '.join(skipped)}.", ""]
+                     if skipped else [])
+    return lines
 
 
 def write_decode_config(cfg, recommendation: dict, path: Path, target: str) -> Path:

@@ -196,6 +196,11 @@ def monitor_test(test: str, quantity: str) -> str:
     return f"monitor/{test}/{quantity}"
 
 
+def sweep_batch(batch: int) -> str:
+    """The best draft's predicted speedup at batch size B on the sweep's batch axis: `sweep/batch_best_speedup/b8`."""
+    return f"sweep/batch_best_speedup/b{int(batch)}"
+
+
 def sweep_cell(quantity: str, context: int, new_tokens: int) -> str:
     """A per-cell figure of the sweep's map: `sweep/best_speedup/ctx512_gen128`, `sweep/break_even_alpha/...`."""
     return f"sweep/{quantity}/ctx{int(context)}_gen{int(new_tokens)}"

@@ -33,6 +33,35 @@ def test_same_logits_as_the_transformers_forward_through_blocks_and_rollbacks(dr
         assert cache.get_seq_length() == ref_cache.get_seq_length() == position
 
 
+@torch.inference_mode()
+def test_a_batch_gives_each_sequences_own_logits():
+    model = tiny_llama(5)
+    lean = LeanLlama(model)
+    tokens = torch.randint(0, 128, (3, 30), generator=torch.Generator().manual_seed(1))
+    alone = []
+    for row in tokens:  # each sequence on its own: a prefill of 24 tokens, a step, then a 5-token verify block
+        cache = lean.new_cache()
+        lean.forward_logits(row[:24], cache, 0, True)
+        step = lean.forward_logits(row[24:25], cache, 24, True)
+        alone.append((step, lean.forward_logits(row[25:30], cache, 25, False)))
+    cache = lean.new_cache(batch=3)
+    lean.forward_batch(tokens[:, :24], cache, 0, True)
+    step = lean.forward_batch(tokens[:, 24:25], cache, 24, True)
+    block = lean.forward_batch(tokens[:, 25:30], cache, 25, False)
+    assert step.shape == (3, 1, 128) and block.shape == (3, 5, 128)
+    for i, (step_alone, block_alone) in enumerate(alone):
+        torch.testing.assert_close(step[i], step_alone, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(block[i], block_alone, rtol=1e-5, atol=1e-5)
+    # a cache repeated from one sequence's continues as that sequence does in every row
+    single = lean.new_cache()
+    lean.forward_logits(tokens[0, :24], single, 0, True)
+    repeated = single.repeated(4)
+    assert repeated.keys[0].shape[0] == 4 and repeated.get_seq_length() == 24
+    rows = lean.forward_batch(tokens[0, 24:30].repeat(4, 1), repeated, 24, False)
+    for row in rows:
+        torch.testing.assert_close(row[1:], alone[0][1], rtol=1e-5, atol=1e-5)
+
+
 def test_decoder_output_is_the_same_with_and_without_it(target, close_draft):
     prompt = [5, 9, 2, 77, 3]
     lean = SpeculativeDecoder(target, close_draft, 4)

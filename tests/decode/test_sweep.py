@@ -18,7 +18,7 @@ from decode.ngram import PromptLookupDrafter
 from decode.runtime import ModelRunner, greedy_decode
 from decode.speculative import GammaPolicy, SpeculativeDecoder, scheduled_gamma
 from decode.sweep import at_context, lookup_block, spread
-from decode.sweep_costs import cell_break_even_alpha, predicted_seconds
+from decode.sweep_costs import cell_break_even_alpha, predict_batches, predicted_seconds
 from pipeline.cli import main
 from pipeline.config import load_config
 from pipeline.sources import save_checkpoint
@@ -124,8 +124,8 @@ def test_sweep_cli(checkpoints, capsys, tmp_path):
     assert main(["sweep", "--target", target, "--traffic", traffic, "--drafts",
                  f"{draft},target-layers:1:20,prompt-lookup,models:/absent@champion?", "--gammas", "1,3",
                  "--contexts", "16,40", "--max-new-tokens", "4,8", "--analytic-prompts", "3",
-                 "--measure-prompts", "2", "--reps", "2", "--out", str(tmp_path), "--json", "device=cpu",
-                 "tracking.system_metrics=false"]) == 0
+                 "--measure-prompts", "2", "--reps", "2", "--batches", "1,2,4", "--batch-context", "24",
+                 "--out", str(tmp_path), "--json", "device=cpu", "tracking.system_metrics=false"]) == 0
     report = json.loads(capsys.readouterr().out)
     drafts = [draft, "target-layers:1:20", "prompt-lookup"]
     assert list(report["drafts"]) == drafts and report["drafts"]["target-layers:1:20"]["reduced_vocab"] >= 20
@@ -152,6 +152,19 @@ def test_sweep_cli(checkpoints, capsys, tmp_path):
     assert trees["max_depth"] == 3 and len(trees["rows"]) == 2 * 2 * 6 and len(trees["chains"]) == 2 * 2
     assert {r["draft"] for r in trees["rows"]} == {draft, "target-layers:1:20"}
     assert all(r["predicted_tokens_per_s"] > 0 and 1 <= r["depth"] <= 3 and r["tau"] >= 1 for r in trees["rows"])
+    # the batch axis: costs of 1, 2 and 4 sequences of 24 tokens, every draft's speedup by batch size
+    batch = report["batch"]
+    assert batch["costs"]["batches"] == [1, 2, 4] and batch["costs"]["context"] == 24
+    assert set(batch["costs"]["drafts"]) == {draft, "target-layers:1:20"} and batch["costs"]["skipped"] == []
+    assert set(batch["costs"]["target"]["v"]) == {"2", "3", "4"}
+    assert all(len(x) == 3 and min(x) > 0 for x in batch["costs"]["target"]["verify_s"].values())
+    assert [(r["draft"], r["batch"]) for r in batch["rows"]] == [(d, b) for d in drafts for b in (1, 2, 4)]
+    assert all(r["predicted_speedup"] == max(r["per_gamma"].values()) and r["gamma"] in (1, 3)
+               for r in batch["rows"])
+    for d in drafts:
+        stop = batch["stops_paying_at"][d]
+        assert stop == next((r["batch"] for r in batch["rows"] if r["draft"] == d and r["predicted_speedup"] < 1),
+                            None)
     # every γ of every draft at (16, 4), plus each draft's best γ at (40, 8)
     measured = {(m["draft"], m["gamma"], m["context"], m["max_new_tokens"]) for m in report["measured"]}
     assert {(d, g, 16, 4) for d in drafts for g in (1, 3)} <= measured and len(measured) == 9
@@ -170,7 +183,7 @@ def test_sweep_cli(checkpoints, capsys, tmp_path):
     assert [b for _, b in tree_schedule] == [b for i, b in enumerate(best_budgets) if b not in best_budgets[i - 1 : i]]
     assert (tmp_path / "decode_config.yaml").read_text().startswith("# Written by `draftops sweep`")
     names = {"sweep.json", "sweep.md", "decode_config.yaml", "speedup_vs_gamma.png", "speedup_heatmap.png",
-             "break_even_alpha.png", "measured_vs_predicted.png", "tree_budget.png"}
+             "break_even_alpha.png", "measured_vs_predicted.png", "tree_budget.png", "batch.png"}
     assert names <= {p.name for p in tmp_path.iterdir()}
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(report["mlflow_run_id"], "sweep")}
     assert artifacts == {f"sweep/{n}" for n in names}
@@ -179,8 +192,10 @@ def test_sweep_cli(checkpoints, capsys, tmp_path):
     best = report["best"][0]
     assert logged[f"sweep/best_speedup/ctx{best['context']}_gen{best['max_new_tokens']}"] == pytest.approx(
         best["predicted_speedup"])
+    best_at_4 = max(r["predicted_speedup"] for r in batch["rows"] if r["batch"] == 4)
+    assert logged["sweep/batch_best_speedup/b4"] == pytest.approx(best_at_4)
     page = (tmp_path / "sweep.md").read_text()
-    assert "## Recommendation" in page and "## Token trees" in page
+    assert "## Recommendation" in page and "## Token trees" in page and "## Batch size: B sequences of 24" in page
     assert f"decode.tree_budget_schedule {tree_schedule}" in page
 
     # the written config drives the decoder
@@ -228,3 +243,30 @@ def test_rounds_are_charged_the_verify_they_ran():
     w = walk(lookup_block(lookup, prompt, response), len(response), 4)
     assert sum(w.rounds.values()) == w.calls and sum(d * n for d, n in w.rounds.items()) == w.drafted
     assert w.rounds[0] >= 1  # "7" and "8" never occurred before: rounds without a proposal
+
+
+def test_batch_axis_charges_each_round_its_verify_at_that_batch_size():
+    """Hand values: 10 new tokens per sequence; a draft model (steps of 2 ms at B=1, 4 ms at B=8) and prompt lookup
+    (1 ms a lookup, B lookups a round) against a target whose verify grows with B."""
+    batch_costs = {"context": 16, "batches": [1, 8], "skipped": ["feature"],
+                   "target": {"step_s": [0.02, 0.04], "verify_s": {"2": [0.021, 0.09], "3": [0.022, 0.13]}},
+                   "drafts": {"model": {"step_s": [0.002, 0.004], "c": [0.1, 0.1]}}}
+    costs = {"contexts": [16], "drafts": {"lookup": {"round_s": {"1": [0.001], "2": [0.001]}}}}
+    walked = {"1": {"10": {"rounds_per_prompt": {"1": 5}, "alpha": {"value": 1.0}, "tau": {"value": 2.0}}},
+              "2": {"10": {"rounds_per_prompt": {"2": 3, "0": 1}, "alpha": {"value": 0.9}, "tau": {"value": 2.5}}}}
+    acceptance = {name: {"per_gamma": walked} for name in ("model", "lookup", "feature")}
+    out = predict_batches(batch_costs, costs, acceptance, ["lookup"], [1, 2], 10)
+    rows = {(r["draft"], r["batch"]): r for r in out["rows"]}
+    assert set(rows) == {("model", 1), ("model", 8), ("lookup", 1), ("lookup", 8)}  # the feature draft: not measured
+    # B=1, model: γ=1: 5 rounds of (2 ms + 21 ms); γ=2: 3 × (4 + 22) + 1 × (4 + 20 ms, a plain step), against 10 × 20 ms
+    assert rows[("model", 1)]["per_gamma"] == pytest.approx({"1": 0.2 / 0.115, "2": 0.2 / 0.102})
+    assert rows[("model", 1)]["gamma"] == 2 and rows[("model", 1)]["v"] == pytest.approx(0.022 / 0.02)
+    # B=8: the verify costs 2.25-3.25 steps; γ=2: 3 × (8 + 130) + (8 + 40) ms against 10 × 40 ms
+    assert rows[("model", 8)]["per_gamma"] == pytest.approx({"1": 0.4 / 0.47, "2": 0.4 / 0.462})
+    # lookup: B lookups a round
+    assert rows[("lookup", 1)]["per_gamma"] == pytest.approx({"1": 0.2 / 0.11, "2": 0.2 / 0.090})
+    assert rows[("lookup", 8)]["per_gamma"] == pytest.approx({"1": 0.4 / 0.49, "2": 0.4 / 0.462})
+    assert rows[("lookup", 8)]["c"] == pytest.approx(8 * 0.001 / (2 * 0.04))
+    assert rows[("lookup", 8)]["break_even_alpha"] == 1.0  # γc + v = 0.2 + 3.25 >= γ + 1: never pays
+    assert (rows[("model", 8)]["alpha"], rows[("model", 8)]["tau"]) == (0.9, 2.5)
+    assert out["stops_paying_at"] == {"model": 8, "lookup": 8}
