@@ -6,6 +6,7 @@ top, so that building `draftops`' parser loads neither torch, transformers nor m
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import sys
@@ -308,11 +309,13 @@ def sweep_command(args) -> int:
             target, drafts, requests, gammas=_int_list(args.gammas), contexts=_int_list(args.contexts),
             lengths=_int_list(args.max_new_tokens), max_prompt_tokens=cfg.traffic.max_prompt_tokens,
             analytic_prompts=args.analytic_prompts, measure_prompts=args.measure_prompts, reps=args.reps,
-            batches=_int_list(args.batches), batch_context=args.batch_context, seed=cfg.seed,
+            batches=_int_list(args.batches), batch_context=args.batch_context, quantization=args.quantization,
+            seed=cfg.seed,
             log=lambda line: print(f"[sweep] {line}", file=sys.stderr, flush=True))
     except ValueError as exc:
         return _error(exc)
-    report.update(target=target.source, traffic=str(args.traffic or cfg.traffic.path), notes=notes)
+    report.update(target=target.source, traffic=str(args.traffic or cfg.traffic.path),
+                  notes=notes + report["notes"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config_path = write_decode_config(cfg, report["recommendation"], out / "decode_config.yaml",
@@ -332,6 +335,12 @@ def sweep_command(args) -> int:
         for b in report["best"]:
             metrics[M.sweep_cell("best_speedup", b["context"], b["max_new_tokens"])] = b["predicted_speedup"]
             metrics[M.sweep_cell("break_even_alpha", b["context"], b["max_new_tokens"])] = b["break_even_alpha"]
+        if quantization := report["quantization"]:
+            methods = quantization["methods"]
+            metrics.update({M.SWEEP_INT8_SPEEDUP: methods["int8_target_only"]["speedup"]["value"],
+                            M.SWEEP_SPECULATIVE_SPEEDUP: methods["speculative"]["speedup"]["value"],
+                            M.SWEEP_INT8_KL: quantization["int8_quality"]["kl"]["value"],
+                            M.SWEEP_INT8_AGREEMENT: quantization["int8_quality"]["agreement"]["value"]})
         for row in (report["batch"] or {}).get("rows", []):
             key = M.sweep_batch(row["batch"])
             metrics[key] = max(metrics.get(key, 0.0), row["predicted_speedup"])
@@ -429,6 +438,8 @@ def add_commands(subparsers) -> None:
     sweep.add_argument("--batches", default="1,2,4,8,16,32",
                        help="batch sizes of the batch axis: B sequences decoded together (empty: no batch axis)")
     sweep.add_argument("--batch-context", type=int, default=512, help="tokens in each sequence of the batch axis")
+    sweep.add_argument("--quantization", action=argparse.BooleanOptionalAction, default=True,
+                       help="measure the int8 target beside the recommended draft (CPU; default: on)")
     sweep.add_argument("--out", default="outputs/sweep", help="folder for sweep.md/json, plots, decode_config.yaml")
     sweep.add_argument("--json", action="store_true")
     sweep.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. device=cpu")

@@ -33,6 +33,7 @@ from decode.drafts import draft_from_target_layers, frequent_token_ids, reduce_v
 from decode.feature_draft import FeatureDraft
 from decode.kernels import cpu_linear_of, use_cpu_linear
 from decode.ngram import PROMPT_LOOKUP, PromptLookupDrafter
+from decode.quantized import int8_dynamic, quantization_quality
 from decode.runtime import ModelRunner, greedy_decode, load_draft
 from decode.speculative import SpeculativeDecoder
 from decode.stats import aggregate_stats, paired_speedup, ratio_ci
@@ -314,17 +315,56 @@ def measure_cells(target_model, drafts: Sequence[Draft], plan, prompts: Sequence
     return results
 
 
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two outputs share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def measure_quantization(target_model, draft: Draft, gamma: int, prompts: Sequence[list[int]], new_tokens: int,
+                         quality_prompts: Sequence[list[int]], quality_responses: Sequence[list[int]], *,
+                         seed: int = 0) -> dict:
+    """The target quantized instead of drafted for: the fp32 target alone, its int8 copy alone
+    (`decode.quantized.int8_dynamic`) and the speculative decoder with `draft` at γ, interleaved on `prompts` (each
+    generating `new_tokens`), with speedups against the fp32 target alone; how many outputs each shares with it; and
+    the int8 target's quality on the quality prompts' fp32 greedy responses (`decode.quantized.quantization_quality`).
+    """
+    device = next(target_model.parameters()).device
+    quantized = int8_dynamic(target_model)
+    runner, int8_runner = ModelRunner(target_model), ModelRunner(quantized)
+    decoder = SpeculativeDecoder(target_model, draft.drafter(target_model), gamma, eos_token_ids=())
+    methods = {"target_only": lambda p: greedy_decode(runner, p, new_tokens),
+               "int8_target_only": lambda p: greedy_decode(int8_runner, p, new_tokens),
+               "speculative": lambda p: decoder.generate(p, max_new_tokens=new_tokens).token_ids}
+    for method in methods.values():
+        method(prompts[0][:8])  # warm-up
+    runs = run_interleaved(methods, prompts, device)
+    reference, tokens = runs.outputs["target_only"], [new_tokens] * len(prompts)
+    rows = {}
+    for name, outputs in runs.outputs.items():
+        rows[name] = {
+            "tokens_per_s": new_tokens * len(prompts) / sum(runs.seconds[name]),
+            "speedup": paired_speedup(tokens, runs.seconds[name], tokens, runs.seconds["target_only"], seed=seed),
+            "same_output_as_target": sum(o == r for o, r in zip(outputs, reference)),
+            "mean_shared_prefix": float(np.mean([first_divergence(o, r) for o, r in zip(outputs, reference)])),
+        }
+    return {"draft": draft.name, "gamma": gamma, "new_tokens": new_tokens, "n_prompts": len(prompts),
+            "methods": rows, "int8_quality": quantization_quality(target_model, quantized, quality_prompts,
+                                                                   quality_responses, seed=seed)}
+
+
 # --------------------------------------------------------------------------- the whole sweep
 
 
 def run_sweep(target, drafts: Sequence[Draft], requests: Sequence, *, gammas: Sequence[int], contexts: Sequence[int],
               lengths: Sequence[int], max_prompt_tokens: int, analytic_prompts: int = 8, measure_prompts: int = 3,
               reps: int = 10, tree_budgets: Sequence[int] = TREE_BUDGETS, batches: Sequence[int] = BATCHES,
-              batch_context: int = BATCH_CONTEXT, seed: int = 0, log: Callable[[str], None] = print) -> dict:
+              batch_context: int = BATCH_CONTEXT, quantization: bool = True, seed: int = 0,
+              log: Callable[[str], None] = print) -> dict:
     """target: a `pipeline.sources.ResolvedModel`; requests: traffic requests. Greedy decoding throughout.
     tree_budgets: node budgets of the tree recommendation (empty: none); trees are at most max(gammas) levels deep.
     batches: batch sizes of the batch axis (empty: none), every sequence `batch_context` tokens long; its
-    acceptance is the walk's over the longest generation length."""
+    acceptance is the walk's over the longest generation length. quantization: put the int8 target beside the
+    recommended draft (`measure_quantization`; CPU only, a note elsewhere)."""
     gammas, contexts, lengths = sorted(set(gammas)), sorted(set(contexts)), sorted(set(lengths))
     tree_budgets, batches = sorted(set(tree_budgets)), sorted(set(batches))
     if min(gammas) < 1 or min(contexts) < 2 or min(lengths) < 2 or min(tree_budgets, default=1) < 1:
@@ -388,6 +428,17 @@ def run_sweep(target, drafts: Sequence[Draft], requests: Sequence, *, gammas: Se
     plan = measured_plan(cells, names, gammas, contexts, lengths)
     phase("measured", f"decoding {len(plan)} cells for real on {len(measured)} prompts")
     measured_cells = measure_cells(model, drafts, plan, measured, filler, seed=seed)
+    recommendation = recommend(cells, names, contexts, max(lengths))
+    quantized, notes = None, []
+    if quantization and next(model.parameters()).device.type == "cpu":
+        middle = lengths[len(lengths) // 2]
+        phase("quantization", f"int8 target beside {recommendation['draft']}: {len(measured)} prompts x {middle} "
+                              "tokens")
+        gamma = recommendation["gamma_schedule"][0][1]
+        quantized = measure_quantization(model, next(d for d in drafts if d.name == recommendation["draft"]), gamma,
+                                         measured, middle, analytic, responses, seed=seed)
+    elif quantization:
+        notes.append("quantization: int8 dynamic quantization runs on CPU targets only")
     phase("done", "sweep measured")
     del phases["done"]
     by_key = {(c["draft"], c["gamma"], c["context"], c["max_new_tokens"]): c for c in cells}
@@ -413,6 +464,8 @@ def run_sweep(target, drafts: Sequence[Draft], requests: Sequence, *, gammas: Se
                 "mean": float(np.mean([m["gap"] for m in measured_cells]))},
         "tree_budgets": trees,
         "batch": batch,
-        "recommendation": {**recommend(cells, names, contexts, max(lengths)),
+        "quantization": quantized,
+        "notes": notes,
+        "recommendation": {**recommendation,
                            **(recommend_tree_budget(trees["rows"], contexts) if trees["rows"] else {})},
     }

@@ -114,7 +114,35 @@ def figures(report: dict) -> dict:
         out["tree_budget.png"] = fig
     if report.get("batch"):
         out["batch.png"] = batch_figure(report["batch"], colors, plt)
+    if report.get("quantization"):
+        out["quantization.png"] = quantization_figure(report["quantization"], plt)
     return out
+
+
+QUANTIZATION_LABELS = {"target_only": "fp32 target alone", "int8_target_only": "int8 target alone",
+                       "speculative": "speculative (fp32 target)"}
+
+
+def quantization_figure(quantization: dict, plt):
+    """Speedup against the fp32 target alone of the int8 target and the speculative decoder, with the int8 target's
+    greedy agreement and KL under its bar."""
+    rows = quantization["methods"]
+    names = list(rows)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    values = [rows[n]["speedup"]["value"] for n in names]
+    ax.bar(range(len(names)), values, color=["0.6", "C3", "C0"][: len(names)],
+           yerr=[[v - rows[n]["speedup"]["low"] for n, v in zip(names, values)],
+                 [rows[n]["speedup"]["high"] - v for n, v in zip(names, values)]], capsize=4)
+    quality = quantization["int8_quality"]
+    labels = [QUANTIZATION_LABELS[n] + (f"\nagrees {quality['agreement']['value']:.1%}, KL "
+                                         f"{quality['kl']['value']:.3g}" if n == "int8_target_only" else
+                                         "\nlossless" if n == "speculative" else "") for n in names]
+    ax.set_xticks(range(len(names)), labels, fontsize=7)
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set(ylabel="speedup vs fp32 target alone (95% CI)",
+           title=f"quantized or drafted: {quantization['n_prompts']} prompts × {quantization['new_tokens']} tokens")
+    fig.tight_layout()
+    return fig
 
 
 def batch_figure(batch: dict, colors: dict, plt):
@@ -202,6 +230,7 @@ def markdown(report: dict) -> str:
               f"max |gap| {g['max_abs']:.1%}.", ""]
     lines += tree_markdown(report)
     lines += batch_markdown(report)
+    lines += quantization_markdown(report)
     lines += [f"## Recommendation: --draft {r['draft']} with decode.gamma_schedule {r['gamma_schedule']}", ""]
     if "tree_budget_schedule" in r:
         shapes = ", ".join(f"budget {e['budget']} at context {e['context']}: {e['nodes']} nodes in {e['depth']} "
@@ -277,6 +306,29 @@ def batch_markdown(report: dict) -> list[str]:
     skipped = costs["skipped"]
     lines += [""] + ([f"Not on the batch axis (the lean forward does not run them): {', '.join(skipped)}.", ""]
                      if skipped else [])
+    return lines
+
+
+def quantization_markdown(report: dict) -> list[str]:
+    """The quantization section: the int8 target and the speculative decoder against the fp32 target alone."""
+    q = report.get("quantization")
+    if not q:
+        return []
+    lines = [f"## Quantized or drafted: the int8 target beside {q['draft']} at γ={q['gamma']} (measured)", "",
+             f"{q['n_prompts']} prompts, {q['new_tokens']} new tokens each, interleaved; greedy.", "",
+             "| method | tokens/s | speedup vs fp32 target | same output as fp32 target | mean shared prefix |",
+             "|---|---:|---|---:|---:|"]
+    for name, row in q["methods"].items():
+        sp = row["speedup"]
+        lines.append(f"| {QUANTIZATION_LABELS[name]} | {row['tokens_per_s']:.1f} | {sp['value']:.2f}x "
+                     f"[{sp['low']:.2f}, {sp['high']:.2f}] | {row['same_output_as_target']}/{q['n_prompts']} | "
+                     f"{row['mean_shared_prefix']:.0f} |")
+    quality = q["int8_quality"]
+    kl, agreement = quality["kl"], quality["agreement"]
+    lines += ["", f"int8 quality on {quality['positions']} held-out response positions (the fp32 target's greedy "
+              f"responses, teacher-forced): next-token KL(fp32 ‖ int8) {kl['value']:.3g} nats [{kl['low']:.3g}, "
+              f"{kl['high']:.3g}], greedy agreement {agreement['value']:.1%} [{agreement['low']:.1%}, "
+              f"{agreement['high']:.1%}]. Speculative decoding is lossless: its output is the fp32 target's.", ""]
     return lines
 
 

@@ -107,6 +107,10 @@ MONITOR_PROMOTED = "monitor/promoted"
 # sweep: the boundary map
 SWEEP_GAP_MEAN = "sweep/gap_mean"  # measured / predicted speedup − 1 over the measured cells
 SWEEP_GAP_MEAN_ABS = "sweep/gap_mean_abs"
+SWEEP_INT8_SPEEDUP = "sweep/quantization/int8_speedup"  # the int8 target alone / the fp32 target alone
+SWEEP_INT8_KL = "sweep/quantization/int8_kl"  # next-token KL(fp32 ‖ int8), nats, on held-out responses
+SWEEP_INT8_AGREEMENT = "sweep/quantization/int8_agreement"  # share of positions where int8's argmax is fp32's
+SWEEP_SPECULATIVE_SPEEDUP = "sweep/quantization/speculative_speedup"  # measured in the same run as the int8 rows
 
 # model-version tags that link a version to its runs
 DISTILL_RUN_TAG = "draftops.distill_run"

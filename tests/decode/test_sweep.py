@@ -165,6 +165,16 @@ def test_sweep_cli(checkpoints, capsys, tmp_path):
         stop = batch["stops_paying_at"][d]
         assert stop == next((r["batch"] for r in batch["rows"] if r["draft"] == d and r["predicted_speedup"] < 1),
                             None)
+    # the int8 target beside the recommended draft, on the measured prompts
+    quantization = report["quantization"]
+    assert quantization["draft"] == report["recommendation"]["draft"] and quantization["new_tokens"] == 8
+    assert set(quantization["methods"]) == {"target_only", "int8_target_only", "speculative"}
+    assert quantization["methods"]["speculative"]["same_output_as_target"] == 2  # lossless
+    assert quantization["methods"]["target_only"]["speedup"]["value"] == pytest.approx(1.0)
+    int8 = quantization["methods"]["int8_target_only"]
+    assert 0 <= int8["same_output_as_target"] <= 2 and 0 <= int8["mean_shared_prefix"] <= 8
+    quality = quantization["int8_quality"]
+    assert quality["positions"] == 3 * 8 and quality["kl"]["value"] >= 0 and 0 <= quality["agreement"]["value"] <= 1
     # every γ of every draft at (16, 4), plus each draft's best γ at (40, 8)
     measured = {(m["draft"], m["gamma"], m["context"], m["max_new_tokens"]) for m in report["measured"]}
     assert {(d, g, 16, 4) for d in drafts for g in (1, 3)} <= measured and len(measured) == 9
@@ -183,7 +193,8 @@ def test_sweep_cli(checkpoints, capsys, tmp_path):
     assert [b for _, b in tree_schedule] == [b for i, b in enumerate(best_budgets) if b not in best_budgets[i - 1 : i]]
     assert (tmp_path / "decode_config.yaml").read_text().startswith("# Written by `draftops sweep`")
     names = {"sweep.json", "sweep.md", "decode_config.yaml", "speedup_vs_gamma.png", "speedup_heatmap.png",
-             "break_even_alpha.png", "measured_vs_predicted.png", "tree_budget.png", "batch.png"}
+             "break_even_alpha.png", "measured_vs_predicted.png", "tree_budget.png", "batch.png",
+             "quantization.png"}
     assert names <= {p.name for p in tmp_path.iterdir()}
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(report["mlflow_run_id"], "sweep")}
     assert artifacts == {f"sweep/{n}" for n in names}
@@ -194,8 +205,10 @@ def test_sweep_cli(checkpoints, capsys, tmp_path):
         best["predicted_speedup"])
     best_at_4 = max(r["predicted_speedup"] for r in batch["rows"] if r["batch"] == 4)
     assert logged["sweep/batch_best_speedup/b4"] == pytest.approx(best_at_4)
+    assert logged["sweep/quantization/int8_agreement"] == pytest.approx(quality["agreement"]["value"])
     page = (tmp_path / "sweep.md").read_text()
     assert "## Recommendation" in page and "## Token trees" in page and "## Batch size: B sequences of 24" in page
+    assert "## Quantized or drafted: the int8 target beside" in page
     assert f"decode.tree_budget_schedule {tree_schedule}" in page
 
     # the written config drives the decoder
