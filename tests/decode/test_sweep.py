@@ -130,6 +130,8 @@ def test_sweep_cli(checkpoints, capsys, tmp_path):
     drafts = [draft, "target-layers:1:20", "prompt-lookup"]
     assert list(report["drafts"]) == drafts and report["drafts"]["target-layers:1:20"]["reduced_vocab"] >= 20
     assert "optional draft models:/absent@champion skipped" in report["notes"][0]
+    # llama.cpp's target alone joins the quantization table only where llama-server is built and the target is a GGUF
+    assert any(n.startswith("no llama.cpp row in the quantization table: ") for n in report["notes"])
     assert len(report["cells"]) == 3 * 2 * 2 * 2 and len(report["best"]) == 4
     assert all(c["predicted_speedup"] > 0 and 0 <= c["break_even_alpha"] <= 1 for c in report["cells"])
     costs = report["costs"]
