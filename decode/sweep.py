@@ -20,6 +20,8 @@ node budget by context length (`decode.tree_budget_schedule`) next to the γ sch
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,6 +45,8 @@ from decode.stats import aggregate_stats, paired_speedup, ratio_ci
 from decode.sweep_costs import measure_batch_costs, measure_costs, predict_batches, predict_cells
 from decode.timing import run_interleaved
 from decode.tree_budget import predict_tree_budgets, rank_acceptance
+from pipeline import draftops_home
+from pipeline.files import write_text_atomic
 from pipeline.sources import SourceError
 from pipeline.traffic import encode_prompts
 
@@ -138,6 +142,21 @@ def at_context(prompt: list[int], filler: list[int], length: int) -> list[int]:
     need = length - len(prompt)
     pool = filler * (need // max(len(filler), 1) + 1)
     return pool[len(pool) - need :] + prompt
+
+
+def greedy_responses(target, prompts: Sequence[list[int]], new_tokens: int) -> list[list[int]]:
+    """The target's greedy responses of `new_tokens` tokens (EOS ignored) to `prompts`, through the decoder's own
+    forward; cached under $DRAFTOPS_HOME/cache/sweep/ by the target's fingerprint, the prompts and the length, so a
+    second sweep of the same target and traffic does not decode them again."""
+    key = hashlib.sha256(json.dumps([target.fingerprint, list(map(list, prompts)), new_tokens]).encode()).hexdigest()
+    path = draftops_home() / "cache" / "sweep" / f"responses-{key[:20]}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    runner = ModelRunner(target.model)
+    responses = [greedy_decode(runner, p, new_tokens) for p in prompts]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(responses))
+    return responses
 
 
 # --------------------------------------------------------------------------- acceptance
@@ -412,8 +431,7 @@ def run_sweep(target, drafts: Sequence[Draft], requests: Sequence, *, gammas: Se
         log(f"{message} ({elapsed:.0f} s)")
 
     phase("responses", f"target-only greedy responses: {len(analytic)} prompts x {max(lengths)} tokens")
-    runner = ModelRunner(model)
-    responses = [greedy_decode(runner, p, max(lengths)) for p in analytic]
+    responses = greedy_responses(target, analytic, max(lengths))
     acceptance = {}
     phase("acceptance", f"acceptance walks: {', '.join(names)}")
     tree_drafts = [d.name for d in drafts if d.grows_trees] if tree_budgets else []

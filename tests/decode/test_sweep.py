@@ -1,6 +1,7 @@
 """The sweep: γ schedules in the decoder, the greedy walk (exact target calls), the cost model and the CLI."""
 
 import json
+from types import SimpleNamespace
 
 import mlflow
 import pytest
@@ -285,3 +286,18 @@ def test_batch_axis_charges_each_round_its_verify_at_that_batch_size():
     assert rows[("lookup", 8)]["break_even_alpha"] == 1.0  # γc + v = 0.2 + 3.25 >= γ + 1: never pays
     assert (rows[("model", 8)]["alpha"], rows[("model", 8)]["tau"]) == (0.9, 2.5)
     assert out["stops_paying_at"] == {"model": 8, "lookup": 8}
+
+
+def test_greedy_responses_are_decoded_once_per_target_prompts_and_length(monkeypatch):
+    import decode.sweep as sweep
+    from tests.decode.tiny import tiny_llama
+
+    model = tiny_llama(3)
+    target = SimpleNamespace(model=model, fingerprint="t1")
+    prompts = [[5, 9, 2], [7, 7, 1, 4]]
+    first = sweep.greedy_responses(target, prompts, 6)
+    assert first == [greedy_reference(model, p, 6) for p in prompts]
+    monkeypatch.setattr(sweep, "greedy_decode", lambda *a: pytest.fail("decoded again"))
+    assert sweep.greedy_responses(target, prompts, 6) == first
+    with pytest.raises(pytest.fail.Exception, match="decoded again"):  # another target, prompt set or length
+        sweep.greedy_responses(SimpleNamespace(model=model, fingerprint="t2"), prompts, 6)
