@@ -14,14 +14,17 @@ def fp32_llama(seed: int) -> torch.nn.Module:
     return tiny_llama(seed, init_range=0.05).float()
 
 
-def test_int8_copy_quantizes_every_linear_layer_and_leaves_the_model_as_it_was():
+def test_int8_copy_quantizes_the_linear_layers_but_down_proj_and_leaves_the_model_as_it_was():
     model = use_cpu_linear(fp32_llama(0), "onednn")
     kinds = [type(m) for m in model.modules()]
     quantized = int8_dynamic(model)
     assert [type(m) for m in model.modules()] == kinds  # the original keeps its kernels
-    linears = [m for m in quantized.modules() if isinstance(m, torch.ao.nn.quantized.dynamic.Linear)]
-    assert len(linears) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the head
-    assert not any(type(m) is torch.nn.Linear for m in quantized.modules())
+    int8 = {name for name, m in quantized.named_modules() if isinstance(m, torch.ao.nn.quantized.dynamic.Linear)}
+    assert len(int8) == 2 * 6 + 1  # q, k, v, o, gate, up per layer, and the head
+    fp32 = {name for name, m in quantized.named_modules() if type(m) is torch.nn.Linear}
+    assert fp32 == {"model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"}  # FP32_LAYERS
+    assert len([m for m in int8_dynamic(model, fp32_layers=()).modules()
+                if isinstance(m, torch.ao.nn.quantized.dynamic.Linear)]) == 2 * 7 + 1
     assert quantized.model.embed_tokens.weight.dtype == torch.float32
     prompt = [5, 9, 2, 77, 3, 5, 9]
     # it runs through the decoder's own forward, near the fp32 model (8-bit activations of a 64-wide model: ~5%)
