@@ -48,6 +48,20 @@ def representative_tree(budget: int, vocab_size: int) -> TokenTree:
     return tree
 
 
+def time_rounds(timers: Mapping[tuple[str, int], tuple[Callable, Callable]], device: torch.device,
+                reps: int) -> dict[tuple[str, int], list[float]]:
+    """Seconds of each timer's run over `reps` repetitions after 2 warm-up ones, every timer once a repetition (so
+    that a burst of load hits them alike), its undo (a cache rollback) after each run."""
+    samples: dict[tuple[str, int], list[float]] = {key: [] for key in timers}
+    for rep in range(reps + 2):
+        for key, (run, undo) in timers.items():
+            seconds = timed(run, device)[1]
+            undo()
+            if rep >= 2:  # warm-up
+                samples[key].append(seconds)
+    return samples
+
+
 @torch.inference_mode()
 def measure_costs(target_model, proposers: Mapping[str, object], tokens: list[int], contexts: Sequence[int],
                   gammas: Sequence[int], reps: int = 10, prefill_reps: int = 3,
@@ -118,13 +132,7 @@ def measure_costs(target_model, proposers: Mapping[str, object], tokens: list[in
                 run = (lambda d, st, sq, g: lambda: d.propose(st, sq, g, warp, None))(drafter, state, seq, gamma)
                 undo_draft = (lambda d, st, n: lambda: d.rollback(st, n))(drafter, state, length)
                 timers[(f"{name}|{gamma}", i)] = (run, undo_draft)
-    samples: dict[tuple[str, int], list[float]] = {key: [] for key in timers}
-    for rep in range(reps + 2):
-        for key, (run, undo) in timers.items():
-            seconds = timed(run, device)[1]
-            undo()
-            if rep >= 2:  # warm-up
-                samples[key].append(seconds)
+    samples = time_rounds(timers, device, reps)
 
     def seconds_of(key: str) -> list[float]:
         return [statistics.median(samples[(key, i)]) for i in range(len(contexts))]
@@ -182,13 +190,7 @@ def measure_batch_costs(target_model, draft_models: Mapping[str, torch.nn.Module
             if name == "target":
                 for n in widths:
                     timers[(f"verify{n}", b)] = (partial(forward, n), undo)
-    samples: dict[tuple[str, int], list[float]] = {key: [] for key in timers}
-    for rep in range(reps + 2):
-        for key, (run, undo) in timers.items():
-            seconds = timed(run, device)[1]
-            undo()
-            if rep >= 2:  # warm-up
-                samples[key].append(seconds)
+    samples = time_rounds(timers, device, reps)
 
     def seconds_of(key: str) -> list[float]:
         return [statistics.median(samples[(key, b)]) for b in batches]
