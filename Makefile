@@ -69,7 +69,8 @@ bench: setup
 		--per-category 5 --max-new-tokens 128 --out outputs/bench $(ARGS)
 
 # The boundary map on the default pair: the registered champion (if any), the target's first 2 layers (full head, and
-# a head cut to the 8192 most frequent traffic tokens), prompt lookup. About 7 minutes on an idle 2-core CPU.
+# a head cut to the 8192 most frequent traffic tokens), prompt lookup; with the batch axis and the int8 target beside
+# speculation. 7 min on an idle 2-core AMD EPYC before those axes; 30 min on a day it streamed memory 4x slower.
 SWEEP_DRAFTS ?= models:/draftops-draft@champion?,target-layers:2,target-layers:2:8192,prompt-lookup
 sweep: setup
 	.venv/bin/draftops sweep --config $(CONFIG) --drafts '$(SWEEP_DRAFTS)' --traffic $(BENCH_TRAFFIC) --split $(BENCH_SPLIT) \
