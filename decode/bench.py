@@ -27,16 +27,17 @@ import torch
 from tqdm.auto import tqdm
 
 from decode.acceptance import break_even_alpha, expected_speedup
-from decode.drafters import DECODER, DRAFT, LOOKUP
+from decode.drafters import DECODER, DRAFT, LOOKUP, output_size
 from decode.export_formats import GGUF, draft_source, export_format
 from decode.factory import build_decoder
 from decode.feature_draft import FeatureDraft, FeatureDrafter
 from decode.kernels import cpu_linear_of, torch_kernels
 from decode.llamacpp import Completion, LlamaCppError, LlamaServer, optional_rows, served_target
-from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter
+from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter, lookup_max_ngram
 from decode.runtime import ModelRunner, greedy_decode, hf_assistant_model, rollback
 from decode.stats import aggregate_stats, paired_speedup, ratio_ci
 from decode.timing import run_interleaved, timed
+from decode.tree_drafters import ModelTree, TreeDrafter
 from pipeline import metrics as M
 from pipeline.config import DecodeConfig
 from pipeline.sources import HF_ASSISTANT_DIR, eos_token_ids
@@ -51,9 +52,9 @@ def _device(model) -> torch.device:
 
 @torch.inference_mode()
 def hf_generate(model, prompt: list[int], *, max_new_tokens: int, eos_ids: list[int], pad_id: int,
-                assistant=None, gamma: int | None = None, lookup: PromptLookupDrafter | None = None) -> list[int]:
+                assistant=None, gamma: int | None = None, lookup_ngram: int | None = None) -> list[int]:
     """HF greedy `generate`, optionally with assisted generation (γ constant, no confidence early-exit) or with
-    HF's prompt lookup decoding (γ tokens from n-grams of up to lookup.max_ngram tokens)."""
+    HF's prompt lookup decoding (γ tokens from n-grams of up to `lookup_ngram` tokens)."""
     ids = torch.tensor([prompt], device=_device(model))
     kwargs = dict(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_ids or None, pad_token_id=pad_id,
                   attention_mask=torch.ones_like(ids))
@@ -63,9 +64,21 @@ def hf_generate(model, prompt: list[int], *, max_new_tokens: int, eos_ids: list[
         assistant.generation_config.num_assistant_tokens_schedule = "constant"
         assistant.generation_config.assistant_confidence_threshold = 0.0
         kwargs.update(assistant_model=assistant, num_assistant_tokens=gamma, num_assistant_tokens_schedule="constant")
-    if lookup is not None:
-        kwargs.update(prompt_lookup_num_tokens=gamma, max_matching_ngram_size=lookup.max_ngram)
+    if lookup_ngram is not None:
+        kwargs.update(prompt_lookup_num_tokens=gamma, max_matching_ngram_size=lookup_ngram)
     return model.generate(ids, **kwargs)[0, len(prompt):].tolist()
+
+
+def costed_drafter(drafter, vocab_size: int):
+    """The chain drafter whose step `step_costs` charges for `drafter`: the model half of a lookup-first hybrid, the
+    model source of a token tree (its first), prompt lookup for a tree without one, else the drafter itself. The
+    cost model is a chain's: for trees it prices a (γ+1)-token verify, not the tree's."""
+    if isinstance(drafter, LookupThenModelDrafter):
+        return drafter.model
+    if isinstance(drafter, TreeDrafter):
+        models = [source.drafter for source in drafter.sources if isinstance(source, ModelTree)]
+        return models[0] if models else PromptLookupDrafter(vocab_size)
+    return drafter
 
 
 @torch.inference_mode()
@@ -274,9 +287,10 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     if policy.kind != "fixed":
         notes.append(f"this decoder follows the {policy.kind} γ policy {policy.to_dict()}; "
                      f"HF assisted and the cost model use γ={fixed_gamma}")
-    if draft is None:
-        lookup = decoder.drafter
-        methods["hf_prompt_lookup"] = lambda p: hf_generate(target.model, p, gamma=fixed_gamma, lookup=lookup, **common)
+    if draft is None:  # HF's prompt lookup up to the n-gram length this decoder's lookup matches first
+        ngram = lookup_max_ngram(decode.lookup_min_ngram)
+        methods["hf_prompt_lookup"] = lambda p: hf_generate(target.model, p, gamma=fixed_gamma, lookup_ngram=ngram,
+                                                            **common)
     elif isinstance(draft.model, FeatureDraft):
         notes.append("no hf_assisted row: transformers' assisted generation cannot run a feature draft (it reads the "
                      "target's hidden states, which assisted generation does not hand to an assistant model)")
@@ -302,8 +316,8 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     outputs = {**runs.outputs, **{name: [result.token_ids for result in runs.outputs[name]] for name in decoders}}
     results, baseline = method_results(outputs, runs.seconds, seed)
 
-    model_drafter = decoder.drafter.model if isinstance(decoder.drafter, LookupThenModelDrafter) else decoder.drafter
-    costs = step_costs(decoder.target_runner, model_drafter, prompts[0], fixed_gamma)
+    costs = step_costs(decoder.target_runner, costed_drafter(decoder.drafter, output_size(target.model)),
+                       prompts[0], fixed_gamma)
     summary = aggregate_stats(stats["speculative"], categories, seed=seed)
     alpha, tau = summary["acceptance_rate"]["value"], summary["tau"]["value"]
     c, v = costs["c"], costs["v"]

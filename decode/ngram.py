@@ -57,9 +57,15 @@ class PromptLookupDrafter:
         pass
 
 
+def lookup_max_ngram(min_ngram: int) -> int:
+    """The longest n-gram the decoder's prompt lookup matches first, given the shortest it accepts."""
+    return max(3, min_ngram)
+
+
 def lookup_first_drafter(vocab_size: int, device, min_ngram: int) -> PromptLookupDrafter:
-    """The lookup half of `LookupThenModelDrafter`: matches of min_ngram tokens or more, the longest up to 3 first."""
-    return PromptLookupDrafter(vocab_size, device, max_ngram=max(3, min_ngram), min_ngram=min_ngram)
+    """The lookup half of `LookupThenModelDrafter`: matches of min_ngram tokens or more, the longest up to
+    `lookup_max_ngram` first."""
+    return PromptLookupDrafter(vocab_size, device, max_ngram=lookup_max_ngram(min_ngram), min_ngram=min_ngram)
 
 
 class LookupThenModelDrafter:

@@ -14,6 +14,7 @@ from decode.bench import (
     LLAMA_CPP_TARGET_ONLY,
     TARGET_ONLY,
     TARGET_ONLY_TORCH,
+    costed_drafter,
     gguf_draft,
     in_run_costs,
     llama_cpp_rows,
@@ -21,8 +22,11 @@ from decode.bench import (
     llama_cpp_summary,
     method_results,
 )
+from decode.drafters import DECODER, DRAFT, LOOKUP, ModelDrafter, make_drafter
 from decode.llamacpp import Completion, LlamaCppError
+from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter
 from decode.stats import GenerationStats
+from decode.tree_drafters import make_tree_drafter
 
 
 def test_in_run_costs_split_the_decoders_time_into_model_calls_and_bookkeeping():
@@ -150,3 +154,15 @@ def test_llama_cpp_servers_start_both_rows_on_a_draft_exported_once_per_fingerpr
     draft.fingerprint = "f2"
     assert gguf_draft(draft, target, folder) == gguf and len(exports) == 2 and gguf.read_text() == "export 2"
     assert (folder / "draft.fingerprint").read_text() == "f2"
+
+
+def test_the_cost_model_charges_the_chain_drafter_behind_hybrids_and_trees(target, close_draft):
+    hybrid = make_drafter(DECODER, target, close_draft, lookup_min_ngram=2)
+    assert isinstance(hybrid, LookupThenModelDrafter) and costed_drafter(hybrid, 128) is hybrid.model
+    chain = make_drafter(DRAFT, target, close_draft)
+    assert costed_drafter(chain, 128) is chain
+    tree = make_tree_drafter(DECODER, target, close_draft, budget=4, lookup_min_ngram=2)
+    model = costed_drafter(tree, 128)
+    assert isinstance(model, ModelDrafter) and model.runner.model is close_draft
+    lookup_tree = costed_drafter(make_tree_drafter(LOOKUP, target, budget=4), 128)
+    assert isinstance(lookup_tree, PromptLookupDrafter) and lookup_tree.vocab_size == 128
