@@ -102,6 +102,17 @@ class LeanLlama:
         mask = None if n == 1 else torch.arange(end, device=tokens.device)[None, :] <= positions[:, None]
         return self._forward(tokens, cache, start, positions, mask, keep_last)[0]
 
+    def forward_ragged(self, tokens: torch.Tensor, cache: KVCache, starts: torch.Tensor) -> torch.Tensor:
+        """`forward_batch` with a start per sequence: tokens [B, T] into slots starts[b]..starts[b]+T-1 of row b,
+        each seeing its own row's slots up to its position -> logits [B, T, V]. Sequences of a batch that accept
+        different numbers of drafted tokens go on at different lengths (`decode.batched`); a row's slots past its
+        length are stale and never seen."""
+        n = tokens.shape[1]
+        positions = starts[:, None] + torch.arange(n, device=tokens.device)
+        end = int(positions.max()) + 1
+        mask = torch.arange(end, device=tokens.device)[None, None, :] <= positions[:, :, None]
+        return self._forward(tokens, cache, 0, positions, mask[:, None], keep_last=False)[0]
+
     def forward_features(self, tokens: torch.Tensor, cache: KVCache, start: int,
                          layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward_logits` of every token, and the hidden states entering `layers`, concatenated -> (logits [T, V],
@@ -125,12 +136,15 @@ class LeanLlama:
     def _forward(self, tokens: torch.Tensor, cache: KVCache, start: int, positions: torch.Tensor,
                  mask: torch.Tensor | None, keep_last: bool,
                  capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """tokens [B, T] -> (logits [B, T or 1, V], features [B, T, len(capture) * H] or None)."""
+        """tokens [B, T] -> (logits [B, T or 1, V], features [B, T, len(capture) * H] or None). positions [T] go
+        into slots start..start+T-1 of every row; positions [B, T] (`forward_ragged`) into the slots they name."""
         b, n = tokens.shape
-        end = start + n
+        ragged = positions.dim() == 2
+        end = int(positions.max()) + 1 if ragged else start + n
         cache.reserve(end)
+        rows = torch.arange(b, device=tokens.device)[:, None] if ragged else None
         x = self.inner.embed_tokens(tokens)
-        cos, sin = self.inner.rotary_emb(x, positions[None])
+        cos, sin = self.inner.rotary_emb(x, positions if ragged else positions[None])
         captured = {}
         for i, layer in enumerate(self.inner.layers):
             if i in capture:
@@ -140,7 +154,11 @@ class LeanLlama:
             k = attention.k_proj(h).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
             v = attention.v_proj(h).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            cache.keys[i][:, :, start:end], cache.values[i][:, :, start:end] = k, v
+            if ragged:  # [B, T, heads, dim] into each row's own slots
+                cache.keys[i][rows, :, positions], cache.values[i][rows, :, positions] = (k.transpose(1, 2),
+                                                                                          v.transpose(1, 2))
+            else:
+                cache.keys[i][:, :, start:end], cache.values[i][:, :, start:end] = k, v
             out = F.scaled_dot_product_attention(q, cache.keys[i][:, :, :end], cache.values[i][:, :, :end],
                                                  attn_mask=mask, scale=attention.scaling, enable_gqa=True)
             x = x + attention.o_proj(out.transpose(1, 2).reshape(b, n, -1))

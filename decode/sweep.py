@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from decode.acceptance import Block, analytic_acceptance, greedy_block, walk
+from decode.batched import batched_greedy, batched_speculative
 from decode.drafters import DRAFT, LOOKUP, Drafter, make_drafter
 from decode.drafts import draft_from_target_layers, frequent_token_ids, reduce_vocabulary
 from decode.feature_draft import FeatureDraft
@@ -54,6 +55,7 @@ TARGET_LAYERS = "target-layers:"  # `target-layers:N[:V]`: the target's first N 
 TREE_BUDGETS = (2, 4, 8, 16, 32, 64)  # node budgets whose tree verify the sweep times
 BATCHES = (1, 2, 4, 8, 16, 32)  # batch sizes of the batch axis
 BATCH_CONTEXT = 512  # the context length of every sequence of the batch axis
+MEASURED_BATCH_MAX = 4  # batch sizes up to this one are also decoded for real (`measure_batches`)
 
 
 @dataclass
@@ -337,6 +339,31 @@ def measure_cells(target_model, drafts: Sequence[Draft], plan, prompts: Sequence
     return results
 
 
+def measure_batches(target_model, draft: Draft, rows: list[dict], prompts: Sequence[list[int]],
+                    batches: Sequence[int], new_tokens: int) -> list[dict]:
+    """Decode a batch for real at each of `batches` (`decode.batched`): B of `prompts` (cycled; all of one length),
+    the target alone and with `draft` at the γ the batch axis predicted best for it at B (`rows`), one after the
+    other in an order that alternates by B; the speedup of the decoding after the prefill, beside the prediction."""
+    measured = []
+    predicted = {r["batch"]: r for r in rows if r["draft"] == draft.name}
+    for i, b in enumerate(batches):
+        group = [prompts[j % len(prompts)] for j in range(b)]
+        gamma = predicted[b]["gamma"]
+        runs = {"target_only": lambda: batched_greedy(target_model, group, new_tokens),
+                "speculative": lambda: batched_speculative(target_model, draft.model, group, new_tokens, gamma,
+                                                           draft_token_ids=draft.token_ids)}
+        done = {name: runs[name]() for name in (list(runs) if i % 2 == 0 else list(runs)[::-1])}
+        (alone, alone_stats), (spec, spec_stats) = done["target_only"], done["speculative"]
+        speedup = alone_stats["decode_s"] / spec_stats["decode_s"]
+        measured.append({"draft": draft.name, "batch": b, "gamma": gamma, "new_tokens": new_tokens,
+                         "measured_speedup": speedup, "predicted_speedup": predicted[b]["predicted_speedup"],
+                         "gap": speedup / predicted[b]["predicted_speedup"] - 1,
+                         "acceptance": spec_stats["accepted"] / spec_stats["drafted"],
+                         "same_output_as_target": sum(a == s for a, s in zip(alone, spec)),
+                         "target_only_s": alone_stats["decode_s"], "speculative_s": spec_stats["decode_s"]})
+    return measured
+
+
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens two outputs share."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -459,6 +486,15 @@ def run_sweep(target, drafts: Sequence[Draft], requests: Sequence, *, gammas: Se
         batch = {"costs": batch_costs,
                  **predict_batches(batch_costs, costs, acceptance, [d.name for d in drafts if not d.is_model], gammas,
                                    max(lengths))}
+        model_drafts = [d for d in drafts if d.grows_trees and d.name in batch_costs["drafts"]]
+        real = [b for b in batches if b <= MEASURED_BATCH_MAX]
+        if model_drafts and real:
+            best = max(model_drafts, key=lambda d: next(r["predicted_speedup"] for r in batch["rows"]
+                                                         if r["draft"] == d.name and r["batch"] == batches[0]))
+            middle = lengths[len(lengths) // 2]
+            phase("batch_measured", f"decoding batches of {real} for real with {best.name}, {middle} tokens")
+            batch["measured"] = measure_batches(model, best, batch["rows"],
+                                                [at_context(p, filler, batch_context) for p in analytic], real, middle)
     plan = measured_plan(cells, names, gammas, contexts, lengths)
     phase("measured", f"decoding {len(plan)} cells for real on {len(measured)} prompts")
     measured_cells = measure_cells(model, drafts, plan, measured, filler, seed=seed)

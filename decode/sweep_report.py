@@ -155,8 +155,11 @@ def batch_figure(batch: dict, colors: dict, plt):
         for r in rows:
             left.annotate(f"γ={r['gamma']}", (r["batch"], r["predicted_speedup"]), fontsize=6,
                           textcoords="offset points", xytext=(0, 5), ha="center")
+    for m in batch.get("measured", []):
+        left.plot(m["batch"], m["measured_speedup"], "D", color=colors[m["draft"]], mfc="none", ms=8)
     left.axhline(1.0, color="gray", lw=0.8, ls="--")
-    left.set(xlabel="batch size B (sequences decoded together)", ylabel="predicted speedup vs target alone at B",
+    left.set(xlabel="batch size B (sequences decoded together; hollow: decoded for real)",
+             ylabel="speedup vs target alone at B (line: predicted)",
              title=f"best γ per batch size, context {costs['context']}")
     widths = sorted(costs["target"]["v"], key=int)
     for n, shade in zip(dict.fromkeys((widths[0], widths[len(widths) // 2], widths[-1])), ("0.65", "0.4", "0")):
@@ -303,6 +306,15 @@ def batch_markdown(report: dict) -> list[str]:
         lines.append(f"| {d} | " + " | ".join(f"{r['predicted_speedup']:.2f}x (γ={r['gamma']}, break-even α "
                                               f"{r['break_even_alpha']:.2f})" for r in rows)
                      + f" | {'B=' + str(stop) if stop else f'pays at every B ≤ {max(batches)}'} |")
+    if batch.get("measured"):
+        lines += ["", "Decoded for real (`decode.batched`: B sequences of the traffic at this context, the target "
+                  "alone and speculative, decoding after the prefill timed once each):", "",
+                  "| draft | B | γ | new tokens | measured | predicted | gap | acceptance | same output |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for m in batch["measured"]:
+            lines.append(f"| {m['draft']} | {m['batch']} | {m['gamma']} | {m['new_tokens']} | "
+                         f"{m['measured_speedup']:.2f}x | {m['predicted_speedup']:.2f}x | {m['gap']:+.0%} | "
+                         f"{m['acceptance']:.3f} | {m['same_output_as_target']}/{m['batch']} |")
     skipped = costs["skipped"]
     lines += [""] + ([f"Not on the batch axis (the lean forward does not run them): {', '.join(skipped)}.", ""]
                      if skipped else [])

@@ -164,6 +164,11 @@ def test_sweep_cli(checkpoints, capsys, tmp_path):
     assert [(r["draft"], r["batch"]) for r in batch["rows"]] == [(d, b) for d in drafts for b in (1, 2, 4)]
     assert all(r["predicted_speedup"] == max(r["per_gamma"].values()) and r["gamma"] in (1, 3)
                for r in batch["rows"])
+    # batches up to 4 decoded for real with the model draft predicted best at B = 1, every output the target's own
+    real = batch["measured"]
+    assert [m["batch"] for m in real] == [1, 2, 4] and len({m["draft"] for m in real}) == 1
+    assert real[0]["draft"] in (draft, "target-layers:1:20") and all(m["new_tokens"] == 8 for m in real)
+    assert all(m["same_output_as_target"] == m["batch"] and m["measured_speedup"] > 0 for m in real)
     for d in drafts:
         stop = batch["stops_paying_at"][d]
         assert stop == next((r["batch"] for r in batch["rows"] if r["draft"] == d and r["predicted_speedup"] < 1),
