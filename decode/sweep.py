@@ -364,6 +364,32 @@ def measure_batches(target_model, draft: Draft, rows: list[dict], prompts: Seque
     return measured
 
 
+def batch_axis(model, drafts: Sequence[Draft], costs: dict, acceptance: dict, prompts: Sequence[list[int]],
+               filler: list[int], *, batches: Sequence[int], gammas: Sequence[int], lengths: Sequence[int], reps: int,
+               phase: Callable[[str, str], None]) -> dict:
+    """The batch axis at the context length of `prompts` (all of one length): costs by batch size
+    (`decode.sweep_costs.measure_batch_costs`), each draft's predicted speedup by batch size (`predict_batches`,
+    steady state over the longest generation length), and the batches up to MEASURED_BATCH_MAX decoded for real
+    (`measure_batches`, the middle generation length) with the draft model predicted best at the smallest batch."""
+    context = len(prompts[0])
+    phase("batch", f"batch costs at B = {list(batches)}, context {context}")
+    batch_costs = measure_batch_costs(model, {d.name: d.model for d in drafts if d.is_model},
+                                      at_context([], filler, context + max(gammas) + 1), context, batches,
+                                      range(2, max(gammas) + 2), reps=reps)
+    batch = {"costs": batch_costs, "measured": [],
+             **predict_batches(batch_costs, costs, acceptance, [d.name for d in drafts if not d.is_model], gammas,
+                               max(lengths))}
+    candidates = [d for d in drafts if d.grows_trees and d.name in batch_costs["drafts"]]
+    real = [b for b in batches if b <= MEASURED_BATCH_MAX]
+    if candidates and real:
+        at_smallest = {r["draft"]: r["predicted_speedup"] for r in batch["rows"] if r["batch"] == batches[0]}
+        best = max(candidates, key=lambda d: at_smallest[d.name])
+        middle = lengths[len(lengths) // 2]
+        phase("batch_measured", f"decoding batches of {real} for real with {best.name}, {middle} tokens")
+        batch["measured"] = measure_batches(model, best, batch["rows"], prompts, real, middle)
+    return batch
+
+
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens two outputs share."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -479,22 +505,8 @@ def run_sweep(target, drafts: Sequence[Draft], requests: Sequence, *, gammas: Se
         trees["chains"] += chains
     batch = None
     if batches:
-        phase("batch", f"batch costs at B = {batches}, context {batch_context}")
-        batch_costs = measure_batch_costs(model, {d.name: d.model for d in drafts if d.is_model},
-                                          at_context([], filler, batch_context + max(gammas) + 1), batch_context,
-                                          batches, range(2, max(gammas) + 2), reps=reps)
-        batch = {"costs": batch_costs,
-                 **predict_batches(batch_costs, costs, acceptance, [d.name for d in drafts if not d.is_model], gammas,
-                                   max(lengths))}
-        model_drafts = [d for d in drafts if d.grows_trees and d.name in batch_costs["drafts"]]
-        real = [b for b in batches if b <= MEASURED_BATCH_MAX]
-        if model_drafts and real:
-            best = max(model_drafts, key=lambda d: next(r["predicted_speedup"] for r in batch["rows"]
-                                                         if r["draft"] == d.name and r["batch"] == batches[0]))
-            middle = lengths[len(lengths) // 2]
-            phase("batch_measured", f"decoding batches of {real} for real with {best.name}, {middle} tokens")
-            batch["measured"] = measure_batches(model, best, batch["rows"],
-                                                [at_context(p, filler, batch_context) for p in analytic], real, middle)
+        batch = batch_axis(model, drafts, costs, acceptance, [at_context(p, filler, batch_context) for p in analytic],
+                           filler, batches=batches, gammas=gammas, lengths=lengths, reps=reps, phase=phase)
     plan = measured_plan(cells, names, gammas, contexts, lengths)
     phase("measured", f"decoding {len(plan)} cells for real on {len(measured)} prompts")
     measured_cells = measure_cells(model, drafts, plan, measured, filler, seed=seed)
