@@ -61,7 +61,9 @@ class KVCache:
         grown = max(end, 2 * capacity, 256)
         for store in (self.keys, self.values):
             for i, old in enumerate(store):
-                new = old.new_empty(*old.shape[:2], grown, old.shape[3])
+                # zeros, not empty memory: a masked slot's value still enters attention as 0 × value, and a NaN in
+                # never-written memory would survive that (rows of a ragged batch end before the batch's last slot)
+                new = old.new_zeros(*old.shape[:2], grown, old.shape[3])
                 new[:, :, :capacity] = old
                 store[i] = new
 

@@ -27,6 +27,15 @@ def test_ragged_rows_each_see_their_own_slots(target):
         torch.testing.assert_close(got[b], want, rtol=1e-10, atol=1e-10)
 
 
+def test_a_grown_cache_holds_zeros_where_nothing_was_written(target):
+    """A ragged row ends before the batch's last slot; its unwritten slots are masked, but their values still enter
+    attention as 0 × value, so they must be numbers (fresh memory could hold NaN)."""
+    cache = LeanLlama(target).new_cache(2)
+    cache.reserve(300)
+    assert cache.keys[0].shape[2] >= 300
+    assert all(bool((entry == 0).all()) for entry in cache.keys + cache.values)
+
+
 @pytest.mark.parametrize("gamma", [1, 3, 5])
 def test_batched_speculation_gives_each_sequence_its_greedy_output(target, close_draft, random_draft, gamma):
     want = [greedy_reference(target, p, 12) for p in PROMPTS]
