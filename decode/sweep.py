@@ -457,8 +457,8 @@ def run_sweep(target, drafts: Sequence[Draft], requests: Sequence, *, gammas: Se
     tree_budgets, batches = sorted(set(tree_budgets)), sorted(set(batches))
     if min(gammas) < 1 or min(contexts) < 2 or min(lengths) < 2 or min(tree_budgets, default=1) < 1:
         raise ValueError("need gammas >= 1, contexts >= 2, max-new-tokens >= 2 and tree budgets >= 1")
-    if min(batches, default=1) < 1 or (batches and batch_context < 2):
-        raise ValueError("need batch sizes >= 1 and a batch context >= 2")
+    if min(batches, default=1) < 1 or (batches and batch_context < 3):
+        raise ValueError("need batch sizes >= 1 and a batch context >= 3 (a batched round feeds the draft 2 tokens)")
     window = getattr(target.model.config, "max_position_embeddings", None)
     if window is not None and max(contexts) + max(lengths) > window:
         raise ValueError(f"context {max(contexts)} + {max(lengths)} new tokens exceed the target's {window} positions")
