@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 CONFIG ?= configs/default.yaml
 ARGS ?=
 
-.PHONY: setup lint test test-integration test-faults test-browser test-llamacpp llama-cpp distill bench monitor drift-demo sweep ui report clean
+.PHONY: setup lint test test-integration test-faults test-browser test-llamacpp llama-cpp distill distill-sizes bench monitor drift-demo sweep ui report clean
 
 setup: .venv/.installed
 
@@ -58,6 +58,12 @@ test-browser: setup
 
 distill: setup
 	.venv/bin/draftops distill --config $(CONFIG) $(ARGS)
+
+# The draft-size family at the default budget (the target's first 1, 2, 4, 6 layers; the 2-layer job is `make
+# distill`'s, not trained twice), registered as models:/draftops-draft@layers-N for `make sweep` to compare.
+SIZES ?= 1,2,4,6
+distill-sizes: setup
+	.venv/bin/draftops distill --config $(CONFIG) --sizes $(SIZES) $(ARGS)
 
 # Benchmarks on the held-out split of the traffic draftops ships (prompts the draft never trained on). The README's
 # Spec-Bench figures: make bench BENCH_TRAFFIC=../shared/data/spec_bench.jsonl BENCH_SPLIT=all (read by path).

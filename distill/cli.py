@@ -10,7 +10,7 @@ import sys
 
 def distill_command(args) -> int:
     flags = ((["--config", args.config] if args.config else []) + (["--init-only"] if args.init_only else [])
-             + (["--register-only"] if args.register_only else []))
+             + (["--register-only"] if args.register_only else []) + (["--sizes", args.sizes] if args.sizes else []))
     if args.accelerate_config:
         # Several processes (DDP): accelerate starts them, each runs the same job (distill.train.main).
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.accelerate_config,
@@ -37,5 +37,9 @@ def add_commands(subparsers) -> None:
     parser.add_argument("--register-only", action="store_true",
                         help="register the draft of a finished job (same config and data) that is not registered yet; "
                              "a re-run does this by itself, without training again")
+    parser.add_argument("--sizes", default=None, metavar="N,N,...",
+                        help="a family of drafts at one budget, for `draftops sweep` to compare: one job per layer "
+                             "count (the target's first N layers, everything else from the config), each registered "
+                             "with the alias layers-N; e.g. --sizes 1,2,4,6 (make distill-sizes)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. distill.loss=tvd distill.epochs=2")
     parser.set_defaults(handler=distill_command)

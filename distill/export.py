@@ -108,8 +108,10 @@ def version_figures(cfg: DraftopsConfig, result, info: dict) -> dict[str, float]
     })
 
 
-def log_and_register(cfg: DraftopsConfig, result, *, target_fingerprint: str, target_source: str) -> tuple:
-    """One MLflow run in `draftops-distill` with params, curves, plots and lineage; then a registered version."""
+def log_and_register(cfg: DraftopsConfig, result, *, target_fingerprint: str, target_source: str,
+                     alias: str | None = None) -> tuple:
+    """One MLflow run in `draftops-distill` with params, curves, plots and lineage; then a registered version (with
+    `alias` instead of champion/challenger when given: `pipeline.registry.register`)."""
     import mlflow
     from mlflow import MlflowClient
 
@@ -140,7 +142,7 @@ def log_and_register(cfg: DraftopsConfig, result, *, target_fingerprint: str, ta
         version, alias = registry.register(
             result.export_dir, cfg.tracking.registered_model, tags=tags, job=result.job_dir.name,
             description=describe_draft(cfg, result, info, target_fingerprint=target_fingerprint,
-                                       target_source=target_source))
+                                       target_source=target_source), alias=alias)
         client = MlflowClient()
         client.update_run(run.info.run_id, name=f"draft-v{version.version}-{cfg.distill.loss}")
         client.set_tag(run.info.run_id, "mlflow.note.content",

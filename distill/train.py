@@ -33,7 +33,8 @@ from distill.responses import cached_responses
 from distill.step import draft_module
 from pipeline.config import DraftopsConfig, load_config
 from pipeline.files import write_text_atomic
-from pipeline.registry import version_uri
+from pipeline.metrics import size_alias
+from pipeline.registry import set_alias, version_uri
 from pipeline.sources import HF_ASSISTANT_DIR
 from pipeline.tracking import TrackingUnavailable, check_tracking, tracking_uri
 from pipeline.traffic import encode_prompts, load_traffic
@@ -135,23 +136,29 @@ def save_result(result: DistillResult) -> None:
          "alias": result.alias}, indent=1))
 
 
-def register_once(cfg: DraftopsConfig, result: DistillResult, target) -> DistillResult:
-    """Register a finished job's draft unless it already is (a re-run registers nothing twice)."""
+def register_once(cfg: DraftopsConfig, result: DistillResult, target, alias: str | None = None) -> DistillResult:
+    """Register a finished job's draft unless it already is (a re-run registers nothing twice); `alias` (a size
+    family's `layers-N`) is pointed at its version either way."""
     if result.version is not None:
+        if alias is not None:
+            set_alias(cfg.tracking.registered_model, alias, result.version)
+            result.alias = alias
         return result
     result.run_id, result.version, result.alias = log_and_register(
-        cfg, result, target_fingerprint=target.fingerprint, target_source=cfg.target)
+        cfg, result, target_fingerprint=target.fingerprint, target_source=cfg.target, alias=alias)
     save_result(result)
     return result
 
 
-def run_distill(cfg: DraftopsConfig, *, init_only: bool = False, register_only: bool = False) -> DistillResult:
+def run_distill(cfg: DraftopsConfig, *, init_only: bool = False, register_only: bool = False,
+                alias: str | None = None) -> DistillResult:
     """The whole job. Every process runs it (under `accelerate launch`); only the main one exports and registers.
 
     A job that already ran to its export (same config and data: the same job folder) is not trained again: its draft
     is registered if it is not yet, once. init_only: stop after initializing the draft and export it untrained to
     `<job>/init` (the "undistilled" baseline of a benchmark); nothing is trained or registered. register_only: only
-    that last step; an error when the job has not finished.
+    that last step; an error when the job has not finished. alias: registered with this alias instead of
+    champion/challenger (`run_sizes`).
     """
     if cfg.distill.register_model and not init_only:
         check_tracking(cfg)  # before the work, not at registration after it
@@ -167,7 +174,7 @@ def run_distill(cfg: DraftopsConfig, *, init_only: bool = False, register_only: 
     if finished is not None:
         if accelerator.is_main_process:
             if cfg.distill.register_model:
-                register_once(cfg, finished, target)
+                register_once(cfg, finished, target, alias)
             print(f"draftops distill: {job_dir} had finished; nothing trained again")
             print_summary(cfg, finished)
         accelerator.wait_for_everyone()
@@ -216,11 +223,39 @@ def run_distill(cfg: DraftopsConfig, *, init_only: bool = False, register_only: 
         save_result(result)  # finished: a re-run after a failed registration only registers
         if cfg.distill.register_model:
             with timings.measure("register"):
-                register_once(cfg, result, target)
+                register_once(cfg, result, target, alias)
         print_summary(cfg, result)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # tears the process group down cleanly (gloo ranks abort at exit otherwise)
     return result
+
+
+def sizes_config(cfg: DraftopsConfig, layers: int) -> DraftopsConfig:
+    """The job of the family member with `layers` decoder layers: the target's first `layers` layers, everything else
+    (data, vocabulary, objective, budget) as in `cfg`."""
+    if cfg.distill.family != "layers" or cfg.distill.init != "target_layers":
+        raise ValueError("--sizes distills drafts made of the target's first N layers: it needs distill.family=layers "
+                         f"and distill.init=target_layers (got {cfg.distill.family}, {cfg.distill.init})")
+    if layers < 1:
+        raise ValueError(f"--sizes: a draft has at least 1 layer (got {layers})")
+    return cfg.model_copy(update={"distill": cfg.distill.model_copy(update={"init_layers": list(range(layers))})})
+
+
+def run_sizes(cfg: DraftopsConfig, sizes: list[int]) -> list[DistillResult]:
+    """A family of drafts at one budget: one job per size (`sizes_config`), each registered with the alias
+    `layers-N` (`pipeline.metrics.size_alias`) for `draftops sweep` to compare; finished jobs are not trained again."""
+    results = []
+    for layers in sizes:
+        print(f"draftops distill: family member of {layers} layer(s) ({len(results) + 1} of {len(sizes)})")
+        results.append(run_distill(sizes_config(cfg, layers), alias=size_alias(layers)))
+    if results and results[0].metrics:
+        print("\ndraftops distill: the family, one budget")
+        print("  layers  α(T=0)  τ    training s  version")
+        for layers, r in zip(sizes, results):
+            print(f"  {layers:>6}  {r.metrics['alpha_t0']:.3f}  {r.metrics['tau']:.2f}  "
+                  f"{r.timings.get('training', 0.0):>10.0f}  {r.version or '-'} {r.alias or ''}")
+        print("  compare them: make sweep (draftops sweep --drafts 'models:/NAME@layers-N,...')")
+    return results
 
 
 def print_summary(cfg: DraftopsConfig, result: DistillResult) -> None:
@@ -240,17 +275,34 @@ def print_summary(cfg: DraftopsConfig, result: DistillResult) -> None:
         print(f"  registered:   {version_uri(cfg.tracking.registered_model, result.version)}  alias {result.alias}")
 
 
+def layer_counts(text: str) -> list[int]:
+    """`--sizes 1,2,4,6`: distinct positive layer counts, smallest first (argparse's type)."""
+    try:
+        sizes = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated layer counts, e.g. 1,2,4,6") from None
+    if not sizes or sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: layer counts are positive, e.g. 1,2,4,6")
+    return sizes
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m distill.train --config FILE [key=value ...]` (what `accelerate launch -m distill.train` runs)."""
     parser = argparse.ArgumentParser(prog="distill.train")
     parser.add_argument("--config", default=None)
     parser.add_argument("--init-only", action="store_true")
     parser.add_argument("--register-only", action="store_true")
+    parser.add_argument("--sizes", type=layer_counts, default=None)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     try:
-        run_distill(load_config(args.config, args.overrides), init_only=args.init_only,
-                    register_only=args.register_only)
+        cfg = load_config(args.config, args.overrides)
+        if args.sizes:
+            if args.init_only or args.register_only:
+                parser.error("--sizes trains and registers a family: it takes neither --init-only nor --register-only")
+            run_sizes(cfg, args.sizes)
+        else:
+            run_distill(cfg, init_only=args.init_only, register_only=args.register_only)
     except NonFiniteLoss as exc:
         print(f"draftops distill: error: {exc}", file=sys.stderr)
         return 3

@@ -33,6 +33,7 @@ MLflow stores hold: never rename one):
 | `MONITOR_*_TAG` | `draftops.monitor.*` | a monitor run's decision, cause, champion and challenger |
 | `BASELINE_RUN_TAG`, `PROMOTED_AT_TAG`, `ROLLED_BACK_AT_TAG` | `draftops.monitor.*` | version tags the monitor sets |
 | `CHAMPION`, `CHALLENGER`, `PREVIOUS_CHAMPION` | `champion`, ... | the registered model's aliases |
+| `size_alias(n)` | `layers-N` | the newest draft of N layers from `draftops distill --sizes` |
 """
 from __future__ import annotations
 
@@ -111,6 +112,7 @@ SWEEP_INT8_SPEEDUP = "sweep/quantization/int8_speedup"  # the int8 target alone 
 SWEEP_INT8_KL = "sweep/quantization/int8_kl"  # next-token KL(fp32 ‖ int8), nats, on held-out responses
 SWEEP_INT8_AGREEMENT = "sweep/quantization/int8_agreement"  # share of positions where int8's argmax is fp32's
 SWEEP_SPECULATIVE_SPEEDUP = "sweep/quantization/speculative_speedup"  # measured in the same run as the int8 rows
+SWEEP_RECOMMENDED_LAYERS = "sweep/size/recommended_layers"  # the draft size with the best mean predicted speedup
 
 # model-version tags that link a version to its runs
 DISTILL_RUN_TAG = "draftops.distill_run"
@@ -162,6 +164,11 @@ CHALLENGER = "challenger"  # a new distillation waiting for the monitor's gate
 PREVIOUS_CHAMPION = "previous-champion"  # where a rollback goes
 
 
+def size_alias(layers: int) -> str:
+    """The alias of the newest registered draft of `layers` decoder layers (`draftops distill --sizes`)."""
+    return f"layers-{layers}"
+
+
 def _key(text: str) -> str:
     """A category or phase name as MLflow accepts it in a metric name."""
     return re.sub(r"[^0-9A-Za-z_.-]", "_", text)
@@ -203,6 +210,11 @@ def monitor_test(test: str, quantity: str) -> str:
 def sweep_batch(batch: int) -> str:
     """The best draft's predicted speedup at batch size B on the sweep's batch axis: `sweep/batch_best_speedup/b8`."""
     return f"sweep/batch_best_speedup/b{int(batch)}"
+
+
+def sweep_size(quantity: str, layers: int) -> str:
+    """A figure of a draft LM on the sweep's draft-size axis: `sweep/size/predicted_speedup/layers4`."""
+    return f"sweep/size/{quantity}/layers{int(layers)}"
 
 
 def sweep_cell(quantity: str, context: int, new_tokens: int) -> str:

@@ -195,11 +195,12 @@ def delete_model(name: str) -> bool:
 
 
 def register(checkpoint_dir: str | Path, model_name: str, *, tags: dict[str, str], description: str,
-             job: str | None = None, artifact_path: str = "draft"):
+             job: str | None = None, artifact_path: str = "draft", alias: str | None = None):
     """Log a checkpoint directory to the active run and register it as a new version of `model_name`.
 
     The version's source is the run's artifact folder, so `models:/NAME@ALIAS` resolves to the plain HF checkpoint.
-    The first version of a model becomes `champion`; later ones `challenger` until the monitor's gate promotes them.
+    The first version of a model becomes `champion`; later ones `challenger` until the monitor's gate promotes them,
+    or, given `alias` (a draft-size family's `layers-N`), that alias, moved from any older version holding it.
     With `job` (a distill job's key, kept in the version's tags) registration is idempotent: a version of that job
     is returned as it is, or given its alias if a kill cut its registration short, and never registered twice.
     Returns (the MLflow ModelVersion, its alias).
@@ -224,12 +225,24 @@ def register(checkpoint_dir: str | Path, model_name: str, *, tags: dict[str, str
             version = client.create_model_version(
                 model_name, source=f"{run.info.artifact_uri}/{artifact_path}", run_id=run.info.run_id,
                 tags={**{k: str(v) for k, v in tags.items()}, **job_tag}, description=description)
-        alias = next(iter(version.aliases), None)
-        if alias is None:
-            alias = M.CHALLENGER if M.CHAMPION in client.get_registered_model(model_name).aliases else M.CHAMPION
+        has_champion = M.CHAMPION in client.get_registered_model(model_name).aliases
+        if alias is not None:
             client.set_registered_model_alias(model_name, alias, version.version)
+            if not has_champion:  # a model always has a champion to serve
+                client.set_registered_model_alias(model_name, M.CHAMPION, version.version)
+        else:
+            alias = next(iter(version.aliases), None)
+            if alias is None:
+                alias = M.CHALLENGER if has_champion else M.CHAMPION
+                client.set_registered_model_alias(model_name, alias, version.version)
     mlflow.set_tag(M.REGISTERED_VERSION_TAG, f"{model_name}/{version.version}")
     return version, alias
+
+
+def set_alias(name: str, alias: str, version: str) -> None:
+    """Point `alias` of model `name` at `version` (an already registered one), under the model's lock."""
+    with model_lock(name, store_uri(), timeout=None):
+        _client().set_registered_model_alias(name, alias, str(version))
 
 
 def _version_of_job(client, model_name: str, job: str):

@@ -1,3 +1,4 @@
+import argparse
 import json
 import os
 import signal
@@ -14,9 +15,9 @@ from decode.suffix import load_suffix_index
 from distill.checkpoints import latest_checkpoint
 from distill.loop import NonFiniteLoss
 from distill.onpolicy import draft_continuations
-from distill.train import DistillResult, print_summary, run_distill
+from distill.train import DistillResult, layer_counts, print_summary, run_distill, run_sizes, sizes_config
 from pipeline import metrics
-from pipeline.config import save_config
+from pipeline.config import load_config, save_config
 from tests.distill.tiny_job import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -257,3 +258,32 @@ def test_the_summary_points_at_the_export_for_vllm_and_llama_cpp(isolated_home, 
     print_summary(cfg.model_copy(update={"distill": cfg.distill.model_copy(update={"family": "features"})}),
                   DistillResult(draft, draft.parent, metrics_, [], [], {"training": 3.0}, None, "fp"))
     assert f"  to serve:     draftops export {draft} --format vllm --out DIR" in capsys.readouterr().out
+
+
+def test_a_size_family_trains_one_job_per_layer_count_and_registers_each_under_its_size(isolated_home):
+    from mlflow import MlflowClient
+
+    from pipeline.sources import resolve_model
+    from pipeline.tracking import setup_mlflow
+
+    cfg = tiny_config(isolated_home, "distill.max_steps=4")
+    champion = run_distill(cfg)  # the plain job: 1 layer in the tiny config
+    family = run_sizes(cfg, [1, 2])
+    assert family[0].job_dir == champion.job_dir and family[0].version == champion.version == "1"  # not trained again
+    assert family[1].version == "2" and family[1].alias == "layers-2" and family[1].job_dir != champion.job_dir
+    assert len(family[1].history) == len(champion.history) == 4  # one budget
+    setup_mlflow(cfg)
+    name = cfg.tracking.registered_model
+    assert MlflowClient().get_registered_model(name).aliases == {"champion": 1, "layers-1": 1, "layers-2": 2}
+    assert MlflowClient().get_model_version(name, "2").tags[metrics.DRAFT_LAYERS] == "2"
+    assert resolve_model(f"models:/{name}@layers-2").model.config.num_hidden_layers == 2
+
+
+def test_size_family_arguments_are_checked():
+    assert layer_counts("4,1,2,2") == [1, 2, 4]
+    for bad in ("0,2", "two", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            layer_counts(bad)
+    with pytest.raises(ValueError, match="family=layers"):
+        sizes_config(load_config(None, ["distill.family=features"]), 2)
+    assert sizes_config(load_config(None), 3).distill.init_layers == [0, 1, 2]

@@ -33,3 +33,18 @@ def test_a_registration_killed_before_its_alias_is_completed_not_repeated(mlflow
     assert register(tiny_checkpoint, job="job-b") == ("2", M.CHALLENGER)
     assert registry.version_numbers(NAME) == ["1", "2"]
     assert client.get_registered_model(NAME).aliases == {M.CHAMPION: 1, M.CHALLENGER: 2}
+
+
+def test_a_size_alias_replaces_challenger_and_moves_to_the_newest_version_of_that_size(mlflow_uri, tiny_checkpoint):
+    def register_as(job, alias):
+        mlflow.set_experiment("registration")
+        with mlflow.start_run():
+            version, given = registry.register(tiny_checkpoint, NAME, tags={}, description="d", job=job, alias=alias)
+        return str(version.version), given
+
+    # on an empty model the first member is also the champion: a model always has one to serve
+    assert register_as("one-layer", M.size_alias(1)) == ("1", "layers-1")
+    assert register_as("two-layers", M.size_alias(2)) == ("2", "layers-2")
+    assert register_as("one-layer-again", M.size_alias(1)) == ("3", "layers-1")
+    assert register_as("two-layers", M.size_alias(2)) == ("2", "layers-2")  # a re-run registers nothing twice
+    assert MlflowClient().get_registered_model(NAME).aliases == {M.CHAMPION: 1, "layers-1": 3, "layers-2": 2}
