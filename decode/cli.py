@@ -350,6 +350,12 @@ def sweep_command(args) -> int:
         for row in (report["batch"] or {}).get("rows", []):
             key = M.sweep_batch(row["batch"])
             metrics[key] = max(metrics.get(key, 0.0), row["predicted_speedup"])
+        if sizes := report["draft_sizes"]:
+            metrics[M.SWEEP_RECOMMENDED_LAYERS] = sizes["recommended"]["layers"]
+            for row in sorted(sizes["rows"], key=lambda r: r["mean_predicted_speedup"]):  # the best of a size last
+                metrics[M.sweep_size("mean_predicted_speedup", row["layers"])] = row["mean_predicted_speedup"]
+                metrics[M.sweep_size("alpha", row["layers"])] = row["alpha"]["value"]
+                metrics[M.sweep_size("c", row["layers"])] = row["c"]
         mlflow.log_metrics(M.finite(metrics))
         for name in ("sweep.json", "sweep.md", "decode_config.yaml"):
             mlflow.log_artifact(str(out / name), "sweep")

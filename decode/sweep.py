@@ -12,6 +12,9 @@ The batch axis (`decode.sweep_costs.measure_batch_costs`): the target's step and
 for B sequences at once, and the predicted speedup by batch size from the same walks: where speculation stops paying
 as a server batches more requests.
 
+The draft-size axis (`draft_size_axis`): the draft LMs swept (e.g. the family `draftops distill --sizes` registers
+as `layers-N`) by number of layers: acceptance against cost beside the break-even curve, and the recommended size.
+
 Token trees: the same pass ranks the target's token among each draft model's choices, and the tree verify is timed
 at node budgets up to 64; `decode.tree_budget` predicts tokens/s per budget and context, and the sweep recommends a
 node budget by context length (`decode.tree_budget_schedule`) next to the γ schedule.
@@ -84,6 +87,8 @@ class Draft:
 
 def load_drafts(sources: Sequence[str], target, notes: list[str], vocab_texts: Sequence[list[int]] = ()) -> list[Draft]:
     """Draft sources: `prompt-lookup`, `target-layers:N[:V]`, or any model source; a trailing `?` makes one optional.
+    A model source that is the same checkpoint as an earlier one (two aliases of one registered version: by
+    fingerprint) is swept once, under the earlier name, with a note.
 
     `target-layers:N:V` keeps V rows of the head: the V most frequent ids in vocab_texts (token id lists, e.g. the
     traffic's prompts) plus the special tokens. target is a `pipeline.sources.ResolvedModel`; drafts land on its
@@ -91,7 +96,7 @@ def load_drafts(sources: Sequence[str], target, notes: list[str], vocab_texts: S
     """
 
     parameter, kernels = next(target.model.parameters()), cpu_linear_of(target.model)
-    drafts = []
+    drafts, fingerprints = [], {}
     for source in sources:
         name = source.rstrip("?")
         if name == PROMPT_LOOKUP:
@@ -114,6 +119,10 @@ def load_drafts(sources: Sequence[str], target, notes: list[str], vocab_texts: S
                     raise
                 notes.append(f"optional draft {name} skipped: {exc}")
                 continue
+            if resolved.fingerprint in fingerprints:
+                notes.append(f"{name} is the same draft as {fingerprints[resolved.fingerprint]}: swept once")
+                continue
+            fingerprints[resolved.fingerprint] = name
             drafts.append(Draft(name, resolved.model, resolved.token_ids))
     if not drafts:
         raise ValueError("no drafts to sweep")
@@ -232,13 +241,23 @@ def best_per_cell(cells: list[dict], drafts: Sequence[str]) -> list[dict]:
     return out
 
 
+def mean_best_speedup(cells: list[dict], drafts: Sequence[str]) -> dict[str, float]:
+    """Per draft: its predicted speedup at its best γ in each (context, generation length), averaged over them."""
+    best: dict[tuple, float] = {}
+    for c in cells:
+        key = (c["draft"], c["context"], c["max_new_tokens"])
+        best[key] = max(best.get(key, 0.0), c["predicted_speedup"])
+    return {d: float(np.mean([x for (name, _, _), x in best.items() if name == d])) for d in drafts}
+
+
 def recommend(cells: list[dict], drafts: Sequence[str], contexts: Sequence[int], long_tokens: int) -> dict:
-    """The draft with the best mean predicted speedup over all cells, and its γ by context length.
+    """The draft with the best mean predicted speedup over the cells (`mean_best_speedup`), and its γ by context
+    length.
 
     γ(L) maximizes the steady-state speedup τ/(γc + v) at context L (acceptance over the longest generation); each
     schedule entry covers lengths up to the midpoint with the next measured context; equal neighbours merge.
     """
-    mean = {d: float(np.mean([c["predicted_speedup"] for c in cells if c["draft"] == d])) for d in drafts}
+    mean = mean_best_speedup(cells, drafts)
     draft = max(mean, key=mean.get)
 
     def gamma_at(context: int) -> int:
@@ -285,16 +304,53 @@ def recommend_tree_budget(rows: list[dict], contexts: Sequence[int]) -> dict:
 # --------------------------------------------------------------------------- measured cells
 
 
-def measured_plan(cells: list[dict], drafts, gammas, contexts, lengths) -> list[tuple[str, int, int, int]]:
-    """Cells decoded for real: every γ of every draft at the smallest context and generation length (speedup vs γ),
-    and each draft's best γ at the largest context and the middle generation length."""
-    small, large, middle = min(contexts), max(contexts), sorted(lengths)[len(lengths) // 2]
-    plan = [(d, g, small, min(lengths)) for d in drafts for g in gammas]
-    for d in drafts:
-        here = [c for c in cells if c["draft"] == d and c["context"] == large and c["max_new_tokens"] == middle]
-        best = max(here, key=lambda c: c["predicted_speedup"])["gamma"]
-        if (d, best, large, middle) not in plan:
-            plan.append((d, best, large, middle))
+def draft_size_axis(drafts: Sequence[Draft], cells: list[dict], measured: list[dict], acceptance: dict,
+                    contexts: Sequence[int], lengths: Sequence[int]) -> dict | None:
+    """The draft-size axis: each draft LM (a family from `draftops distill --sizes`, or any others) by its number of
+    decoder layers, with its per-token acceptance α (T=0, over the longest generation), and at the smallest context
+    and the middle generation length its best γ, cost c, verify cost v, predicted speedup and break-even α; its mean
+    predicted speedup over every cell (`mean_best_speedup`, the recommendation's criterion) and its measured cell at
+    the smallest context (the γ predicted best among those decoded for real). The recommended size is the draft with
+    the best mean predicted speedup. None without a draft LM."""
+    models = [d for d in drafts if d.grows_trees]
+    if not models:
+        return None
+    context, new_tokens = min(contexts), lengths[len(lengths) // 2]
+    mean = mean_best_speedup(cells, [d.name for d in models])
+    rows = []
+    for d in models:
+        best = max((c for c in cells if c["draft"] == d.name and c["context"] == context
+                    and c["max_new_tokens"] == new_tokens), key=lambda c: c["predicted_speedup"])
+        decoded = max((m for m in measured if m["draft"] == d.name and m["context"] == context),
+                      key=lambda m: m["predicted_speedup"], default=None)
+        rows.append({"draft": d.name, "layers": d.model.config.num_hidden_layers,
+                     "parameters": sum(p.numel() for p in d.model.parameters()),
+                     "alpha": acceptance[d.name]["analytic_alpha"][str(max(lengths))],
+                     **{key: best[key] for key in ("gamma", "c", "v", "predicted_speedup", "break_even_alpha")},
+                     "mean_predicted_speedup": mean[d.name],
+                     "measured": None if decoded is None else {
+                         key: decoded[key] for key in ("gamma", "context", "max_new_tokens", "speedup",
+                                                       "predicted_speedup", "gap", "same_output_as_target",
+                                                       "n_prompts")}})
+    rows.sort(key=lambda r: (r["layers"], r["draft"]))
+    best = max(rows, key=lambda r: r["mean_predicted_speedup"])
+    return {"context": context, "max_new_tokens": new_tokens, "rows": rows,
+            "recommended": {"draft": best["draft"], "layers": best["layers"]}}
+
+
+def measured_plan(cells: list[dict], drafts, gammas, contexts, lengths, recommended: str
+                  ) -> list[tuple[str, int, int, int]]:
+    """Cells decoded for real, at the shortest generation length: every γ of the recommended draft at the smallest
+    context (speedup vs γ), each other draft's best γ there (every draft size decoded), and each draft's best γ at
+    the largest context."""
+    small, large, short = min(contexts), max(contexts), min(lengths)
+    plan = [(recommended, g, small, short) for g in gammas]
+    for context in (small, large):
+        for d in drafts:
+            here = [c for c in cells if c["draft"] == d and c["context"] == context and c["max_new_tokens"] == short]
+            best = max(here, key=lambda c: c["predicted_speedup"])["gamma"]
+            if (d, best, context, short) not in plan:
+                plan.append((d, best, context, short))
     return plan
 
 
@@ -507,10 +563,10 @@ def run_sweep(target, drafts: Sequence[Draft], requests: Sequence, *, gammas: Se
     if batches:
         batch = batch_axis(model, drafts, costs, acceptance, [at_context(p, filler, batch_context) for p in analytic],
                            filler, batches=batches, gammas=gammas, lengths=lengths, reps=reps, phase=phase)
-    plan = measured_plan(cells, names, gammas, contexts, lengths)
+    recommendation = recommend(cells, names, contexts, max(lengths))
+    plan = measured_plan(cells, names, gammas, contexts, lengths, recommendation["draft"])
     phase("measured", f"decoding {len(plan)} cells for real on {len(measured)} prompts")
     measured_cells = measure_cells(model, drafts, plan, measured, filler, seed=seed)
-    recommendation = recommend(cells, names, contexts, max(lengths))
     quantized, notes = None, []
     if quantization and next(model.parameters()).device.type == "cpu":
         middle = lengths[len(lengths) // 2]
@@ -529,6 +585,7 @@ def run_sweep(target, drafts: Sequence[Draft], requests: Sequence, *, gammas: Se
         m["predicted_speedup"] = predicted
         m["gap"] = m["speedup"]["value"] / predicted - 1
     gaps = [abs(m["gap"]) for m in measured_cells]
+    sizes = draft_size_axis(drafts, cells, measured_cells, acceptance, contexts, lengths)
     return {
         "settings": {"gammas": gammas, "contexts": contexts, "max_new_tokens": lengths, "tree_budgets": tree_budgets,
                      "batches": batches, "batch_context": batch_context,
@@ -545,6 +602,7 @@ def run_sweep(target, drafts: Sequence[Draft], requests: Sequence, *, gammas: Se
         "gap": {"mean_abs": float(np.mean(gaps)), "max_abs": float(np.max(gaps)),
                 "mean": float(np.mean([m["gap"] for m in measured_cells]))},
         "tree_budgets": trees,
+        "draft_sizes": sizes,
         "batch": batch,
         "quantization": quantized,
         "notes": notes,

@@ -12,7 +12,8 @@ from pipeline.config import DecodeConfig, save_config
 
 def figures(report: dict) -> dict:
     """Name -> matplotlib figure: speedup vs γ, heat maps, break-even α vs draft cost, measured vs predicted,
-    predicted tokens/s vs tree node budget when a draft model was swept, and speedup and costs by batch size."""
+    predicted tokens/s vs tree node budget and acceptance against cost by draft size when a draft model was swept,
+    speedup and costs by batch size, and the quantized target beside speculation."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,6 +113,8 @@ def figures(report: dict) -> dict:
         ax.legend(fontsize=7)
         fig.tight_layout()
         out["tree_budget.png"] = fig
+    if report.get("draft_sizes"):
+        out["draft_size.png"] = draft_size_figure(report, plt)
     if report.get("batch"):
         out["batch.png"] = batch_figure(report["batch"], colors, plt)
     if report.get("quantization"):
@@ -141,6 +144,55 @@ def quantization_figure(quantization: dict, plt):
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax.set(ylabel="speedup vs fp32 target alone (95% CI)",
            title=f"quantized or drafted: {quantization['n_prompts']} prompts × {quantization['new_tokens']} tokens")
+    fig.tight_layout()
+    return fig
+
+
+ISO_SPEEDUPS = (1.0, 1.25, 1.5)  # the curves of the draft-size figure: α a draft of cost c needs for these speedups
+
+
+def alpha_needed(speedup: float, c: float, gammas, v: dict[int, float]) -> float:
+    """The i.i.d. acceptance at which a draft of cost c reaches `speedup` at its best γ: τ(α) = s·(γc + v(γ+1)) is
+    `decode.acceptance.break_even_alpha` with c and v scaled by s; v: γ -> verify cost of γ + 1 tokens."""
+    return min(break_even_alpha(g, speedup * c, speedup * v[g]) for g in gammas)
+
+
+def draft_size_figure(report: dict, plt):
+    """Left: each draft LM's acceptance against its cost c, labelled by layers, over the α a draft of cost c needs
+    to break even (and to reach 1.25× and 1.5×) at its best γ, at the size axis' context. Right: by draft size, the
+    predicted speedup at that cell and where decoded for real the measured cell beside its own prediction."""
+    sizes, costs, s = report["draft_sizes"], report["costs"], report["settings"]
+    rows = sizes["rows"]
+    mean_context = sizes["context"] + sizes["max_new_tokens"] / 2
+    v = {g: float(np.interp(mean_context, costs["contexts"], costs["target"]["v"][str(g + 1)])) for g in s["gammas"]}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    grid_c = np.linspace(0, max(0.5, 1.3 * max(r["c"] for r in rows)), 50)
+    for speedup, style in zip(ISO_SPEEDUPS, ("-", "--", ":")):
+        left.plot(grid_c, [alpha_needed(speedup, c, s["gammas"], v) for c in grid_c], style, color="0.3", lw=1,
+                  label="break-even" if speedup == 1 else f"{speedup:g}x")
+    for i, r in enumerate(rows):
+        a = r["alpha"]
+        left.errorbar(r["c"], a["value"], yerr=[[a["value"] - a["low"]], [a["high"] - a["value"]]], fmt="o",
+                      color=f"C{i}", capsize=3, label=f"{r['layers']} layers: {r['draft']}")
+        left.annotate(f"{r['layers']}L", (r["c"], a["value"]), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    left.set(xlabel="draft cost c (draft step / target step)", ylabel="per-token acceptance α (T=0)", ylim=(0, 1.02),
+             title=f"acceptance against cost, context {sizes['context']} + {sizes['max_new_tokens']} new tokens")
+    left.legend(fontsize=6)
+    x = np.arange(len(rows))
+    right.bar(x - 0.2, [r["predicted_speedup"] for r in rows], 0.4, color="0.75",
+              label=f"predicted, context {sizes['context']}, {sizes['max_new_tokens']} tokens (best γ)")
+    decoded = [(i, r["measured"]) for i, r in enumerate(rows) if r["measured"]]
+    if decoded:
+        right.errorbar([i + 0.2 for i, _ in decoded], [m["speedup"]["value"] for _, m in decoded],
+                       yerr=[[m["speedup"]["value"] - m["speedup"]["low"] for _, m in decoded],
+                             [m["speedup"]["high"] - m["speedup"]["value"] for _, m in decoded]],
+                       fmt="D", color="C3", capsize=3, label="measured (its cell, 95% CI)")
+        right.plot([i + 0.2 for i, _ in decoded], [m["predicted_speedup"] for _, m in decoded], "_", ms=16,
+                   color="k", label="that cell's prediction")
+    right.axhline(1.0, color="gray", lw=0.8, ls="--")
+    right.set_xticks(x, [f"{r['layers']} layers\nγ={r['gamma']}" for r in rows], fontsize=7)
+    right.set(ylabel="speedup vs target alone", title=f"recommended: {sizes['recommended']['layers']} layers")
+    right.legend(fontsize=6)
     fig.tight_layout()
     return fig
 
@@ -232,6 +284,7 @@ def markdown(report: dict) -> str:
     lines += ["", f"Gap measured/predicted − 1: mean {g['mean']:+.1%}, mean |gap| {g['mean_abs']:.1%}, "
               f"max |gap| {g['max_abs']:.1%}.", ""]
     lines += tree_markdown(report)
+    lines += size_markdown(report)
     lines += batch_markdown(report)
     lines += quantization_markdown(report)
     lines += [f"## Recommendation: --draft {r['draft']} with decode.gamma_schedule {r['gamma_schedule']}", ""]
@@ -277,6 +330,31 @@ def tree_markdown(report: dict) -> list[str]:
                          for row in rows)
                      + " |")
     return lines + [""]
+
+
+def size_markdown(report: dict) -> list[str]:
+    """The draft-size section: every draft LM by layers, acceptance and cost, predicted and measured speedup."""
+    sizes = report.get("draft_sizes")
+    if not sizes:
+        return []
+    lines = [f"## Draft size: acceptance against cost (context {sizes['context']}, {sizes['max_new_tokens']} new "
+             "tokens)", "",
+             "| draft | layers | parameters | α (T=0) | c | v | best γ | break-even α | predicted | mean predicted "
+             "(all cells) | measured (γ, context, tokens) | its prediction | gap | same output |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+    for r in sizes["rows"]:
+        a, m = r["alpha"], r["measured"]
+        measured = (f"{m['speedup']['value']:.2f}x [{m['speedup']['low']:.2f}, {m['speedup']['high']:.2f}] "
+                    f"(γ={m['gamma']}, {m['context']}, {m['max_new_tokens']}) | {m['predicted_speedup']:.2f}x | "
+                    f"{m['gap']:+.0%} | {m['same_output_as_target']}/{m['n_prompts']}") if m else "- | - | - | -"
+        lines.append(f"| {r['draft']} | {r['layers']} | {r['parameters'] / 1e6:.1f}M | {a['value']:.3f} "
+                     f"[{a['low']:.3f}, {a['high']:.3f}] | {r['c']:.3f} | {r['v']:.2f} | {r['gamma']} | "
+                     f"{r['break_even_alpha']:.3f} | {r['predicted_speedup']:.2f}x | "
+                     f"{r['mean_predicted_speedup']:.2f}x | {measured} |")
+    best = sizes["recommended"]
+    return lines + ["", f"Recommended draft size on this machine: **{best['layers']} layers** ({best['draft']}): the "
+                    "best mean predicted speedup over every context and generation length, each at its best γ. A "
+                    "fair comparison of sizes needs one training budget for all (`draftops distill --sizes`).", ""]
 
 
 def batch_markdown(report: dict) -> list[str]:

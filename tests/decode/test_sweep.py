@@ -123,7 +123,7 @@ def checkpoints(tmp_path_factory):
 def test_sweep_cli(checkpoints, capsys, tmp_path):
     target, draft, traffic = checkpoints
     assert main(["sweep", "--target", target, "--traffic", traffic, "--drafts",
-                 f"{draft},target-layers:1:20,prompt-lookup,models:/absent@champion?", "--gammas", "1,3",
+                 f"{draft},target-layers:1:20,prompt-lookup,models:/absent@champion?,{draft}", "--gammas", "1,3",
                  "--contexts", "16,40", "--max-new-tokens", "4,8", "--analytic-prompts", "3",
                  "--measure-prompts", "2", "--reps", "2", "--batches", "1,2,4", "--batch-context", "24",
                  "--out", str(tmp_path), "--json", "device=cpu", "tracking.system_metrics=false"]) == 0
@@ -131,6 +131,7 @@ def test_sweep_cli(checkpoints, capsys, tmp_path):
     drafts = [draft, "target-layers:1:20", "prompt-lookup"]
     assert list(report["drafts"]) == drafts and report["drafts"]["target-layers:1:20"]["reduced_vocab"] >= 20
     assert "optional draft models:/absent@champion skipped" in report["notes"][0]
+    assert f"{draft} is the same draft as {draft}: swept once" in report["notes"][1]
     # llama.cpp's target alone joins the quantization table only where llama-server is built and the target is a GGUF
     assert any(n.startswith("no llama.cpp row in the quantization table: ") for n in report["notes"])
     assert len(report["cells"]) == 3 * 2 * 2 * 2 and len(report["best"]) == 4
@@ -183,15 +184,33 @@ def test_sweep_cli(checkpoints, capsys, tmp_path):
     assert 0 <= int8["same_output_as_target"] <= 2 and 0 <= int8["mean_shared_prefix"] <= 8
     quality = quantization["int8_quality"]
     assert quality["positions"] == 3 * 8 and quality["kl"]["value"] >= 0 and 0 <= quality["agreement"]["value"] <= 1
-    # every γ of every draft at (16, 4), plus each draft's best γ at (40, 8)
+    # every γ of the recommended draft at (16, 4), every draft's best γ there and at (40, 4)
+    recommendation = report["recommendation"]
     measured = {(m["draft"], m["gamma"], m["context"], m["max_new_tokens"]) for m in report["measured"]}
-    assert {(d, g, 16, 4) for d in drafts for g in (1, 3)} <= measured and len(measured) == 9
+    assert {(recommendation["draft"], g, 16, 4) for g in (1, 3)} <= measured
+    assert {(d, c) for d, _, c, _ in measured} == {(d, c) for d in drafts for c in (16, 40)}
+    assert {n for _, _, _, n in measured} == {4} and len(measured) == len(report["measured"]) <= 2 + 2 * 3
     assert all(m["same_output_as_target"] == 2 for m in report["measured"])  # lossless
     gaps = [m["speedup"]["value"] / m["predicted_speedup"] - 1 for m in report["measured"]]
     assert report["gap"]["mean_abs"] == pytest.approx(sum(abs(g) for g in gaps) / len(gaps))
     assert report["gap"]["max_abs"] == pytest.approx(max(abs(g) for g in gaps))
-    recommendation = report["recommendation"]
     assert recommendation["draft"] in drafts
+    best_mean = {d: sum(b["per_draft"][d]["predicted_speedup"] for b in report["best"]) / 4 for d in drafts}
+    assert recommendation["mean_predicted_speedup"] == pytest.approx(best_mean)
+    assert recommendation["draft"] == max(best_mean, key=best_mean.get)
+    # the draft-size axis: the two draft LMs (1 layer each), at context 16 and 8 new tokens, each decoded there
+    sizes = report["draft_sizes"]
+    assert (sizes["context"], sizes["max_new_tokens"]) == (16, 8)
+    assert [(r["draft"], r["layers"]) for r in sizes["rows"]] == sorted([(draft, 1), ("target-layers:1:20", 1)])
+    for r in sizes["rows"]:
+        cell = max((c for c in report["cells"] if c["draft"] == r["draft"] and c["context"] == 16
+                    and c["max_new_tokens"] == 8), key=lambda c: c["predicted_speedup"])
+        assert (r["gamma"], r["c"], r["predicted_speedup"]) == (cell["gamma"], cell["c"], cell["predicted_speedup"])
+        assert r["alpha"] == report["acceptance"][r["draft"]]["analytic_alpha"]["8"]
+        assert r["mean_predicted_speedup"] == pytest.approx(best_mean[r["draft"]])
+        assert r["measured"]["context"] == 16 and r["measured"]["same_output_as_target"] == 2
+        assert r["parameters"] > 0
+    assert sizes["recommended"]["draft"] == max(sizes["rows"], key=lambda r: r["mean_predicted_speedup"])["draft"]
     tuned = load_config(tmp_path / "decode_config.yaml")
     assert [list(e) for e in tuned.decode.gamma_schedule] == recommendation["gamma_schedule"]
     assert tuned.target == target and tuned.decode.gamma == recommendation["gamma_schedule"][0][1]
@@ -202,7 +221,7 @@ def test_sweep_cli(checkpoints, capsys, tmp_path):
     assert (tmp_path / "decode_config.yaml").read_text().startswith("# Written by `draftops sweep`")
     names = {"sweep.json", "sweep.md", "decode_config.yaml", "speedup_vs_gamma.png", "speedup_heatmap.png",
              "break_even_alpha.png", "measured_vs_predicted.png", "tree_budget.png", "batch.png",
-             "quantization.png"}
+             "quantization.png", "draft_size.png"}
     assert names <= {p.name for p in tmp_path.iterdir()}
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(report["mlflow_run_id"], "sweep")}
     assert artifacts == {f"sweep/{n}" for n in names}
@@ -214,9 +233,14 @@ def test_sweep_cli(checkpoints, capsys, tmp_path):
     best_at_4 = max(r["predicted_speedup"] for r in batch["rows"] if r["batch"] == 4)
     assert logged["sweep/batch_best_speedup/b4"] == pytest.approx(best_at_4)
     assert logged["sweep/quantization/int8_agreement"] == pytest.approx(quality["agreement"]["value"])
+    assert logged["sweep/size/recommended_layers"] == 1
+    assert logged["sweep/size/mean_predicted_speedup/layers1"] == pytest.approx(
+        max(r["mean_predicted_speedup"] for r in sizes["rows"]))
     page = (tmp_path / "sweep.md").read_text()
     assert "## Recommendation" in page and "## Token trees" in page and "## Batch size: B sequences of 24" in page
     assert "## Quantized or drafted: the int8 target beside" in page
+    assert "## Draft size: acceptance against cost (context 16, 8 new tokens)" in page
+    assert "Recommended draft size on this machine: **1 layers**" in page
     assert f"decode.tree_budget_schedule {tree_schedule}" in page
 
     # the written config drives the decoder
