@@ -74,13 +74,15 @@ bench: setup
 	.venv/bin/draftops bench --config $(CONFIG) --draft $(DRAFT) --traffic $(BENCH_TRAFFIC) --split $(BENCH_SPLIT) \
 		--per-category 5 --max-new-tokens 128 --out outputs/bench $(ARGS)
 
-# The boundary map on the default pair: the registered champion (if any), the target's first 2 layers (full head, and
-# a head cut to the 8192 most frequent traffic tokens), prompt lookup; with the batch axis and the int8 target beside
-# speculation. 7 min on an idle 2-core AMD EPYC before those axes; 30 min on a day it streamed memory 4x slower.
-SWEEP_DRAFTS ?= models:/draftops-draft@champion?,target-layers:2,target-layers:2:8192,prompt-lookup
+# The boundary map on the default pair: the registered champion, the draft-size family of `make distill-sizes` (each
+# optional), prompt lookup; with the draft-size and batch axes and the int8 target beside speculation, on a grid
+# smaller than `draftops sweep`'s defaults so that it stays near 20 minutes on 2 cores (docs/usage.md).
+REGISTERED := models:/draftops-draft
+SWEEP_DRAFTS ?= $(REGISTERED)@champion?,$(REGISTERED)@layers-1?,$(REGISTERED)@layers-2?,$(REGISTERED)@layers-4?,$(REGISTERED)@layers-6?,prompt-lookup
+SWEEP_ARGS ?= --gammas 1,2,3,4,6 --contexts 128,512,2048 --max-new-tokens 32,128,256 --reps 6
 sweep: setup
 	.venv/bin/draftops sweep --config $(CONFIG) --drafts '$(SWEEP_DRAFTS)' --traffic $(BENCH_TRAFFIC) --split $(BENCH_SPLIT) \
-		--out outputs/sweep $(ARGS)
+		$(SWEEP_ARGS) --out outputs/sweep $(ARGS)
 
 monitor: setup
 	.venv/bin/draftops monitor serve --config $(CONFIG) $(ARGS)

@@ -204,3 +204,42 @@ def test_compare_view_of_the_two_distill_runs_shows_acceptance(store, server, br
     section = browser.find_elements(By.XPATH, "//*[normalize-space(text())='Metrics']")[-1]
     browser.execute_script("arguments[0].scrollIntoView(true);", section)
     screenshot(browser, "compare_distill_runs")
+
+
+@pytest.fixture(scope="module")
+def sweep_run(store) -> tuple[str, str]:
+    """A tiny `draftops sweep` of the champion and prompt lookup logged to the store: (experiment id, run id)."""
+    from mlflow import MlflowClient
+
+    from pipeline.cli import main
+
+    cfg, _, _ = store
+    cwd = os.getcwd()
+    os.chdir(Path(cfg.tracking.uri.removeprefix("sqlite:///")).parent)  # the store fixture's ./mlruns
+    try:
+        out = Path("sweep")
+        assert main(["sweep", "--target", cfg.target, "--traffic", cfg.traffic.path, "--drafts",
+                     f"models:/{cfg.tracking.registered_model}@champion,prompt-lookup", "--gammas", "1,2",
+                     "--contexts", "16,24", "--max-new-tokens", "4,6", "--analytic-prompts", "2",
+                     "--measure-prompts", "1", "--reps", "1", "--batches", "1,2", "--batch-context", "16",
+                     "--out", str(out), "--json", "device=cpu", "tracking.system_metrics=false",
+                     f"tracking.uri={cfg.tracking.uri}"]) == 0
+        run_id = json.loads((out / "sweep.json").read_text())["mlflow_run_id"]
+    finally:
+        os.chdir(cwd)
+    return MlflowClient(cfg.tracking.uri).get_run(run_id).info.experiment_id, run_id
+
+
+@pytest.mark.parametrize("plot", ["draft_size.png", "batch.png", "quantization.png"])
+def test_the_sweeps_plots_show_in_the_run_page(sweep_run, server, browser, plot):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    experiment, run_id = sweep_run
+    browser.get(f"{server}/#/experiments/{experiment}/runs/{run_id}/artifacts/sweep/{plot}")
+    wait_for_text(browser, plot)
+    close_assistant(browser)
+    WebDriverWait(browser, PAGE_TIMEOUT_S, poll_frequency=0.5).until(lambda d: any(
+        d.execute_script("return arguments[0].complete && arguments[0].naturalWidth", img) > 400
+        for img in d.find_elements(By.TAG_NAME, "img")))  # the plot itself, not an icon
+    screenshot(browser, f"sweep_{plot.removesuffix('.png')}")
