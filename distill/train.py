@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import is_bf16_available, set_seed
 
 from decode.drafts import frequent_token_ids
@@ -246,7 +246,8 @@ def run_sizes(cfg: DraftopsConfig, sizes: list[int]) -> list[DistillResult]:
     `layers-N` (`pipeline.metrics.size_alias`) for `draftops sweep` to compare; finished jobs are not trained again."""
     results = []
     for layers in sizes:
-        print(f"draftops distill: family member of {layers} layer(s) ({len(results) + 1} of {len(sizes)})")
+        if PartialState().is_main_process:
+            print(f"draftops distill: family member of {layers} layer(s) ({len(results) + 1} of {len(sizes)})")
         results.append(run_distill(sizes_config(cfg, layers), alias=size_alias(layers)))
     if results and results[0].metrics:
         print("\ndraftops distill: the family, one budget")
