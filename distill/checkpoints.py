@@ -23,11 +23,16 @@ from pipeline.files import TMP_SUFFIX, recover_dir, swap_dir
 STATE_FILE = "trainer_state.json"
 
 
+SELECTION_KEYS = ("gamma", "temperature")  # the decode settings training reads: the best checkpoint is the best τ there
+
+
 def job_key(cfg: DraftopsConfig, data_fingerprint: str) -> str:
-    """Identifies a job for resuming: everything that changes the weights, nothing that only changes bookkeeping."""
+    """Identifies a job for resuming: everything that changes the weights or which checkpoint is kept, nothing that
+    only changes bookkeeping or later decoding (so a decode key added to the schema leaves finished jobs found)."""
     settings = cfg.to_dict()
-    settings.pop("tracking", None)
-    settings.pop("monitor", None)
+    for section in ("tracking", "monitor", "target_update"):
+        settings.pop(section, None)
+    settings["decode"] = {key: settings["decode"][key] for key in SELECTION_KEYS}
     for key in ("resume", "register_model", "checkpoint_every", "keep_checkpoints", "output_dir"):
         settings["distill"].pop(key, None)
     return hashlib.sha256(json.dumps([settings, data_fingerprint], sort_keys=True).encode()).hexdigest()[:12]

@@ -287,3 +287,18 @@ def test_size_family_arguments_are_checked():
     with pytest.raises(ValueError, match="family=layers"):
         sizes_config(load_config(None, ["distill.family=features"]), 2)
     assert sizes_config(load_config(None), 3).distill.init_layers == [0, 1, 2]
+
+
+def test_the_job_key_follows_what_training_reads_and_not_later_decoding():
+    from distill.checkpoints import job_key
+
+    base = job_key(load_config(None), "data")
+    # decoding and monitoring settings training does not read leave a finished job found
+    for override in ("decode.lookup_min_ngram=3", "decode.tree_budget=8", "decode.max_new_tokens=64",
+                     "monitor.level=0.01", "target_update.lora_last_layers=4", "distill.checkpoint_every=7"):
+        assert job_key(load_config(None, [override]), "data") == base, override
+    # what the weights or the kept checkpoint depend on makes another job
+    for override in ("decode.gamma=3", "decode.temperature=1.0", "distill.init_layers=[0]", "seed=1",
+                     "traffic.heldout_fraction=0.2"):
+        assert job_key(load_config(None, [override]), "data") != base, override
+    assert job_key(load_config(None), "other data") != base
