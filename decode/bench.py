@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from decode.acceptance import break_even_alpha, expected_speedup
-from decode.drafters import DECODER, DRAFT, LOOKUP, output_size
+from decode.drafters import DECODER, DRAFT, LOOKUP, SUFFIX, output_size
 from decode.export_formats import GGUF, draft_source, export_format
 from decode.factory import build_decoder
 from decode.feature_draft import FeatureDraft, FeatureDrafter
@@ -244,13 +244,65 @@ def llama_cpp_summary(outputs: dict, seconds: dict, completions: dict[str, list[
     }
 
 
+CHAIN, DRAFT_ONLY_CHAIN = "chain", "draft_only_chain"
+SOURCE_ROWS = {DRAFT: "draft_only", LOOKUP: "lookup_only", SUFFIX: "suffix_only"}  # a source's row: it alone
+
+
+def reserved_rows() -> set[str]:
+    """Row names bench gives its own rows: a --compare row takes another."""
+    return {TARGET_ONLY, TARGET_ONLY_TORCH, "plain", "speculative", "hf_assisted", "hf_prompt_lookup", CHAIN,
+            DRAFT_ONLY_CHAIN, *SOURCE_ROWS.values(), LLAMA_CPP_TARGET_ONLY, LLAMA_CPP_SPECULATIVE}
+
+
+def trees_on(decode: DecodeConfig) -> bool:
+    return bool(decode.tree_budget) or decode.tree_budget_schedule is not None
+
+
+def chain_rounds(decode: DecodeConfig) -> DecodeConfig:
+    """`decode` as a chain decoder: what it runs with tree_budget 0 (suffix decoding is a tree source only)."""
+    return decode.model_copy(update={"tree_budget": 0, "tree_budget_schedule": None, "suffix": False,
+                                     "suffix_index": None})
+
+
+def decoder_rows(decode: DecodeConfig, has_draft: bool) -> dict[str, tuple[DecodeConfig, str]]:
+    """The decoders bench runs, by row name, as (decode settings, drafter kind): `speculative` (the configured
+    decoder); when it has more than one source, each source alone (`SOURCE_ROWS`); with trees, the same decoder in
+    chain rounds (`chain`) and the draft model alone in chain rounds (`draft_only_chain`), so trees and chains are
+    compared in one run."""
+    sources = ([LOOKUP] if decode.lookup_min_ngram is not None or not has_draft else []) + \
+        ([SUFFIX] if decode.suffix else []) + ([DRAFT] if has_draft else [])
+    rows = {"speculative": (decode, DECODER if has_draft else LOOKUP)}
+    if len(sources) > 1:
+        alone = decode.model_copy(update={"suffix": False})
+        rows.update({SOURCE_ROWS[source]: (decode if source == SUFFIX else alone, source) for source in sources})
+    if trees_on(decode):
+        rows[CHAIN] = (chain_rounds(decode), DECODER if has_draft else LOOKUP)
+        if has_draft and len(sources) > 1:
+            rows[DRAFT_ONLY_CHAIN] = (chain_rounds(decode), DRAFT)
+    return rows
+
+
+def describe_trees(decode: DecodeConfig) -> str:
+    if decode.tree_budget_schedule is not None:
+        return f"tree budget by context {[list(entry) for entry in decode.tree_budget_schedule]}"
+    return f"tree budget {decode.tree_budget}" if decode.tree_budget else "chain rounds"
+
+
+def decoder_summary(stats: Sequence, categories: Sequence[str], seed: int) -> dict:
+    """A decoder row's acceptance, τ and accepted tokens by tree source."""
+    summary = aggregate_stats(stats, categories, seed=seed)
+    return {key: summary[key] for key in ("acceptance_rate", "tau", "accepted_by_source")}
+
+
 def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[str], decode: DecodeConfig, *,
               gamma: int | None = None, seed: int = 0, progress: bool = True,
-              llama_cpp: dict[str, LlamaServer] | None = None) -> dict:
+              llama_cpp: dict[str, LlamaServer] | None = None, compare: dict[str, DecodeConfig] | None = None) -> dict:
     """target is a `pipeline.sources.ResolvedModel`, draft one too, or None to bench prompt lookup alone. Greedy
-    throughout; `decode` (cfg.decode) describes the decoder, `gamma` overrides its γ policy with a fixed γ. `progress`:
-    a bar over the prompts on stderr. `llama_cpp`: started llama.cpp servers for the rows LLAMA_CPP_TARGET_ONLY and
-    LLAMA_CPP_SPECULATIVE (`decode.llamacpp`), run interleaved with the others on the same token ids.
+    throughout; `decode` (cfg.decode) describes the decoder, `gamma` overrides its γ policy with a fixed γ; the rows
+    of `decoder_rows` run beside it. `compare`: more decoders to run beside it by row name (their own decode
+    settings, same drafter kind). `progress`: a bar over the prompts on stderr. `llama_cpp`: started llama.cpp
+    servers for the rows LLAMA_CPP_TARGET_ONLY and LLAMA_CPP_SPECULATIVE (`decode.llamacpp`), run interleaved with
+    the others on the same token ids.
 
     With a γ schedule or adaptive γ, this decoder follows it; HF assisted generation and the cost model use its γ.
     """
@@ -258,11 +310,11 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     max_new_tokens = decode.max_new_tokens
     eos = eos_token_ids(target.model, target.tokenizer)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else (eos or [0])[0]
-    decoders = {"speculative": build_decoder(target, draft, decode, kind=LOOKUP if draft is None else DECODER,
-                                             gamma=gamma)}
-    if draft is not None and (decode.lookup_min_ngram is not None or decode.suffix):
-        decoders["draft_only"] = build_decoder(target, draft, decode, kind=DRAFT, gamma=gamma)
-        decoders["lookup_only"] = build_decoder(target, draft, decode, kind=LOOKUP, gamma=gamma)
+    decoders = {name: build_decoder(target, draft, row_decode, kind=kind, gamma=gamma)
+                for name, (row_decode, kind) in decoder_rows(decode, draft is not None).items()}
+    for name, variant in (compare or {}).items():
+        decoders[name] = build_decoder(target, draft, variant.model_copy(update={"temperature": 0.0}),
+                                       kind=LOOKUP if draft is None else DECODER, gamma=gamma)
     decoder = decoders["speculative"]
     policy = decoder.gamma
     fixed_gamma = policy.gamma
@@ -275,12 +327,22 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     for name, d in decoders.items():
         methods[name] = (lambda d: lambda p: d.generate(p, max_new_tokens=max_new_tokens))(d)
     notes = []
-    if len(decoders) > 1:
+    halves = [name for name in SOURCE_ROWS.values() if name in decoders]
+    if halves:
         first = ([] if decode.lookup_min_ngram is None
                  else [f"prompt-lookup proposals (n-grams of >= {decode.lookup_min_ngram} tokens)"])
         first += ["suffix decoding's candidates"] if decode.suffix else []
-        notes.append(f"this decoder takes {' and '.join(first)} first, the draft model elsewhere; draft_only and "
-                     "lookup_only are its two halves alone; HF assisted generation uses the draft model only")
+        notes.append(f"this decoder takes {' and '.join(first)} first"
+                     + (", the draft model elsewhere" if draft is not None else "")
+                     + f"; {', '.join(halves)}: each source alone"
+                     + ("; HF assisted generation uses the draft model only" if draft is not None else ""))
+    if CHAIN in decoders:
+        notes.append(f"{CHAIN}: this decoder in chain rounds (no tree, no suffix decoding), what tree_budget 0 runs"
+                     + (f"; {DRAFT_ONLY_CHAIN}: the draft model alone in chain rounds" if DRAFT_ONLY_CHAIN in decoders
+                        else ""))
+    if compare:
+        notes.append("compared decoders (--compare): " + "; ".join(
+            f"{name}: {describe_trees(variant)}" for name, variant in compare.items()))
     if draft is not None and decode.draft_min_confidence is not None:
         notes.append(f"the draft model ends a block where its top probability is below {decode.draft_min_confidence}; "
                      f"the cost model assumes γ={fixed_gamma} drafts a round, the in-run costs count the real ones")
@@ -322,7 +384,7 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     alpha, tau = summary["acceptance_rate"]["value"], summary["tau"]["value"]
     c, v = costs["c"], costs["v"]
     in_run = in_run_costs(stats["speculative"], results[baseline])
-    draft_run = "draft_only" if "draft_only" in stats else "speculative" if draft is not None else None
+    draft_run = SOURCE_ROWS[DRAFT] if SOURCE_ROWS[DRAFT] in stats else "speculative" if draft is not None else None
     draft_summary = aggregate_stats(stats[draft_run], categories, seed=seed) if draft_run else None
     return {
         "n_prompts": len(prompts),
@@ -344,6 +406,7 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
         "in_run_costs": in_run,
         "break_even_alpha": break_even_alpha(fixed_gamma, in_run["c"], in_run["v"]),
         "speculative_time_s": summary["time_s"],
+        "decoders": {name: decoder_summary(stats[name], categories, seed) for name in decoders},
         "per_category": summary.get("per_category", {}),
         "llama_cpp": llama_cpp_summary(outputs, runs.seconds, completions, seed) if llama_cpp else None,
         "notes": notes,
@@ -380,6 +443,9 @@ def markdown(report: dict) -> str:
         "",
         f"- speculative / plain (the same forward without a draft): "
         f"{speculative['tokens_per_s']['value'] / report['methods']['plain']['tokens_per_s']['value']:.2f}x",
+        *([f"- speculative (trees) / chain (the same decoder in chain rounds): "
+           f"{speculative['tokens_per_s']['value'] / report['methods'][CHAIN]['tokens_per_s']['value']:.2f}x"]
+          if CHAIN in report["methods"] else []),
         f"- acceptance of this decoder ({report['drafters']['speculative']}) α̂ = {a['value']:.3f} "
         f"[{a['low']:.3f}, {a['high']:.3f}]; tokens per target call τ = {t['value']:.2f} "
         f"[{t['low']:.2f}, {t['high']:.2f}]",
@@ -408,6 +474,13 @@ def markdown(report: dict) -> str:
                      f"{speedup['high']:.2f}], acceptance {ll['acceptance']:.3f} ({ll['accepted']} of "
                      f"{ll['drafted']} drafted tokens), same output as its target alone "
                      f"{ll['same_output_as_llama_cpp_target_only']}/{report['n_prompts']}")
+    if len(report["decoders"]) > 1:
+        lines += ["", "| decoder | drafter | α̂ | τ | accepted tokens by tree source |", "|---|---|---|---|---|"]
+        for name, d in report["decoders"].items():
+            a, t = d["acceptance_rate"], d["tau"]
+            sources = ", ".join(f"{source} {n}" for source, n in sorted(d["accepted_by_source"].items())) or "–"
+            lines.append(f"| {name} | {report['drafters'][name]} | {a['value']:.3f} [{a['low']:.3f}, "
+                         f"{a['high']:.3f}] | {t['value']:.2f} [{t['low']:.2f}, {t['high']:.2f}] | {sources} |")
     if report["per_category"]:
         lines += ["", "| category | prompts | α̂ | τ |", "|---|---:|---|---|"]
         for name, c in report["per_category"].items():
@@ -447,6 +520,9 @@ def flat_metrics(report: dict) -> dict[str, float]:
         out[M.TARGET_TORCH_KERNELS_TOKENS_PER_S] = methods[TARGET_ONLY_TORCH]["tokens_per_s"]["value"]
     if "hf_assisted" in methods:
         out[M.SPEEDUP_HF_ASSISTED] = methods["hf_assisted"]["speedup"]["value"]
+    for name in report["decoders"]:
+        if name != "speculative":
+            out[M.decoder_speedup(name)] = methods[name]["speedup"]["value"]
     if report.get("llama_cpp"):
         out[M.LLAMA_CPP_TOKENS_PER_S] = methods[LLAMA_CPP_TARGET_ONLY]["tokens_per_s"]["value"]
         out[M.LLAMA_CPP_SPECULATIVE_TOKENS_PER_S] = methods[LLAMA_CPP_SPECULATIVE]["tokens_per_s"]["value"]

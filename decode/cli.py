@@ -191,6 +191,22 @@ def eval_command(args) -> int:
     return 0
 
 
+def _compared_decoders(args) -> dict:
+    """bench's --compare "NAME key=value ...": the decode settings of each named decoder, the command's config with
+    the command's overrides and then its own."""
+    from decode.bench import reserved_rows
+    from pipeline.config import load_config
+
+    compared = {}
+    for spec in args.compare or []:
+        name, *overrides = spec.split()
+        if name in compared or name in reserved_rows() or "=" in name:
+            raise ValueError(f'--compare "{spec}": it needs a new row name first, then key=value overrides')
+        args_of = argparse.Namespace(**{**vars(args), "overrides": [*args.overrides, *overrides]})
+        compared[name] = _decode_settings(load_config(args.config, args_of.overrides), args_of)
+    return compared
+
+
 def bench_command(args) -> int:
     import mlflow
 
@@ -204,6 +220,7 @@ def bench_command(args) -> int:
     from pipeline.traffic import encode_prompts
 
     try:
+        compare = _compared_decoders(args)
         if args.draft == PROMPT_LOOKUP:
             (cfg, target), draft = _load_target(args), None
         else:
@@ -217,7 +234,7 @@ def bench_command(args) -> int:
             servers, skipped = llama_cpp_servers(args.llama_cpp, target.source, draft, args.gamma or decode.gamma,
                                                  out / "llama.cpp", stack)
             report = run_bench(target, draft, prompts, [r.category for r in requests], decode, gamma=args.gamma,
-                               seed=cfg.seed, llama_cpp=servers)
+                               seed=cfg.seed, llama_cpp=servers, compare=compare)
         if skipped:
             report["notes"].append(f"no llama_cpp rows: {skipped}")
     except (ValueError, LlamaCppError) as exc:
@@ -420,6 +437,9 @@ def add_commands(subparsers) -> None:
                     "measured step costs c and v, Leviathan's predicted speedup and the overhead-free bound.")
     _common(bench, traffic=True)
     bench.add_argument("--out", default="outputs/bench", help="folder for bench.md and bench.json")
+    bench.add_argument("--compare", action="append", metavar='"NAME key=value ..."',
+                       help="one more decoder row: a name, then config overrides on top of the command's (repeatable;"
+                            ' e.g. --compare "budget16 decode.tree_budget=16")')
     bench.add_argument("--llama-cpp", choices=["auto", "on", "off"], default="auto",
                        help="llama.cpp's rows (its target alone and with the draft exported as GGUF): auto runs them "
                             "where llama-server is built (make llama-cpp) and the draft is a layer draft")

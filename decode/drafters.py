@@ -15,6 +15,8 @@ The kinds (`DRAFTER_KINDS`):
 - "lookup": prompt lookup alone (`decode.ngram.PromptLookupDrafter`), no model;
 - "decoder": what users run: prompt lookup first wherever the text repeats, the draft model elsewhere
   (`decode.ngram.LookupThenModelDrafter`), or the draft model alone when lookup is off.
+Tree rounds (`decode.tree_drafters.make_tree_drafter`) take one more, `TREE_DRAFTER_KINDS`:
+- "suffix": suffix decoding alone (`decode.tree_drafters.SuffixTree`), no model; also the label of its tree nodes.
 """
 from __future__ import annotations
 
@@ -28,9 +30,9 @@ from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter, lookup_fir
 from decode.runtime import ModelRunner, rollback
 from decode.sampling import Warp, confident, draft_token
 
-DRAFT, LOOKUP, DECODER = "draft", "lookup", "decoder"
+DRAFT, LOOKUP, DECODER, SUFFIX = "draft", "lookup", "decoder", "suffix"
 DRAFTER_KINDS = (DRAFT, LOOKUP, DECODER)
-SUFFIX = "suffix"  # the label of suffix decoding's tree nodes (`decode.tree_drafters.SuffixTree`), not a kind
+TREE_DRAFTER_KINDS = (*DRAFTER_KINDS, SUFFIX)
 
 
 class Drafter(Protocol):
@@ -140,6 +142,8 @@ def make_drafter(kind: str, target, draft=None, *, draft_token_ids: torch.Tensor
     """The drafter of `kind` (see the module docstring) for `target` (an HF causal LM) and `draft` (a draft LM; not
     needed for "lookup"). `lookup_min_ngram` applies to "decoder" (None: no lookup; "lookup" alone matches n-grams of
     1-3 tokens unless it is set), `draft_min_confidence` to the draft model."""
+    if kind == SUFFIX:
+        raise ValueError("the suffix drafter runs in tree rounds: set decode.tree_budget (docs/trees.md)")
     if kind not in DRAFTER_KINDS:
         raise ValueError(f"drafter kind must be one of {DRAFTER_KINDS}, got {kind!r}")
     vocab_size, device = output_size(target), next(target.parameters()).device

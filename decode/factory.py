@@ -2,9 +2,11 @@
 measurement and the sweep all call `build_decoder`, so a config means the same decoder everywhere."""
 from __future__ import annotations
 
-from decode.drafters import DECODER, LOOKUP, make_drafter
+from pathlib import Path
+
+from decode.drafters import DECODER, LOOKUP, SUFFIX, make_drafter
 from decode.speculative import GammaPolicy, SpeculativeDecoder
-from decode.suffix import load_suffix_index
+from decode.suffix import SuffixIndex, load_suffix_index
 from decode.tree_drafters import make_tree_drafter
 from pipeline.config import DecodeConfig
 from pipeline.sources import eos_token_ids
@@ -21,21 +23,22 @@ def gamma_policy(decode: DecodeConfig, gamma: int | None = None) -> GammaPolicy:
 
 def build_decoder(target, draft, decode: DecodeConfig, *, kind: str = DECODER, gamma: int | None = None,
                   lean: bool = True) -> SpeculativeDecoder:
-    """The speculative decoder `decode` describes, with the drafter of `kind` (`decode.drafters.DRAFTER_KINDS`).
+    """The speculative decoder `decode` describes, with the drafter of `kind` (`decode.drafters.DRAFTER_KINDS`, and
+    in tree rounds `TREE_DRAFTER_KINDS`).
 
     target: a `pipeline.sources.ResolvedModel` (its generation config and tokenizer give the EOS ids); draft: one too,
-    or None for the "lookup" drafter. `decode.tree_budget` > 0 or `decode.tree_budget_schedule` gives tree rounds
-    (`decode.tree_drafters`); `decode.suffix` adds suffix decoding to the trees of "decoder" and "lookup", with the
-    suffix index the draft's folder carries (`decode.suffix.load_suffix_index`), if any.
+    or None for the "lookup" and "suffix" drafters. `decode.tree_budget` > 0 or `decode.tree_budget_schedule` gives
+    tree rounds (`decode.tree_drafters`); `decode.suffix` adds suffix decoding to the trees of "decoder" and "lookup",
+    with the suffix index of `suffix_index_of`.
     """
     draft_model, token_ids = (None, None) if draft is None else (draft.model, draft.token_ids)
     lookup_min_ngram = decode.lookup_min_ngram if kind in (DECODER, LOOKUP) else None
-    suffix = decode.suffix and kind in (DECODER, LOOKUP)
+    suffix = (decode.suffix and kind in (DECODER, LOOKUP)) or kind == SUFFIX
     if decode.tree_budget or decode.tree_budget_schedule is not None:
         drafter = make_tree_drafter(kind, target.model, draft_model, budget=decode.tree_budget,
                                     budget_schedule=decode.tree_budget_schedule, branching=decode.tree_branching,
                                     draft_token_ids=token_ids, lookup_min_ngram=lookup_min_ngram, suffix=suffix,
-                                    suffix_index=load_suffix_index(draft.path) if suffix and draft else None,
+                                    suffix_index=suffix_index_of(decode, draft) if suffix else None,
                                     draft_min_confidence=decode.draft_min_confidence, lean=lean)
     else:
         drafter = make_drafter(kind, target.model, draft_model, draft_token_ids=token_ids,
@@ -43,3 +46,13 @@ def build_decoder(target, draft, decode: DecodeConfig, *, kind: str = DECODER, g
                                lean=lean)
     return SpeculativeDecoder(target.model, drafter, gamma_policy(decode, gamma),
                               eos_token_ids=eos_token_ids(target.model, target.tokenizer))
+
+
+def suffix_index_of(decode: DecodeConfig, draft) -> SuffixIndex | None:
+    """The suffix index suffix decoding searches: `decode.suffix_index` when set, else the one the draft's folder
+    carries (`decode.suffix.load_suffix_index`); None (the request alone) when there is neither."""
+    if decode.suffix_index is not None:
+        if not Path(decode.suffix_index).is_file():
+            raise ValueError(f"decode.suffix_index: no file {decode.suffix_index}")
+        return SuffixIndex.load(decode.suffix_index)
+    return load_suffix_index(draft.path) if draft is not None else None

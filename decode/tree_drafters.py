@@ -27,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from decode.drafters import DRAFT, DRAFTER_KINDS, LOOKUP, SUFFIX, ModelDrafter, output_size
+from decode.drafters import DRAFT, LOOKUP, SUFFIX, TREE_DRAFTER_KINDS, ModelDrafter, output_size
 from decode.feature_draft import FeatureDraft
 from decode.runtime import compact
 from decode.sampling import Warp, to_target_vocab
@@ -299,18 +299,21 @@ def make_tree_drafter(kind: str, target, draft=None, *, budget: int = 0,
                       draft_token_ids: torch.Tensor | None = None, lookup_min_ngram: int | None = None,
                       suffix: bool = False, suffix_index: SuffixIndex | None = None,
                       draft_min_confidence: float | None = None, lean: bool = True) -> TreeDrafter:
-    """The tree drafter of `kind` (`decode.drafters.DRAFTER_KINDS`): "draft" the model's tree, "lookup" prompt
+    """The tree drafter of `kind` (`decode.drafters.TREE_DRAFTER_KINDS`): "draft" the model's tree, "lookup" prompt
     lookup's branches (n-grams of 1-3 tokens unless `lookup_min_ngram` is set), "decoder" lookup's branches first
-    and the model's tree in what is left of the budget (the model alone when lookup is off). With `suffix`, "lookup"
-    and "decoder" add suffix decoding's candidates after lookup's ("draft" stays the model alone; `SuffixTree`,
-    searching `suffix_index` and the request, the request alone when the index is None). `budget` nodes per round, or
+    and the model's tree in what is left of the budget (the model alone when lookup is off), "suffix" suffix
+    decoding's candidates alone. With `suffix`, "lookup" and "decoder" add suffix decoding's candidates after
+    lookup's ("draft" stays the model alone). Suffix decoding (`SuffixTree`) searches `suffix_index` and the request,
+    the request alone when the index is None. `budget` nodes per round, or
     by sequence length from `budget_schedule` (`TreeDrafter`); `branching`: nodes per level of the model's tree, and
     lookup branches; `draft_min_confidence`: see `ModelTree`."""
-    if kind not in DRAFTER_KINDS:
-        raise ValueError(f"drafter kind must be one of {DRAFTER_KINDS}, got {kind!r}")
+    if kind not in TREE_DRAFTER_KINDS:
+        raise ValueError(f"tree drafter kind must be one of {TREE_DRAFTER_KINDS}, got {kind!r}")
     lookup_ngrams = (3, 1) if lookup_min_ngram is None else (max(3, lookup_min_ngram), lookup_min_ngram)
     size = {"budget": budget, "schedule": budget_schedule}
-    suffix_sources = [SuffixTree(SuffixDrafter.for_model(target, suffix_index))] if suffix else []
+    suffix_sources = [SuffixTree(SuffixDrafter.for_model(target, suffix_index))] if suffix or kind == SUFFIX else []
+    if kind == SUFFIX:
+        return TreeDrafter(suffix_sources, **size)
     if kind == LOOKUP:
         return TreeDrafter([LookupTree(*lookup_ngrams, branching), *suffix_sources], **size)
     if draft is None:

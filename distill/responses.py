@@ -14,15 +14,18 @@ import hashlib
 import json
 import logging
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from decode.suffix import SuffixIndex
 from pipeline import draftops_home
 from pipeline.files import recover_dir, swap_dir, temporary_sibling
 from pipeline.sources import eos_token_ids
+from pipeline.traffic import encode_prompts
 
 TOPK_FILE = "teacher_topk.safetensors"
 log = logging.getLogger(__name__)
@@ -241,3 +244,18 @@ def teacher_forced_topk(
         values, indices = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)
         out.append((values.half().cpu(), indices.int().cpu()))
     return out
+
+
+def target_suffix_index(target, requests: list, cfg) -> tuple[SuffixIndex, ResponseSet, float]:
+    """A suffix index (`decode.suffix`) over the target's greedy responses to `requests`, generated with distill's
+    settings and cached as `make distill` caches them (so the train split's responses are shared with distillation).
+    `target` is a `pipeline.sources.ResolvedModel`. Returns the index, the responses and the index's build seconds."""
+    d = cfg.distill
+    prompts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
+    responses, _, _ = cached_responses(target.model, target.tokenizer, target.fingerprint, requests, prompts,
+                                       samples=1, max_new_tokens=d.max_new_tokens,
+                                       temperature=d.generation_temperature, batch_size=d.generation_batch_size,
+                                       seed=cfg.seed, topk=d.topk, progress=True)
+    start = time.perf_counter()
+    index = SuffixIndex(responses.response_ids)
+    return index, responses, time.perf_counter() - start

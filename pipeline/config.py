@@ -67,6 +67,9 @@ class DecodeConfig(Section):
         "continuations of the text's last tokens in the target's earlier outputs (the suffix index `make distill` "
         "ships beside the draft) and in the request itself (the request alone when the draft has no index). Trees "
         "only (docs/trees.md)."))
+    suffix_index: str | None = Field(None, description=(
+        "With suffix: a suffix index file (`draftops suffix-index` builds one from the target's responses to a "
+        "traffic file) instead of the one beside the draft. null: the draft's own."))
     tree_branching: int = Field(2, ge=1, description=(
         "Tree rounds: nodes per level of the draft model's tree (each level keeps the best children of the last by "
         "cumulative draft probability) and prompt lookup's branches."))
@@ -85,6 +88,8 @@ class DecodeConfig(Section):
             raise ValueError("decode.suffix adds a source to tree rounds: set decode.tree_budget or "
                              "decode.tree_budget_schedule too (chain rounds take prompt lookup and the draft model "
                              "only)")
+        if self.suffix_index is not None and not self.suffix:
+            raise ValueError("decode.suffix_index is read by suffix decoding: set decode.suffix=true with it")
         return self
 
 

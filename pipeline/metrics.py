@@ -193,6 +193,11 @@ def server_position(i: int) -> str:
     return f"acceptance/server_pos_{int(i)}"
 
 
+def decoder_speedup(row: str) -> str:
+    """Bench: the speedup of one of its other decoder rows (`chain`, `draft_only`, a --compare name, ...)."""
+    return f"speed/{_key(row)}_speedup_vs_target"
+
+
 def per_category(metric: str, category: str) -> str:
     return f"{metric}/{_key(category)}"
 

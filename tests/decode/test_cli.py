@@ -112,6 +112,55 @@ def test_bench_writes_reports(checkpoints, capsys, tmp_path):
     assert run.data.metrics["acceptance/tau_gamma2"] == pytest.approx(report["tau"]["value"])
 
 
+def test_bench_with_trees_runs_each_source_alone_the_chains_and_compared_budgets(checkpoints, capsys, tmp_path):
+    from decode.suffix import SuffixIndex
+
+    target, draft, traffic, _ = checkpoints
+    index = SuffixIndex([[5, 6, 7, 8], [9, 10, 11]]).save(tmp_path / "index.json")
+    common = ["bench", "--target", target, "--draft", draft, "--traffic", traffic, "--split", "all", "--limit", "2",
+              "--max-new-tokens", "6", "--gamma", "2", "--llama-cpp", "off", "--json"]
+    trees = ["device=cpu", "decode.tree_budget=4", "decode.suffix=true", f"decode.suffix_index={index}"]
+    report = run_json(capsys, [*common, "--out", str(tmp_path / "b"), "--compare", "budget2 decode.tree_budget=2",
+                               "--compare", "scheduled decode.tree_budget=0 decode.tree_budget_schedule=[[8,2],[64,6]]",
+                               *trees])
+    assert set(report["methods"]) == {"target_only", "target_only_torch", "plain", "speculative", "hf_assisted",
+                                      "draft_only", "lookup_only", "suffix_only", "chain", "draft_only_chain",
+                                      "budget2", "scheduled"}
+    assert all(m["same_output_as_target"] == 2 for m in report["methods"].values())
+    sources = "lookup(n=2..3, branches=2)+suffix(index of 2 sequences)+draft(branching=2, min_confidence=0.4)"
+    assert report["drafters"] == {
+        "speculative": f"tree(budget=4): {sources}",
+        "lookup_only": "tree(budget=4): lookup(n=2..3, branches=2)",
+        "suffix_only": "tree(budget=4): suffix(index of 2 sequences)",
+        "draft_only": "tree(budget=4): draft(branching=2, min_confidence=0.4)",
+        "chain": "lookup(n=2..3)+draft(min_confidence=0.4)", "draft_only_chain": "draft(min_confidence=0.4)",
+        "budget2": f"tree(budget=2): {sources}", "scheduled": f"tree(budget_schedule=[[8, 2], [64, 6]]): {sources}"}
+    decoders = report["decoders"]
+    assert set(decoders) == set(report["drafters"])
+    # each source alone accepts only its own tokens; the chains have no tree sources
+    assert set(decoders["draft_only"]["accepted_by_source"]) <= {"draft"}
+    assert set(decoders["lookup_only"]["accepted_by_source"]) <= {"lookup"}
+    assert set(decoders["suffix_only"]["accepted_by_source"]) <= {"suffix"}
+    assert decoders["chain"]["accepted_by_source"] == {}
+    assert sum(decoders["speculative"]["accepted_by_source"].values()) > 0
+    run = mlflow.get_run(report["mlflow_run_id"])
+    assert run.data.metrics["speed/chain_speedup_vs_target"] == pytest.approx(
+        report["methods"]["chain"]["speedup"]["value"])
+    assert "speed/budget2_speedup_vs_target" in run.data.metrics
+    text = (tmp_path / "b" / "bench.md").read_text()
+    assert "speculative (trees) / chain" in text
+    assert "| suffix_only | tree(budget=4): suffix(index of 2 sequences) |" in text
+    assert any(note.startswith("compared decoders (--compare): budget2: tree budget 2; scheduled: tree budget by "
+                               "context [[8, 2], [64, 6]]") for note in report["notes"])
+
+    for bad in ("chain decode.tree_budget=2", "decode.tree_budget=2", "wide decode.tree_budget=-1"):
+        assert main([*common, "--out", str(tmp_path / "bad"), "--compare", bad, *trees]) == 2
+        assert "draftops: error:" in capsys.readouterr().err
+    assert main([*common, "--out", str(tmp_path / "bad"), "device=cpu", "decode.tree_budget=4", "decode.suffix=true",
+                 f"decode.suffix_index={tmp_path / 'missing.json'}"]) == 2
+    assert "missing.json" in capsys.readouterr().err
+
+
 def test_bench_with_reduced_vocab_draft_gives_hf_its_full_vocab_copy(checkpoints, capsys, tmp_path):
     target, _, traffic, reduced = checkpoints
     report = run_json(capsys, ["bench", "--target", target, "--draft", reduced, "--traffic", traffic, "--split", "all",

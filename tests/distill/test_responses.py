@@ -77,3 +77,32 @@ def test_a_damaged_cache_entry_is_generated_again(isolated_home):
     assert sorted(p.name for p in path.iterdir()) == ["sample-0", "sample-1"]
     _, _, hit = cached_responses(model, tokenizer, "fp", requests, PROMPTS, **kw)
     assert hit
+
+
+def test_suffix_index_command_indexes_the_targets_greedy_responses_from_distills_cache(tmp_path, capsys):
+    from decode.runtime import load_model
+    from decode.suffix import SuffixIndex
+    from distill.responses import cached_responses
+    from pipeline.cli import main
+    from pipeline.traffic import encode_prompts, load_traffic
+    from tests.distill.tiny_job import write_target, write_traffic
+
+    target, traffic = write_target(tmp_path / "target"), write_traffic(tmp_path / "traffic.jsonl", n=12)
+    overrides = ["device=cpu", "distill.max_new_tokens=6", "distill.generation_batch_size=4", "distill.topk=4"]
+    out = tmp_path / "index.json"
+    assert main(["suffix-index", "--target", str(target), "--traffic", str(traffic), "--split", "all", "--limit", "5",
+                 "--out", str(out), *overrides]) == 0
+    printed = capsys.readouterr().out
+    assert f"5 target responses to the all split of {traffic}" in printed and f"decode.suffix_index={out}" in printed
+
+    # the same responses distillation generates (greedy, distill's settings), now from the cache
+    model = load_model(str(target), device="cpu")
+    requests = load_traffic(traffic).split("all")[:5]
+    prompts, _ = encode_prompts(requests, model.tokenizer, 512)
+    responses, _, cached = cached_responses(model.model, model.tokenizer, model.fingerprint, requests, prompts,
+                                            samples=1, max_new_tokens=6, temperature=0.8, batch_size=4, seed=0,
+                                            topk=4)
+    assert cached and SuffixIndex.load(out).sequences() == responses.response_ids
+    assert main(["suffix-index", "--target", str(target), "--traffic", str(tmp_path / "none.jsonl"), "--out",
+                 str(out), *overrides]) == 2
+    assert "none.jsonl" in capsys.readouterr().err
