@@ -57,6 +57,7 @@ SPEEDUP_LOW = "speed/speedup_vs_target_ci_low"
 SPEEDUP_HIGH = "speed/speedup_vs_target_ci_high"
 SPEEDUP_HF_ASSISTED = "speed/hf_assisted_speedup_vs_target"
 SPEEDUP_PREDICTED = "speed/predicted_speedup"
+TREES_VS_CHAIN = "speed/trees_vs_chain"  # bench: the tree decoder's throughput over the same decoder in chain rounds
 COST_RATIO_C = "speed/cost_ratio_c"
 VERIFY_RATIO_V = "speed/verify_ratio_v"
 OVERHEAD_FREE_BOUND = "speed/overhead_free_bound"

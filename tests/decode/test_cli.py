@@ -147,6 +147,8 @@ def test_bench_with_trees_runs_each_source_alone_the_chains_and_compared_budgets
     assert run.data.metrics["speed/chain_speedup_vs_target"] == pytest.approx(
         report["methods"]["chain"]["speedup"]["value"])
     assert "speed/budget2_speedup_vs_target" in run.data.metrics
+    assert run.data.metrics["speed/trees_vs_chain"] == pytest.approx(report["trees_vs_chain"]["value"])
+    assert report["trees_vs_chain"]["n_prompts"] == 2
     text = (tmp_path / "b" / "bench.md").read_text()
     assert "speculative (trees) / chain" in text
     assert "| suffix_only | tree(budget=4): suffix(index of 2 sequences) |" in text
