@@ -134,7 +134,8 @@ def in_run_costs(stats: Sequence, target_only: dict) -> dict[str, float]:
     per token (its prefill included) in `target_only`, the bench's baseline row; c is the decoder's draft seconds per
     draft call and v its verify seconds per target call, both over that step, and the bound counts only model time
     (prefill, draft, verify). So speedup / bound is the share of the decoder's time spent in the models: 1 minus its
-    own bookkeeping share.
+    own bookkeeping share. A model-free decoder (prompt lookup, suffix decoding) makes no draft calls: its c is 0, and
+    the time its proposals take stays in the bound as draft seconds.
     """
     step = target_only["seconds"] / max(1, target_only["new_tokens"])
     draft_calls, target_calls = sum(s.draft_calls for s in stats), sum(s.target_calls for s in stats)
@@ -142,7 +143,7 @@ def in_run_costs(stats: Sequence, target_only: dict) -> dict[str, float]:
     total_s = sum(s.total_s for s in stats)
     return {
         "target_step_s": step,
-        "c": sum(s.draft_s for s in stats) / max(1, draft_calls) / step,
+        "c": sum(s.draft_s for s in stats) / draft_calls / step if draft_calls else 0.0,
         "v": sum(s.verify_s for s in stats) / max(1, target_calls) / step,
         "drafts_per_round": draft_calls / max(1, target_calls),
         "overhead_free_bound": target_only["seconds"] / model_s if model_s else float("nan"),

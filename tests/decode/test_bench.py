@@ -43,6 +43,12 @@ def test_in_run_costs_split_the_decoders_time_into_model_calls_and_bookkeeping()
     assert costs["drafts_per_round"] == pytest.approx(4.0)
     assert costs["overhead_free_bound"] == pytest.approx(4.0 / 3.7)  # model time 0.2 + 1.0 + 2.5
     assert costs["model_time_share"] == pytest.approx(3.7 / 4.0)
+    # a model-free decoder (lookup, suffix decoding): no draft calls, so c is 0; its search time stays in the bound
+    lookup = GenerationStats(new_tokens=60, target_calls=30, draft_calls=0, prefill_s=0.1, draft_s=0.2, verify_s=1.5,
+                             total_s=1.9)
+    costs = in_run_costs([lookup], {"seconds": 2.4, "new_tokens": 60})
+    assert costs["c"] == 0.0 and costs["drafts_per_round"] == 0.0
+    assert costs["overhead_free_bound"] == pytest.approx(2.4 / 1.8)
 
 
 def bench_rows(seconds_per_token: dict[str, float]) -> tuple[dict, dict]:

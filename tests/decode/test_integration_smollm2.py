@@ -62,3 +62,32 @@ def test_greedy_with_a_feature_draft_equals_target_only(target):
         result = decoder.generate(prompt, max_new_tokens=32)
         assert result.token_ids == reference.tolist(), f"{request.id} diverged from target-only greedy decoding"
         assert result.stats.draft_calls > 0
+
+
+def test_greedy_with_token_trees_equals_target_only(target):
+    """Tree rounds as docs/trees.md measures them: prompt lookup's branches, suffix decoding's candidates and the
+    draft's tree (4 per level) under the sweep's budgets, one target pass a round. The suffix index holds the
+    target's greedy replies to half of the requests, so suffix candidates are accepted there and the draft's tree
+    works elsewhere. One held-out request of every category."""
+    from decode.drafters import DECODER
+    from decode.suffix import SuffixIndex
+    from decode.tree_drafters import make_tree_drafter
+
+    draft = draft_from_target_layers(target.model, [0, 1]).eval()
+    token_ids = torch.arange(8192)
+    reduce_vocabulary(draft, token_ids, target.model.get_output_embeddings().weight.detach())
+    eos = eos_token_ids(target.model, target.tokenizer)
+    requests = first_per_category(load_traffic(DEFAULT_TRAFFIC).split("heldout"), 1)
+    prompts, _ = encode_prompts(requests, target.tokenizer, max_prompt_tokens=384)
+    references = [target_only(target, prompt, eos).tolist() for prompt in prompts]
+    drafter = make_tree_drafter(DECODER, target.model, draft, budget_schedule=[[320, 4], [1280, 8], [2048, 4]],
+                                branching=4, draft_token_ids=token_ids, lookup_min_ngram=2, suffix=True,
+                                suffix_index=SuffixIndex(references[: len(references) // 2]))
+    decoder = SpeculativeDecoder(target.model, drafter, gamma=5, eos_token_ids=eos)
+    accepted = {}
+    for request, prompt, reference in zip(requests, prompts, references):
+        result = decoder.generate(prompt, max_new_tokens=32)
+        assert result.token_ids == reference, f"{request.id} diverged from target-only greedy decoding"
+        for source, n in result.stats.accepted_by_source.items():
+            accepted[source] = accepted.get(source, 0) + n
+    assert accepted.get("suffix", 0) > 0 and accepted.get("draft", 0) > 0
