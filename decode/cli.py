@@ -202,6 +202,8 @@ def _compared_decoders(args) -> dict:
         name, *overrides = spec.split()
         if name in compared or name in reserved_rows() or "=" in name:
             raise ValueError(f'--compare "{spec}": it needs a new row name first, then key=value overrides')
+        if not all(override.startswith("decode.") for override in overrides):
+            raise ValueError(f'--compare "{spec}": a compared row differs in decode.* settings only')
         args_of = argparse.Namespace(**{**vars(args), "overrides": [*args.overrides, *overrides]})
         compared[name] = _decode_settings(load_config(args.config, args_of.overrides), args_of)
     return compared

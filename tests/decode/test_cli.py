@@ -155,7 +155,8 @@ def test_bench_with_trees_runs_each_source_alone_the_chains_and_compared_budgets
     assert any(note.startswith("compared decoders (--compare): budget2: tree budget 2; scheduled: tree budget by "
                                "context [[8, 2], [64, 6]]") for note in report["notes"])
 
-    for bad in ("chain decode.tree_budget=2", "decode.tree_budget=2", "wide decode.tree_budget=-1"):
+    for bad in ("chain decode.tree_budget=2", "decode.tree_budget=2", "wide decode.tree_budget=-1",
+                "other target=elsewhere"):
         assert main([*common, "--out", str(tmp_path / "bad"), "--compare", bad, *trees]) == 2
         assert "draftops: error:" in capsys.readouterr().err
     assert main([*common, "--out", str(tmp_path / "bad"), "device=cpu", "decode.tree_budget=4", "decode.suffix=true",
