@@ -273,7 +273,9 @@ def test_bench_with_prompt_lookup(checkpoints, capsys, tmp_path, overrides):
                  "device=cpu", *overrides]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["drafters"]["speculative"].startswith("tree(" if overrides else "lookup(")
-    assert set(report["methods"]) == {"target_only", "target_only_torch", "plain", "speculative", "hf_prompt_lookup"}
+    # with trees, prompt lookup in chain rounds runs beside them
+    assert set(report["methods"]) == {"target_only", "target_only_torch", "plain", "speculative", "hf_prompt_lookup",
+                                      *(["chain"] if overrides else [])}
     assert report["methods"]["speculative"]["same_output_as_target"] == 3
     assert report["methods"]["hf_prompt_lookup"]["same_output_as_target"] == 3
     assert report["draft"] == "prompt-lookup" and 0 < report["costs"]["c"] < 1
