@@ -9,6 +9,11 @@ draftops' kernels cannot make its own denominator slow. They run interleaved (th
 that machine load hits all of them alike. The step costs c and v are measured separately, and again from
 the run's own timings, to compare the measured speedup with Leviathan's prediction and the overhead-free bound.
 
+When the decoder has more than one source (prompt lookup, suffix decoding, the draft model), each runs alone too
+(`draft_only`, `lookup_only`, `suffix_only`); with tree rounds, the same decoder and the draft alone also run in
+chain rounds (`chain`, `draft_only_chain`). `--compare` adds decoder rows with other decode settings
+(`decoder_rows`).
+
 Where llama.cpp is built (`decode.llamacpp`), two more rows run interleaved with these: `llama_cpp_target_only` and
 `llama_cpp_speculative` (llama-server on the target's GGUF, alone and with the draft exported as GGUF), what a CPU user
 would run instead. llama.cpp computes with its own quantized kernels, so it decodes a slightly different model than
@@ -255,10 +260,6 @@ def reserved_rows() -> set[str]:
             DRAFT_ONLY_CHAIN, *SOURCE_ROWS.values(), LLAMA_CPP_TARGET_ONLY, LLAMA_CPP_SPECULATIVE}
 
 
-def trees_on(decode: DecodeConfig) -> bool:
-    return bool(decode.tree_budget) or decode.tree_budget_schedule is not None
-
-
 def chain_rounds(decode: DecodeConfig) -> DecodeConfig:
     """`decode` as a chain decoder: what it runs with tree_budget 0 (suffix decoding is a tree source only)."""
     return decode.model_copy(update={"tree_budget": 0, "tree_budget_schedule": None, "suffix": False,
@@ -276,7 +277,7 @@ def decoder_rows(decode: DecodeConfig, has_draft: bool) -> dict[str, tuple[Decod
     if len(sources) > 1:
         alone = decode.model_copy(update={"suffix": False})
         rows.update({SOURCE_ROWS[source]: (decode if source == SUFFIX else alone, source) for source in sources})
-    if trees_on(decode):
+    if decode.tree_rounds:
         rows[CHAIN] = (chain_rounds(decode), DECODER if has_draft else LOOKUP)
         if has_draft and len(sources) > 1:
             rows[DRAFT_ONLY_CHAIN] = (chain_rounds(decode), DRAFT)

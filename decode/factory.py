@@ -34,7 +34,7 @@ def build_decoder(target, draft, decode: DecodeConfig, *, kind: str = DECODER, g
     draft_model, token_ids = (None, None) if draft is None else (draft.model, draft.token_ids)
     lookup_min_ngram = decode.lookup_min_ngram if kind in (DECODER, LOOKUP) else None
     suffix = (decode.suffix and kind in (DECODER, LOOKUP)) or kind == SUFFIX
-    if decode.tree_budget or decode.tree_budget_schedule is not None:
+    if decode.tree_rounds:
         drafter = make_tree_drafter(kind, target.model, draft_model, budget=decode.tree_budget,
                                     budget_schedule=decode.tree_budget_schedule, branching=decode.tree_branching,
                                     draft_token_ids=token_ids, lookup_min_ngram=lookup_min_ngram, suffix=suffix,

@@ -78,13 +78,18 @@ class DecodeConfig(Section):
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
 
+    @property
+    def tree_rounds(self) -> bool:
+        """Tree rounds (a node budget or a budget schedule) rather than chains."""
+        return bool(self.tree_budget) or self.tree_budget_schedule is not None
+
     @model_validator(mode="after")
     def _schedule_matches_policy(self) -> DecodeConfig:
         if (self.gamma_policy == "schedule") != (self.gamma_schedule is not None):
             raise ValueError("decode.gamma_schedule is set exactly when decode.gamma_policy is 'schedule'")
         if self.tree_budget and self.tree_budget_schedule is not None:
             raise ValueError("decode.tree_budget_schedule replaces decode.tree_budget: keep tree_budget 0 with it")
-        if self.suffix and not self.tree_budget and self.tree_budget_schedule is None:
+        if self.suffix and not self.tree_rounds:
             raise ValueError("decode.suffix adds a source to tree rounds: set decode.tree_budget or "
                              "decode.tree_budget_schedule too (chain rounds take prompt lookup and the draft model "
                              "only)")
