@@ -204,8 +204,7 @@ def _compared_decoders(args) -> dict:
             raise ValueError(f'--compare "{spec}": it needs a new row name first, then key=value overrides')
         if not all(override.startswith("decode.") for override in overrides):
             raise ValueError(f'--compare "{spec}": a compared row differs in decode.* settings only')
-        args_of = argparse.Namespace(**{**vars(args), "overrides": [*args.overrides, *overrides]})
-        compared[name] = _decode_settings(load_config(args.config, args_of.overrides), args_of)
+        compared[name] = _decode_settings(load_config(args.config, [*args.overrides, *overrides]), args)
     return compared
 
 

@@ -34,7 +34,7 @@ def suffix_index_command(args) -> int:
         if not requests:
             raise ValueError(f"{traffic.path}: no requests in the {args.split} split")
         target = load_model(args.target or cfg.target, device=cfg.device, dtype=cfg.dtype, cpu_linear=cfg.cpu_linear)
-        index, responses, seconds = target_suffix_index(target, requests, cfg)
+        index, seconds = target_suffix_index(target, requests, cfg)
         path = index.save(args.out)
     except (ValueError, OSError) as exc:
         print(f"draftops: error: {exc}", file=sys.stderr)

@@ -246,10 +246,10 @@ def teacher_forced_topk(
     return out
 
 
-def target_suffix_index(target, requests: list, cfg) -> tuple[SuffixIndex, ResponseSet, float]:
+def target_suffix_index(target, requests: list, cfg) -> tuple[SuffixIndex, float]:
     """A suffix index (`decode.suffix`) over the target's greedy responses to `requests`, generated with distill's
     settings and cached as `make distill` caches them (so the train split's responses are shared with distillation).
-    `target` is a `pipeline.sources.ResolvedModel`. Returns the index, the responses and the index's build seconds."""
+    `target` is a `pipeline.sources.ResolvedModel`. Returns the index and its build seconds."""
     d = cfg.distill
     prompts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
     responses, _, _ = cached_responses(target.model, target.tokenizer, target.fingerprint, requests, prompts,
@@ -258,4 +258,4 @@ def target_suffix_index(target, requests: list, cfg) -> tuple[SuffixIndex, Respo
                                        seed=cfg.seed, topk=d.topk, progress=True)
     start = time.perf_counter()
     index = SuffixIndex(responses.response_ids)
-    return index, responses, time.perf_counter() - start
+    return index, time.perf_counter() - start
