@@ -304,9 +304,9 @@ def make_tree_drafter(kind: str, target, draft=None, *, budget: int = 0,
     and the model's tree in what is left of the budget (the model alone when lookup is off), "suffix" suffix
     decoding's candidates alone. With `suffix`, "lookup" and "decoder" add suffix decoding's candidates after
     lookup's ("draft" stays the model alone). Suffix decoding (`SuffixTree`) searches `suffix_index` and the request,
-    the request alone when the index is None. `budget` nodes per round, or
-    by sequence length from `budget_schedule` (`TreeDrafter`); `branching`: nodes per level of the model's tree, and
-    lookup branches; `draft_min_confidence`: see `ModelTree`."""
+    the request alone when the index is None. `budget` nodes per round, or by sequence length from `budget_schedule`
+    (`TreeDrafter`); `branching`: nodes per level of the model's tree, and lookup branches; `draft_min_confidence`:
+    see `ModelTree`."""
     if kind not in TREE_DRAFTER_KINDS:
         raise ValueError(f"tree drafter kind must be one of {TREE_DRAFTER_KINDS}, got {kind!r}")
     lookup_ngrams = (3, 1) if lookup_min_ngram is None else (max(3, lookup_min_ngram), lookup_min_ngram)
