@@ -123,15 +123,21 @@ class FeatureDraft(nn.Module):
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def step(self, hidden: torch.Tensor, tokens: torch.Tensor, cache: KVCache, start: int,
-             positions: torch.Tensor) -> torch.Tensor:
+             positions: torch.Tensor, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Decoding: indices start..start+T-1 with hidden [T, H] and tokens [T] at positions [T], causally after the
-        cache's first `start` entries -> output hidden [T, H] (logits: `logits`)."""
+        cache's first `start` entries -> output hidden [T, H] (logits: `logits`). With tree_mask [T, m] (a token
+        tree's level, as `decode.lean.LeanLlama.forward_tree`): each index sees every entry before the last m and
+        those of the last m its row allows, instead of causally."""
         n, end = tokens.shape[0], start + tokens.shape[0]
         cache.reserve(end)
         q, k, v, residual = self.project(hidden[None], tokens[None], positions[None])
         cache.keys[0][:, :, start:end], cache.values[0][:, :, start:end] = k, v
-        mask = None if n == 1 else torch.arange(end, device=tokens.device)[None, :] <= torch.arange(
-            start, end, device=tokens.device)[:, None]
+        if tree_mask is not None:
+            mask = torch.ones(n, end, dtype=torch.bool, device=tokens.device)
+            mask[:, end - tree_mask.shape[1] :] = tree_mask
+        else:
+            mask = None if n == 1 else torch.arange(end, device=tokens.device)[None, :] <= torch.arange(
+                start, end, device=tokens.device)[:, None]
         cache.length = end
         return self.finish(q, cache.keys[0][:, :, :end], cache.values[0][:, :, :end], mask, residual)[0]
 
@@ -213,6 +219,7 @@ class FeatureDrafter:
             raise ValueError(f"vocab mismatch: the feature draft predicts {draft.lm_head.out_features} tokens, the "
                              f"target {vocab_size}")
         self.model, self.vocab_size, self.device = draft, vocab_size, device
+        self.token_ids = draft.token_ids  # the target ids of the head's rows (None: the full vocabulary)
         self.feature_layers, self.min_confidence = draft.feature_layers, min_confidence
         self.context = getattr(draft.config, "max_position_embeddings", None)
         self.name = FEATURES if min_confidence is None else f"{FEATURES}(min_confidence={min_confidence:g})"
@@ -226,32 +233,37 @@ class FeatureDrafter:
         """The target's features [m, 3H] at the positions after those already handed over."""
         state.pending = torch.cat([state.pending, features.to(state.pending.dtype)])
 
-    def propose(self, state: FeatureState, seq: list[int], k: int, warp: Warp, generator):
-        """Up to k drafts after `seq`: the pending target features first (one forward), then the draft's own hidden
-        state for each further token. Returns (drafts [k'], q [k', V] or None when greedy, forwards run)."""
+    def feed_pending(self, state: FeatureState, seq: list[int]) -> torch.Tensor:
+        """Feed the pending target features, each paired with the token after its position, in one forward ->
+        the draft's output hidden [1, H] at the last index, which predicts the token after `seq`."""
         start, m = state.verified, state.pending.shape[0]
         if start + m != len(seq) - 1:
             raise RuntimeError(f"the feature drafter has features for {start + m} positions, the sequence needs "
                                f"{len(seq) - 1}: the decoder did not hand over every target pass")
-        if k < 1 or start + m == 0:
-            return torch.empty(0, dtype=torch.long, device=self.device), None if warp.greedy else torch.empty(
-                0, self.vocab_size, device=self.device), 0
         hidden = self.model.fuse(state.pending)
         tokens = torch.tensor(seq[start + 1 :], device=self.device)
         positions = torch.arange(start + 1, start + m + 1, device=self.device)
         state.pending, state.verified = state.pending[:0], start + m
-        drafts, probs, index, calls = [], [], start, 0
+        return self.model.step(hidden, tokens, state.cache, start, positions)[-1:]
+
+    def propose(self, state: FeatureState, seq: list[int], k: int, warp: Warp, generator):
+        """Up to k drafts after `seq`: the pending target features first (`feed_pending`), then the draft's own
+        hidden state for each further token. Returns (drafts [k'], q [k', V] or None when greedy, forwards run)."""
+        if k < 1 or len(seq) == 1:  # a one-token prompt: no target features yet
+            return torch.empty(0, dtype=torch.long, device=self.device), None if warp.greedy else torch.empty(
+                0, self.vocab_size, device=self.device), 0
+        out, calls = self.feed_pending(state, seq), 1
+        drafts, probs = [], []
         for i in range(k):
-            out = self.model.step(hidden, tokens, state.cache, index, positions)[-1:]
-            index, calls = index + tokens.shape[0], calls + 1
             logits = self.model.logits(out)[0]
             if i > 0 and self.min_confidence is not None and not confident(logits, self.min_confidence):
                 break
             token, q = draft_token(logits, warp, self.model.token_ids, self.vocab_size, generator)
             probs += [] if q is None else [q]
             drafts.append(token)
-            # the next index pairs this output with the token it proposed, at that token's position
-            hidden, tokens, positions = out, token[None], positions[-1:] + 1
+            if i + 1 < k:  # the next index pairs this output with the token it proposed, at that token's position
+                position = torch.tensor([len(seq) + i], device=self.device)
+                out, calls = self.model.step(out, token[None], state.cache, len(seq) - 1 + i, position), calls + 1
         q = None if warp.greedy else torch.stack(probs)
         return torch.stack(drafts), q, calls
 

@@ -130,10 +130,17 @@ class LeanLlama:
         """Feed tokens [T] into cache slots start..start+T-1 at `positions` [T] -> logits [T, V]. tree_mask [T, m]
         (m >= T) says which of the last m slots (start+T-m .. start+T-1) each token sees; it sees every slot before
         them (`decode.tree.TokenTree.attention_mask`). Slots and positions differ: a node sits at its depth."""
+        return self.forward_tree_features(tokens, cache, start, positions, tree_mask, ())[0]
+
+    def forward_tree_features(self, tokens: torch.Tensor, cache: KVCache, start: int, positions: torch.Tensor,
+                              tree_mask: torch.Tensor, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward_tree`, and the hidden states entering `layers` at every node, concatenated -> (logits [T, V],
+        features [T, len(layers) * H] or None without layers): a feature draft reads the accepted path's."""
         n, end = tokens.shape[0], start + tokens.shape[0]
         mask = torch.ones(n, end, dtype=torch.bool, device=tokens.device)
         mask[:, end - tree_mask.shape[1] :] = tree_mask
-        return self._forward(tokens[None], cache, start, positions, mask, keep_last=False)[0][0]
+        logits, features = self._forward(tokens[None], cache, start, positions, mask, False, layers)
+        return logits[0], None if features is None else features[0]
 
     def _forward(self, tokens: torch.Tensor, cache: KVCache, start: int, positions: torch.Tensor,
                  mask: torch.Tensor | None, keep_last: bool,

@@ -90,17 +90,17 @@ def forward_features(model, tokens: torch.Tensor, cache: DynamicCache, start: in
 
 
 def forward_tree(model, tokens: torch.Tensor, cache: DynamicCache, positions: torch.Tensor,
-                 tree_mask: torch.Tensor) -> torch.Tensor:
-    """`decode.lean.LeanLlama.forward_tree` through the transformers forward: appended to the cache, with a 4D mask
-    (transformers uses a 4D mask as given) -> logits [T, V]."""
+                 tree_mask: torch.Tensor, layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`decode.lean.LeanLlama.forward_tree_features` through the transformers forward: appended to the cache, with a
+    4D mask (transformers uses a 4D mask as given) -> (logits [T, V], features of `layers` or None without)."""
     n, end = tokens.shape[0], cache.get_seq_length() + tokens.shape[0]
     visible = torch.ones(n, end, dtype=torch.bool, device=tokens.device)
     visible[:, end - tree_mask.shape[1] :] = tree_mask
     dtype = model.get_input_embeddings().weight.dtype
     mask = torch.zeros(n, end, dtype=dtype, device=tokens.device).masked_fill_(~visible, torch.finfo(dtype).min)
     out = model(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask[None, None], cache=cache,
-                use_cache=True)
-    return out.logits[0]
+                use_cache=True, output_hidden_states=bool(layers))
+    return out.logits[0], target_features(out.hidden_states, layers)[0] if layers else None
 
 
 def rollback(cache: DynamicCache, length: int) -> None:
@@ -152,10 +152,16 @@ class ModelRunner:
         """Tokens [T] of a token tree into the cache from position `start` on (cropped there first), at `positions`,
         each seeing the cache before the last m slots and those of them its row of tree_mask [T, m] allows
         (`decode.lean.LeanLlama.forward_tree`) -> logits [T, V]."""
+        return self.forward_tree_features(tokens, cache, start, positions, tree_mask, ())[0]
+
+    def forward_tree_features(self, tokens: torch.Tensor, cache, start: int, positions: torch.Tensor,
+                              tree_mask: torch.Tensor, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward_tree`, with the hidden states entering `layers` at every node -> (logits [T, V], features
+        [T, len(layers) * H], None without layers) for a feature draft."""
         rollback(cache, start)
         if self.lean is not None:
-            return self.lean.forward_tree(tokens, cache, start, positions, tree_mask)
-        return forward_tree(self.model, tokens, cache, positions, tree_mask)
+            return self.lean.forward_tree_features(tokens, cache, start, positions, tree_mask, layers)
+        return forward_tree(self.model, tokens, cache, positions, tree_mask, layers)
 
 
 @torch.inference_mode()

@@ -217,12 +217,15 @@ def tree_round(target: ModelRunner, target_cache, drafter: TreeDrafter, draft_st
     device, start = next(target.model.parameters()).device, len(seq) - 1
     tokens = torch.tensor(seq[-1:] + tree.tokens, device=device)
     positions = torch.tensor([0, *tree.depths], device=device) + start
-    logits = target.forward_tree(tokens, target_cache, start, positions, tree.attention_mask(device))
+    logits, features = target.forward_tree_features(tokens, target_cache, start, positions,
+                                                    tree.attention_mask(device), drafter.feature_layers)
     verdict = accept(tree, logits, warp, generator)
     lap("verify")
     compact(target_cache, start + 1, [start + 1 + node for node in verdict.path])
     new = [tree.tokens[node] for node in verdict.path] + [verdict.next_token]
     drafter.commit(draft_state, seq + new)
+    if features is not None:  # a feature draft reads the target's hidden states of the pending token and the path
+        drafter.observe(draft_state, features[[0, *(1 + node for node in verdict.path)]])
     return Round(new, len(tree), len(verdict.path), draft_calls, tree.depth, verdict.tested,
                  tuple(tree.sources[node] for node in verdict.path))
 

@@ -3,8 +3,10 @@
 A `TreeSource` has three methods. `start(prompt)` returns its state for a new generation; `grow(state, tree, seq,
 budget, depth, warp, generator)` adds at most `budget` new nodes of at most `depth` levels to the round's
 `decode.tree.TokenTree` continuing `seq` and returns the number of model forwards it ran; `commit(state, seq)` is told
-the sequence after the round, so a model source keeps what it computed along the accepted path. Sources label their
-nodes (`LOOKUP`, `DRAFT`, ...), and the decoder's statistics count accepted tokens per label.
+the sequence after the round, so a model source keeps what it computed along the accepted path. A source that reads
+the target's hidden states names the layers in `feature_layers` and gets the accepted positions' states through
+`observe(state, features)` after every round, as a chain drafter does (`decode.drafters`). Sources label their nodes
+(`LOOKUP`, `DRAFT`, ...), and the decoder's statistics count accepted tokens per label.
 
 A source must keep the tree's sampled test lossless (`decode.tree`): every sampled trial's token is drawn from the q
 it carries given what was drawn before it, trials are added in the order they were drawn, and how many trials a node
@@ -15,6 +17,7 @@ the target.
 - `SuffixTree`: suffix decoding's candidate tree (`decode.suffix`) from the target's earlier outputs and the request's
   own text (deterministic);
 - `ModelTree`: the draft model's tree, grown level by level with one draft forward per level (a per-level beam);
+- `FeatureTree`: the same tree from a feature draft (`decode.feature_draft`), as EAGLE-2 grows it;
 - `TreeDrafter`: what the decoder runs, its sources in order under one budget per round: lookup first, then suffix
   decoding's candidates, then the model fills what is left (`make_tree_drafter`); the budget is fixed or set by the
   sequence's length from a schedule (`decode.tree_budget_schedule`; `draftops sweep` recommends one).
@@ -28,7 +31,7 @@ from typing import Protocol
 import torch
 
 from decode.drafters import DRAFT, LOOKUP, SUFFIX, TREE_DRAFTER_KINDS, ModelDrafter, output_size
-from decode.feature_draft import FeatureDraft
+from decode.feature_draft import FEATURES, FeatureDraft, FeatureDrafter, FeatureState
 from decode.runtime import compact
 from decode.sampling import Warp, to_target_vocab
 from decode.suffix import RequestTokens, SuffixDrafter, SuffixIndex
@@ -38,6 +41,7 @@ from decode.tree import ROOT, TokenTree
 class TreeSource(Protocol):
     name: str
     context: int | None
+    feature_layers: tuple[int, ...]  # target layers whose input hidden states it reads (`observe`); () for tokens
 
     def start(self, prompt: list[int]) -> object: ...
 
@@ -69,6 +73,7 @@ class LookupTree:
     """Prompt lookup as a tree source: each of up to `branches` matches (`lookup_matches`) becomes a branch."""
 
     context = None  # no positions of its own
+    feature_layers = ()
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, branches: int = 2):
         if not 1 <= min_ngram <= max_ngram or branches < 1:
@@ -100,6 +105,7 @@ class SuffixTree:
     state is the request's tokens (`decode.suffix.RequestTokens`), brought up to date with the sequence every round."""
 
     context = None  # no positions of its own
+    feature_layers = ()
 
     def __init__(self, drafter: SuffixDrafter):
         self.drafter, self.name = drafter, drafter.name
@@ -144,28 +150,32 @@ class ModelTree:
     after removing the j-1 before it, which is the q its trial carries. With the drafter's `min_confidence`, a node
     below the first level gets children only where the draft's top probability there reaches it (a branch ends where
     the draft is unsure, as a chain block does). With branching 1 this is the drafter's chain.
+
+    How the draft computes its logits is two methods, `_root_logits` (after the sequence) and `_level_logits` (at a
+    level's nodes, in one forward with a tree mask); `FeatureTree` overrides them for a feature draft.
     """
 
-    def __init__(self, drafter: ModelDrafter, branching: int):
+    feature_layers = ()
+    family = DRAFT  # what the name calls the model
+    _min_length = 1  # the shortest sequence the draft can continue
+
+    def __init__(self, drafter: ModelDrafter | FeatureDrafter, branching: int):
         if branching < 1:
             raise ValueError(f"branching must be >= 1, got {branching}")
         self.drafter, self.branching = drafter, branching
         self.context = drafter.context
         sure = "" if drafter.min_confidence is None else f", min_confidence={drafter.min_confidence:g}"
-        self.name = f"{DRAFT}(branching={branching}{sure})"
+        self.name = f"{self.family}(branching={branching}{sure})"
 
     def start(self, prompt: list[int]) -> ModelTreeState:
         return ModelTreeState(self.drafter.start(prompt))
 
-    def grow(self, state: ModelTreeState, tree: TokenTree, seq: list[int], budget: int, depth: int, warp: Warp,
+    def grow(self, state, tree: TokenTree, seq: list[int], budget: int, depth: int, warp: Warp,
              generator: torch.Generator | None) -> int:
-        state.tree, state.base, state.fed = None, len(seq), 0
-        if budget < 1 or depth < 1:
+        if budget < 1 or depth < 1 or len(seq) < self._min_length:
             return 0
-        runner, cache, device = self.drafter.runner, state.cache, self.drafter.device
-        seen = cache.get_seq_length()
-        logits = runner.forward(torch.tensor(seq[seen:], device=device), cache, seen, True)
-        own, calls = TokenTree(), 1
+        own = TokenTree()
+        logits, calls = self._root_logits(state, seq, own), 1
         level, scores = [ROOT], {ROOT: 1.0}
         for d in range(1, depth + 1):
             first = len(own)
@@ -175,15 +185,27 @@ class ModelTree:
             level = list(range(first, len(own)))
             if d == depth or len(own) >= budget or not level:
                 break
-            positions = torch.tensor([len(seq) - 1 + own.depths[i] for i in level], device=device)
-            mask = own.attention_mask(device)[first + 1 :, 1:]
-            logits = runner.forward_tree(torch.tensor(own.tokens[first:], device=device), cache, len(seq) + first,
-                                         positions, mask)
+            logits = self._level_logits(state, own, first, seq)
             calls += 1
-            state.fed = len(own)
-        state.tree = own
         tree.merge(own)
         return calls
+
+    def _root_logits(self, state: ModelTreeState, seq: list[int], own: TokenTree) -> torch.Tensor:
+        """The draft's logits [1, V'] after `seq`, feeding what it has not seen; `own` is the tree to come."""
+        state.tree, state.base, state.fed = own, len(seq), 0
+        seen = state.cache.get_seq_length()
+        return self.drafter.runner.forward(torch.tensor(seq[seen:], device=self.drafter.device), state.cache, seen,
+                                           True)
+
+    def _level_logits(self, state: ModelTreeState, own: TokenTree, first: int, seq: list[int]) -> torch.Tensor:
+        """The draft's logits [n, V'] at nodes first.. of `own` (a level), fed in one forward with a tree mask."""
+        device = self.drafter.device
+        positions = torch.tensor([len(seq) - 1 + depth for depth in own.depths[first:]], device=device)
+        mask = own.attention_mask(device)[first + 1 :, 1:]
+        logits = self.drafter.runner.forward_tree(torch.tensor(own.tokens[first:], device=device), state.cache,
+                                                  len(seq) + first, positions, mask)
+        state.fed = len(own)
+        return logits
 
     def _children(self, level: list[int], scores: dict[int, float], logits: torch.Tensor, budget: int, warp: Warp,
                   generator, sure: bool) -> list[tuple[int, int, torch.Tensor | None, float]]:
@@ -229,6 +251,53 @@ class ModelTree:
         state.tree = None
 
 
+@dataclass
+class FeatureTreeState:
+    """A feature tree's drafter state, and the draft's output hidden states of this round: row 0 after the sequence,
+    row 1 + i at node i of its tree (the next level's nodes pair them with their tokens)."""
+
+    features: FeatureState
+    outputs: torch.Tensor | None = None
+
+
+class FeatureTree(ModelTree):
+    """`ModelTree` from a feature draft (`decode.feature_draft.FeatureDrafter`), EAGLE-2's dynamic tree: the root's
+    logits come from the target's features of the last round's accepted positions, and a node of level d+1 pairs its
+    parent's output hidden state with its own token, at its depth's position. The draft's entries of a round's tree
+    are dropped when it ends: the accepted positions come back as target features (`observe`)."""
+
+    family = FEATURES
+    _min_length = 2  # a one-token prompt: no target features yet
+
+    def __init__(self, drafter: FeatureDrafter, branching: int):
+        super().__init__(drafter, branching)
+        self.feature_layers = drafter.feature_layers
+
+    def start(self, prompt: list[int]) -> FeatureTreeState:
+        return FeatureTreeState(self.drafter.start(prompt))
+
+    def observe(self, state: FeatureTreeState, features: torch.Tensor) -> None:
+        self.drafter.observe(state.features, features)
+
+    def _root_logits(self, state: FeatureTreeState, seq: list[int], own: TokenTree) -> torch.Tensor:
+        state.outputs = self.drafter.feed_pending(state.features, seq)
+        return self.drafter.model.logits(state.outputs)
+
+    def _level_logits(self, state: FeatureTreeState, own: TokenTree, first: int, seq: list[int]) -> torch.Tensor:
+        device, model = self.drafter.device, self.drafter.model
+        hidden = state.outputs[[1 + parent for parent in own.parents[first:]]]
+        positions = torch.tensor([len(seq) - 1 + depth for depth in own.depths[first:]], device=device)
+        mask = own.attention_mask(device)[first + 1 :, 1:]
+        out = model.step(hidden, torch.tensor(own.tokens[first:], device=device), state.features.cache,
+                         state.features.verified + first, positions, mask)
+        state.outputs = torch.cat([state.outputs, out])
+        return model.logits(out)
+
+    def commit(self, state: FeatureTreeState, seq: list[int]) -> None:
+        state.features.cache.crop(state.features.verified)
+        state.outputs = None
+
+
 def without_replacement(q: torch.Tensor, picks: torch.Tensor):
     """The distribution each of successive draws `picks` without replacement came from: q, then q without the
     earlier picks, renormalized."""
@@ -249,14 +318,16 @@ class TreeDrafter:
     beyond them (as `decode.speculative.scheduled_gamma` picks γ).
     """
 
-    feature_layers = ()  # tree sources read tokens only
-
     def __init__(self, sources: Sequence[TreeSource], budget: int = 0,
                  schedule: Sequence[Sequence[int]] | None = None):
         if not sources or (budget < 1) == (schedule is None):
             raise ValueError(f"a tree drafter needs sources and either a budget >= 1 or a schedule, got "
                              f"{len(sources)} sources, budget {budget} and schedule {schedule}")
         self.sources = list(sources)
+        layers = {s.feature_layers for s in self.sources if s.feature_layers}
+        if len(layers) > 1:
+            raise ValueError(f"the tree's sources read different target layers: {sorted(layers)}")
+        self.feature_layers = layers.pop() if layers else ()  # what the decoder captures in its target passes
         self.schedule = [] if schedule is None else check_budget_schedule(schedule)
         self.budget = max(b for _, b in self.schedule) if self.schedule else budget  # the most nodes of any round
         contexts = [s.context for s in self.sources if s.context]
@@ -283,6 +354,12 @@ class TreeDrafter:
     def commit(self, states: list, seq: list[int]) -> None:
         for source, state in zip(self.sources, states):
             source.commit(state, seq)
+
+    def observe(self, states: list, features: torch.Tensor) -> None:
+        """The target's features at the positions kept since the last call, for the sources that read them."""
+        for source, state in zip(self.sources, states):
+            if source.feature_layers:
+                source.observe(state, features)
 
 
 def check_budget_schedule(schedule: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
@@ -318,11 +395,14 @@ def make_tree_drafter(kind: str, target, draft=None, *, budget: int = 0,
         return TreeDrafter([LookupTree(*lookup_ngrams, branching), *suffix_sources], **size)
     if draft is None:
         raise ValueError(f"the {kind!r} drafter needs a draft model")
-    if isinstance(draft, FeatureDraft):
-        raise ValueError("token trees take draft LMs and lookup; a feature draft decodes in chains (tree_budget 0)")
     vocab_size, device = output_size(target), next(target.parameters()).device
-    model = ModelTree(ModelDrafter(draft, vocab_size, device, token_ids=draft_token_ids,
-                                   min_confidence=draft_min_confidence, lean=lean), branching)
+    if isinstance(draft, FeatureDraft):
+        if draft_token_ids is not None:
+            raise ValueError("a feature draft carries its own vocabulary: pass no draft_token_ids")
+        model = FeatureTree(FeatureDrafter(draft, vocab_size, device, min_confidence=draft_min_confidence), branching)
+    else:
+        model = ModelTree(ModelDrafter(draft, vocab_size, device, token_ids=draft_token_ids,
+                                       min_confidence=draft_min_confidence, lean=lean), branching)
     if kind == DRAFT:
         return TreeDrafter([model], **size)
     lookup = [] if lookup_min_ngram is None else [LookupTree(*lookup_ngrams, branching)]

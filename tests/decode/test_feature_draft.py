@@ -10,6 +10,9 @@ from decode.feature_draft import FeatureDraft, FeatureDrafter, default_feature_l
 from decode.runtime import ModelRunner, greedy_decode
 from decode.sampling import Warp
 from decode.speculative import SpeculativeDecoder
+from decode.suffix import SuffixIndex
+from decode.tree import ROOT, TokenTree
+from decode.tree_drafters import FeatureTree, make_tree_drafter
 from tests.conftest import make_tiny_model
 from tests.decode.test_lossless import check_first_two
 
@@ -128,3 +131,81 @@ def test_analytic_acceptance_of_a_feature_draft_is_its_first_draft_position(targ
         q = torch.zeros(VOCAB).index_copy_(0, draft.token_ids, draft.logits(out).softmax(-1))
         expected.append(torch.minimum(p, q).sum().item())
     assert got == pytest.approx(expected, abs=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "transformers"])
+def test_a_tree_pass_hands_over_each_nodes_features_as_feeding_its_path_would(target, lean):
+    layers = default_feature_layers(4)
+    prefix = [1, 5, 9, 3, 7]
+    tree = TokenTree()
+    a = tree.add(ROOT, 7, "s")
+    tree.add(a, 2, "s")
+    tree.add(ROOT, 11, "s")
+    runner = ModelRunner(target, lean)
+    cache, start = runner.new_cache(), len(prefix) - 1
+    runner.forward(torch.tensor(prefix[:-1]), cache, 0, True)
+    logits, features = runner.forward_tree_features(torch.tensor(prefix[-1:] + tree.tokens), cache, start,
+                                                    start + torch.tensor([0, *tree.depths]), tree.attention_mask(),
+                                                    layers)
+    for node in (ROOT, *range(len(tree))):
+        path = prefix + [tree.tokens[i] for i in tree.path(node)] if node != ROOT else prefix
+        out = target(input_ids=torch.tensor([path]), output_hidden_states=True)
+        torch.testing.assert_close(features[node + 1], target_features(out.hidden_states, layers)[0, -1], atol=1e-5,
+                                   rtol=1e-5)
+        torch.testing.assert_close(logits[node + 1], out.logits[0, -1], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_a_feature_tree_node_sees_what_decoding_its_path_as_a_chain_sees(target):
+    """Every node's output hidden state in a grown feature tree equals the chain drafter's after the same tokens."""
+    drafter_tree = make_tree_drafter("draft", target, make_feature_draft(target), budget=7, branching=2)
+    source = drafter_tree.sources[0]
+    assert isinstance(source, FeatureTree) and drafter_tree.feature_layers == default_feature_layers(4)
+    seq = [1, 5, 9, 3, 7, 7]
+    features = target_features(target(input_ids=torch.tensor([seq]), output_hidden_states=True).hidden_states,
+                               source.feature_layers)[0, :-1]
+    state = source.start(seq)
+    source.observe(state, features)
+    tree = TokenTree()
+    calls = source.grow(state, tree, seq, 7, 3, Warp(0.0, 0, 1.0), None)
+    assert len(tree) == 6 and tree.depth == 3 and calls == 3  # 2 best per level (a per-level beam)
+    chain = source.drafter
+    for node in range(4):  # the nodes of the levels that were fed (the last level never is)
+        reference = chain.start(seq)
+        chain.observe(reference, features)
+        out = chain.feed_pending(reference, seq)
+        for i, token in enumerate(tree.tokens[n] for n in tree.path(node)):
+            out = chain.model.step(out, torch.tensor([token]), reference.cache, len(seq) - 1 + i,
+                                   torch.tensor([len(seq) + i]))
+        torch.testing.assert_close(state.outputs[1 + node], out[0], atol=1e-6, rtol=1e-6)
+    source.commit(state, seq + [tree.tokens[0], 4])
+    assert state.features.cache.length == len(seq) - 1 and state.outputs is None
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("reduced", [False, True])
+def test_greedy_decoding_with_a_feature_draft_tree_equals_the_target_alone(target, reduced):
+    token_ids = torch.arange(0, VOCAB, 2) if reduced else None
+    draft = make_feature_draft(target, token_ids=token_ids)
+    runner = ModelRunner(target)
+    index = SuffixIndex([[5, 9, 3, 7, 30, 2], [9, 3, 7, 30]])
+    drafters = [make_tree_drafter("draft", target, draft, budget=6, branching=3),
+                make_tree_drafter("decoder", target, draft, budget_schedule=[[8, 3], [64, 8]], branching=2,
+                                  lookup_min_ngram=1, suffix=True, suffix_index=index)]
+    for drafter in drafters:
+        decoder = SpeculativeDecoder(target, drafter, 4, eos_token_ids=())
+        for prompt in ([1, 5, 9, 3], [1, 7], [1]):
+            result = decoder.generate(prompt, max_new_tokens=20)
+            assert result.token_ids == greedy_decode(runner, prompt, 20)
+            assert sum(result.stats.accepted_by_source.values()) == result.stats.accepted
+    assert result.stats.draft_calls > 0
+
+
+def test_sampling_with_a_feature_draft_tree_keeps_the_targets_distribution():
+    target = make_tiny_model(12, seed=4, layers=3, hidden=32)
+    draft = make_feature_draft(target, seed=2, token_ids=torch.tensor([0, 2, 3, 5, 7, 8, 11]))
+    decoder = SpeculativeDecoder(target, make_tree_drafter("decoder", target, draft, budget=5, branching=2,
+                                                           lookup_min_ngram=1), 2, eos_token_ids=())
+    stats = check_first_two(target, decoder, [1, 4, 6, 4])
+    assert sum(s.accepted_by_source.get("draft", 0) for s in stats) > 0  # the draft's siblings were accepted
