@@ -260,28 +260,32 @@ def reserved_rows() -> set[str]:
             DRAFT_ONLY_CHAIN, *SOURCE_ROWS.values(), LLAMA_CPP_TARGET_ONLY, LLAMA_CPP_SPECULATIVE}
 
 
-def chain_rounds(decode: DecodeConfig) -> DecodeConfig:
-    """`decode` as a chain decoder: what it runs with tree_budget 0 (suffix decoding is a tree source only)."""
-    return decode.model_copy(update={"tree_budget": 0, "tree_budget_schedule": None, "suffix": False,
-                                     "suffix_index": None})
-
-
 def decoder_rows(decode: DecodeConfig, has_draft: bool) -> dict[str, tuple[DecodeConfig, str]]:
     """The decoders bench runs, by row name, as (decode settings, drafter kind): `speculative` (the configured
     decoder); when it has more than one source, each source alone (`SOURCE_ROWS`); with trees, the same decoder in
     chain rounds (`chain`) and the draft model alone in chain rounds (`draft_only_chain`), so trees and chains are
     compared in one run."""
     sources = ([LOOKUP] if decode.lookup_min_ngram is not None or not has_draft else []) + \
-        ([SUFFIX] if decode.suffix else []) + ([DRAFT] if has_draft else [])
+        ([SUFFIX] if decode.suffix_decoding else []) + ([DRAFT] if has_draft else [])
     rows = {"speculative": (decode, DECODER if has_draft else LOOKUP)}
     if len(sources) > 1:
         alone = decode.model_copy(update={"suffix": False})
         rows.update({SOURCE_ROWS[source]: (decode if source == SUFFIX else alone, source) for source in sources})
     if decode.tree_rounds:
-        rows[CHAIN] = (chain_rounds(decode), DECODER if has_draft else LOOKUP)
+        rows[CHAIN] = (decode.chain_rounds(), DECODER if has_draft else LOOKUP)
         if has_draft and len(sources) > 1:
-            rows[DRAFT_ONLY_CHAIN] = (chain_rounds(decode), DRAFT)
+            rows[DRAFT_ONLY_CHAIN] = (decode.chain_rounds(), DRAFT)
     return rows
+
+
+def draft_alpha_row(rows: dict[str, tuple[DecodeConfig, str]]) -> str | None:
+    """The row of `decoder_rows` that measures the draft model's own acceptance α: the draft alone in chain rounds,
+    as eval and the monitor measure it (a tree's α̂ counts its top-k too). None without a draft."""
+    for name, (row_decode, kind) in rows.items():
+        alone = kind == DRAFT or (kind == DECODER and row_decode.lookup_min_ngram is None)
+        if alone and not row_decode.tree_rounds:
+            return name
+    return None
 
 
 def describe_trees(decode: DecodeConfig) -> str:
@@ -312,8 +316,9 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     max_new_tokens = decode.max_new_tokens
     eos = eos_token_ids(target.model, target.tokenizer)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else (eos or [0])[0]
+    rows = decoder_rows(decode, draft is not None)
     decoders = {name: build_decoder(target, draft, row_decode, kind=kind, gamma=gamma)
-                for name, (row_decode, kind) in decoder_rows(decode, draft is not None).items()}
+                for name, (row_decode, kind) in rows.items()}
     for name, variant in (compare or {}).items():
         decoders[name] = build_decoder(target, draft, variant.model_copy(update={"temperature": 0.0}),
                                        kind=LOOKUP if draft is None else DECODER, gamma=gamma)
@@ -333,7 +338,7 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     if halves:
         first = ([] if decode.lookup_min_ngram is None
                  else [f"prompt-lookup proposals (n-grams of >= {decode.lookup_min_ngram} tokens)"])
-        first += ["suffix decoding's candidates"] if decode.suffix else []
+        first += ["suffix decoding's candidates"] if decode.suffix_decoding else []
         notes.append(f"this decoder takes {' and '.join(first)} first"
                      + (", the draft model elsewhere" if draft is not None else "")
                      + f"; {', '.join(halves)}: each source alone"
@@ -386,7 +391,7 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     alpha, tau = summary["acceptance_rate"]["value"], summary["tau"]["value"]
     c, v = costs["c"], costs["v"]
     in_run = in_run_costs(stats["speculative"], results[baseline])
-    draft_run = SOURCE_ROWS[DRAFT] if SOURCE_ROWS[DRAFT] in stats else "speculative" if draft is not None else None
+    draft_run = draft_alpha_row(rows)
     draft_summary = aggregate_stats(stats[draft_run], categories, seed=seed) if draft_run else None
     return {
         "n_prompts": len(prompts),

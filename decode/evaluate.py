@@ -20,14 +20,15 @@ def evaluate(target, draft, prompts: Sequence[list[int]], categories: Sequence[s
              gamma: int | None = None, seed: int = 0) -> dict:
     """Decode every prompt speculatively, then score the same text analytically; prompt-level CIs throughout.
 
-    target and draft are `pipeline.sources.ResolvedModel`s. The prompts are decoded with the draft model alone (its
-    own acceptance, what drift is about) and, when the configured decoder also copies from the prompt or adds suffix
-    decoding's candidates, with that decoder too (the acceptance users see). `gamma` overrides the config's γ policy
+    target and draft are `pipeline.sources.ResolvedModel`s. The prompts are decoded with the draft model alone in
+    chain rounds (its own acceptance α, what drift is about, and what the analytic α predicts) and, when the
+    configured decoder also copies from the prompt or runs token trees, with that decoder too (the acceptance users
+    see). `gamma` overrides the config's γ policy
     with a fixed γ. A progress bar per decoder goes to stderr when it is a terminal.
     """
     warp = dict(temperature=decode.temperature, top_k=decode.top_k, top_p=decode.top_p)
-    decoders = {DRAFT: build_decoder(target, draft, decode, kind=DRAFT, gamma=gamma)}
-    if decode.lookup_min_ngram is not None or decode.suffix:
+    decoders = {DRAFT: build_decoder(target, draft, decode.chain_rounds(), kind=DRAFT, gamma=gamma)}
+    if decode.lookup_min_ngram is not None or decode.tree_rounds:
         decoders[DECODER] = build_decoder(target, draft, decode, kind=DECODER, gamma=gamma)
     results = {
         kind: [

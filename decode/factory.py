@@ -55,4 +55,4 @@ def suffix_index_of(decode: DecodeConfig, draft) -> SuffixIndex | None:
         if not Path(decode.suffix_index).is_file():
             raise ValueError(f"decode.suffix_index: no file {decode.suffix_index}")
         return SuffixIndex.load(decode.suffix_index)
-    return load_suffix_index(draft.path) if draft is not None else None
+    return load_suffix_index(draft.path) if draft is not None and draft.path is not None else None

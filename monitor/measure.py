@@ -111,10 +111,11 @@ def measure_analytic(cfg: DraftopsConfig, target, draft, requests: list) -> Meas
 
 def measure_live(cfg: DraftopsConfig, target, draft, requests: list) -> Measurement:
     """The draft's own per-prompt acceptance (accepted / verified draft tokens) from real speculative decoding with
-    the draft model alone (no prompt lookup): the `acceptance/draft` that eval and bench report too."""
+    the draft model alone (no prompt lookup) in chain rounds (a tree's top-k would measure something else): the
+    `acceptance/draft` that eval reports too."""
 
     prompts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
-    decoder = build_decoder(target, draft, cfg.decode, kind=DRAFT)
+    decoder = build_decoder(target, draft, cfg.decode.chain_rounds(), kind=DRAFT)
     ids, acc, n = [], [], []
     for request, prompt in tqdm(zip(requests, prompts), total=len(requests), desc="monitor: live acceptance",
                                 unit="prompt", disable=None):

@@ -40,6 +40,9 @@ class TrackingConfig(Section):
     system_metrics: bool = Field(True, description="Log CPU/GPU/memory usage with every run.")
 
 
+DEFAULT_TREE_BUDGET_SCHEDULE = [(320, 4), (1280, 8), (2048, 4)]  # `draftops sweep` on a 2-core CPU (docs/trees.md)
+
+
 class DecodeConfig(Section):
     gamma: int = Field(5, ge=1, description="Draft tokens proposed per target call.")
     gamma_policy: Literal["fixed", "schedule", "adaptive"] = Field("fixed", description=(
@@ -57,20 +60,21 @@ class DecodeConfig(Section):
     tree_budget: int = Field(0, ge=0, description=(
         "Tree rounds: up to this many candidates per target call (prompt lookup's matches, suffix decoding's with "
         "suffix, then the draft model's tree) merged into one token tree and verified in one pass, gamma levels deep "
-        "at most (docs/trees.md). 0: chain rounds, unless tree_budget_schedule is set."))
-    tree_budget_schedule: list[tuple[int, int]] | None = Field(None, description=(
+        "at most (docs/trees.md). A budget > 0 replaces tree_budget_schedule. 0: tree_budget_schedule decides."))
+    tree_budget_schedule: list[tuple[int, int]] | None = Field(DEFAULT_TREE_BUDGET_SCHEDULE, description=(
         "Tree rounds with the node budget by sequence length: [[max_context, budget], ...] with increasing "
         "max_context (prompt + generated; the last budget beyond), instead of tree_budget (which stays 0). "
-        "`draftops sweep` recommends one. null: tree_budget decides."))
-    suffix: bool = Field(False, description=(
+        "`draftops sweep` recommends one for your machine; the default is its recommendation on a 2-core CPU "
+        "(docs/trees.md). null with tree_budget 0: chain rounds."))
+    suffix: bool = Field(True, description=(
         "Tree rounds: suffix decoding's candidates join the tree after prompt lookup's, before the draft model's: "
         "continuations of the text's last tokens in the target's earlier outputs (the suffix index `make distill` "
-        "ships beside the draft) and in the request itself (the request alone when the draft has no index). Trees "
-        "only (docs/trees.md)."))
+        "ships beside the draft) and in the request itself (the request alone when the draft has no index). Tree "
+        "rounds only: chain rounds take prompt lookup and the draft model (docs/trees.md)."))
     suffix_index: str | None = Field(None, description=(
         "With suffix: a suffix index file (`draftops suffix-index` builds one from the target's responses to a "
         "traffic file) instead of the one beside the draft. null: the draft's own."))
-    tree_branching: int = Field(2, ge=1, description=(
+    tree_branching: int = Field(4, ge=1, description=(
         "Tree rounds: nodes per level of the draft model's tree (each level keeps the best children of the last by "
         "cumulative draft probability) and prompt lookup's branches."))
     max_new_tokens: int = Field(128, ge=1)
@@ -83,18 +87,31 @@ class DecodeConfig(Section):
         """Tree rounds (a node budget or a budget schedule) rather than chains."""
         return bool(self.tree_budget) or self.tree_budget_schedule is not None
 
+    @property
+    def suffix_decoding(self) -> bool:
+        """Suffix decoding joins the trees (`suffix` is read in tree rounds only)."""
+        return self.suffix and self.tree_rounds
+
+    def chain_rounds(self) -> DecodeConfig:
+        """These settings as a chain decoder (suffix decoding is a tree source only): what eval and the monitor
+        measure the draft's own acceptance α with, and bench's chain rows."""
+        return self.model_copy(update={"tree_budget": 0, "tree_budget_schedule": None, "suffix": False,
+                                       "suffix_index": None})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fixed_budget_replaces_schedule(cls, data):
+        if isinstance(data, dict) and data.get("tree_budget"):
+            data = {**data, "tree_budget_schedule": None}
+        return data
+
     @model_validator(mode="after")
     def _schedule_matches_policy(self) -> DecodeConfig:
         if (self.gamma_policy == "schedule") != (self.gamma_schedule is not None):
             raise ValueError("decode.gamma_schedule is set exactly when decode.gamma_policy is 'schedule'")
-        if self.tree_budget and self.tree_budget_schedule is not None:
-            raise ValueError("decode.tree_budget_schedule replaces decode.tree_budget: keep tree_budget 0 with it")
-        if self.suffix and not self.tree_rounds:
-            raise ValueError("decode.suffix adds a source to tree rounds: set decode.tree_budget or "
-                             "decode.tree_budget_schedule too (chain rounds take prompt lookup and the draft model "
-                             "only)")
-        if self.suffix_index is not None and not self.suffix:
-            raise ValueError("decode.suffix_index is read by suffix decoding: set decode.suffix=true with it")
+        if self.suffix_index is not None and not (self.suffix and self.tree_rounds):
+            raise ValueError("decode.suffix_index is read by suffix decoding in tree rounds: set decode.suffix=true "
+                             "and a tree budget (or schedule) with it")
         return self
 
 

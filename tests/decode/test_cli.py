@@ -54,6 +54,11 @@ def test_decode_rejects_bad_messages(checkpoints, capsys):
     assert "--messages is not valid JSON" in capsys.readouterr().err
 
 
+# the default decoder: token trees of prompt lookup, suffix decoding (no index beside these drafts) and the draft
+DEFAULT_DECODER = ("tree(budget_schedule=[[320, 4], [1280, 8], [2048, 4]]): lookup(n=2..3, branches=4)"
+                   "+suffix(request only, no index)+draft(branching=4, min_confidence=0.4)")
+
+
 def test_eval_logs_live_and_analytic_acceptance(checkpoints, capsys):
     target, draft, traffic, _ = checkpoints
     report = run_json(capsys, ["eval", "--target", target, "--draft", draft, "--traffic", traffic, "--split", "all",
@@ -62,8 +67,8 @@ def test_eval_logs_live_and_analytic_acceptance(checkpoints, capsys):
     assert report["n_prompts"] == 5
     assert (set(report["live"]["draft"]["per_category"]) == set(report["analytic"]["per_category"])
             == {"math", "code", "chat"})
-    assert report["drafters"] == {"draft": "draft(min_confidence=0.4)",
-                                  "decoder": "lookup(n=2..3)+draft(min_confidence=0.4)"}
+    # the draft's own acceptance is measured in chain rounds, the decoder's as it runs
+    assert report["drafters"] == {"draft": "draft(min_confidence=0.4)", "decoder": DEFAULT_DECODER}
     assert 0.0 <= report["analytic"]["alpha"]["value"] <= 1.0
     run = mlflow.get_run(report["mlflow_run_id"])
     assert run.data.metrics["acceptance/alpha_t1"] == pytest.approx(report["analytic"]["alpha"]["value"])
@@ -71,7 +76,7 @@ def test_eval_logs_live_and_analytic_acceptance(checkpoints, capsys):
         report["live"]["draft"]["per_category"]["math"]["acceptance_rate"]["value"])
     assert run.data.metrics["acceptance/decoder"] == pytest.approx(
         report["live"]["decoder"]["acceptance_rate"]["value"])
-    assert run.data.params["drafter_decoder"] == "lookup(n=2..3)+draft(min_confidence=0.4)"
+    assert run.data.params["drafter_decoder"] == DEFAULT_DECODER
     assert run.data.metrics["acceptance/pos_1"] == pytest.approx(report["live"]["draft"]["acceptance_at_position"][0])
     assert "acceptance/tau_gamma5" in run.data.metrics and "speed/tokens_per_s" in run.data.metrics
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "eval")}
@@ -83,9 +88,10 @@ def test_bench_writes_reports(checkpoints, capsys, tmp_path):
     report = run_json(capsys, ["bench", "--target", target, "--draft", draft, "--traffic", traffic, "--split", "all",
                                "--limit", "3", "--max-new-tokens", "6", "--gamma", "2", "--out", str(tmp_path),
                                "--json", "device=cpu"])
-    # the default decoder takes prompt lookup first: its two halves run alone too
+    # the default decoder's tree has three sources: each runs alone too, and the decoder and the draft in chains
     assert set(report["methods"]) == {"target_only", "target_only_torch", "plain", "speculative", "draft_only",
-                                      "lookup_only", "hf_assisted"}
+                                      "lookup_only", "suffix_only", "chain", "draft_only_chain", "hf_assisted"}
+    assert report["drafters"]["speculative"] == DEFAULT_DECODER
     # cpu_linear auto, so the target alone also runs on torch's stock kernels: the faster of the two is the denominator
     assert report["settings"]["cpu_linear"] == "auto" and report["baseline"] in ("target_only", "target_only_torch")
     assert "speedup" not in report["methods"][report["baseline"]]
@@ -127,12 +133,12 @@ def test_bench_with_trees_runs_each_source_alone_the_chains_and_compared_budgets
                                       "draft_only", "lookup_only", "suffix_only", "chain", "draft_only_chain",
                                       "budget2", "scheduled"}
     assert all(m["same_output_as_target"] == 2 for m in report["methods"].values())
-    sources = "lookup(n=2..3, branches=2)+suffix(index of 2 sequences)+draft(branching=2, min_confidence=0.4)"
+    sources = "lookup(n=2..3, branches=4)+suffix(index of 2 sequences)+draft(branching=4, min_confidence=0.4)"
     assert report["drafters"] == {
         "speculative": f"tree(budget=4): {sources}",
-        "lookup_only": "tree(budget=4): lookup(n=2..3, branches=2)",
+        "lookup_only": "tree(budget=4): lookup(n=2..3, branches=4)",
         "suffix_only": "tree(budget=4): suffix(index of 2 sequences)",
-        "draft_only": "tree(budget=4): draft(branching=2, min_confidence=0.4)",
+        "draft_only": "tree(budget=4): draft(branching=4, min_confidence=0.4)",
         "chain": "lookup(n=2..3)+draft(min_confidence=0.4)", "draft_only_chain": "draft(min_confidence=0.4)",
         "budget2": f"tree(budget=2): {sources}", "scheduled": f"tree(budget_schedule=[[8, 2], [64, 6]]): {sources}"}
     decoders = report["decoders"]
@@ -169,7 +175,7 @@ def test_bench_with_reduced_vocab_draft_gives_hf_its_full_vocab_copy(checkpoints
     report = run_json(capsys, ["bench", "--target", target, "--draft", reduced, "--traffic", traffic, "--split", "all",
                                "--limit", "2", "--max-new-tokens", "5", "--out", str(tmp_path), "--json",
                                "--llama-cpp", "off", "device=cpu", "decode.lookup_min_ngram=null",
-                               "decode.draft_min_confidence=null"])
+                               "decode.draft_min_confidence=null", "decode.tree_budget_schedule=null"])
     assert set(report["methods"]) == {"target_only", "target_only_torch", "plain", "speculative", "hf_assisted"}
     assert report["methods"]["hf_assisted"]["same_output_as_target"] == 2
     assert report["notes"] == ["HF assisted generation uses the draft's full-vocabulary copy (hf_assistant/): "
@@ -177,8 +183,9 @@ def test_bench_with_reduced_vocab_draft_gives_hf_its_full_vocab_copy(checkpoints
 
 
 def test_eval_bench_and_the_monitor_agree_on_each_acceptance_name(checkpoints, capsys, tmp_path):
-    """`acceptance/draft` (the draft decoding alone) and `acceptance/decoder` (lookup first, the draft elsewhere) mean
-    the same thing wherever they are logged: same draft, same prompts, same greedy decoding, same value."""
+    """`acceptance/draft` (the draft decoding alone, in chain rounds) and `acceptance/decoder` (the configured
+    decoder) mean the same thing wherever they are logged: same draft, same prompts, same greedy decoding, same
+    value."""
     from decode.runtime import load_model
     from monitor.measure import measure_live
     from pipeline.config import load_config
@@ -211,7 +218,7 @@ def test_eval_bench_and_the_monitor_agree_on_each_acceptance_name(checkpoints, c
     assert eval_metrics["acceptance/decoder"] == pytest.approx(bench_metrics["acceptance/decoder"], abs=1e-12)
     assert 0 < live.acceptance < 1
     assert evaluated["drafters"]["decoder"] == benched["drafters"]["speculative"]
-    assert evaluated["drafters"]["draft"] == benched["drafters"]["draft_only"] == "draft"
+    assert evaluated["drafters"]["draft"] == benched["drafters"]["draft_only_chain"] == "draft"
 
 
 def test_eval_prints_both_acceptances_for_people(checkpoints, capsys):
@@ -220,5 +227,5 @@ def test_eval_prints_both_acceptances_for_people(checkpoints, capsys):
                  "--max-new-tokens", "6", "device=cpu", "tracking.system_metrics=false"]) == 0
     out = capsys.readouterr().out
     assert "draft acceptance α̂:" in out and "(draft(min_confidence=0.4))" in out
-    assert "decoder acceptance:" in out and "(lookup(n=2..3)+draft(min_confidence=0.4))" in out
+    assert "decoder acceptance:" in out and f"({DEFAULT_DECODER})" in out
     assert "τ of the draft alone:" in out and "MLflow run:" in out

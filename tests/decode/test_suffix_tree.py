@@ -105,10 +105,11 @@ def test_suffix_with_a_reduced_vocabulary_draft(target, reduced_draft, greedy_ca
 
 
 def test_the_config_switch(target, close_draft, greedy_case, tmp_path):
-    with pytest.raises(ValueError, match="decode.suffix adds a source to tree rounds"):
-        DecodeConfig(suffix=True)
-    assert DecodeConfig(suffix=True, tree_budget_schedule=[[64, 4]]).suffix and not DecodeConfig().suffix
-    decode = DecodeConfig(suffix=True, tree_budget=6, lookup_min_ngram=2, draft_min_confidence=None)
+    # on by default, read in tree rounds only; an index file without trees is refused
+    assert DecodeConfig().suffix_decoding and not DecodeConfig(tree_budget_schedule=None).suffix_decoding
+    with pytest.raises(ValueError, match="decode.suffix_index is read by suffix decoding in tree rounds"):
+        DecodeConfig(tree_budget_schedule=None, suffix_index="index.json")
+    decode = DecodeConfig(suffix=True, tree_budget=6, tree_branching=2, lookup_min_ngram=2, draft_min_confidence=None)
     target_model = ResolvedModel("t", tmp_path / "target", target, None, "", None)
     bare = ResolvedModel("d", tmp_path, close_draft, None, "", None)
     assert build_decoder(target_model, bare, decode).drafter.name == (

@@ -265,17 +265,19 @@ def test_sweep_cli_errors(checkpoints, capsys, tmp_path):
     assert "this command needs a draft model" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("overrides", [[], ["decode.tree_budget=4"]], ids=["chain", "tree"])
+@pytest.mark.parametrize("overrides", [["decode.tree_budget_schedule=null"],
+                                       ["decode.tree_budget=4", "decode.suffix=false"]], ids=["chain", "tree"])
 def test_bench_with_prompt_lookup(checkpoints, capsys, tmp_path, overrides):
     target, _, traffic = checkpoints
     assert main(["bench", "--target", target, "--draft", "prompt-lookup", "--traffic", traffic, "--split", "all",
                  "--limit", "3", "--max-new-tokens", "8", "--gamma", "3", "--out", str(tmp_path), "--json",
                  "device=cpu", *overrides]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["drafters"]["speculative"].startswith("tree(" if overrides else "lookup(")
+    trees = overrides[0] == "decode.tree_budget=4"
+    assert report["drafters"]["speculative"].startswith("tree(" if trees else "lookup(")
     # with trees, prompt lookup in chain rounds runs beside them
     assert set(report["methods"]) == {"target_only", "target_only_torch", "plain", "speculative", "hf_prompt_lookup",
-                                      *(["chain"] if overrides else [])}
+                                      *(["chain"] if trees else [])}
     assert report["methods"]["speculative"]["same_output_as_target"] == 3
     assert report["methods"]["hf_prompt_lookup"]["same_output_as_target"] == 3
     assert report["draft"] == "prompt-lookup" and 0 < report["costs"]["c"] < 1

@@ -228,8 +228,12 @@ def test_build_decoder_runs_trees_when_the_config_has_a_budget(target, close_dra
     resolved = [ResolvedModel("x", None, model, None, "", None) for model in (target, close_draft)]
     decoder = build_decoder(*resolved, DecodeConfig(tree_budget=8, tree_branching=3, lookup_min_ngram=2))
     assert isinstance(decoder.drafter, TreeDrafter) and decoder.drafter.budget == 8
-    assert decoder.drafter.name == "tree(budget=8): lookup(n=2..3, branches=3)+draft(branching=3, min_confidence=0.4)"
-    assert not isinstance(build_decoder(*resolved, DecodeConfig()).drafter, TreeDrafter)
+    assert decoder.drafter.name == ("tree(budget=8): lookup(n=2..3, branches=3)+suffix(request only, no index)"
+                                    "+draft(branching=3, min_confidence=0.4)")
+    assert isinstance(build_decoder(*resolved, DecodeConfig()).drafter, TreeDrafter)  # trees are the default
+    chains = DecodeConfig().chain_rounds()
+    assert not chains.tree_rounds and not isinstance(build_decoder(*resolved, chains).drafter, TreeDrafter)
+    assert DecodeConfig(tree_budget_schedule=None) == chains.model_copy(update={"suffix": True})
     with pytest.raises(ValueError):
         DecodeConfig(tree_budget=-1)
     with pytest.raises(ValueError):
