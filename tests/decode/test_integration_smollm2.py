@@ -4,10 +4,13 @@ The prompts are the held-out split of the traffic draftops ships, so a clone wit
 import pytest
 import torch
 
+from decode.drafters import DECODER
 from decode.drafts import draft_from_target_layers, reduce_vocabulary
 from decode.feature_draft import feature_draft_from_target
 from decode.runtime import load_model
 from decode.speculative import SpeculativeDecoder
+from decode.suffix import SuffixIndex
+from decode.tree_drafters import make_tree_drafter
 from pipeline.sources import eos_token_ids
 from pipeline.traffic import DEFAULT_TRAFFIC, encode_prompts, first_per_category, load_traffic
 
@@ -48,13 +51,18 @@ def test_greedy_equals_target_only_on_shipped_heldout_traffic(target):
     assert {r.category for r in requests} == set(traffic.categories()) and len(requests) == 17 and accepted > 0
 
 
-def test_greedy_with_a_feature_draft_equals_target_only(target):
+@pytest.mark.parametrize("trees", [False, True], ids=["chain", "tree"])
+def test_greedy_with_a_feature_draft_equals_target_only(target, trees):
     """The EAGLE-3 feature draft (untrained: from the target's own weights, an 8k-row head) reads the target's
-    hidden states of every verify pass; with prompt lookup first, as the default decoder runs. One held-out request
-    of every category."""
+    hidden states of every verify pass, chains or trees (every node's states, the accepted path's handed over);
+    with prompt lookup first, as the default decoder runs. One held-out request of every category."""
     draft = feature_draft_from_target(target.model, torch.arange(8192)).eval()
     eos = eos_token_ids(target.model, target.tokenizer)
-    decoder = SpeculativeDecoder(target.model, draft, gamma=3, lookup_min_ngram=3, eos_token_ids=eos)
+    if trees:
+        draft = make_tree_drafter(DECODER, target.model, draft, budget_schedule=[[320, 4], [1280, 8], [2048, 4]],
+                                  branching=4, lookup_min_ngram=3)
+    decoder = SpeculativeDecoder(target.model, draft, gamma=3, lookup_min_ngram=None if trees else 3,
+                                 eos_token_ids=eos)
     requests = first_per_category(load_traffic(DEFAULT_TRAFFIC).split("heldout"), 1)
     prompts, _ = encode_prompts(requests, target.tokenizer, max_prompt_tokens=384)
     for request, prompt in zip(requests, prompts):
@@ -69,10 +77,6 @@ def test_greedy_with_token_trees_equals_target_only(target):
     draft's tree (4 per level) under the sweep's budgets, one target pass a round. The suffix index holds the
     target's greedy replies to half of the requests, so suffix candidates are accepted there and the draft's tree
     works elsewhere. One held-out request of every category."""
-    from decode.drafters import DECODER
-    from decode.suffix import SuffixIndex
-    from decode.tree_drafters import make_tree_drafter
-
     draft = draft_from_target_layers(target.model, [0, 1]).eval()
     token_ids = torch.arange(8192)
     reduce_vocabulary(draft, token_ids, target.model.get_output_embeddings().weight.detach())
