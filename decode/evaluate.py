@@ -23,8 +23,8 @@ def evaluate(target, draft, prompts: Sequence[list[int]], categories: Sequence[s
     target and draft are `pipeline.sources.ResolvedModel`s. The prompts are decoded with the draft model alone in
     chain rounds (its own acceptance α, what drift is about, and what the analytic α predicts) and, when the
     configured decoder also copies from the prompt or runs token trees, with that decoder too (the acceptance users
-    see). `gamma` overrides the config's γ policy
-    with a fixed γ. A progress bar per decoder goes to stderr when it is a terminal.
+    see). `gamma` overrides the config's γ policy with a fixed γ. A progress bar per decoder goes to stderr when it
+    is a terminal.
     """
     warp = dict(temperature=decode.temperature, top_k=decode.top_k, top_p=decode.top_p)
     decoders = {DRAFT: build_decoder(target, draft, decode.chain_rounds(), kind=DRAFT, gamma=gamma)}
