@@ -426,15 +426,24 @@ def quantization_markdown(report: dict) -> list[str]:
 
 
 def write_decode_config(cfg, recommendation: dict, path: Path, target: str) -> Path:
-    """The config with the swept target and the recommended γ schedule (decode.gamma_policy schedule; decode.gamma: its
-    first γ), for
-    `draftops decode/eval/bench`."""
+    """The config with the swept target, the recommended γ schedule (decode.gamma_policy schedule; decode.gamma: its
+    first γ) and, where the sweep recommends one, the token trees' node budget schedule (decode.tree_budget_schedule,
+    with decode.tree_branching wide enough for the recommended trees' widest level), for `draftops
+    decode/eval/bench`: the default decoder's settings, measured on this machine."""
     schedule = recommendation["gamma_schedule"]
     tuned = cfg.model_copy(deep=True)
     tuned.target = target
-    tuned.decode = DecodeConfig.model_validate({**cfg.decode.model_dump(), "gamma": schedule[0][1],
-                                                "gamma_policy": "schedule",
-                                                "gamma_schedule": [tuple(entry) for entry in schedule]})
+    decode = {**cfg.decode.model_dump(), "gamma": schedule[0][1], "gamma_policy": "schedule",
+              "gamma_schedule": [tuple(entry) for entry in schedule]}
+    trees = "tree_budget_schedule" in recommendation
+    if trees:
+        widest = max(shape["width"] for shape in recommendation["tree_shapes"])
+        decode.update(tree_budget=0, tree_budget_schedule=[tuple(e) for e in recommendation["tree_budget_schedule"]],
+                      tree_branching=max(cfg.decode.tree_branching, widest))
+    tuned.decode = DecodeConfig.model_validate(decode)
     save_config(tuned, path)
-    path.write_text(f"# Written by `draftops sweep`: use with --draft {recommendation['draft']}\n" + path.read_text())
+    header = f"# Written by `draftops sweep`: use with --draft {recommendation['draft']}"
+    if trees:
+        header += f" (tree budgets measured with {recommendation['tree_draft']})"
+    path.write_text(header + "\n" + path.read_text())
     return path

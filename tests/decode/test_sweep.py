@@ -218,6 +218,10 @@ def test_sweep_cli(checkpoints, capsys, tmp_path):
     assert recommendation["tree_draft"] in (draft, "target-layers:1:20") and tree_schedule[-1][0] == 40
     best_budgets = [shape["budget"] for shape in recommendation["tree_shapes"]]  # per context; the schedule merges
     assert [b for _, b in tree_schedule] == [b for i, b in enumerate(best_budgets) if b not in best_budgets[i - 1 : i]]
+    # the written config carries the tree budget schedule too (trees are the default decoder)
+    assert [list(e) for e in tuned.decode.tree_budget_schedule] == tree_schedule and tuned.decode.tree_budget == 0
+    widest = max(shape["width"] for shape in recommendation["tree_shapes"])
+    assert tuned.decode.tree_branching == max(4, widest)
     assert (tmp_path / "decode_config.yaml").read_text().startswith("# Written by `draftops sweep`")
     names = {"sweep.json", "sweep.md", "decode_config.yaml", "speedup_vs_gamma.png", "speedup_heatmap.png",
              "break_even_alpha.png", "measured_vs_predicted.png", "tree_budget.png", "batch.png",
