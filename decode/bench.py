@@ -251,13 +251,21 @@ def llama_cpp_summary(outputs: dict, seconds: dict, completions: dict[str, list[
 
 
 CHAIN, DRAFT_ONLY_CHAIN = "chain", "draft_only_chain"
+PLAIN_COMPILED = "plain_compiled"
 SOURCE_ROWS = {DRAFT: "draft_only", LOOKUP: "lookup_only", SUFFIX: "suffix_only"}  # a source's row: it alone
 
 
 def reserved_rows() -> set[str]:
     """Row names bench gives its own rows: a --compare row takes another."""
-    return {TARGET_ONLY, TARGET_ONLY_TORCH, "plain", "speculative", "hf_assisted", "hf_prompt_lookup", CHAIN,
-            DRAFT_ONLY_CHAIN, *SOURCE_ROWS.values(), LLAMA_CPP_TARGET_ONLY, LLAMA_CPP_SPECULATIVE}
+    return {TARGET_ONLY, TARGET_ONLY_TORCH, "plain", PLAIN_COMPILED, "speculative", "hf_assisted", "hf_prompt_lookup",
+            CHAIN, DRAFT_ONLY_CHAIN, *SOURCE_ROWS.values(), LLAMA_CPP_TARGET_ONLY, LLAMA_CPP_SPECULATIVE}
+
+
+def compiled_greedy(runner: ModelRunner, prompt: list[int], max_new_tokens: int, eos: Sequence[int]) -> list[int]:
+    """`greedy_decode` through a compiled lean forward, on torch's stock kernels (inductor compiles those; draftops'
+    packed oneDNN calls are not traced)."""
+    with torch_kernels(runner.model):
+        return greedy_decode(runner, prompt, max_new_tokens, eos)
 
 
 def decoder_rows(decode: DecodeConfig, has_draft: bool) -> dict[str, tuple[DecodeConfig, str]]:
@@ -302,13 +310,15 @@ def decoder_summary(stats: Sequence, categories: Sequence[str], seed: int) -> di
 
 def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[str], decode: DecodeConfig, *,
               gamma: int | None = None, seed: int = 0, progress: bool = True,
-              llama_cpp: dict[str, LlamaServer] | None = None, compare: dict[str, DecodeConfig] | None = None) -> dict:
+              llama_cpp: dict[str, LlamaServer] | None = None, compare: dict[str, DecodeConfig] | None = None,
+              compiled: bool = False) -> dict:
     """target is a `pipeline.sources.ResolvedModel`, draft one too, or None to bench prompt lookup alone. Greedy
     throughout; `decode` (cfg.decode) describes the decoder, `gamma` overrides its γ policy with a fixed γ; the rows
     of `decoder_rows` run beside it. `compare`: more decoders to run beside it by row name (their own decode
     settings, same drafter kind). `progress`: a bar over the prompts on stderr. `llama_cpp`: started llama.cpp
     servers for the rows LLAMA_CPP_TARGET_ONLY and LLAMA_CPP_SPECULATIVE (`decode.llamacpp`), run interleaved with
-    the others on the same token ids.
+    the others on the same token ids. `compiled`: a `plain_compiled` row, plain greedy decoding through the lean
+    forward compiled by `torch.compile` (compiled during the untimed warm-up run).
 
     With a γ schedule or adaptive γ, this decoder follows it; HF assisted generation and the cost model use its γ.
     """
@@ -331,9 +341,14 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     if kernels != "torch":
         methods[TARGET_ONLY_TORCH] = lambda p: hf_generate_on_torch_kernels(target.model, p, **common)
     methods["plain"] = lambda p: greedy_decode(decoder.target_runner, p, max_new_tokens, eos)
+    notes = []
+    if compiled:
+        compiled_runner = ModelRunner(target.model, compiled=True)
+        methods[PLAIN_COMPILED] = lambda p: compiled_greedy(compiled_runner, p, max_new_tokens, eos)
+        notes.append(f"{PLAIN_COMPILED}: plain through torch.compile (inductor, dynamic shapes) of the same lean "
+                     "forward on torch's stock kernels, compiled in the warm-up run (not timed)")
     for name, d in decoders.items():
         methods[name] = (lambda d: lambda p: d.generate(p, max_new_tokens=max_new_tokens))(d)
-    notes = []
     halves = [name for name in SOURCE_ROWS.values() if name in decoders]
     if halves:
         first = ([] if decode.lookup_min_ngram is None

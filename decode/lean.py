@@ -6,7 +6,9 @@ draft's step (it runs γ times a round); docs/cpu-runtime.md has the measurement
 does (gpt-fast style: explicit positions into a preallocated KV cache), so it computes the same function; the
 transformers forward is the reference, and `tests/decode/test_lean.py` holds the parity test. `forward_tree` feeds a
 token tree (`decode.tree`) at per-node positions under a tree mask; `tests/decode/test_tree.py` checks it against
-feeding each root-to-node path plainly.
+feeding each root-to-node path plainly. `LeanLlama(model, compiled=True)` runs the same forward through
+`torch.compile` (inductor, dynamic shapes; parity-tested against the eager one): it saves Python overhead on one-token
+steps, but compiling takes minutes on a small CPU, so it is opt-in (docs/cpu-runtime.md has the measurement).
 """
 from __future__ import annotations
 
@@ -71,11 +73,13 @@ class KVCache:
 class LeanLlama:
     """`forward_logits` for a `LlamaForCausalLM` (any lm_head, e.g. a reduced-vocabulary one)."""
 
-    def __init__(self, model):
+    def __init__(self, model, compiled: bool = False):
         config = model.config
         self.model, self.inner = model, model.model
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if compiled:  # graphs are built on first use, one per call pattern (a step, a block, a tree)
+            self._forward = torch.compile(self._forward, dynamic=True)
 
     @staticmethod
     def supports(model) -> bool:

@@ -127,9 +127,13 @@ class ModelRunner:
     """A causal LM as draftops runs it: `decode.lean.LeanLlama` where the architecture allows (the same function with
     far less per-call overhead), else the transformers forward with a DynamicCache, which is also the reference."""
 
-    def __init__(self, model, lean: bool = True):
+    def __init__(self, model, lean: bool = True, compiled: bool = False):
+        """compiled: the lean forward through `torch.compile` (`decode.lean.LeanLlama`); it needs the lean forward."""
+        if compiled and not (lean and LeanLlama.supports(model)):
+            raise ValueError("a compiled forward compiles the lean forward: it needs lean=True and a "
+                             "Llama-architecture model in eval mode")
         self.model = model
-        self.lean = LeanLlama(model) if lean and LeanLlama.supports(model) else None
+        self.lean = LeanLlama(model, compiled) if lean and LeanLlama.supports(model) else None
 
     def new_cache(self):
         return self.lean.new_cache() if self.lean is not None else DynamicCache(config=self.model.config)

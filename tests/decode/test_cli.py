@@ -170,6 +170,17 @@ def test_bench_with_trees_runs_each_source_alone_the_chains_and_compared_budgets
     assert "missing.json" in capsys.readouterr().err
 
 
+def test_bench_times_a_compiled_forward_on_request(checkpoints, capsys, tmp_path):
+    target, draft, traffic, _ = checkpoints
+    report = run_json(capsys, ["bench", "--target", target, "--draft", draft, "--traffic", traffic, "--split", "all",
+                               "--limit", "2", "--max-new-tokens", "5", "--out", str(tmp_path), "--json", "--compiled",
+                               "--llama-cpp", "off", "device=cpu", "decode.lookup_min_ngram=null",
+                               "decode.tree_budget_schedule=null"])
+    assert list(report["methods"])[:4] == ["target_only", "target_only_torch", "plain", "plain_compiled"]
+    assert report["methods"]["plain_compiled"]["same_output_as_target"] == 2
+    assert any(note.startswith("plain_compiled: plain through torch.compile") for note in report["notes"])
+
+
 def test_bench_with_reduced_vocab_draft_gives_hf_its_full_vocab_copy(checkpoints, capsys, tmp_path):
     target, _, traffic, reduced = checkpoints
     report = run_json(capsys, ["bench", "--target", target, "--draft", reduced, "--traffic", traffic, "--split", "all",
