@@ -142,28 +142,51 @@ class FeatureDraft(nn.Module):
         return self.finish(q, cache.keys[0][:, :, :end], cache.values[0][:, :, :end], mask, residual)[0]
 
     def unroll(self, features: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-               steps: int) -> list[torch.Tensor]:
+               steps: int, first: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Training-time test over whole right-padded sequences: features [B, T, 3H] (the target's, at every
-        position), input_ids and attention_mask [B, T] -> per step j the output hidden [B, T, H] at every index i,
-        which predicts token i+2+j (as decoding j tokens past index i, with the right tokens fed in between)."""
+        position), input_ids and attention_mask [B, T] -> per step j the output hidden [B, R, H] at indices
+        first[b] .. first[b] + R - 1 (R: the longest row's tokens from its `first` on; default first 0: every
+        index), where index i predicts token i+2+j (as decoding j tokens past index i, with the right tokens fed in
+        between).
+
+        Every index still feeds step 0's keys and values (later indices attend to them); only the indices from
+        `first` on run attention and MLP and are unrolled further: training starts them a few indices before the
+        response (`window_start`), since prompt indices are never scored. Indices past a row's end (its padding, or
+        past T) give outputs to ignore."""
         b, n = input_ids.shape
         device = input_ids.device
-        index = torch.arange(n, device=device)
+        first = torch.zeros(b, dtype=torch.long, device=device) if first is None else first.to(device)
+        window = first[:, None] + torch.arange(int((attention_mask.sum(1) - first).max()), device=device)  # [B, R]
+        inside = window.clamp(max=n - 1)
         valid = attention_mask.bool()
         # step 0 sees indices <= i of its own sequence; step j > 0 adds its own entry at index i in each step 1..j
-        causal = (index[None, :] <= index[:, None])[None] & valid[:, None, :]
-        diagonal = torch.eye(n, dtype=torch.bool, device=device).expand(b, n, n)
-        hidden, keys, values, outputs = self.fuse(features), [], [], []
-        for j in range(steps):
-            tokens = torch.cat([input_ids[:, 1 + j :], input_ids.new_zeros(b, 1 + j)], dim=1)
-            positions = (index + 1 + j).expand(b, n)
-            q, k, v, residual = self.project(hidden, tokens, positions)
+        causal = (torch.arange(n, device=device)[None, None, :] <= window[:, :, None]) & valid[:, None, :]
+        diagonal = torch.eye(window.shape[1], dtype=torch.bool, device=device).expand(b, -1, -1)
+        padded = torch.cat([input_ids, input_ids.new_zeros(b, steps)], dim=1)  # the token after index i: i + 1
+        q, k, v, residual = self.project(self.fuse(features), padded[:, 1 : n + 1],
+                                         torch.arange(1, n + 1, device=device).expand(b, n))
+        q = q.gather(2, inside[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3]))
+        residual = residual.gather(1, inside[:, :, None].expand(-1, -1, residual.shape[2]))
+        keys, values = [k], [v]
+        hidden = self.finish(q, k, v, causal[:, None], residual)
+        outputs = [hidden]
+        for j in range(1, steps):
+            tokens = padded.gather(1, (window + 1 + j).clamp(max=n + steps - 1))
+            q, k, v, residual = self.project(hidden, tokens, window + 1 + j)
             keys.append(k)
             values.append(v)
             mask = torch.cat([causal] + [diagonal] * j, dim=-1)[:, None]
             hidden = self.finish(q, torch.cat(keys, 2), torch.cat(values, 2), mask, residual)
             outputs.append(hidden)
         return outputs
+
+
+def window_start(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """Per row, the first index a `steps`-step unroll must run for the positions loss_mask marks: step j at index i
+    predicts token i+2+j, and step j at i reads step j-1 at i, so index p - steps, for the first marked position p
+    (0 for a row with none)."""
+    marked = loss_mask.any(dim=1)
+    return torch.where(marked, (loss_mask.long().argmax(dim=1) - steps).clamp(min=0), 0)
 
 
 def feature_draft_from_target(target, token_ids: torch.Tensor | None = None,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from decode.feature_draft import FEATURES, FeatureDraft, target_features
+from decode.feature_draft import FEATURES, FeatureDraft, target_features, window_start
 from distill.losses import TopKTeacher, distillation_loss
 from pipeline.config import DistillConfig
 
@@ -59,8 +59,9 @@ def loss_step(model, batch: dict, settings: DistillConfig, *, num_tokens: int | 
 
 class FeatureStepLogits(torch.nn.Module):
     """A feature draft's logits for each training-time-test step j at the positions whose token 2 + j ahead is a
-    response token: [N_j, V_draft] per step (`FeatureDraft.unroll`; step j at index i predicts token i + 2 + j, so
-    its teacher is the target's distribution at position i + 1 + j). The module accelerate wraps."""
+    response token: [N_j, V_draft] per step, in `step_mask` order (`FeatureDraft.unroll`; step j at index i predicts
+    token i + 2 + j, so its teacher is the target's distribution at position i + 1 + j). Prompt indices only feed the
+    keys and values the response's indices attend to (`window_start`). The module accelerate wraps."""
 
     def __init__(self, draft: FeatureDraft, steps: int):
         super().__init__()
@@ -68,8 +69,12 @@ class FeatureStepLogits(torch.nn.Module):
 
     def forward(self, features, input_ids, attention_mask, loss_mask, steps: int | None = None) -> list[torch.Tensor]:
         """steps: how many steps to unroll (default: the training's)."""
-        outputs = self.draft.unroll(features, input_ids, attention_mask, steps or self.steps)
-        return [self.draft.logits(hidden[:, : hidden.shape[1] - 1 - j][step_mask(loss_mask, j)])
+        steps = steps or self.steps
+        first = window_start(loss_mask, steps)
+        outputs = self.draft.unroll(features, input_ids, attention_mask, steps, first=first)
+        window = first[:, None] + torch.arange(outputs[0].shape[1], device=first.device)
+        scored = torch.cat([loss_mask, loss_mask.new_zeros(loss_mask.shape[0], 1)], dim=1)  # last column: none
+        return [self.draft.logits(hidden[scored.gather(1, (window + 1 + j).clamp(max=scored.shape[1] - 1))])
                 for j, hidden in enumerate(outputs)]
 
 

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from decode.acceptance import analytic_acceptance
-from decode.feature_draft import FeatureDraft, FeatureDrafter, default_feature_layers, target_features
+from decode.feature_draft import (
+    FeatureDraft,
+    FeatureDrafter,
+    default_feature_layers,
+    target_features,
+    window_start,
+)
 from decode.runtime import ModelRunner, greedy_decode
 from decode.sampling import Warp
 from decode.speculative import SpeculativeDecoder
@@ -84,6 +90,30 @@ def test_unroll_ignores_padding_and_other_rows(target):
     alone = draft.unroll(features[1:, :3], seq[1:, :3], mask[1:, :3], steps=2)
     torch.testing.assert_close(both[0][1, :3], alone[0][0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(both[1][1, :1], alone[1][0, :1], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_unroll_from_a_window_gives_the_full_unrolls_outputs_at_its_indices(target):
+    """Training starts each row's unroll a few indices before its response (`window_start`): the indices it runs
+    compute what the full unroll computes there, whatever the other rows' windows and padding."""
+    draft = make_feature_draft(target)
+    seq = torch.tensor([[1, 5, 9, 3, 7, 7, 4, 12], [1, 8, 4, 6, 2, 0, 0, 0]])
+    mask = torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
+    features = target_features(target(input_ids=seq, attention_mask=mask, output_hidden_states=True).hidden_states,
+                               draft.feature_layers)
+    full = draft.unroll(features, seq, mask, steps=3)
+    first = torch.tensor([4, 1])
+    windowed = draft.unroll(features, seq, mask, steps=3, first=first)
+    assert [tuple(h.shape[:2]) for h in windowed] == [(2, 4)] * 3  # R: the longest row from its first, 8 - 4
+    for full_j, windowed_j in zip(full, windowed, strict=True):
+        torch.testing.assert_close(windowed_j[0, :4], full_j[0, 4:], atol=1e-5, rtol=1e-5)  # indices 4..7
+        torch.testing.assert_close(windowed_j[1, :4], full_j[1, 1:5], atol=1e-5, rtol=1e-5)  # indices 1..4 (valid)
+
+
+def test_the_window_starts_as_many_indices_before_the_first_scored_one_as_there_are_steps():
+    loss_mask = torch.tensor([[False] * 6 + [True] * 2, [False, True, True, False, False, False, False, False],
+                              [False] * 8])
+    assert window_start(loss_mask, steps=3).tolist() == [3, 0, 0]
 
 
 @torch.no_grad()

@@ -6,9 +6,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from decode.feature_draft import FeatureDraft, target_features
 from distill.losses import TopKTeacher
-from distill.step import feature_loss_step, shifted, step_mask
+from distill.step import FeatureStepLogits, feature_loss_step, shifted, step_mask
 from pipeline.config import DistillConfig
+from tests.conftest import make_tiny_model
 
 NEG_INF = float("-inf")
 
@@ -62,3 +64,22 @@ def test_feature_loss_step_is_the_mean_over_steps_of_the_bucketed_divergence_ove
     # step 0: indices 0 and 1 against positions 1 and 2; step 1: index 0 against position 2
     assert loss.item() == pytest.approx(((kl_1 + kl_2) / 4 + kl_2 / 4) / 2, abs=1e-6)
     assert model.seen["features"][0, :, :].tolist() == [[0.0, 20.0]] * 5
+
+
+@torch.no_grad()
+def test_step_logits_are_the_full_unrolls_at_the_scored_indices_in_step_mask_order():
+    """FeatureStepLogits runs only each row's window; its logits are the full unroll's at step_mask's indices."""
+    target = make_tiny_model(40, seed=3, layers=4)
+    draft = FeatureDraft(target.config, target.get_input_embeddings()).eval()
+    seq = torch.tensor([[1, 5, 9, 3, 7, 7, 4, 12, 6, 2], [1, 8, 4, 6, 2, 9, 3, 0, 0, 0]])
+    attention_mask = torch.tensor([[1] * 10, [1] * 7 + [0] * 3])
+    loss_mask = torch.zeros(2, 10, dtype=torch.bool)
+    loss_mask[0, 6:9], loss_mask[1, 2:6] = True, True  # responses: tokens 7..9 of row 0, 3..6 of row 1
+    features = target_features(target(input_ids=seq, attention_mask=attention_mask,
+                                      output_hidden_states=True).hidden_states, draft.feature_layers)
+    per_step = FeatureStepLogits(draft, steps=3)(features, seq, attention_mask, loss_mask)
+    full = draft.unroll(features, seq, attention_mask, steps=3)
+    for j, (logits, hidden) in enumerate(zip(per_step, full, strict=True)):
+        expected = draft.logits(hidden[:, : 10 - 1 - j][step_mask(loss_mask, j)])
+        assert logits.shape[0] == int(step_mask(loss_mask, j).sum())
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
