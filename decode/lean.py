@@ -78,8 +78,9 @@ class LeanLlama:
         self.model, self.inner = model, model.model
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.compiled = compiled
         if compiled:  # graphs are built on first use, one per call pattern (a step, a block, a tree)
-            self._forward = torch.compile(self._forward, dynamic=True)
+            self._layers = torch.compile(self._layers, dynamic=True)
 
     @staticmethod
     def supports(model) -> bool:
@@ -151,10 +152,21 @@ class LeanLlama:
                  capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens [B, T] -> (logits [B, T or 1, V], features [B, T, len(capture) * H] or None). positions [T] go
         into slots start..start+T-1 of every row; positions [B, T] (`forward_ragged`) into the slots they name."""
+        ragged = positions.dim() == 2
+        end = int(positions.max()) + 1 if ragged else start + tokens.shape[1]
+        # Compiled, the cache keeps a slot past `end`: a slice `[:end]` that is the whole buffer would be a new graph
+        # (a guard on end == capacity), and growing the buffer stays out of the graph, as does the length.
+        cache.reserve(end + 1 if self.compiled else end)
+        out = self._layers(tokens, cache.keys, cache.values, start, end, positions, mask, keep_last, capture)
+        cache.length = end
+        return out
+
+    def _layers(self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], start: int, end: int,
+                positions: torch.Tensor, mask: torch.Tensor | None, keep_last: bool,
+                capture: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_forward`'s computation, into cache buffers `keys`/`values` that hold at least `end` slots."""
         b, n = tokens.shape
         ragged = positions.dim() == 2
-        end = int(positions.max()) + 1 if ragged else start + n
-        cache.reserve(end)
         rows = torch.arange(b, device=tokens.device)[:, None] if ragged else None
         x = self.inner.embed_tokens(tokens)
         cos, sin = self.inner.rotary_emb(x, positions if ragged else positions[None])
@@ -168,15 +180,13 @@ class LeanLlama:
             v = attention.v_proj(h).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             if ragged:  # [B, T, heads, dim] into each row's own slots
-                cache.keys[i][rows, :, positions], cache.values[i][rows, :, positions] = (k.transpose(1, 2),
-                                                                                          v.transpose(1, 2))
+                keys[i][rows, :, positions], values[i][rows, :, positions] = k.transpose(1, 2), v.transpose(1, 2)
             else:
-                cache.keys[i][:, :, start:end], cache.values[i][:, :, start:end] = k, v
-            out = F.scaled_dot_product_attention(q, cache.keys[i][:, :, :end], cache.values[i][:, :, :end],
+                keys[i][:, :, start:end], values[i][:, :, start:end] = k, v
+            out = F.scaled_dot_product_attention(q, keys[i][:, :, :end], values[i][:, :, :end],
                                                  attn_mask=mask, scale=attention.scaling, enable_gqa=True)
             x = x + attention.o_proj(out.transpose(1, 2).reshape(b, n, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        cache.length = end
         x = self.inner.norm(x[:, -1:] if keep_last else x)
         features = torch.cat([captured[i] for i in capture], -1) if capture else None
         return self.model.lm_head(x), features

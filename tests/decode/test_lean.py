@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from transformers import DynamicCache
 
 from decode.lean import LeanLlama
-from decode.runtime import forward_logits, rollback
+from decode.runtime import ModelRunner, forward_logits, greedy_decode, rollback
 from decode.speculative import SpeculativeDecoder
 from tests.decode.tiny import greedy_reference, tiny_llama
 
@@ -87,3 +88,15 @@ def test_other_architectures_and_training_mode_keep_the_transformers_forward():
     assert not LeanLlama.supports(model)
     model.config.model_type = "gpt2"
     assert not LeanLlama.supports(model.eval())
+
+
+@torch.inference_mode()
+def test_the_compiled_forward_builds_one_graph_for_prefills_and_one_for_steps_whatever_the_length():
+    """Compiling takes minutes on the real target: prompts of other lengths and a cache that grows past its capacity
+    (or fills it exactly) must not build new graphs in the middle of decoding."""
+    torch._dynamo.reset()
+    counters.clear()
+    runner = ModelRunner(tiny_llama(2), compiled=True)
+    for length in (7, 250, 255, 600):  # 255 + 1 fills the first capacity (256) exactly
+        greedy_decode(runner, [1 + i % 100 for i in range(length)], 3, [])
+    assert counters["stats"]["unique_graphs"] == 2
