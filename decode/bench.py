@@ -253,12 +253,16 @@ def llama_cpp_summary(outputs: dict, seconds: dict, completions: dict[str, list[
 CHAIN, DRAFT_ONLY_CHAIN = "chain", "draft_only_chain"
 PLAIN_COMPILED = "plain_compiled"
 SOURCE_ROWS = {DRAFT: "draft_only", LOOKUP: "lookup_only", SUFFIX: "suffix_only"}  # a source's row: it alone
+# --challenger: a second draft's rows, each the row of the draft it stands in for
+CHALLENGER_ROWS = {"speculative": "challenger", SOURCE_ROWS[DRAFT]: "challenger_draft_only",
+                   DRAFT_ONLY_CHAIN: "challenger_draft_only_chain"}
 
 
 def reserved_rows() -> set[str]:
     """Row names bench gives its own rows: a --compare row takes another."""
     return {TARGET_ONLY, TARGET_ONLY_TORCH, "plain", PLAIN_COMPILED, "speculative", "hf_assisted", "hf_prompt_lookup",
-            CHAIN, DRAFT_ONLY_CHAIN, *SOURCE_ROWS.values(), LLAMA_CPP_TARGET_ONLY, LLAMA_CPP_SPECULATIVE}
+            CHAIN, DRAFT_ONLY_CHAIN, *SOURCE_ROWS.values(), *CHALLENGER_ROWS.values(), LLAMA_CPP_TARGET_ONLY,
+            LLAMA_CPP_SPECULATIVE}
 
 
 def compiled_greedy(runner: ModelRunner, prompt: list[int], max_new_tokens: int, eos: Sequence[int]) -> list[int]:
@@ -286,6 +290,13 @@ def decoder_rows(decode: DecodeConfig, has_draft: bool) -> dict[str, tuple[Decod
     return rows
 
 
+def challenger_rows(rows: dict[str, tuple[DecodeConfig, str]]) -> dict[str, tuple[DecodeConfig, str]]:
+    """The rows of `decoder_rows` that a second draft runs too (`CHALLENGER_ROWS`): the decoder with it in place of
+    the draft, and it alone as the draft runs alone; the same decode settings, so two drafts (say the champion and a
+    feature draft) are compared in one interleaved run."""
+    return {CHALLENGER_ROWS[name]: row for name, row in rows.items() if name in CHALLENGER_ROWS}
+
+
 def draft_alpha_row(rows: dict[str, tuple[DecodeConfig, str]]) -> str | None:
     """The row of `decoder_rows` that measures the draft model's own acceptance α: the draft alone in chain rounds,
     as eval and the monitor measure it (a tree's α̂ counts its top-k too). None without a draft."""
@@ -305,20 +316,22 @@ def describe_trees(decode: DecodeConfig) -> str:
 def decoder_summary(stats: Sequence, categories: Sequence[str], seed: int) -> dict:
     """A decoder row's acceptance, τ and accepted tokens by tree source."""
     summary = aggregate_stats(stats, categories, seed=seed)
-    return {key: summary[key] for key in ("acceptance_rate", "tau", "accepted_by_source")}
+    return {key: summary[key] for key in ("acceptance_rate", "tau", "accepted_by_source", "acceptance_at_position")}
 
 
 def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[str], decode: DecodeConfig, *,
               gamma: int | None = None, seed: int = 0, progress: bool = True,
               llama_cpp: dict[str, LlamaServer] | None = None, compare: dict[str, DecodeConfig] | None = None,
-              compiled: bool = False) -> dict:
+              compiled: bool = False, challenger=None) -> dict:
     """target is a `pipeline.sources.ResolvedModel`, draft one too, or None to bench prompt lookup alone. Greedy
     throughout; `decode` (cfg.decode) describes the decoder, `gamma` overrides its γ policy with a fixed γ; the rows
     of `decoder_rows` run beside it. `compare`: more decoders to run beside it by row name (their own decode
     settings, same drafter kind). `progress`: a bar over the prompts on stderr. `llama_cpp`: started llama.cpp
     servers for the rows LLAMA_CPP_TARGET_ONLY and LLAMA_CPP_SPECULATIVE (`decode.llamacpp`), run interleaved with
     the others on the same token ids. `compiled`: a `plain_compiled` row, plain greedy decoding through the lean
-    forward compiled by `torch.compile` (compiled during the untimed warm-up run).
+    forward compiled by `torch.compile` (compiled during the untimed warm-up run). `challenger`: a second draft (a
+    `ResolvedModel`) run in the rows of `challenger_rows`, its step costs and its own acceptance reported beside the
+    draft's (`report["challenger"]`).
 
     With a γ schedule or adaptive γ, this decoder follows it; HF assisted generation and the cost model use its γ.
     """
@@ -332,6 +345,11 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     for name, variant in (compare or {}).items():
         decoders[name] = build_decoder(target, draft, variant.model_copy(update={"temperature": 0.0}),
                                        kind=LOOKUP if draft is None else DECODER, gamma=gamma)
+    second = challenger_rows(rows) if challenger is not None else {}
+    if second and draft is None:
+        raise ValueError("a challenger draft is compared with a draft model, not with prompt lookup alone")
+    decoders.update({name: build_decoder(target, challenger, row_decode, kind=kind, gamma=gamma)
+                     for name, (row_decode, kind) in second.items()})
     decoder = decoders["speculative"]
     policy = decoder.gamma
     fixed_gamma = policy.gamma
@@ -362,6 +380,9 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
         notes.append(f"{CHAIN}: this decoder in chain rounds (no tree, no suffix decoding), what tree_budget 0 runs"
                      + (f"; {DRAFT_ONLY_CHAIN}: the draft model alone in chain rounds" if DRAFT_ONLY_CHAIN in decoders
                         else ""))
+    if second:
+        notes.append(f"challenger rows ({', '.join(second)}): the rows of the same names without the prefix, with "
+                     f"the challenger draft {challenger.source} in place of the draft")
     if compare:
         notes.append("compared decoders (--compare): " + "; ".join(
             f"{name}: {describe_trees(variant)}" for name, variant in compare.items()))
@@ -408,6 +429,17 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     in_run = in_run_costs(stats["speculative"], results[baseline])
     draft_run = draft_alpha_row(rows)
     draft_summary = aggregate_stats(stats[draft_run], categories, seed=seed) if draft_run else None
+    if second:
+        challenger_run = draft_alpha_row(second)
+        challenger_summary = aggregate_stats(stats[challenger_run], categories, seed=seed) if challenger_run else None
+        challenger_report = {
+            "source": challenger.source,
+            "costs": step_costs(decoder.target_runner, costed_drafter(decoders[CHALLENGER_ROWS["speculative"]].drafter,
+                                                                      output_size(target.model)),
+                                prompts[0], fixed_gamma),
+            "alpha_draft": challenger_summary["acceptance_rate"] if challenger_summary else None,
+            "alpha_draft_at_position": challenger_summary["acceptance_at_position"] if challenger_summary else None,
+        }
     return {
         "n_prompts": len(prompts),
         "settings": {**policy.to_dict(), "max_new_tokens": max_new_tokens, "greedy": True, "device": str(device),
@@ -435,6 +467,7 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
         "trees_vs_chain": paired_speedup([len(o) for o in outputs["speculative"]], runs.seconds["speculative"],
                                          [len(o) for o in outputs[CHAIN]], runs.seconds[CHAIN], seed=seed)
         if CHAIN in decoders else None,
+        "challenger": challenger_report if second else None,
         "notes": notes,
     }
 
@@ -493,6 +526,15 @@ def markdown(report: dict) -> str:
         lines.append(f"- acceptance of the draft model alone α̂ = {d['value']:.3f} [{d['low']:.3f}, {d['high']:.3f}]")
         lines.append("- its acceptance by draft position (given the earlier ones accepted): " + ", ".join(
             f"{a:.2f}" for a in report.get("alpha_draft_at_position") or []))
+    if report.get("challenger"):
+        ch = report["challenger"]
+        costs = ch["costs"]
+        lines.append(f"- challenger draft {ch['source']}: draft step {costs['draft_step_s'] * 1e3:.2f} ms, "
+                     f"c = {costs['c']:.3f}"
+                     + (f"; alone α̂ = {ch['alpha_draft']['value']:.3f} [{ch['alpha_draft']['low']:.3f}, "
+                        f"{ch['alpha_draft']['high']:.3f}], by draft position "
+                        + ", ".join(f"{a:.2f}" for a in ch["alpha_draft_at_position"])
+                        if ch["alpha_draft"] else ""))
     if report.get("llama_cpp"):
         ll = report["llama_cpp"]
         speedup = ll["speedup_vs_llama_cpp_target_only"]

@@ -215,6 +215,7 @@ def bench_command(args) -> int:
     from decode.bench import llama_cpp_servers, markdown, run_bench
     from decode.llamacpp import LlamaCppError
     from decode.ngram import PROMPT_LOOKUP
+    from decode.runtime import load_draft
     from pipeline.metrics import DRAFT_FINGERPRINT_TAG, DRAFT_SOURCE_TAG, LATEST_BENCH_RUN_TAG, TARGET_FINGERPRINT_TAG
     from pipeline.registry import link_run
     from pipeline.tracking import start_run
@@ -226,6 +227,7 @@ def bench_command(args) -> int:
             (cfg, target), draft = _load_target(args), None
         else:
             cfg, target, draft = _load(args)
+        challenger = load_draft(args.challenger, target, cpu_linear=cfg.cpu_linear) if args.challenger else None
         _, requests = _requests(cfg, args)
         prompts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
         decode = _decode_settings(cfg, args)
@@ -235,7 +237,8 @@ def bench_command(args) -> int:
             servers, skipped = llama_cpp_servers(args.llama_cpp, target.source, draft, args.gamma or decode.gamma,
                                                  out / "llama.cpp", stack)
             report = run_bench(target, draft, prompts, [r.category for r in requests], decode, gamma=args.gamma,
-                               seed=cfg.seed, llama_cpp=servers, compare=compare, compiled=args.compiled)
+                               seed=cfg.seed, llama_cpp=servers, compare=compare, compiled=args.compiled,
+                               challenger=challenger)
         if skipped:
             report["notes"].append(f"no llama_cpp rows: {skipped}")
     except (ValueError, LlamaCppError) as exc:
@@ -441,6 +444,10 @@ def add_commands(subparsers) -> None:
     bench.add_argument("--compare", action="append", metavar='"NAME key=value ..."',
                        help="one more decoder row: a name, then config overrides on top of the command's (repeatable;"
                             ' e.g. --compare "budget16 decode.tree_budget=16")')
+    bench.add_argument("--challenger", metavar="DRAFT",
+                       help="a second draft (checkpoint dir, models:/NAME@ALIAS, ...; say a feature draft beside the "
+                            "champion) in rows of its own: challenger (this decoder with it in place of --draft), "
+                            "challenger_draft_only (it alone) and, with trees, challenger_draft_only_chain")
     bench.add_argument("--llama-cpp", choices=["auto", "on", "off"], default="auto",
                        help="llama.cpp's rows (its target alone and with the draft exported as GGUF): auto runs them "
                             "where llama-server is built (make llama-cpp) and the draft is a layer draft")

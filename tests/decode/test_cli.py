@@ -240,3 +240,37 @@ def test_eval_prints_both_acceptances_for_people(checkpoints, capsys):
     assert "draft acceptance α̂:" in out and "(draft(min_confidence=0.4))" in out
     assert "decoder acceptance:" in out and f"({DEFAULT_DECODER})" in out
     assert "τ of the draft alone:" in out and "MLflow run:" in out
+
+
+def test_bench_runs_a_challenger_draft_in_the_rows_of_the_draft_it_stands_in_for(checkpoints, capsys, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from decode.speculators_format import save_speculators
+    from tests.decode.test_feature_draft import make_feature_draft
+
+    _, draft, traffic, _ = checkpoints
+    # four layers: a feature draft reads three distinct ones
+    target = str(save_checkpoint(make_tiny_model(len(make_tokenizer()), seed=0, layers=4), make_tokenizer(),
+                                 tmp_path / "target"))
+    feature_dir = save_speculators(make_feature_draft(AutoModelForCausalLM.from_pretrained(target)),
+                                   tmp_path / "feature", verifier_name_or_path=target)
+    common = ["bench", "--target", target, "--traffic", traffic, "--split", "all", "--limit", "2",
+              "--max-new-tokens", "6", "--gamma", "2", "--llama-cpp", "off", "--json", "--out", str(tmp_path / "b")]
+    report = run_json(capsys, [*common, "--draft", draft, "--challenger", str(feature_dir), "device=cpu",
+                               "decode.tree_budget=4"])
+    challenger_rows = {"challenger", "challenger_draft_only", "challenger_draft_only_chain"}
+    assert challenger_rows < set(report["methods"]) and challenger_rows < set(report["decoders"])
+    assert all(m["same_output_as_target"] == 2 for m in report["methods"].values())
+    assert report["drafters"]["challenger_draft_only"] == "tree(budget=4): features(branching=4, min_confidence=0.4)"
+    assert report["drafters"]["challenger_draft_only_chain"].startswith("features")
+    challenger = report["challenger"]
+    assert challenger["source"] == str(feature_dir) and 0 < challenger["costs"]["c"] < 10
+    chain = report["decoders"]["challenger_draft_only_chain"]
+    assert challenger["alpha_draft"] == chain["acceptance_rate"]
+    assert len(challenger["alpha_draft_at_position"]) == 2  # γ positions
+    assert f"- challenger draft {feature_dir}: draft step" in (tmp_path / "b" / "bench.md").read_text()
+    assert any(note.startswith("challenger rows (challenger, challenger_draft_only, challenger_draft_only_chain)")
+               for note in report["notes"])
+
+    assert main([*common, "--draft", "prompt-lookup", "--challenger", draft, "device=cpu"]) == 2
+    assert "not with prompt lookup alone" in capsys.readouterr().err
