@@ -15,12 +15,14 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from decode import generation
 from decode.suffix import SuffixIndex
 from pipeline import draftops_home
 from pipeline.files import recover_dir, swap_dir, temporary_sibling
@@ -86,14 +88,71 @@ def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Ten
     return ids.to(device), mask.to(device)
 
 
+def response_set(prompts: list[list[int]], responses: list[list[int]],
+                 rows: list[tuple[torch.Tensor, torch.Tensor]]) -> ResponseSet:
+    """A ResponseSet of responses in prompt order, with their teacher rows (top-k log-probs, ids) per response."""
+    lengths = torch.tensor([0] + [len(r) for r in responses])
+    return ResponseSet(request_ids=[str(i) for i in range(len(prompts))], prompt_ids=[list(p) for p in prompts],
+                       response_ids=responses, topk_logprobs=torch.cat([v for v, _ in rows]),
+                       topk_indices=torch.cat([i for _, i in rows]), offsets=lengths.cumsum(0))
+
+
 @torch.inference_mode()
+def generate_rounds(model, tokenizer, prompts: list[list[int]], rounds: list[tuple[float, int]], *,
+                    max_new_tokens: int, batch_size: int, topk: int,
+                    on_round: Callable[[int, ResponseSet], None] | None = None,
+                    progress: bool = False) -> list[ResponseSet]:
+    """A response to every prompt per round (temperature, seed; temperature 0: greedy), with the top-k teacher
+    log-probs recorded per token -> a ResponseSet per round, in prompt order; `on_round(r, responses)` as round r is
+    complete. A response ends with its first EOS token (kept: the draft must learn to propose it too) or after
+    max_new_tokens.
+
+    Llama-architecture models run through continuous batching on the lean forward (`decode.generation`: rows refilled
+    as sequences end, each prompt prefilled once for all rounds, samples independent of batching); other models
+    through transformers' `generate`, a batch of similar lengths at a time.
+    """
+    if not generation.supports(model):
+        out = []
+        for r, (temperature, seed) in enumerate(rounds):
+            out.append(hf_generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                   batch_size=batch_size, seed=seed, topk=topk, progress=progress))
+            if on_round is not None:
+                on_round(r, out[-1])
+        return out
+    n = len(prompts)
+    order = sorted(range(n), key=lambda i: len(prompts[i]))
+    jobs = [generation.Job(prompts[i], temperature, hash((seed, i))) for temperature, seed in rounds for i in order]
+    finished: list[dict[int, generation.Generated]] = [{} for _ in rounds]
+    out: list[ResponseSet | None] = [None] * len(rounds)
+
+    def done(index: int, generated: generation.Generated) -> None:
+        r = index // n
+        finished[r][order[index % n]] = generated
+        if len(finished[r]) == n:
+            results = [finished[r][i] for i in range(n)]
+            out[r] = response_set(prompts, [g.tokens for g in results],
+                                  [(g.topk_logprobs, g.topk_indices) for g in results])
+            finished[r] = {}
+            if on_round is not None:
+                on_round(r, out[r])
+
+    generation.generate(model, jobs, max_new_tokens=max_new_tokens, stop_ids=eos_token_ids(model, tokenizer),
+                        batch_size=batch_size, topk=topk, on_done=done, progress=progress)
+    return out
+
+
 def generate_responses(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
                        batch_size: int, seed: int, topk: int, progress: bool = False) -> ResponseSet:
-    """Batched, left-padded generation (temperature 0: greedy), recording the top-k teacher log-probs per token.
+    """One round of `generate_rounds`."""
+    return generate_rounds(model, tokenizer, prompts, [(temperature, seed)], max_new_tokens=max_new_tokens,
+                           batch_size=batch_size, topk=topk, progress=progress)[0]
 
-    Prompts are batched by length (less padding); the result keeps the input order. A response ends with its first
-    EOS token (kept: the draft must learn to propose it too) or after max_new_tokens.
-    """
+
+@torch.inference_mode()
+def hf_generate(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
+                batch_size: int, seed: int, topk: int, progress: bool = False) -> ResponseSet:
+    """`generate_responses` through transformers' `generate`: batched by prompt length, left-padded, a batch run
+    until its longest response ends; the top-k recorded by a logits processor."""
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
@@ -120,13 +179,7 @@ def generate_responses(model, tokenizer, prompts: list[list[int]], *, max_new_to
             length = next((t + 1 for t, tok in enumerate(tokens) if tok in stop), len(tokens))
             responses[index] = tokens[:length]
             rows[index] = (values[row, :length], indices[row, :length])
-    lengths = torch.tensor([0] + [len(responses[i]) for i in range(len(prompts))])
-    return ResponseSet(
-        request_ids=[str(i) for i in range(len(prompts))], prompt_ids=[list(p) for p in prompts],
-        response_ids=[responses[i] for i in range(len(prompts))],
-        topk_logprobs=torch.cat([rows[i][0] for i in range(len(prompts))]),
-        topk_indices=torch.cat([rows[i][1] for i in range(len(prompts))]),
-        offsets=lengths.cumsum(0))
+    return response_set(prompts, [responses[i] for i in range(len(prompts))], [rows[i] for i in range(len(prompts))])
 
 
 # --------------------------------------------------------------------------- the cache
@@ -192,34 +245,39 @@ def cached_responses(model, tokenizer, target_fingerprint: str, requests: list, 
     """
     key = prompts_hash(prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     path = response_cache_dir(target_fingerprint, key)
-    parts, all_cached = [], True
+    parts: list[ResponseSet | None] = [None] * samples
     for sample in range(samples):
         part_dir = recover_dir(path / f"sample-{sample}")
-        part = None
-        if part_dir.exists():
-            try:
-                part = load_responses(part_dir)
-            except DamagedCache as exc:
-                log.warning("damaged response cache entry, generated again: %s", exc)
-                shutil.rmtree(part_dir)
-        if part is not None:
-            if part.topk_indices.shape[1] < topk:
-                rows = teacher_forced_topk(model, [p + r for p, r in zip(part.prompt_ids, part.response_ids)],
-                                           [len(p) for p in part.prompt_ids], topk)
-                part.topk_logprobs = torch.cat([v for v, _ in rows])
-                part.topk_indices = torch.cat([i for _, i in rows])
-                save_responses(part, part_dir)
-            part.topk_logprobs = part.topk_logprobs[:, :topk]
-            part.topk_indices = part.topk_indices[:, :topk]
-        else:
-            all_cached = False
-            part = generate_responses(model, tokenizer, prompts, max_new_tokens=max_new_tokens,
-                                      temperature=0.0 if sample == 0 else temperature, batch_size=batch_size,
-                                      seed=seed + sample, topk=topk, progress=progress)
-            part.request_ids = [f"{r.id}#{sample}" for r in requests]
+        if not part_dir.exists():
+            continue
+        try:
+            part = load_responses(part_dir)
+        except DamagedCache as exc:
+            log.warning("damaged response cache entry, generated again: %s", exc)
+            shutil.rmtree(part_dir)
+            continue
+        if part.topk_indices.shape[1] < topk:
+            rows = teacher_forced_topk(model, [p + r for p, r in zip(part.prompt_ids, part.response_ids)],
+                                       [len(p) for p in part.prompt_ids], topk)
+            part.topk_logprobs = torch.cat([v for v, _ in rows])
+            part.topk_indices = torch.cat([i for _, i in rows])
             save_responses(part, part_dir)
-        parts.append(part)
-    return concat(parts), path, all_cached
+        part.topk_logprobs = part.topk_logprobs[:, :topk]
+        part.topk_indices = part.topk_indices[:, :topk]
+        parts[sample] = part
+    missing = [sample for sample in range(samples) if parts[sample] is None]
+
+    def save(r: int, part: ResponseSet) -> None:  # each round as soon as it is complete
+        sample = missing[r]
+        part.request_ids = [f"{req.id}#{sample}" for req in requests]
+        save_responses(part, path / f"sample-{sample}")
+        parts[sample] = part
+
+    if missing:
+        generate_rounds(model, tokenizer, prompts, [(0.0 if s == 0 else temperature, seed + s) for s in missing],
+                        max_new_tokens=max_new_tokens, batch_size=batch_size, topk=topk, on_round=save,
+                        progress=progress)
+    return concat(parts), path, not missing
 
 
 def concat(parts: list[ResponseSet]) -> ResponseSet:

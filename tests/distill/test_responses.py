@@ -1,6 +1,6 @@
 import torch
 
-from distill.responses import cached_responses, generate_responses, teacher_forced_topk
+from distill.responses import cached_responses, generate_responses, hf_generate, teacher_forced_topk
 from pipeline.traffic import Request
 from tests.conftest import make_tiny_model, make_tokenizer
 
@@ -34,6 +34,17 @@ def test_greedy_responses_with_recorded_top_k_match_a_teacher_forced_pass():
     assert again.response_ids == out.response_ids
 
 
+def test_continuous_batching_gives_transformers_generate_greedy_responses_and_teacher():
+    """The lean engine (`decode.generation`) and the fallback for other architectures agree."""
+    model, tokenizer = setup()
+    ours = generate_responses(model, tokenizer, PROMPTS, max_new_tokens=6, temperature=0.0, batch_size=2, seed=0,
+                              topk=5)
+    theirs = hf_generate(model, tokenizer, PROMPTS, max_new_tokens=6, temperature=0.0, batch_size=2, seed=0, topk=5)
+    assert ours.response_ids == theirs.response_ids and torch.equal(ours.offsets, theirs.offsets)
+    assert torch.equal(ours.topk_indices, theirs.topk_indices)
+    torch.testing.assert_close(ours.topk_logprobs.float(), theirs.topk_logprobs.float(), atol=2e-3, rtol=0)
+
+
 def test_sampled_responses_are_reproducible_and_cached(monkeypatch):
     model, tokenizer = setup()
     # generated twice from scratch: the same seed gives the same samples, another seed others
@@ -47,7 +58,7 @@ def test_sampled_responses_are_reproducible_and_cached(monkeypatch):
     assert not hit and path.parent.name == "responses" and path.name.startswith("fp-")
     assert len(first) == 15 and first.request_ids[:2] == ["q0#0", "q1#0"] and first.request_ids[-1] == "q4#2"
     assert first.offsets[-1] == first.num_response_tokens == first.topk_logprobs.shape[0]
-    monkeypatch.setattr("distill.responses.generate_responses", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    monkeypatch.setattr("distill.responses.generate_rounds", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
     second, path2, hit = cached_responses(model, tokenizer, "fp", requests, PROMPTS, **kw)
     assert hit and path2 == path and second.response_ids == first.response_ids
     assert torch.equal(second.topk_indices, first.topk_indices)
