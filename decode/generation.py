@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
@@ -40,12 +40,14 @@ class Job:
 
 @dataclass
 class Generated:
-    """A job's new tokens (ending with a stop id, or `max_new_tokens` long) and the top-k log-probs ([n, k] fp16)
-    and ids ([n, k] int32) of the distribution each token was chosen from."""
+    """A job's new tokens (ending with a stop id, or `max_new_tokens` long), the top-k log-probs ([n, k] fp16) and
+    ids ([n, k] int32) of the distribution each token was chosen from, and with `capture` the hidden states entering
+    the captured layers at every position of prompt + tokens ([len(prompt) + n, len(layers) * H] fp16)."""
 
     tokens: list[int]
     topk_logprobs: torch.Tensor
     topk_indices: torch.Tensor
+    features: torch.Tensor | None = None
 
 
 def supports(model) -> bool:
@@ -58,14 +60,32 @@ def _uniform(job: Job, step: int) -> float:
     return random.Random(hash((job.seed, step))).random()
 
 
+@dataclass
+class _Row:
+    """What one row of the batch holds: a job's index (-1: none), its tokens and records so far, and whether its
+    last token is still to be fed (only for its features: the job has ended)."""
+
+    job: int = -1
+    tokens: list[int] = field(default_factory=list)
+    topk: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    features: list[torch.Tensor] = field(default_factory=list)
+    ended: bool = False
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
 @torch.inference_mode()
 def generate(model, jobs: Sequence[Job], *, max_new_tokens: int, stop_ids: Sequence[int], batch_size: int, topk: int,
-             on_done: Callable[[int, Generated], None] | None = None, prefix_bytes: int = 2 << 30,
-             progress: bool = False) -> list[Generated]:
+             capture: tuple[int, ...] = (), on_done: Callable[[int, Generated], None] | None = None,
+             prefix_bytes: int = 2 << 30, progress: bool = False) -> list[Generated]:
     """Every job's continuation, in the order given -> [Generated] by job index.
 
     Jobs start in the order given (give them sorted by prompt length: rows of similar lengths waste less attention
-    on the batch's longest row). `on_done(index, generated)` is called as each job ends, before the others have.
+    on the batch's longest row). `capture`: the layers whose input hidden states are recorded (a feature draft's,
+    `decode.feature_draft`); a job's last token is then fed once more, for its features alone. `on_done(index,
+    generated)` is called as each job ends, before the others have.
     """
     if not supports(model):
         raise ValueError("continuous batching runs the lean forward: it needs a Llama-architecture model in eval mode")
@@ -73,93 +93,116 @@ def generate(model, jobs: Sequence[Job], *, max_new_tokens: int, stop_ids: Seque
         return []
     lean = LeanLlama(model)
     device = next(model.parameters()).device
-    rows = min(batch_size, len(jobs))
-    cache = lean.new_cache(rows)
-    cache.reserve(max(len(job.prompt) for job in jobs) + max_new_tokens)
+    rows = [_Row() for _ in range(min(batch_size, len(jobs)))]
+    cache = lean.new_cache(len(rows))
+    cache.reserve(max(len(job.prompt) for job in jobs) + max_new_tokens + 1)
     stops = set(stop_ids)
     results: list[Generated | None] = [None] * len(jobs)
-    row_job = [-1] * rows  # the job each row holds, -1: none
-    row_tokens: list[list[int]] = [[] for _ in range(rows)]
-    row_topk: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(rows)]
-    lengths = torch.zeros(rows, dtype=torch.long, device=device)  # cache slots each row has filled
-    last = torch.zeros(rows, dtype=torch.long, device=device)  # the token each row feeds next
+    lengths = torch.zeros(len(rows), dtype=torch.long, device=device)  # cache slots each row has filled
+    last = torch.zeros(len(rows), dtype=torch.long, device=device)  # the token each row feeds next
     queue = iter(range(len(jobs)))
-    prefixes: OrderedDict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]] = OrderedDict()
+    prefixes: OrderedDict[tuple[int, ...], tuple] = OrderedDict()  # prompt -> (keys, values, logits, features)
     kept = 0  # bytes held by `prefixes`
     bar = tqdm(total=len(jobs), desc="target responses", unit="seq", disable=not progress)
 
-    def choose(logits: torch.Tensor, active: list[int]) -> list[int]:
-        """The next token of each active row from its logits [len(active), V], its top-k recorded."""
-        values, indices = torch.log_softmax(logits.float(), -1).topk(topk, dim=-1)
-        values, indices = values.half().cpu(), indices.int().cpu()
-        chosen = logits.argmax(-1).cpu()
-        sampled = [i for i, row in enumerate(active) if jobs[row_job[row]].temperature > 0]
-        if sampled:
-            sampled_jobs = [jobs[row_job[active[i]]] for i in sampled]
-            temperatures = torch.tensor([job.temperature for job in sampled_jobs], dtype=torch.float64)
-            cdf = torch.softmax(logits[sampled].double().cpu() / temperatures[:, None], -1).cumsum(-1)
-            draws = torch.tensor([[_uniform(job, len(row_tokens[active[i]]))] for job, i in zip(sampled_jobs, sampled)],
-                                 dtype=torch.float64) * cdf[:, -1:]
-            chosen[sampled] = torch.searchsorted(cdf, draws, right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
-        for i, row in enumerate(active):
-            row_topk[row].append((values[i], indices[i]))
-        return chosen.tolist()
-
-    def advance(row: int, token: int) -> bool:
-        """Append `token` to the row's sequence; True if that ended its job (the row is free again)."""
-        row_tokens[row].append(token)
-        if token not in stops and len(row_tokens[row]) < max_new_tokens:
-            last[row] = token
-            return False
-        index = row_job[row]
-        results[index] = Generated(row_tokens[row], torch.stack([v for v, _ in row_topk[row]]),
-                                   torch.stack([i for _, i in row_topk[row]]))
-        row_job[row], row_tokens[row], row_topk[row] = -1, [], []
-        bar.update()
-        if on_done is not None:
-            on_done(index, results[index])
-        return True
-
-    def prefill(prompt: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-        """The prompt's keys and values per layer ([kv_heads, n, head_dim]) and its last logits [1, V]."""
+    def prefill(prompt: list[int]) -> tuple:
+        """The prompt's keys and values per layer ([kv_heads, n, head_dim]), its last logits [1, V] and, with
+        `capture`, its features [n, F] (fp16, CPU)."""
         nonlocal kept
         key = tuple(prompt)
         if key in prefixes:
             prefixes.move_to_end(key)
             return prefixes[key]
         alone = lean.new_cache(1)
-        logits = lean.forward_logits(torch.tensor(prompt, dtype=torch.long, device=device), alone, 0, keep_last=True)
+        tokens = torch.tensor(prompt, dtype=torch.long, device=device)
+        if capture:
+            logits, features = lean.forward_features(tokens, alone, 0, capture, keep_last=True)
+            features = features.half().cpu()
+        else:
+            logits, features = lean.forward_logits(tokens, alone, 0, keep_last=True), None
         n = len(prompt)
-        entry = ([k[0, :, :n].clone() for k in alone.keys], [v[0, :, :n].clone() for v in alone.values], logits)
-        size = sum(t.numel() * t.element_size() for t in entry[0] + entry[1])
+        entry = ([k[0, :, :n].clone() for k in alone.keys], [v[0, :, :n].clone() for v in alone.values], logits,
+                 features)
+        size = _nbytes(entry[0] + entry[1] + [features])
         if size <= prefix_bytes:
             prefixes[key], kept = entry, kept + size
             while kept > prefix_bytes:
-                old_keys, old_values, _ = prefixes.popitem(last=False)[1]
-                kept -= sum(t.numel() * t.element_size() for t in old_keys + old_values)
+                old_keys, old_values, _, old_features = prefixes.popitem(last=False)[1]
+                kept -= _nbytes(old_keys + old_values + [old_features])
         return entry
 
-    def refill(row: int) -> None:
+    def choose(logits: torch.Tensor, live: list[int]) -> list[int]:
+        """The next token of each live row from its logits [len(live), V], its top-k recorded."""
+        values, indices = torch.log_softmax(logits.float(), -1).topk(topk, dim=-1)
+        values, indices = values.half().cpu(), indices.int().cpu()
+        chosen = logits.argmax(-1).cpu()
+        sampled = [i for i, r in enumerate(live) if jobs[rows[r].job].temperature > 0]
+        if sampled:
+            sampled_rows = [rows[live[i]] for i in sampled]
+            temperatures = torch.tensor([jobs[row.job].temperature for row in sampled_rows], dtype=torch.float64)
+            cdf = torch.softmax(logits[sampled].double().cpu() / temperatures[:, None], -1).cumsum(-1)
+            draws = torch.tensor([[_uniform(jobs[row.job], len(row.tokens))] for row in sampled_rows],
+                                 dtype=torch.float64) * cdf[:, -1:]
+            chosen[sampled] = torch.searchsorted(cdf, draws, right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
+        for i, r in enumerate(live):
+            rows[r].topk.append((values[i], indices[i]))
+        return chosen.tolist()
+
+    def finish(r: int) -> None:
+        row = rows[r]
+        results[row.job] = Generated(row.tokens, torch.stack([v for v, _ in row.topk]),
+                                     torch.stack([i for _, i in row.topk]),
+                                     torch.cat(row.features) if capture else None)
+        index, rows[r] = row.job, _Row()
+        bar.update()
+        if on_done is not None:
+            on_done(index, results[index])
+
+    def advance(r: int, token: int) -> bool:
+        """Append `token` to the row's job; True if the row is free again (its job ended and needs no last feed)."""
+        row = rows[r]
+        row.tokens.append(token)
+        last[r] = token
+        if token not in stops and len(row.tokens) < max_new_tokens:
+            return False
+        if capture:  # the last token is fed once more, for its features
+            row.ended = True
+            return False
+        finish(r)
+        return True
+
+    def refill(r: int) -> None:
         """Start jobs in a free row until one outlives its first token (or no job is left)."""
         for index in queue:
-            keys, values, logits = prefill(jobs[index].prompt)
+            keys, values, logits, features = prefill(jobs[index].prompt)
             n = len(jobs[index].prompt)
             for store, own in ((cache.keys, keys), (cache.values, values)):
                 for entry, layer in zip(store, own):
-                    entry[row, :, :n] = layer
-            row_job[row], lengths[row] = index, n
-            if not advance(row, choose(logits, [row])[0]):
+                    entry[r, :, :n] = layer
+            rows[r].job, lengths[r] = index, n
+            if capture:
+                rows[r].features.append(features)
+            if not advance(r, choose(logits, [r])[0]):
                 return
-        lengths[row] = 0
+        lengths[r] = 0
 
-    for row in range(rows):
-        refill(row)
-    while any(job >= 0 for job in row_job):
-        logits = lean.forward_ragged(last[:, None], cache, lengths)[:, -1]
-        active = [row for row in range(rows) if row_job[row] >= 0]
+    for r in range(len(rows)):
+        refill(r)
+    while any(row.job >= 0 for row in rows):
+        logits, features = lean.forward_ragged_features(last[:, None], cache, lengths, capture)
+        active = [r for r, row in enumerate(rows) if row.job >= 0]
         lengths[active] += 1
-        for row, token in zip(active, choose(logits[active], active)):
-            if advance(row, token):
-                refill(row)
+        if capture:
+            step_features = features[:, 0].half().cpu()
+            for r in active:
+                rows[r].features.append(step_features[r : r + 1])
+        live = [r for r in active if not rows[r].ended]
+        for r in active:
+            if rows[r].ended:
+                finish(r)
+                refill(r)
+        for r, token in zip(live, choose(logits[live, -1], live)):
+            if advance(r, token):
+                refill(r)
     bar.close()
     return results

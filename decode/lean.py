@@ -114,20 +114,27 @@ class LeanLlama:
         each seeing its own row's slots up to its position -> logits [B, T, V]. Sequences of a batch that accept
         different numbers of drafted tokens go on at different lengths (`decode.batched`); a row's slots past its
         length are stale and never seen."""
+        return self.forward_ragged_features(tokens, cache, starts, ())[0]
+
+    def forward_ragged_features(self, tokens: torch.Tensor, cache: KVCache, starts: torch.Tensor,
+                                layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward_ragged`, and the hidden states entering `layers` at every token -> (logits [B, T, V], features
+        [B, T, len(layers) * H] or None without layers): continuous batching records a feature draft's inputs."""
         n = tokens.shape[1]
         positions = starts[:, None] + torch.arange(n, device=tokens.device)
         end = int(positions.max()) + 1
         mask = torch.arange(end, device=tokens.device)[None, None, :] <= positions[:, :, None]
-        return self._forward(tokens, cache, 0, positions, mask[:, None], keep_last=False)[0]
+        return self._forward(tokens, cache, 0, positions, mask[:, None], False, layers)
 
-    def forward_features(self, tokens: torch.Tensor, cache: KVCache, start: int,
-                         layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward_logits` of every token, and the hidden states entering `layers`, concatenated -> (logits [T, V],
-        features [T, len(layers) * H]): what a feature draft (`decode.feature_draft`) reads."""
+    def forward_features(self, tokens: torch.Tensor, cache: KVCache, start: int, layers: tuple[int, ...],
+                         keep_last: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward_logits` of every token (of the last, if keep_last), and the hidden states entering `layers` at
+        every token, concatenated -> (logits [T or 1, V], features [T, len(layers) * H]): what a feature draft
+        (`decode.feature_draft`) reads."""
         n, end = tokens.shape[0], start + tokens.shape[0]
         positions = torch.arange(start, end, device=tokens.device)
         mask = None if n == 1 else torch.arange(end, device=tokens.device)[None, :] <= positions[:, None]
-        logits, features = self._forward(tokens[None], cache, start, positions, mask, False, layers)
+        logits, features = self._forward(tokens[None], cache, start, positions, mask, keep_last, layers)
         return logits[0], features[0]
 
     def forward_tree(self, tokens: torch.Tensor, cache: KVCache, start: int, positions: torch.Tensor,

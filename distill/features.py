@@ -56,10 +56,14 @@ def teacher_forced_features(model, sequences: list[list[int]], layers: tuple[int
 def cached_features(model, responses: ResponseSet, cache_dir: Path, layers: tuple[int, ...], *,
                     progress: bool = False) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """`teacher_forced_features` of the responses' prompt + response sequences, read from the cache folder when an
-    earlier job computed them (else computed and written). Returns (features, offsets, whether from the cache)."""
+    earlier job computed them, else taken from the responses when the target recorded them as it generated
+    (`distill.responses.cached_responses(capture=...)`), else computed; written to the cache either way. Returns
+    (features, offsets, whether from the cache)."""
     sequences = [p + r for p, r in zip(responses.prompt_ids, responses.response_ids)]
     path = features_file(cache_dir, layers, len(sequences))
     lengths = [0] + [len(s) for s in sequences]
+    recorded = (responses.features is not None
+                and responses.feature_offsets.tolist() == torch.tensor(lengths).cumsum(0).tolist())
     if path.exists():
         try:
             saved = load_file(str(path))
@@ -68,7 +72,10 @@ def cached_features(model, responses: ResponseSet, cache_dir: Path, layers: tupl
             log.warning("%s does not fit these responses; computed again", path)
         except Exception as exc:  # a damaged file: computed again
             log.warning("damaged feature cache %s (%s); computed again", path, exc)
-    features, offsets = teacher_forced_features(model, sequences, layers, progress=progress)
+    if recorded:
+        features, offsets = responses.features, responses.feature_offsets
+    else:
+        features, offsets = teacher_forced_features(model, sequences, layers, progress=progress)
     tmp = path.with_name(f"{path.name}{TMP_SUFFIX}{os.getpid()}")  # renamed into place: never half a file
     save_file({"features": features.contiguous(), "offsets": offsets}, str(tmp))
     os.replace(tmp, path)

@@ -89,17 +89,23 @@ def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Ten
 
 
 def response_set(prompts: list[list[int]], responses: list[list[int]],
-                 rows: list[tuple[torch.Tensor, torch.Tensor]]) -> ResponseSet:
-    """A ResponseSet of responses in prompt order, with their teacher rows (top-k log-probs, ids) per response."""
+                 rows: list[tuple[torch.Tensor, torch.Tensor]],
+                 features: list[torch.Tensor] | None = None) -> ResponseSet:
+    """A ResponseSet of responses in prompt order, with their teacher rows (top-k log-probs, ids) per response and,
+    if given, the target's features over each prompt + response."""
     lengths = torch.tensor([0] + [len(r) for r in responses])
-    return ResponseSet(request_ids=[str(i) for i in range(len(prompts))], prompt_ids=[list(p) for p in prompts],
-                       response_ids=responses, topk_logprobs=torch.cat([v for v, _ in rows]),
-                       topk_indices=torch.cat([i for _, i in rows]), offsets=lengths.cumsum(0))
+    out = ResponseSet(request_ids=[str(i) for i in range(len(prompts))], prompt_ids=[list(p) for p in prompts],
+                      response_ids=responses, topk_logprobs=torch.cat([v for v, _ in rows]),
+                      topk_indices=torch.cat([i for _, i in rows]), offsets=lengths.cumsum(0))
+    if features is not None:
+        out.features = torch.cat(features)
+        out.feature_offsets = torch.tensor([0] + [len(f) for f in features]).cumsum(0)
+    return out
 
 
 @torch.inference_mode()
 def generate_rounds(model, tokenizer, prompts: list[list[int]], rounds: list[tuple[float, int]], *,
-                    max_new_tokens: int, batch_size: int, topk: int,
+                    max_new_tokens: int, batch_size: int, topk: int, capture: tuple[int, ...] = (),
                     on_round: Callable[[int, ResponseSet], None] | None = None,
                     progress: bool = False) -> list[ResponseSet]:
     """A response to every prompt per round (temperature, seed; temperature 0: greedy), with the top-k teacher
@@ -109,7 +115,9 @@ def generate_rounds(model, tokenizer, prompts: list[list[int]], rounds: list[tup
 
     Llama-architecture models run through continuous batching on the lean forward (`decode.generation`: rows refilled
     as sequences end, each prompt prefilled once for all rounds, samples independent of batching); other models
-    through transformers' `generate`, a batch of similar lengths at a time.
+    through transformers' `generate`, a batch of similar lengths at a time. `capture`: the target layers whose input
+    hidden states a feature draft reads, recorded as the lean engine generates (`ResponseSet.features`; not by
+    transformers' `generate`, whose sets come without them).
     """
     if not generation.supports(model):
         out = []
@@ -131,13 +139,14 @@ def generate_rounds(model, tokenizer, prompts: list[list[int]], rounds: list[tup
         if len(finished[r]) == n:
             results = [finished[r][i] for i in range(n)]
             out[r] = response_set(prompts, [g.tokens for g in results],
-                                  [(g.topk_logprobs, g.topk_indices) for g in results])
+                                  [(g.topk_logprobs, g.topk_indices) for g in results],
+                                  [g.features for g in results] if capture else None)
             finished[r] = {}
             if on_round is not None:
                 on_round(r, out[r])
 
     generation.generate(model, jobs, max_new_tokens=max_new_tokens, stop_ids=eos_token_ids(model, tokenizer),
-                        batch_size=batch_size, topk=topk, on_done=done, progress=progress)
+                        batch_size=batch_size, topk=topk, capture=capture, on_done=done, progress=progress)
     return out
 
 
@@ -234,7 +243,7 @@ def load_responses(path: Path) -> ResponseSet:
 
 def cached_responses(model, tokenizer, target_fingerprint: str, requests: list, prompts: list[list[int]], *,
                      samples: int, max_new_tokens: int, temperature: float, batch_size: int, seed: int, topk: int,
-                     progress: bool = False) -> tuple[ResponseSet, Path, bool]:
+                     capture: tuple[int, ...] = (), progress: bool = False) -> tuple[ResponseSet, Path, bool]:
     """The target's responses to `prompts` (`samples` each: the first greedy, the rest sampled), cached on disk,
     with the teacher's top-`topk` per response token.
 
@@ -242,6 +251,8 @@ def cached_responses(model, tokenizer, target_fingerprint: str, requests: list, 
     keeps its finished rounds, and asking for more samples later reuses the earlier ones. A cache holding a larger k is
     sliced; one holding a smaller k gets its teacher top-k recomputed once by a teacher-forced pass and rewritten.
     Returns (responses, cache dir, whether every round came from the cache). Request ids are `<request id>#<sample>`.
+    `capture` (a feature draft's layers): when every round is generated now, the responses carry the target's features
+    recorded while it generated (`distill.features` keeps them); otherwise they come without.
     """
     key = prompts_hash(prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     path = response_cache_dir(target_fingerprint, key)
@@ -275,19 +286,28 @@ def cached_responses(model, tokenizer, target_fingerprint: str, requests: list, 
 
     if missing:
         generate_rounds(model, tokenizer, prompts, [(0.0 if s == 0 else temperature, seed + s) for s in missing],
-                        max_new_tokens=max_new_tokens, batch_size=batch_size, topk=topk, on_round=save,
-                        progress=progress)
+                        max_new_tokens=max_new_tokens, batch_size=batch_size, topk=topk,
+                        capture=capture if len(missing) == samples else (), on_round=save, progress=progress)
     return concat(parts), path, not missing
 
 
+def _joined_offsets(offsets: list[torch.Tensor]) -> torch.Tensor:
+    joined = [offsets[0]]
+    for part in offsets[1:]:
+        joined.append(part[1:] + joined[-1][-1])
+    return torch.cat(joined)
+
+
 def concat(parts: list[ResponseSet]) -> ResponseSet:
-    offsets = [parts[0].offsets]
-    for part in parts[1:]:
-        offsets.append(part.offsets[1:] + offsets[-1][-1])
-    return ResponseSet(
+    """The parts one after another; with features only if every part has them."""
+    out = ResponseSet(
         [r for p in parts for r in p.request_ids], [x for p in parts for x in p.prompt_ids],
         [x for p in parts for x in p.response_ids], torch.cat([p.topk_logprobs for p in parts]),
-        torch.cat([p.topk_indices for p in parts]), torch.cat(offsets))
+        torch.cat([p.topk_indices for p in parts]), _joined_offsets([p.offsets for p in parts]))
+    if all(p.features is not None for p in parts):
+        out.features = torch.cat([p.features for p in parts])
+        out.feature_offsets = _joined_offsets([p.feature_offsets for p in parts])
+    return out
 
 
 @torch.inference_mode()

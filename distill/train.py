@@ -85,21 +85,22 @@ def prepare_data(cfg: DraftopsConfig, accelerator, target, timings: Timings) -> 
                   progress=accelerator.is_local_main_process)
     with timings.measure("generation_with_teacher_topk"), accelerator.main_process_first():
         prompts, _ = encode_prompts(train_requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
+        layers = default_feature_layers(target.model.config.num_hidden_layers) if d.family == FEATURES else ()
         train, train_dir, hit = cached_responses(target.model, target.tokenizer, target.fingerprint, train_requests,
-                                                 prompts, samples=d.responses_per_prompt, **common)
+                                                 prompts, samples=d.responses_per_prompt, capture=layers, **common)
         prompts, _ = encode_prompts(heldout_requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
         heldout, _, _ = cached_responses(target.model, target.tokenizer, target.fingerprint, heldout_requests,
                                          prompts, samples=1, **common)
     accelerator.print(f"draftops distill: {len(train)} target responses ({train.num_response_tokens} tokens) "
                       f"{'from the cache' if hit else 'generated'} at {train_dir}")
     if d.family == FEATURES:  # the feature draft's inputs, once for the data set (`distill.features`)
+        recorded = train.features is not None  # as the target generated them just now
         with timings.measure("target_features"), accelerator.main_process_first():
-            layers = default_feature_layers(target.model.config.num_hidden_layers)
             train.features, train.feature_offsets, hit = cached_features(
                 target.model, train, train_dir, layers, progress=accelerator.is_local_main_process)
         size = train.features.numel() * train.features.element_size() / 2**20
-        accelerator.print(f"draftops distill: target features of layers {list(layers)} ({size:.0f} MiB fp16) "
-                          f"{'from the cache' if hit else 'computed'}")
+        how = "from the cache" if hit else "recorded as the target generated" if recorded else "computed"
+        accelerator.print(f"draftops distill: target features of layers {list(layers)} ({size:.0f} MiB fp16) {how}")
     token_ids = None
     if d.draft_vocab_size:
         token_ids = frequent_token_ids(train.response_ids, d.draft_vocab_size, target.tokenizer.all_special_ids)

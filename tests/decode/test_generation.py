@@ -74,3 +74,22 @@ def test_models_the_lean_forward_cannot_run_are_refused():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32)).eval()
     with pytest.raises(ValueError, match="Llama-architecture"):
         generate(gpt2, [Job([1, 2])], max_new_tokens=2, stop_ids=[], batch_size=1, topk=1)
+
+
+@pytest.mark.parametrize("stop", [False, True])
+def test_captured_features_are_the_teacher_forced_hidden_states_at_every_position(model, stop):
+    """A feature draft's inputs recorded while the target generates (prompt and every new token, its last one fed
+    once more for them) are what a teacher-forced pass over prompt + response gives."""
+    from distill.features import teacher_forced_features
+
+    layers = (0, 1)
+    stop_ids = [greedy_reference(model, PROMPTS[0], 7)[2]] if stop else []
+    jobs = [Job(p, 0.9 if i % 2 else 0.0, i) for i, p in enumerate(PROMPTS)] + [Job(PROMPTS[2], 0.0, 0)]
+    plain = generate(model, jobs, max_new_tokens=7, stop_ids=stop_ids, batch_size=2, topk=3)
+    out = generate(model, jobs, max_new_tokens=7, stop_ids=stop_ids, batch_size=2, topk=3, capture=layers)
+    assert [g.tokens for g in out] == [g.tokens for g in plain] and plain[0].features is None
+    sequences = [job.prompt + g.tokens for job, g in zip(jobs, out)]
+    forced, offsets = teacher_forced_features(model, sequences, layers)
+    for i, g in enumerate(out):
+        assert g.features.dtype == torch.float16 and g.features.shape == (len(sequences[i]), 2 * 64)
+        torch.testing.assert_close(g.features, forced[offsets[i] : offsets[i + 1]], atol=1e-3, rtol=1e-3)

@@ -31,3 +31,27 @@ def test_a_second_job_reads_the_cache_and_a_file_for_other_responses_is_replaced
     other = ResponseSet(["a", "b"], [[1, 5], [1, 8, 9]], [[7], [3]])  # same count, other lengths
     _, offsets, hit = cached_features(model, other, tmp_path, LAYERS)
     assert not hit and offsets.tolist() == [0, 3, 7]
+
+
+def test_features_recorded_as_the_target_generates_are_kept_without_a_teacher_forced_pass(monkeypatch, tmp_path):
+    from distill.responses import cached_responses
+    from pipeline.traffic import Request
+    from tests.conftest import make_tokenizer
+
+    model = make_tiny_model(len(make_tokenizer()), seed=2, layers=4)
+    prompts = [[1, 10, 11, 12], [1, 20, 21], [1, 30, 31, 32, 33]]
+    requests = [Request(f"q{i}", "c", ({"role": "user", "content": "x"},)) for i in range(len(prompts))]
+    kw = dict(samples=2, max_new_tokens=5, temperature=1.0, batch_size=2, seed=3, topk=4)
+    responses, cache_dir, _ = cached_responses(model, make_tokenizer(), "fp", requests, prompts, capture=LAYERS, **kw)
+    sequences = [p + r for p, r in zip(responses.prompt_ids, responses.response_ids)]
+    forced, forced_offsets = teacher_forced_features(model, sequences, LAYERS)
+    assert torch.equal(responses.feature_offsets, forced_offsets)
+    torch.testing.assert_close(responses.features.float(), forced.float(), atol=3e-3, rtol=3e-3)
+    monkeypatch.setattr("distill.features.teacher_forced_features", lambda *a, **k: (_ for _ in ()).throw(
+        AssertionError("recorded features were computed again")))
+    features, offsets, hit = cached_features(model, responses, cache_dir, LAYERS)
+    assert not hit and torch.equal(features, responses.features) and features_file(cache_dir, LAYERS, 6).exists()
+    # the next job reads its responses from the cache, without features, and the features from their file
+    again, _, all_cached = cached_responses(model, make_tokenizer(), "fp", requests, prompts, capture=LAYERS, **kw)
+    assert all_cached and again.features is None
+    assert torch.equal(cached_features(model, again, cache_dir, LAYERS)[0], features)
