@@ -439,6 +439,11 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
                                 prompts[0], fixed_gamma),
             "alpha_draft": challenger_summary["acceptance_rate"] if challenger_summary else None,
             "alpha_draft_at_position": challenger_summary["acceptance_at_position"] if challenger_summary else None,
+            # the challenger's decoder against the draft's, paired over the prompts
+            "vs_draft": paired_speedup([len(o) for o in outputs[CHALLENGER_ROWS["speculative"]]],
+                                       runs.seconds[CHALLENGER_ROWS["speculative"]],
+                                       [len(o) for o in outputs["speculative"]], runs.seconds["speculative"],
+                                       seed=seed),
         }
     return {
         "n_prompts": len(prompts),
@@ -534,7 +539,9 @@ def markdown(report: dict) -> str:
                      + (f"; alone α̂ = {ch['alpha_draft']['value']:.3f} [{ch['alpha_draft']['low']:.3f}, "
                         f"{ch['alpha_draft']['high']:.3f}], by draft position "
                         + ", ".join(f"{a:.2f}" for a in ch["alpha_draft_at_position"])
-                        if ch["alpha_draft"] else ""))
+                        if ch["alpha_draft"] else "")
+                     + f"; its decoder over the draft's (paired over prompts): {ch['vs_draft']['value']:.2f}x "
+                       f"[{ch['vs_draft']['low']:.2f}, {ch['vs_draft']['high']:.2f}]")
     if report.get("llama_cpp"):
         ll = report["llama_cpp"]
         speedup = ll["speedup_vs_llama_cpp_target_only"]

@@ -268,6 +268,8 @@ def test_bench_runs_a_challenger_draft_in_the_rows_of_the_draft_it_stands_in_for
     chain = report["decoders"]["challenger_draft_only_chain"]
     assert challenger["alpha_draft"] == chain["acceptance_rate"]
     assert len(challenger["alpha_draft_at_position"]) == 2  # γ positions
+    paired = challenger["vs_draft"]
+    assert paired["n_prompts"] == report["n_prompts"] and paired["low"] <= paired["value"] <= paired["high"]
     assert f"- challenger draft {feature_dir}: draft step" in (tmp_path / "b" / "bench.md").read_text()
     assert any(note.startswith("challenger rows (challenger, challenger_draft_only, challenger_draft_only_chain)")
                for note in report["notes"])
