@@ -13,8 +13,8 @@ uniform number drawn from the job's own seed and step, so a job's tokens do not 
 ran beside it or the batch size: a run cut short and resumed, or run with another batch size, samples the same
 responses.
 
-Jobs that share a prompt (several samples per prompt) prefill it once: its keys, values and last logits are kept,
-up to `prefix_bytes`, the oldest dropped first.
+Jobs that share a prompt (several samples per prompt) prefill it once: its keys, values, last logits and captured
+features are kept, up to `prefix_bytes`, the oldest dropped first.
 """
 from __future__ import annotations
 
