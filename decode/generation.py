@@ -133,14 +133,17 @@ def generate(model, jobs: Sequence[Job], *, max_new_tokens: int, stop_ids: Seque
 
     def choose(logits: torch.Tensor, live: list[int]) -> list[int]:
         """The next token of each live row from its logits [len(live), V], its top-k recorded."""
-        values, indices = torch.log_softmax(logits.float(), -1).topk(topk, dim=-1)
+        logits = logits.float()
+        values, indices = torch.log_softmax(logits, -1).topk(topk, dim=-1)
         values, indices = values.half().cpu(), indices.int().cpu()
         chosen = logits.argmax(-1).cpu()
         sampled = [i for i, r in enumerate(live) if jobs[rows[r].job].temperature > 0]
         if sampled:
             sampled_rows = [rows[live[i]] for i in sampled]
-            temperatures = torch.tensor([jobs[row.job].temperature for row in sampled_rows], dtype=torch.float64)
-            cdf = torch.softmax(logits[sampled].double().cpu() / temperatures[:, None], -1).cumsum(-1)
+            temperatures = torch.tensor([jobs[row.job].temperature for row in sampled_rows])
+            # softmax in fp32, its running sum in fp64 (whose rounding stays far below any probability a draw can
+            # land on): a third of a softmax in fp64's cost
+            cdf = torch.softmax(logits[sampled].cpu() / temperatures[:, None], -1).double().cumsum(-1)
             draws = torch.tensor([[_uniform(jobs[row.job], len(row.tokens))] for row in sampled_rows],
                                  dtype=torch.float64) * cdf[:, -1:]
             chosen[sampled] = torch.searchsorted(cdf, draws, right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
