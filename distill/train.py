@@ -29,7 +29,7 @@ from distill.export import export_draft, log_and_register
 from distill.features import cached_features
 from distill.init import init_draft
 from distill.loop import NonFiniteLoss, Timings, TrainingData, train_loop
-from distill.responses import cached_responses
+from distill.responses import cached_responses, generation_model
 from distill.step import draft_module
 from pipeline.config import DraftopsConfig, load_config
 from pipeline.files import write_text_atomic
@@ -86,13 +86,16 @@ def prepare_data(cfg: DraftopsConfig, accelerator, target, timings: Timings) -> 
     with timings.measure("generation_with_teacher_topk"), accelerator.main_process_first():
         prompts, _ = encode_prompts(train_requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
         layers = default_feature_layers(target.model.config.num_hidden_layers) if d.family == FEATURES else ()
-        train, train_dir, hit = cached_responses(target.model, target.tokenizer, target.fingerprint, train_requests,
+        generator = generation_model(target.model, d.generation_dtype)
+        train, train_dir, hit = cached_responses(generator, target.tokenizer, target.fingerprint, train_requests,
                                                  prompts, samples=d.responses_per_prompt, capture=layers, **common)
+        precision = str(next(generator.parameters()).dtype).removeprefix("torch.")
+        del generator
         prompts, _ = encode_prompts(heldout_requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
         heldout, _, _ = cached_responses(target.model, target.tokenizer, target.fingerprint, heldout_requests,
                                          prompts, samples=1, **common)
-    accelerator.print(f"draftops distill: {len(train)} target responses ({train.num_response_tokens} tokens) "
-                      f"{'from the cache' if hit else 'generated'} at {train_dir}")
+    accelerator.print(f"draftops distill: {len(train)} target responses ({train.num_response_tokens} tokens, "
+                      f"{precision}) {'from the cache' if hit else 'generated'} at {train_dir}")
     if d.family == FEATURES:  # the feature draft's inputs, once for the data set (`distill.features`)
         recorded = train.features is not None  # as the target generated them just now
         with timings.measure("target_features"), accelerator.main_process_first():

@@ -146,6 +146,11 @@ class DistillConfig(Section):
     max_new_tokens: int = Field(128, ge=1, description="Longest target response generated.")
     generation_temperature: float = Field(0.8, gt=0.0, description="Temperature of the sampled responses.")
     generation_batch_size: int = Field(64, ge=1)
+    generation_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description=(
+        "The precision the target generates the training responses and top-k teacher in. auto: bfloat16 where the "
+        "target is fp32 on a CPU with usable AMX-BF16 units (a generation batch's products run several times faster "
+        "there), else the target's own. The held-out responses, and so α and τ, always come from the target as "
+        "loaded. docs/cpu-runtime.md."))
     teacher: Literal["topk", "online"] = Field(
         "topk", description="topk: cache the target's top-k log-probs while it generates; online: run the target "
         "on every training batch.")

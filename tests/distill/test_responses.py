@@ -1,6 +1,7 @@
 import torch
 
-from distill.responses import cached_responses, generate_responses, hf_generate, teacher_forced_topk
+import distill.responses
+from distill.responses import cached_responses, generate_responses, generation_model, hf_generate, teacher_forced_topk
 from pipeline.traffic import Request
 from tests.conftest import make_tiny_model, make_tokenizer
 
@@ -88,6 +89,33 @@ def test_a_damaged_cache_entry_is_generated_again(isolated_home):
     assert sorted(p.name for p in path.iterdir()) == ["sample-0", "sample-1"]
     _, _, hit = cached_responses(model, tokenizer, "fp", requests, PROMPTS, **kw)
     assert hit
+
+
+def test_generation_model_is_the_target_or_its_bfloat16_copy(monkeypatch):
+    """`distill.generation_dtype`: auto takes bfloat16 only for an fp32 target on a CPU with usable AMX-BF16."""
+    model, _ = setup()
+    assert generation_model(model, "float32") is model
+    copy = generation_model(model, "bfloat16")
+    assert copy is not model and next(copy.parameters()).dtype == torch.bfloat16
+    assert next(model.parameters()).dtype == torch.float32  # the target itself is left as it was
+    torch.testing.assert_close(copy.lm_head.weight.float(), model.lm_head.weight, atol=1e-2, rtol=1e-2)
+    monkeypatch.setattr(distill.responses, "amx_bf16_usable", lambda: False)
+    assert generation_model(model, "auto") is model
+    monkeypatch.setattr(distill.responses, "amx_bf16_usable", lambda: True)
+    assert next(generation_model(model, "auto").parameters()).dtype == torch.bfloat16
+    assert generation_model(copy, "auto") is copy  # already bfloat16: nothing to gain
+
+
+def test_responses_of_another_precision_are_cached_apart(isolated_home):
+    model, tokenizer = setup()
+    requests = [Request(f"q{i}", "c", ({"role": "user", "content": "x"},)) for i in range(len(PROMPTS))]
+    kw = dict(samples=1, max_new_tokens=5, temperature=1.0, batch_size=2, seed=7, topk=4)
+    _, fp32_path, _ = cached_responses(model, tokenizer, "fp", requests, PROMPTS, **kw)
+    bf16, bf16_path, hit = cached_responses(generation_model(model, "bfloat16"), tokenizer, "fp", requests, PROMPTS,
+                                            **kw)
+    assert not hit and bf16_path != fp32_path and len(bf16) == len(PROMPTS)
+    _, again, hit = cached_responses(model, tokenizer, "fp", requests, PROMPTS, **kw)
+    assert hit and again == fp32_path
 
 
 def test_suffix_index_command_indexes_the_targets_greedy_responses_from_distills_cache(tmp_path, capsys):
