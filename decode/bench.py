@@ -473,6 +473,12 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
                                          [len(o) for o in outputs[CHAIN]], runs.seconds[CHAIN], seed=seed)
         if CHAIN in decoders else None,
         "challenger": challenger_report if second else None,
+        # each --compare decoder against the configured one and against chains, paired over the prompts
+        "compared": {name: {against: paired_speedup([len(o) for o in outputs[name]], runs.seconds[name],
+                                                    [len(o) for o in outputs[row]], runs.seconds[row], seed=seed)
+                            for against, row in (("vs_speculative", "speculative"), ("vs_chain", CHAIN))
+                            if row in decoders}
+                     for name in compare or {}},
         "notes": notes,
     }
 
@@ -510,6 +516,9 @@ def markdown(report: dict) -> str:
         *([f"- speculative (trees) / chain (the same decoder in chain rounds, paired over prompts): "
            f"{report['trees_vs_chain']['value']:.2f}x [{report['trees_vs_chain']['low']:.2f}, "
            f"{report['trees_vs_chain']['high']:.2f}]"] if report.get("trees_vs_chain") else []),
+        *[f"- {name} (--compare) / {row}, paired over prompts: {r['value']:.2f}x [{r['low']:.2f}, {r['high']:.2f}]"
+          for name, ratios in report.get("compared", {}).items()
+          for row, r in ((against.removeprefix("vs_"), r) for against, r in ratios.items())],
         f"- acceptance of this decoder ({report['drafters']['speculative']}) α̂ = {a['value']:.3f} "
         f"[{a['low']:.3f}, {a['high']:.3f}]; tokens per target call τ = {t['value']:.2f} "
         f"[{t['low']:.2f}, {t['high']:.2f}]",

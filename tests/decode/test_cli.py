@@ -155,8 +155,18 @@ def test_bench_with_trees_runs_each_source_alone_the_chains_and_compared_budgets
     assert "speed/budget2_speedup_vs_target" in run.data.metrics
     assert run.data.metrics["speed/trees_vs_chain"] == pytest.approx(report["trees_vs_chain"]["value"])
     assert report["trees_vs_chain"]["n_prompts"] == 2
+    # each compared decoder against the configured one and the chains: the throughput ratio of the two rows
+    methods = report["methods"]
+    for name in ("budget2", "scheduled"):
+        assert set(report["compared"][name]) == {"vs_speculative", "vs_chain"}
+        for against, row in (("vs_speculative", "speculative"), ("vs_chain", "chain")):
+            ratio = report["compared"][name][against]
+            assert ratio["n_prompts"] == 2
+            assert ratio["value"] == pytest.approx(
+                methods[name]["tokens_per_s"]["value"] / methods[row]["tokens_per_s"]["value"])
     text = (tmp_path / "b" / "bench.md").read_text()
     assert "speculative (trees) / chain" in text
+    assert "- budget2 (--compare) / chain, paired over prompts: " in text
     assert "| suffix_only | tree(budget=4): suffix(index of 2 sequences) |" in text
     assert any(note.startswith("compared decoders (--compare): budget2: tree budget 2; scheduled: tree budget by "
                                "context [[8, 2], [64, 6]]") for note in report["notes"])
