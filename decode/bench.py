@@ -516,9 +516,9 @@ def markdown(report: dict) -> str:
         *([f"- speculative (trees) / chain (the same decoder in chain rounds, paired over prompts): "
            f"{report['trees_vs_chain']['value']:.2f}x [{report['trees_vs_chain']['low']:.2f}, "
            f"{report['trees_vs_chain']['high']:.2f}]"] if report.get("trees_vs_chain") else []),
-        *[f"- {name} (--compare) / {row}, paired over prompts: {r['value']:.2f}x [{r['low']:.2f}, {r['high']:.2f}]"
-          for name, ratios in report.get("compared", {}).items()
-          for row, r in ((against.removeprefix("vs_"), r) for against, r in ratios.items())],
+        *[f"- {name} (--compare) / {against.removeprefix('vs_')}, paired over prompts: {r['value']:.2f}x "
+          f"[{r['low']:.2f}, {r['high']:.2f}]"
+          for name, ratios in report.get("compared", {}).items() for against, r in ratios.items()],
         f"- acceptance of this decoder ({report['drafters']['speculative']}) α̂ = {a['value']:.3f} "
         f"[{a['low']:.3f}, {a['high']:.3f}]; tokens per target call τ = {t['value']:.2f} "
         f"[{t['low']:.2f}, {t['high']:.2f}]",

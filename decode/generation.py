@@ -141,8 +141,8 @@ def generate(model, jobs: Sequence[Job], *, max_new_tokens: int, stop_ids: Seque
         if sampled:
             sampled_rows = [rows[live[i]] for i in sampled]
             temperatures = torch.tensor([jobs[row.job].temperature for row in sampled_rows])
-            # softmax in fp32, its running sum in fp64 (whose rounding stays far below any probability a draw can
-            # land on): a third of a softmax in fp64's cost
+            # softmax in fp32, only its running sum in fp64 (whose rounding stays far below any probability a draw
+            # can land on): much cheaper than a softmax in fp64 over the whole vocabulary
             cdf = torch.softmax(logits[sampled].cpu() / temperatures[:, None], -1).double().cumsum(-1)
             draws = torch.tensor([[_uniform(jobs[row.job], len(row.tokens))] for row in sampled_rows],
                                  dtype=torch.float64) * cdf[:, -1:]

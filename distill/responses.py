@@ -160,10 +160,10 @@ def generation_model(model, dtype: str):
     parameter = next(model.parameters())
     if dtype == "auto":
         amx = parameter.device.type == "cpu" and parameter.dtype == torch.float32 and amx_bf16_usable()
-        dtype = "bfloat16" if amx else str(parameter.dtype).removeprefix("torch.")
-    if getattr(torch, dtype) == parameter.dtype:
-        return model
-    return copy.deepcopy(model).to(getattr(torch, dtype))
+        wanted = torch.bfloat16 if amx else parameter.dtype
+    else:
+        wanted = getattr(torch, dtype)
+    return model if wanted == parameter.dtype else copy.deepcopy(model).to(wanted)
 
 
 def generate_responses(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
