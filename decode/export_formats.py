@@ -58,6 +58,7 @@ from pipeline.sources import (
     HF_ASSISTANT_DIR,
     NAMED_GGUF,
     SUFFIX_INDEX_FILE,
+    TREE_ACCEPTANCE_FILE,
     is_speculators_dir,
     load_checkpoint,
     locate,
@@ -69,7 +70,8 @@ FORMATS = (HF, VLLM, SPECULATORS, GGUF)
 LAYERS, FEATURES = "layers", "features"  # the draft families, as `pipeline.sources.checkpoint_info` names them
 FORMATS_OF = {LAYERS: (HF, VLLM, GGUF), FEATURES: (VLLM, SPECULATORS)}
 GGUF_CHECK_TOKENS = 32  # positions whose logits the GGUF read back must reproduce
-DRAFTOPS_FILES = (DRAFT_VOCAB_FILE, SUFFIX_INDEX_FILE, CONFIG_FILE)  # read by draftops alone: never exported
+# read by draftops alone: never exported
+DRAFTOPS_FILES = (DRAFT_VOCAB_FILE, SUFFIX_INDEX_FILE, TREE_ACCEPTANCE_FILE, CONFIG_FILE)
 
 
 class ExportError(ValueError):

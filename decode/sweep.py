@@ -48,14 +48,19 @@ from decode.speculative import SpeculativeDecoder
 from decode.stats import aggregate_stats, paired_speedup, ratio_ci
 from decode.sweep_costs import measure_batch_costs, measure_costs, predict_batches, predict_cells
 from decode.timing import run_interleaved
-from decode.tree_budget import predict_tree_budgets, rank_acceptance
+from decode.tree_budget import (
+    TREE_BUDGETS,
+    context_schedule,
+    predict_tree_budgets,
+    rank_acceptance,
+    recommend_tree_budget,
+)
 from pipeline import draftops_home
 from pipeline.files import write_text_atomic
 from pipeline.sources import SourceError
 from pipeline.traffic import encode_prompts
 
 TARGET_LAYERS = "target-layers:"  # `target-layers:N[:V]`: the target's first N layers, embeddings, norm and head
-TREE_BUDGETS = (2, 4, 8, 16, 32, 64)  # node budgets whose tree verify the sweep times
 BATCHES = (1, 2, 4, 8, 16, 32)  # batch sizes of the batch axis
 BATCH_CONTEXT = 512  # the context length of every sequence of the batch axis
 MEASURED_BATCH_MAX = 4  # batch sizes up to this one are also decoded for real (`measure_batches`)
@@ -266,39 +271,6 @@ def recommend(cells: list[dict], drafts: Sequence[str], contexts: Sequence[int],
         return max(here, key=lambda c: c["steady_speedup"])["gamma"]
 
     return {"draft": draft, "mean_predicted_speedup": mean, "gamma_schedule": context_schedule(contexts, gamma_at)}
-
-
-def context_schedule(contexts: Sequence[int], pick: Callable[[int], int]) -> list[list[int]]:
-    """[[max_context, value], ...]: pick(L) at each measured context L, each entry covering lengths up to the midpoint
-    with the next measured context (the last: up to its own); equal neighbours merge."""
-    schedule: list[list[int]] = []
-    contexts = sorted(contexts)
-    for i, context in enumerate(contexts):
-        value = pick(context)
-        bound = (context + contexts[i + 1]) // 2 if i + 1 < len(contexts) else context
-        if schedule and schedule[-1][1] == value:
-            schedule[-1][0] = bound
-        else:
-            schedule.append([bound, value])
-    return schedule
-
-
-def recommend_tree_budget(rows: list[dict], contexts: Sequence[int]) -> dict:
-    """The draft whose best budget per context has the best mean predicted speedup, and its node budget by context
-    length (`context_schedule`): the budget with the most predicted tokens/s at each measured context
-    (`decode.tree_budget.predict_tree_budgets`)."""
-    drafts = list(dict.fromkeys(r["draft"] for r in rows))
-
-    def best(draft: str, context: int) -> dict:
-        return max((r for r in rows if r["draft"] == draft and r["context"] == context),
-                   key=lambda r: r["predicted_tokens_per_s"])
-
-    mean = {d: float(np.mean([best(d, c)["predicted_speedup"] for c in contexts])) for d in drafts}
-    draft = max(mean, key=mean.get)
-    return {"tree_draft": draft, "tree_mean_predicted_speedup": mean,
-            "tree_budget_schedule": context_schedule(contexts, lambda c: best(draft, c)["budget"]),
-            "tree_shapes": [{key: best(draft, c)[key] for key in ("context", "budget", "nodes", "depth", "width")}
-                            for c in sorted(contexts)]}
 
 
 # --------------------------------------------------------------------------- measured cells

@@ -32,14 +32,20 @@ level, the γ and `tree_branching` a beam needs to reach that shape.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from decode.acceptance import expected_tokens
 from decode.tree import ROOT
+from pipeline.files import write_text_atomic
+from pipeline.sources import TREE_ACCEPTANCE_FILE
+
+TREE_BUDGETS = (2, 4, 8, 16, 32, 64)  # the node budgets whose tree verify is timed (`draftops sweep`, auto)
 
 
 def rank_acceptance(ranks: Sequence[Sequence[int]], max_rank: int) -> list[float]:
@@ -49,6 +55,24 @@ def rank_acceptance(ranks: Sequence[Sequence[int]], max_rank: int) -> list[float
     if not total:
         raise ValueError("no ranked positions")
     return [counts[r] / total for r in range(1, max_rank + 1)]
+
+
+def save_rank_acceptance(draft_dir: str | Path, p: Sequence[float], positions: int) -> None:
+    """Write p_1.. (`rank_acceptance`) over `positions` held-out positions to the draft folder's
+    `TREE_ACCEPTANCE_FILE`, where `decode.tree_budget_auto` reads it."""
+    write_text_atomic(Path(draft_dir) / TREE_ACCEPTANCE_FILE,
+                      json.dumps({"rank_acceptance": [float(x) for x in p], "positions": int(positions)}, indent=1))
+
+
+def load_rank_acceptance(draft_dir: str | Path) -> list[float] | None:
+    """p_1.. as `save_rank_acceptance` wrote them; None when the folder has none (a draft distilled before they were
+    stored, or not by draftops) or the file is not a valid one."""
+    try:
+        p = json.loads((Path(draft_dir) / TREE_ACCEPTANCE_FILE).read_text())["rank_acceptance"]
+        p = [float(x) for x in p]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return p if p and min(p) >= 0 and sum(p) <= 1 + 1e-9 else None
 
 
 @dataclass
@@ -164,3 +188,36 @@ def predict_tree_budgets(costs: dict, draft: str, p: Sequence[float], budgets: S
         chains.append({"draft": draft, "context": context, "gamma": gamma, "tau": expected_tokens(trees.p[0], gamma),
                        "predicted_speedup": speedup, "predicted_tokens_per_s": speedup / step})
     return rows, chains
+
+
+def context_schedule(contexts: Sequence[int], pick: Callable[[int], int]) -> list[list[int]]:
+    """[[max_context, value], ...]: pick(L) at each measured context L, each entry covering lengths up to the midpoint
+    with the next measured context (the last: up to its own); equal neighbours merge."""
+    schedule: list[list[int]] = []
+    contexts = sorted(contexts)
+    for i, context in enumerate(contexts):
+        value = pick(context)
+        bound = (context + contexts[i + 1]) // 2 if i + 1 < len(contexts) else context
+        if schedule and schedule[-1][1] == value:
+            schedule[-1][0] = bound
+        else:
+            schedule.append([bound, value])
+    return schedule
+
+
+def recommend_tree_budget(rows: list[dict], contexts: Sequence[int]) -> dict:
+    """The draft whose best budget per context has the best mean predicted speedup, and its node budget by context
+    length (`context_schedule`): the budget with the most predicted tokens/s at each measured context
+    (`decode.tree_budget.predict_tree_budgets`)."""
+    drafts = list(dict.fromkeys(r["draft"] for r in rows))
+
+    def best(draft: str, context: int) -> dict:
+        return max((r for r in rows if r["draft"] == draft and r["context"] == context),
+                   key=lambda r: r["predicted_tokens_per_s"])
+
+    mean = {d: float(np.mean([best(d, c)["predicted_speedup"] for c in contexts])) for d in drafts}
+    draft = max(mean, key=mean.get)
+    return {"tree_draft": draft, "tree_mean_predicted_speedup": mean,
+            "tree_budget_schedule": context_schedule(contexts, lambda c: best(draft, c)["budget"]),
+            "tree_shapes": [{key: best(draft, c)[key] for key in ("context", "budget", "nodes", "depth", "width")}
+                            for c in sorted(contexts)]}

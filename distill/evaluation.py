@@ -64,18 +64,23 @@ def summarize_acceptance(greedy: list[list[float]], sampled: list[list[float]], 
             "tau_t1": simulated_tau(sampled, gamma)}
 
 
-def exact_eval(target, draft, responses: ResponseSet, token_ids: torch.Tensor | None, gamma: int) -> dict:
-    """α at T=0 and T=1 and simulated τ with the target run alongside (decode.acceptance.analytic_acceptance)."""
+def exact_eval(target, draft, responses: ResponseSet, token_ids: torch.Tensor | None, gamma: int, *,
+               with_ranks: bool = False) -> dict:
+    """α at T=0 and T=1 and simulated τ with the target run alongside (decode.acceptance.analytic_acceptance).
+    with_ranks: also `ranks`, per response where the target's greedy token stands in the draft's order at each of its
+    positions (what `decode.tree_budget.rank_acceptance` turns into a token tree's p_r)."""
     seqs = [p + r for p, r in zip(responses.prompt_ids, responses.response_ids)]
     starts = [len(p) for p in responses.prompt_ids]
-    per_t = {t: analytic_acceptance(target, draft, seqs, starts, temperature=t, draft_token_ids=token_ids).per_position
-             for t in (0.0, 1.0)}
-    return summarize_acceptance(per_t[0.0], per_t[1.0], gamma)
+    greedy = analytic_acceptance(target, draft, seqs, starts, temperature=0.0, draft_token_ids=token_ids,
+                                 greedy_ranks=with_ranks)
+    sampled = analytic_acceptance(target, draft, seqs, starts, temperature=1.0, draft_token_ids=token_ids)
+    summary = summarize_acceptance(greedy.per_position, sampled.per_position, gamma)
+    return {**summary, "ranks": greedy.ranks} if with_ranks else summary
 
 
 @torch.no_grad()
 def feature_eval(step_logits, target, responses: ResponseSet, token_ids: torch.Tensor | None, gamma: int,
-                 batch_size: int = 4, rollouts: int = 16, seed: int = 0) -> dict:
+                 batch_size: int = 4, rollouts: int = 16, seed: int = 0, with_ranks: bool = False) -> dict:
     """`cached_eval` for a feature draft, whose j-th token past a verified prefix comes from its own features:
     acceptance by draft position and τ from walking each held-out response in rounds of γ, each round's drafts
     taken from the draft's unrolled steps at the round's start (what decoding proposes there).
@@ -83,11 +88,13 @@ def feature_eval(step_logits, target, responses: ResponseSet, token_ids: torch.T
     step_logits: a `distill.step.FeatureStepLogits` (or what accelerate prepared from it) unrolling at least γ steps;
     target: the HF target, which gives the features. α(T=0) is exact; at T=1 a draft position's acceptance is Σ over
     the cached top-k of min(p, q) along the response (a lower bound), and τ(T=1) is walked with those values.
+    with_ranks: also `ranks` (`exact_eval`'s), in the order of the first draft position.
     """
     device = next(step_logits.parameters()).device
     module = getattr(step_logits, "module", step_logits)
     layers, k = module.draft.feature_layers, responses.topk_indices.shape[1]
     chains = {0.0: [], 1.0: []}  # per response: [γ, positions] acceptance of draft position j at each round start
+    ranks: list[list[int]] = []
     for begin in range(0, len(responses), batch_size):
         rows = list(range(begin, min(begin + batch_size, len(responses))))
         batch = collate(responses, rows, pad_id=0, token_ids=None, with_teacher=True, topk=k)
@@ -110,11 +117,23 @@ def feature_eval(step_logits, target, responses: ResponseSet, token_ids: torch.T
             overlap = torch.minimum(top_p[:, 1 + j :], _draft_probs_at(probs, top_ids[:, 1 + j :], token_ids))
             greedy[j, :, : t - 1 - j] = agree.float()
             sampled[j, :, : t - 1 - j] = overlap.sum(-1) * valid
+            if j == 0 and with_ranks:
+                first_ranks = draft_ranks(probs, top_ids[:, 1:, 0], token_ids)
+                ranks += [r[v].tolist() for r, v in zip(first_ranks, valid.bool())]
         for row, index in enumerate(rows):
             start, end = len(responses.prompt_ids[index]), int(batch["attention_mask"][row].sum())
             chains[0.0].append((greedy[:, row, : end].cpu(), start, end))
             chains[1.0].append((sampled[:, row, : end].cpu(), start, end))
-    return summarize_feature_acceptance(chains, gamma, rollouts, seed)
+    summary = summarize_feature_acceptance(chains, gamma, rollouts, seed)
+    return {**summary, "ranks": ranks} if with_ranks else summary
+
+
+def draft_ranks(probs: torch.Tensor, target_ids: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
+    """1 + the number of ids the draft's probs [..., V_draft] rank strictly above each target id [...], 0 where the id
+    is outside a reduced vocabulary (`decode.acceptance.greedy_rank` on cached teacher ids)."""
+    columns = to_student_columns(target_ids, token_ids, ignore_index=-1)
+    mine = probs.gather(-1, columns.clamp(min=0).unsqueeze(-1))
+    return torch.where(columns >= 0, 1 + (probs > mine).sum(-1), 0)
 
 
 def walk_rounds(chain: torch.Tensor, start: int, end: int, rng) -> tuple[int, list[tuple[int, bool]]]:

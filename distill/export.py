@@ -10,6 +10,7 @@ from decode.drafts import full_vocab_copy
 from decode.feature_draft import FeatureDraft
 from decode.speculators_format import save_speculators
 from decode.suffix import SuffixIndex
+from decode.tree_budget import save_rank_acceptance
 from pipeline import metrics, registry
 from pipeline.config import DraftopsConfig, save_config
 from pipeline.files import swap_dir, temporary_sibling
@@ -18,11 +19,13 @@ from pipeline.tracking import git_sha, log_figure, start_run
 
 
 def export_draft(draft, tokenizer, out_dir: Path, *, token_ids: torch.Tensor | None, cfg: DraftopsConfig,
-                 suffix_index: SuffixIndex | None = None) -> Path:
+                 suffix_index: SuffixIndex | None = None,
+                 rank_acceptance: tuple[list[float], int] | None = None) -> Path:
     """`pipeline.sources.save_checkpoint` layout; a reduced-vocabulary draft also gets `hf_assistant/`, a plain
     full-vocabulary copy that transformers can load and use as `assistant_model`, and `suffix_index` (the target's
-    responses for suffix decoding, `decode.suffix`) goes to `SUFFIX_INDEX_FILE`. Written beside `out_dir` and swapped
-    into place (`pipeline.files`): a stopped export leaves the previous draft whole. A feature draft
+    responses for suffix decoding, `decode.suffix`) goes to `SUFFIX_INDEX_FILE` and `rank_acceptance` (p_1.. and the
+    positions they were measured on) to `TREE_ACCEPTANCE_FILE` (`decode.tree_budget`). Written beside `out_dir` and
+    swapped into place (`pipeline.files`): a stopped export leaves the previous draft whole. A feature draft
     (`decode.feature_draft`) is written in the speculators Eagle3 format (`decode.speculators_format`), with the
     config and the suffix index beside it; HF assisted generation cannot run it, so it gets no copy for that."""
     tmp = temporary_sibling(out_dir)
@@ -38,6 +41,8 @@ def export_draft(draft, tokenizer, out_dir: Path, *, token_ids: torch.Tensor | N
         tokenizer.save_pretrained(tmp / HF_ASSISTANT_DIR)
     if suffix_index is not None:
         suffix_index.save(tmp / SUFFIX_INDEX_FILE)
+    if rank_acceptance is not None:
+        save_rank_acceptance(tmp, *rank_acceptance)
     return swap_dir(tmp, out_dir)
 
 

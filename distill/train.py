@@ -23,6 +23,7 @@ from decode.drafts import frequent_token_ids
 from decode.feature_draft import FEATURES, default_feature_layers
 from decode.runtime import load_model
 from decode.suffix import SuffixIndex
+from decode.tree_budget import TREE_BUDGETS, rank_acceptance
 from distill.checkpoints import job_key, load_best, point_latest
 from distill.evaluation import exact_eval, feature_eval
 from distill.export import export_draft, log_and_register
@@ -212,17 +213,21 @@ def run_distill(cfg: DraftopsConfig, *, init_only: bool = False, register_only: 
         with timings.measure("eval"):
             if cfg.distill.family == FEATURES:  # exact at T=0 already: the target gives the features
                 exact = feature_eval(draft_module(cfg.distill, draft), target.model, data.heldout, data.token_ids,
-                                     cfg.decode.gamma)
+                                     cfg.decode.gamma, with_ranks=True)
             else:
-                exact = exact_eval(target.model, draft, data.heldout, data.token_ids, cfg.decode.gamma)
+                exact = exact_eval(target.model, draft, data.heldout, data.token_ids, cfg.decode.gamma,
+                                   with_ranks=True)
+            ranks = exact.pop("ranks")
         select = "tau_t0" if cfg.decode.temperature == 0 else "tau_t1"
         result.metrics = {**exact, "tau": exact[select], "best_step": best["step"],
                           "loss": history[best["step"] - 1]["loss"],
                           "train_responses": len(data.train), "train_tokens": data.train.num_response_tokens}
         with timings.measure("export"):
             # the draft travels with a suffix index of the target's train responses (`decode.suffix`)
+            # ... and the rank acceptance its token trees' node budget is chosen from (`decode.tree_budget_auto`)
             export_draft(draft, target.tokenizer, export_dir, token_ids=data.token_ids, cfg=cfg,
-                         suffix_index=SuffixIndex(data.train.response_ids))
+                         suffix_index=SuffixIndex(data.train.response_ids),
+                         rank_acceptance=(rank_acceptance(ranks, max(TREE_BUDGETS)), sum(map(len, ranks))))
             point_latest(Path(cfg.distill.output_dir) / "latest", export_dir)
         save_result(result)  # finished: a re-run after a failed registration only registers
         if cfg.distill.register_model:

@@ -11,10 +11,17 @@ from decode.acceptance import analytic_acceptance
 from decode.factory import build_decoder
 from decode.runtime import ModelRunner, greedy_decode
 from decode.speculative import SpeculativeDecoder
-from decode.sweep import context_schedule, recommend_tree_budget
 from decode.sweep_costs import measure_costs, representative_tree
 from decode.tree import ROOT
-from decode.tree_budget import best_trees, draft_cost, predict_tree_budgets, rank_acceptance, tree_shape
+from decode.tree_budget import (
+    best_trees,
+    context_schedule,
+    draft_cost,
+    predict_tree_budgets,
+    rank_acceptance,
+    recommend_tree_budget,
+    tree_shape,
+)
 from decode.tree_drafters import TreeDrafter, make_tree_drafter
 from pipeline.config import DecodeConfig
 from pipeline.sources import ResolvedModel

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from decode.suffix import load_suffix_index
+from decode.tree_budget import TREE_BUDGETS, load_rank_acceptance
 from distill.checkpoints import latest_checkpoint
 from distill.loop import NonFiniteLoss
 from distill.onpolicy import draft_continuations
@@ -64,6 +65,9 @@ def test_distill_end_to_end_exports_registers_and_serves_as_assistant(isolated_h
     assert local.path == result.export_dir.resolve() and local.fingerprint == draft.fingerprint
     index = load_suffix_index(draft.path)  # the registered draft carries a suffix index of the train responses
     assert len(index) == result.metrics["train_responses"] and index.num_tokens == result.metrics["train_tokens"]
+    # ... and the held-out rank acceptance its trees' node budget is chosen from: p_1 is the greedy agreement α(T=0)
+    p = load_rank_acceptance(draft.path)
+    assert len(p) == max(TREE_BUDGETS) and p[0] == pytest.approx(result.metrics["alpha_t0"]) and sum(p) <= 1 + 1e-9
 
     # the HF copy works as transformers' assistant_model: greedy output identical to the target alone
     assistant = AutoModelForCausalLM.from_pretrained(result.export_dir / "hf_assistant").eval()
@@ -240,6 +244,8 @@ def test_a_feature_draft_job_exports_the_speculators_format_registers_and_decode
     result = run_distill(cfg)
     assert result.version == "1" and is_speculators_dir(result.export_dir)
     assert {f"alpha_t0_pos{j}" for j in (1, 2, 3)} <= set(result.metrics) and result.metrics["tau_t0"] >= 1
+    p = load_rank_acceptance(result.export_dir)  # its first draft position's, for its EAGLE-2 trees
+    assert len(p) == max(TREE_BUDGETS) and 0 < sum(p) <= 1 + 1e-9
     setup_mlflow(cfg)
     target = load_model(cfg.target, device="cpu", cpu_linear="torch")
     draft = load_draft(f"models:/{cfg.tracking.registered_model}@champion", target, cpu_linear="torch")
