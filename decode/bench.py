@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from decode.acceptance import break_even_alpha, expected_speedup
 from decode.drafters import DECODER, DRAFT, LOOKUP, SUFFIX, output_size
 from decode.export_formats import GGUF, draft_source, export_format
-from decode.factory import build_decoder
+from decode.factory import build_decoder, tree_budget_choice
 from decode.feature_draft import FeatureDraft, FeatureDrafter
 from decode.kernels import cpu_linear_of, torch_kernels
 from decode.llamacpp import Completion, LlamaCppError, LlamaServer, optional_rows, served_target
@@ -307,9 +307,12 @@ def draft_alpha_row(rows: dict[str, tuple[DecodeConfig, str]]) -> str | None:
     return None
 
 
-def describe_trees(decode: DecodeConfig) -> str:
-    if decode.tree_budget_schedule is not None:
-        return f"tree budget by context {[list(entry) for entry in decode.tree_budget_schedule]}"
+def describe_trees(decode: DecodeConfig, target, draft) -> str:
+    """The tree rounds of `decode`'s decoder in words: its node budget schedule (and where an "auto" one came
+    from), its fixed budget, or chain rounds."""
+    choice = tree_budget_choice(decode, target, draft)
+    if choice is not None:
+        return f"tree budget by context {[list(entry) for entry in choice.schedule]} ({choice.source})"
     return f"tree budget {decode.tree_budget}" if decode.tree_budget else "chain rounds"
 
 
@@ -359,7 +362,7 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     if kernels != "torch":
         methods[TARGET_ONLY_TORCH] = lambda p: hf_generate_on_torch_kernels(target.model, p, **common)
     methods["plain"] = lambda p: greedy_decode(decoder.target_runner, p, max_new_tokens, eos)
-    notes = []
+    notes = [f"speculative: {describe_trees(decode, target, draft)}"]
     if compiled:
         compiled_runner = ModelRunner(target.model, compiled=True)
         methods[PLAIN_COMPILED] = lambda p: compiled_greedy(compiled_runner, p, max_new_tokens, eos)
@@ -385,7 +388,7 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
                      f"the challenger draft {challenger.source} in place of the draft")
     if compare:
         notes.append("compared decoders (--compare): " + "; ".join(
-            f"{name}: {describe_trees(variant)}" for name, variant in compare.items()))
+            f"{name}: {describe_trees(variant, target, draft)}" for name, variant in compare.items()))
     if draft is not None and decode.draft_min_confidence is not None:
         notes.append(f"the draft model ends a block where its top probability is below {decode.draft_min_confidence}; "
                      f"the cost model assumes γ={fixed_gamma} drafts a round, the in-run costs count the real ones")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from decode.drafters import DECODER, LOOKUP, SUFFIX, make_drafter
+from decode.drafters import DECODER, DRAFT, LOOKUP, SUFFIX, make_drafter
 from decode.speculative import GammaPolicy, SpeculativeDecoder
 from decode.suffix import SuffixIndex, load_suffix_index
+from decode.tree_budget_auto import BudgetChoice, auto_budget_schedule
 from decode.tree_drafters import make_tree_drafter
-from pipeline.config import DecodeConfig
+from pipeline.config import AUTO, DecodeConfig
 from pipeline.sources import eos_token_ids
 
 
@@ -28,15 +29,17 @@ def build_decoder(target, draft, decode: DecodeConfig, *, kind: str = DECODER, g
 
     target: a `pipeline.sources.ResolvedModel` (its generation config and tokenizer give the EOS ids); draft: one too,
     or None for the "lookup" and "suffix" drafters. `decode.tree_budget` > 0 or `decode.tree_budget_schedule` gives
-    tree rounds (`decode.tree_drafters`); `decode.suffix` adds suffix decoding to the trees of "decoder" and "lookup",
-    with the suffix index of `suffix_index_of`.
+    tree rounds (`decode.tree_drafters`) with the budgets of `tree_budget_choice`; `decode.suffix`
+    adds suffix decoding to the trees of "decoder" and "lookup", with the suffix index of `suffix_index_of`.
     """
     draft_model, token_ids = (None, None) if draft is None else (draft.model, draft.token_ids)
     lookup_min_ngram = decode.lookup_min_ngram if kind in (DECODER, LOOKUP) else None
     suffix = (decode.suffix and kind in (DECODER, LOOKUP)) or kind == SUFFIX
     if decode.tree_rounds:
+        choice = tree_budget_choice(decode, target, draft, kind)
         drafter = make_tree_drafter(kind, target.model, draft_model, budget=decode.tree_budget,
-                                    budget_schedule=decode.tree_budget_schedule, branching=decode.tree_branching,
+                                    budget_schedule=None if choice is None else choice.schedule,
+                                    branching=decode.tree_branching,
                                     draft_token_ids=token_ids, lookup_min_ngram=lookup_min_ngram, suffix=suffix,
                                     suffix_index=suffix_index_of(decode, draft) if suffix else None,
                                     draft_min_confidence=decode.draft_min_confidence, lean=lean)
@@ -46,6 +49,18 @@ def build_decoder(target, draft, decode: DecodeConfig, *, kind: str = DECODER, g
                                lean=lean)
     return SpeculativeDecoder(target.model, drafter, gamma_policy(decode, gamma),
                               eos_token_ids=eos_token_ids(target.model, target.tokenizer))
+
+
+def tree_budget_choice(decode: DecodeConfig, target, draft, kind: str = DECODER) -> BudgetChoice | None:
+    """The node budget schedule of `decode`'s tree rounds for the tree `kind` grows, "auto" resolved
+    (`decode.tree_budget_auto`: from the draft where its model grows the tree); None for a fixed `tree_budget` or
+    chain rounds."""
+    schedule = decode.tree_budget_schedule
+    if decode.tree_budget or schedule is None:
+        return None
+    if schedule != AUTO:
+        return BudgetChoice([tuple(e) for e in schedule], "configured")
+    return auto_budget_schedule(target, draft if kind in (DECODER, DRAFT) else None, decode.gamma)
 
 
 def suffix_index_of(decode: DecodeConfig, draft) -> SuffixIndex | None:

@@ -40,7 +40,9 @@ class TrackingConfig(Section):
     system_metrics: bool = Field(True, description="Log CPU/GPU/memory usage with every run.")
 
 
-DEFAULT_TREE_BUDGET_SCHEDULE = [(320, 4), (1280, 8), (2048, 4)]  # `draftops sweep` on a 2-core CPU (docs/trees.md)
+# `draftops sweep` on a 2-core AMD EPYC (docs/trees.md): what `tree_budget_schedule: auto` falls back to
+DEFAULT_TREE_BUDGET_SCHEDULE = [(320, 4), (1280, 8), (2048, 4)]
+AUTO = "auto"
 
 
 class DecodeConfig(Section):
@@ -61,10 +63,12 @@ class DecodeConfig(Section):
         "Tree rounds: up to this many candidates per target call (prompt lookup's matches, suffix decoding's with "
         "suffix, then the draft model's tree) merged into one token tree and verified in one pass, gamma levels deep "
         "at most (docs/trees.md). A budget > 0 replaces tree_budget_schedule. 0: tree_budget_schedule decides."))
-    tree_budget_schedule: list[tuple[int, int]] | None = Field(DEFAULT_TREE_BUDGET_SCHEDULE, description=(
+    tree_budget_schedule: list[tuple[int, int]] | Literal["auto"] | None = Field(AUTO, description=(
         "Tree rounds with the node budget by sequence length: [[max_context, budget], ...] with increasing "
-        "max_context (prompt + generated; the last budget beyond), instead of tree_budget (which stays 0). "
-        "`draftops sweep` recommends one for your machine; the default is its recommendation on a 2-core CPU "
+        "max_context (prompt + generated; the last budget beyond), instead of tree_budget (which stays 0). auto: the "
+        "schedule `draftops sweep` would recommend, from this machine's tree verify costs (timed once per machine, "
+        "target and draft, and cached) and the rank acceptance the draft's distill measured; without those (no draft "
+        f"model, an older or feature draft) {[list(e) for e in DEFAULT_TREE_BUDGET_SCHEDULE]}, one 2-core CPU's "
         "(docs/trees.md). null with tree_budget 0: chain rounds."))
     suffix: bool = Field(True, description=(
         "Tree rounds: suffix decoding's candidates join the tree after prompt lookup's, before the draft model's: "

@@ -168,8 +168,8 @@ def test_bench_with_trees_runs_each_source_alone_the_chains_and_compared_budgets
     assert "speculative (trees) / chain" in text
     assert "- budget2 (--compare) / chain, paired over prompts: " in text
     assert "| suffix_only | tree(budget=4): suffix(index of 2 sequences) |" in text
-    assert any(note.startswith("compared decoders (--compare): budget2: tree budget 2; scheduled: tree budget by "
-                               "context [[8, 2], [64, 6]]") for note in report["notes"])
+    assert "compared decoders (--compare): budget2: tree budget 2; scheduled: tree budget by context [[8, 2], [64, 6]] " \
+        "(configured)" in report["notes"]
 
     for bad in ("chain decode.tree_budget=2", "decode.tree_budget=2", "wide decode.tree_budget=-1",
                 "other target=elsewhere"):
@@ -199,7 +199,8 @@ def test_bench_with_reduced_vocab_draft_gives_hf_its_full_vocab_copy(checkpoints
                                "decode.draft_min_confidence=null", "decode.tree_budget_schedule=null"])
     assert set(report["methods"]) == {"target_only", "target_only_torch", "plain", "speculative", "hf_assisted"}
     assert report["methods"]["hf_assisted"]["same_output_as_target"] == 2
-    assert report["notes"] == ["HF assisted generation uses the draft's full-vocabulary copy (hf_assistant/): "
+    assert report["notes"] == ["speculative: chain rounds",
+                               "HF assisted generation uses the draft's full-vocabulary copy (hf_assistant/): "
                                "transformers cannot use a reduced-vocabulary head"]
 
 

@@ -1,0 +1,109 @@
+"""`tree_budget_schedule: auto`: the node budget by context picked from this machine's measured costs and the draft's
+stored rank acceptance, measured once and cached, the built-in schedule where either is missing."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import decode.tree_budget_auto as auto
+from decode.factory import build_decoder, tree_budget_choice
+from decode.tree_budget import TREE_BUDGETS, load_rank_acceptance, save_rank_acceptance
+from pipeline.config import DEFAULT_TREE_BUDGET_SCHEDULE, DecodeConfig, DraftopsConfig
+from pipeline.sources import TREE_ACCEPTANCE_FILE, ResolvedModel
+from tests.decode.tiny import greedy_reference
+
+P = [0.5, 0.2, 0.1, 0.05]  # the draft's rank acceptances p_1..p_4
+
+
+@pytest.fixture
+def models(target, close_draft, tmp_path):
+    """(target, draft) as resolved models; the draft's folder carries P."""
+    save_rank_acceptance(tmp_path, P, positions=400)
+    return (ResolvedModel("target", None, target, None, "target-fp", None),
+            ResolvedModel("draft", tmp_path, close_draft, None, "draft-fp", None))
+
+
+def test_rank_acceptance_file_round_trip(tmp_path):
+    save_rank_acceptance(tmp_path, P, positions=400)
+    assert json.loads((tmp_path / TREE_ACCEPTANCE_FILE).read_text()) == {"rank_acceptance": P, "positions": 400}
+    assert load_rank_acceptance(tmp_path) == P
+    assert load_rank_acceptance(tmp_path / "none") is None
+    for bad in ("{", '{"rank_acceptance": [0.7, 0.6]}', '{"rank_acceptance": []}', '{"p": [0.5]}'):
+        (tmp_path / TREE_ACCEPTANCE_FILE).write_text(bad)
+        assert load_rank_acceptance(tmp_path) is None
+
+
+def flat_costs(v_tree) -> dict:
+    """Costs at context 128 whose tree verify costs v_tree(B) target steps, a draft level 0.05."""
+    return {"contexts": [128],
+            "target": {"step_s": [0.02], "v": {str(n): [1.0 + 0.02 * n] for n in range(2, 7)},
+                       "v_tree": {str(b): [v_tree(b)] for b in TREE_BUDGETS}},
+            "drafts": {"draft": {"c": {"1": [0.05], "5": [0.05]}}}}
+
+
+@pytest.mark.parametrize(("v_tree", "budget"), [
+    (lambda b: 1.0 + 0.005 * b, 32),  # verifying is nearly free in width: a wide tree
+    (lambda b: 1.0 + 0.12 * b, 2),  # every node costs an eighth of a step: two nodes
+])
+def test_the_budget_follows_the_measured_cost_curve(models, monkeypatch, v_tree, budget):
+    """With P, τ / (draft levels + v_tree) at the best depth: nearly flat costs: B=32 3.03 / 1.31 beats B=16
+    2.77 / 1.23 and B=64 3.41 / 1.52; steep: B=2 1.70 / 1.29 beats B=4 2.05 / 1.58."""
+    monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: flat_costs(v_tree))
+    choice = auto.auto_budget_schedule(*models, max_depth=5, log=lambda line: None)
+    assert choice == auto.BudgetChoice([(128, budget)], "measured on this machine")
+
+
+def test_measured_once_then_cached_per_draft(models, monkeypatch, close_draft):
+    monkeypatch.setattr(auto, "machine_busy", lambda: None)  # (tests may run beside other work)
+    lines = []
+    first = auto.auto_budget_schedule(*models, max_depth=5, reps=1, log=lines.append)
+    assert len(lines) == 1 and "timing the target's tree verify of 2-64 nodes" in lines[0]
+    assert first.source == "measured on this machine"
+    (budget,) = {b for _, b in first.schedule}  # one context fits the tiny target's 512 positions
+    assert first.schedule == [(128, budget)] and budget in TREE_BUDGETS
+    (cached,) = (auto.draftops_home() / "tree_costs").glob("*.json")
+    assert json.loads(cached.read_text())["key"]["contexts"] == [128]
+
+    monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: pytest.fail("measured again"))
+    assert auto.auto_budget_schedule(*models, max_depth=5, log=lines.append) == first and len(lines) == 1
+    other = ResolvedModel("other", models[1].path, close_draft, None, "other-fp", None)
+    monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: flat_costs(lambda b: 1.0 + 0.12 * b))
+    assert auto.auto_budget_schedule(models[0], other, max_depth=5, log=lines.append).schedule == [(128, 2)]
+    assert len(lines) == 2 and len(list(cached.parent.glob("*.json"))) == 2
+
+
+def test_costs_timed_on_a_busy_machine_are_not_cached(models, monkeypatch):
+    monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: flat_costs(lambda b: 1.0 + 0.12 * b))
+    monkeypatch.setattr(auto, "machine_busy", lambda: "load 6.0 on 2 CPUs")
+    lines = []
+    assert auto.auto_budget_schedule(*models, max_depth=5, log=lines.append).schedule == [(128, 2)]
+    assert lines[-1] == "tree budget auto: timed on a busy machine (load 6.0 on 2 CPUs): used now, not cached"
+    assert not (auto.draftops_home() / "tree_costs").exists()
+
+
+def test_without_a_rank_acceptance_the_built_in_schedule_stands(models, target, close_draft, tmp_path):
+    built_in = [tuple(e) for e in DEFAULT_TREE_BUDGET_SCHEDULE]
+    (tmp_path / TREE_ACCEPTANCE_FILE).unlink()
+    choice = auto.auto_budget_schedule(*models, max_depth=5)
+    assert choice.schedule == built_in
+    assert choice.source == ("built-in schedule: draft carries no rank acceptance (distilled before draftops "
+                             "stored it)")
+    assert auto.auto_budget_schedule(models[0], None, max_depth=5).source == "built-in schedule: no draft model"
+
+
+def test_the_decoder_runs_the_auto_schedule(models, monkeypatch, target):
+    monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: flat_costs(lambda b: 1.0 + 0.12 * b))
+    decode = DecodeConfig()
+    assert decode.tree_budget_schedule == "auto" and DraftopsConfig().decode.tree_budget_schedule == "auto"
+    decoder = build_decoder(*models, decode)
+    assert decoder.drafter.schedule == [(128, 2)]
+    prompt = [5, 9, 2, 77, 3, 5, 9]
+    assert decoder.generate(prompt, max_new_tokens=30).token_ids == greedy_reference(target, prompt, 30)
+    # prompt lookup and suffix decoding alone grow no draft tree: the built-in schedule
+    assert tree_budget_choice(decode, *models, kind="suffix").source == "built-in schedule: no draft model"
+    assert tree_budget_choice(decode.chain_rounds(), *models) is None
+    assert tree_budget_choice(DecodeConfig(tree_budget_schedule=[[16, 2]]), *models) == auto.BudgetChoice(
+        [(16, 2)], "configured")
+    with pytest.raises(ValueError, match="tree_budget_schedule"):
+        DecodeConfig(tree_budget_schedule="wide")
