@@ -168,8 +168,8 @@ def test_bench_with_trees_runs_each_source_alone_the_chains_and_compared_budgets
     assert "speculative (trees) / chain" in text
     assert "- budget2 (--compare) / chain, paired over prompts: " in text
     assert "| suffix_only | tree(budget=4): suffix(index of 2 sequences) |" in text
-    assert "compared decoders (--compare): budget2: tree budget 2; scheduled: tree budget by context [[8, 2], [64, 6]] " \
-        "(configured)" in report["notes"]
+    assert ("compared decoders (--compare): budget2: tree budget 2; scheduled: tree budget by context "
+            "[[8, 2], [64, 6]] (configured)") in report["notes"]
 
     for bad in ("chain decode.tree_budget=2", "decode.tree_budget=2", "wide decode.tree_budget=-1",
                 "other target=elsewhere"):
