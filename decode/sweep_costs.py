@@ -62,13 +62,41 @@ def time_rounds(timers: Mapping[tuple[str, int], tuple[Callable, Callable]], dev
     return samples
 
 
+class FeatureRounds:
+    """A drafter that reads the target's features (`decode.feature_draft.FeatureDrafter`), as `measure_costs` times
+    it: the target's features of the timed tokens computed once up front (one pass), `start` feeds the prefix's, and
+    every round starts with one pending feature, what the decoder hands over after a round that accepted nothing."""
+
+    def __init__(self, drafter, target_model, tokens: list[int]):
+        self.drafter = drafter
+        device = next(target_model.parameters()).device
+        runner = ModelRunner(target_model)
+        _, self.features = runner.forward_features(torch.tensor(tokens, device=device), runner.new_cache(), 0,
+                                                   drafter.feature_layers)
+
+    def start(self, seq: list[int]):
+        state = self.drafter.start(seq)
+        self.drafter.observe(state, self.features[: len(seq) - 2])
+        self.drafter.feed_pending(state, seq[:-1])
+        self.drafter.observe(state, self.features[len(seq) - 2 : len(seq) - 1])
+        return state
+
+    def propose(self, state, seq: list[int], k: int, warp: Warp, generator):
+        return self.drafter.propose(state, seq, k, warp, generator)
+
+    def rollback(self, state, length: int) -> None:
+        self.drafter.rollback(state, length)
+        self.drafter.observe(state, self.features[state.verified : length])
+
+
 @torch.inference_mode()
 def measure_costs(target_model, proposers: Mapping[str, object], tokens: list[int], contexts: Sequence[int],
                   gammas: Sequence[int], reps: int = 10, prefill_reps: int = 3,
                   tree_budgets: Sequence[int] = ()) -> dict:
     """Median seconds at each context length L, through the decoder's own functions (greedy warp).
 
-    proposers: draft name -> what the decoder drafts with (a `ModelDrafter` or a model-free drafter).
+    proposers: draft name -> what the decoder drafts with (a `ModelDrafter`, a feature drafter, timed as
+    `FeatureRounds`, or a model-free drafter).
     Target: prefill of L tokens, one greedy step, and a verify round of n = 2..γmax+1 tokens (forward with every
     logit, the decoder's acceptance test `check_drafts`, the one sync). Per draft: its prefill (`start`) and one
     round of γ proposals (`propose`: forwards, warps and sampling of a draft model, or one lookup) for every γ.
@@ -81,6 +109,8 @@ def measure_costs(target_model, proposers: Mapping[str, object], tokens: list[in
     vocab_size = target_model.get_output_embeddings().weight.shape[0]
     warp, max_gamma = Warp(), max(gammas)
     runner = ModelRunner(target_model)  # the decoder's own target forward
+    proposers = {name: FeatureRounds(d, target_model, tokens) if getattr(d, "feature_layers", ()) else d
+                 for name, d in proposers.items()}
 
     def prefill(start: Callable[[], object]) -> tuple[object, float]:
         runs = [timed(start, device) for _ in range(prefill_reps)]

@@ -5,14 +5,15 @@ The best tree depends on the hardware's verify-cost curve (Sequoia, Chen et al. 
 costs about one target step, wide trees pay; where it costs two (a CPU without spare compute per weight read), two
 nodes a round beat eight. So one machine's schedule does not carry to another, and `auto` measures instead: the costs
 `draftops sweep` prices trees with (`decode.sweep_costs.measure_costs`: the target's step and its tree verify of
-`TREE_BUDGETS` nodes, the draft's rounds, at `CONTEXTS`), once per machine, target and draft, cached as JSON under
-`$DRAFTOPS_HOME/tree_costs/` (not cached when the machine is busy, as for `cpu_linear: auto`); the rank acceptances
-p_r are the draft's, measured by its distill on held-out responses (`decode.tree_budget.load_rank_acceptance`). The
-schedule is then the sweep's own recommendation (`predict_tree_budgets`, `recommend_tree_budget`).
+`TREE_BUDGETS` nodes, the draft's rounds, a feature draft's fed the target's features, at `CONTEXTS`), once per
+machine, target and draft, cached as JSON under `$DRAFTOPS_HOME/tree_costs/` (not cached when the machine is busy,
+as for `cpu_linear: auto`); the rank acceptances p_r are the draft's, measured by its distill on held-out responses
+(`decode.tree_budget.load_rank_acceptance`; a feature draft's at its first position). The schedule is then the
+sweep's own recommendation (`predict_tree_budgets`, `recommend_tree_budget`).
 
 Where either half is missing the built-in schedule (`pipeline.config.DEFAULT_TREE_BUDGET_SCHEDULE`) stands and the
-reason goes with it: no draft model (prompt lookup's and suffix decoding's trees alone), a draft distilled before
-p_r were stored, or a feature draft, whose rounds need the target's features to be timed.
+reason goes with it: no draft model (prompt lookup's and suffix decoding's trees alone), or a draft distilled before
+p_r were stored.
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ from pathlib import Path
 import torch
 
 from decode.drafters import DRAFT, make_drafter
-from decode.feature_draft import FeatureDraft
 from decode.kernel_choice import machine_busy, machine_key
 from decode.kernels import cpu_linear_of
 from decode.sweep_costs import measure_costs
@@ -60,8 +60,6 @@ def auto_budget_schedule(target, draft, max_depth: int, *, reps: int = REPS,
     log: where the one line announcing a measurement goes (stderr by default)."""
     if draft is None:
         return default_choice("no draft model")
-    if isinstance(draft.model, FeatureDraft):
-        return default_choice("a feature draft's rounds are not timed without the target's features")
     p = load_rank_acceptance(draft.path) if draft.path is not None else None
     if p is None:
         return default_choice(f"{draft.source} carries no rank acceptance (distilled before draftops stored it)")

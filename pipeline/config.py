@@ -68,7 +68,7 @@ class DecodeConfig(Section):
         "max_context (prompt + generated; the last budget beyond), instead of tree_budget (which stays 0). auto: the "
         "schedule `draftops sweep` would recommend, from this machine's tree verify costs (timed once per machine, "
         "target and draft, and cached) and the rank acceptance the draft's distill measured; without those (no draft "
-        f"model, an older or feature draft) {[list(e) for e in DEFAULT_TREE_BUDGET_SCHEDULE]}, one 2-core CPU's "
+        f"model, an older draft) {[list(e) for e in DEFAULT_TREE_BUDGET_SCHEDULE]}, one 2-core CPU's "
         "(docs/trees.md). null with tree_budget 0: chain rounds."))
     suffix: bool = Field(True, description=(
         "Tree rounds: suffix decoding's candidates join the tree after prompt lookup's, before the draft model's: "

@@ -17,6 +17,7 @@ from decode.runtime import ModelRunner, greedy_decode
 from decode.sampling import Warp
 from decode.speculative import SpeculativeDecoder
 from decode.suffix import SuffixIndex
+from decode.sweep_costs import FeatureRounds, measure_costs
 from decode.tree import ROOT, TokenTree
 from decode.tree_drafters import FeatureTree, make_tree_drafter
 from tests.conftest import make_tiny_model
@@ -239,3 +240,23 @@ def test_sampling_with_a_feature_draft_tree_keeps_the_targets_distribution():
                                                            lookup_min_ngram=1), 2, eos_token_ids=())
     stats = check_first_two(target, decoder, [1, 4, 6, 4])
     assert sum(s.accepted_by_source.get("draft", 0) for s in stats) > 0  # the draft's siblings were accepted
+
+
+@torch.no_grad()
+def test_the_cost_model_times_a_feature_drafter_as_the_decoder_feeds_it(target):
+    """`FeatureRounds`: each timed round drafts what the drafter drafts after the decoder handed over every feature of
+    the sequence, again after each rollback; `measure_costs` prices its rounds."""
+    drafter = FeatureDrafter(make_feature_draft(target), VOCAB, torch.device("cpu"))
+    tokens = [int(t) for t in torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(0))]
+    rounds, warp, seq = FeatureRounds(drafter, target, tokens), Warp(0.0, 0, 1.0), tokens[:21]
+    runner = ModelRunner(target)
+    _, features = runner.forward_features(torch.tensor(tokens), runner.new_cache(), 0, drafter.feature_layers)
+    reference = drafter.start(seq)
+    drafter.observe(reference, features[:20])
+    expected = drafter.propose(reference, seq, 4, warp, None)[0]
+    state = rounds.start(seq)
+    for _ in range(3):
+        assert torch.equal(rounds.propose(state, seq, 4, warp, None)[0], expected)
+        rounds.rollback(state, 20)
+    costs = measure_costs(target, {"feature": drafter}, tokens, [8, 20], [1, 3], reps=1, prefill_reps=1)
+    assert all(len(c) == 2 and min(c) > 0 for c in costs["drafts"]["feature"]["c"].values())

@@ -107,3 +107,16 @@ def test_the_decoder_runs_the_auto_schedule(models, monkeypatch, target):
         [(16, 2)], "configured")
     with pytest.raises(ValueError, match="tree_budget_schedule"):
         DecodeConfig(tree_budget_schedule="wide")
+
+
+def test_a_feature_draft_is_timed_with_the_targets_features(tmp_path, monkeypatch):
+    from tests.conftest import make_tiny_model
+    from tests.decode.test_feature_draft import VOCAB, make_feature_draft
+
+    monkeypatch.setattr(auto, "machine_busy", lambda: None)
+    target = make_tiny_model(VOCAB, seed=3, layers=4)
+    save_rank_acceptance(tmp_path, P, positions=400)
+    choice = auto.auto_budget_schedule(ResolvedModel("t", None, target, None, "t-fp", None),
+                                       ResolvedModel("f", tmp_path, make_feature_draft(target), None, "f-fp", None),
+                                       max_depth=3, reps=1, log=lambda line: None)
+    assert choice.source == "measured on this machine" and [m for m, _ in choice.schedule] == [128]
