@@ -38,6 +38,7 @@ from pipeline.files import write_text_atomic
 CONTEXTS = (128, 512, 2048)  # the sweep's context lengths for trees; schedule entries split at their midpoints
 REPS = 10  # timed repetitions of every quantity (the sweep's)
 SEED = 0  # of the token ids timed: a tree pass costs the same whatever the tokens
+BUSY_TIMINGS: dict[Path, dict] = {}  # cache file -> costs timed on a busy machine, for this process only
 
 
 @dataclass(frozen=True)
@@ -108,10 +109,11 @@ def read_costs(path: Path, key: dict) -> dict | None:
 
 def tree_costs(target, draft, max_depth: int, *, reps: int = REPS, log: Callable[[str], None] | None = None) -> dict:
     """`measure_costs` of the target's tree verifies and the draft's rounds (γ 1 and max_depth, between which a
-    tree level's cost is interpolated), from the cache or measured and cached."""
+    tree level's cost is interpolated), from the cache or measured and cached; timings a busy machine gave are kept
+    for the rest of this process only (`BUSY_TIMINGS`), so its later decoders do not time again."""
     key = cost_key(target, draft, max_depth)
     path = cache_file(key)
-    cached = read_costs(path, key)
+    cached = BUSY_TIMINGS.get(path) or read_costs(path, key)
     if cached is not None:
         return cached
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -126,7 +128,8 @@ def tree_costs(target, draft, max_depth: int, *, reps: int = REPS, log: Callable
                           tree_budgets=TREE_BUDGETS)
     busy = machine_busy()
     if busy:
-        log(f"tree budget auto: timed on a busy machine ({busy}): used now, not cached")
+        log(f"tree budget auto: timed on a busy machine ({busy}): used by this process, not cached")
+        BUSY_TIMINGS[path] = costs
     else:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(path, json.dumps({"key": key, "costs": costs}, indent=1))

@@ -76,10 +76,15 @@ def test_measured_once_then_cached_per_draft(models, monkeypatch, close_draft):
 def test_costs_timed_on_a_busy_machine_are_not_cached(models, monkeypatch):
     monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: flat_costs(lambda b: 1.0 + 0.12 * b))
     monkeypatch.setattr(auto, "machine_busy", lambda: "load 6.0 on 2 CPUs")
+    monkeypatch.setattr(auto, "BUSY_TIMINGS", {})
     lines = []
     assert auto.auto_budget_schedule(*models, max_depth=5, log=lines.append).schedule == [(128, 2)]
-    assert lines[-1] == "tree budget auto: timed on a busy machine (load 6.0 on 2 CPUs): used now, not cached"
+    assert lines[-1] == ("tree budget auto: timed on a busy machine (load 6.0 on 2 CPUs): used by this process, "
+                         "not cached")
     assert not (auto.draftops_home() / "tree_costs").exists()
+    # this process's later decoders use them: no second timing
+    monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: pytest.fail("measured again"))
+    assert auto.auto_budget_schedule(*models, max_depth=5, log=lines.append).schedule == [(128, 2)]
 
 
 def test_without_a_rank_acceptance_the_built_in_schedule_stands(models, target, close_draft, tmp_path):
