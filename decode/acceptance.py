@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decode.feature_draft import FeatureDraft, target_features
-from decode.sampling import to_target_vocab, warp_logits
+from decode.sampling import to_student_columns, to_target_vocab, warp_logits
 
 
 @dataclass
@@ -108,12 +108,18 @@ def analytic_acceptance(
 
 
 def greedy_rank(p_logits: torch.Tensor, q_logits: torch.Tensor, draft_token_ids: torch.Tensor | None) -> list[int]:
-    """Per position (rows of p_logits [T, V] and the draft's q_logits [T, V_draft]): 1 + the number of tokens the
-    draft ranks strictly above the target's argmax, or 0 where the argmax is outside the draft's vocabulary."""
-    q = to_target_vocab(q_logits.float().softmax(-1), draft_token_ids, p_logits.shape[-1])
-    mine = q.gather(-1, p_logits.argmax(-1, keepdim=True))
-    rank = 1 + (q > mine).sum(-1)
-    return torch.where(mine[:, 0] > 0, rank, 0).tolist()
+    """Per position (rows of p_logits [T, V] and the draft's q_logits [T, V_draft]): `draft_rank` of the target's
+    argmax."""
+    return draft_rank(q_logits.float().softmax(-1), p_logits.argmax(-1), draft_token_ids).tolist()
+
+
+def draft_rank(probs: torch.Tensor, target_ids: torch.Tensor, draft_token_ids: torch.Tensor | None) -> torch.Tensor:
+    """1 + the number of ids the draft's probs [..., V_draft] rank strictly above each target id [...] (its place in
+    the order a greedy token tree offers the draft's candidates), or 0 where the id is outside a reduced vocabulary
+    (or has probability 0: never proposed)."""
+    columns = to_student_columns(target_ids, draft_token_ids, ignore_index=-1)
+    mine = probs.gather(-1, columns.clamp(min=0).unsqueeze(-1))
+    return torch.where((columns >= 0) & (mine[..., 0] > 0), 1 + (probs > mine).sum(-1), 0)
 
 
 Block = Callable[[int, int], tuple[int, int]]  # (t, k) -> (drafted, accepted) of one round

@@ -53,6 +53,17 @@ def to_target_vocab(probs: torch.Tensor, token_ids: torch.Tensor | None, vocab_s
     return full.scatter_(-1, token_ids.expand(*probs.shape[:-1], -1), probs)
 
 
+def to_student_columns(
+    target_ids: torch.Tensor, token_ids: torch.Tensor | None, ignore_index: int = -100
+) -> torch.Tensor:
+    """Map target token ids to draft head rows (ids outside the draft vocabulary become `ignore_index`)."""
+    if token_ids is None:
+        return target_ids
+    token_ids = token_ids.to(target_ids.device)
+    pos = torch.searchsorted(token_ids, target_ids).clamp(max=len(token_ids) - 1)
+    return torch.where(token_ids[pos] == target_ids, pos, torch.full_like(pos, ignore_index))
+
+
 @dataclass(frozen=True)
 class Warp:
     """The sampling settings applied to both p and q (`warp_logits`); temperature 0 is greedy."""

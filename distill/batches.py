@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from distill.losses import TopKTeacher, to_student_columns
+from decode.sampling import to_student_columns
+from distill.losses import TopKTeacher
 from distill.responses import ResponseSet
 
 

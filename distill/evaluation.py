@@ -10,9 +10,9 @@ import random
 
 import torch
 
-from decode.acceptance import analytic_acceptance, simulated_tau
+from decode.acceptance import analytic_acceptance, draft_rank, simulated_tau
+from decode.sampling import to_student_columns
 from distill.batches import collate
-from distill.losses import to_student_columns
 from distill.responses import ResponseSet
 from distill.step import features_and_teacher
 
@@ -118,7 +118,7 @@ def feature_eval(step_logits, target, responses: ResponseSet, token_ids: torch.T
             greedy[j, :, : t - 1 - j] = agree.float()
             sampled[j, :, : t - 1 - j] = overlap.sum(-1) * valid
             if j == 0 and with_ranks:
-                first_ranks = draft_ranks(probs, top_ids[:, 1:, 0], token_ids)
+                first_ranks = draft_rank(probs, top_ids[:, 1:, 0], token_ids)
                 ranks += [r[v].tolist() for r, v in zip(first_ranks, valid.bool())]
         for row, index in enumerate(rows):
             start, end = len(responses.prompt_ids[index]), int(batch["attention_mask"][row].sum())
@@ -126,14 +126,6 @@ def feature_eval(step_logits, target, responses: ResponseSet, token_ids: torch.T
             chains[1.0].append((sampled[:, row, : end].cpu(), start, end))
     summary = summarize_feature_acceptance(chains, gamma, rollouts, seed)
     return {**summary, "ranks": ranks} if with_ranks else summary
-
-
-def draft_ranks(probs: torch.Tensor, target_ids: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
-    """1 + the number of ids the draft's probs [..., V_draft] rank strictly above each target id [...], 0 where the id
-    is outside a reduced vocabulary (`decode.acceptance.greedy_rank` on cached teacher ids)."""
-    columns = to_student_columns(target_ids, token_ids, ignore_index=-1)
-    mine = probs.gather(-1, columns.clamp(min=0).unsqueeze(-1))
-    return torch.where(columns >= 0, 1 + (probs > mine).sum(-1), 0)
 
 
 def walk_rounds(chain: torch.Tensor, start: int, end: int, rng) -> tuple[int, list[tuple[int, bool]]]:

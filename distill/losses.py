@@ -121,17 +121,6 @@ def bucket_log_probs(
     return F.log_softmax(teacher_logits.float() / temperature, dim=-1), log_q
 
 
-def to_student_columns(
-    target_ids: torch.Tensor, token_ids: torch.Tensor | None, ignore_index: int = -100
-) -> torch.Tensor:
-    """Map target token ids to draft head rows (ids outside the draft vocabulary become `ignore_index`)."""
-    if token_ids is None:
-        return target_ids
-    token_ids = token_ids.to(target_ids.device)
-    pos = torch.searchsorted(token_ids, target_ids).clamp(max=len(token_ids) - 1)
-    return torch.where(token_ids[pos] == target_ids, pos, torch.full_like(pos, ignore_index))
-
-
 # --------------------------------------------------------------------------- the training loss
 
 
@@ -152,8 +141,8 @@ def distillation_loss(
 
     student_logits [B, T, V_draft]; teacher [B, T, V_target] logits or a TopKTeacher [B, T, k] (unused, may be None,
     with loss="ce"); mask [B, T] bool (True on positions whose *next* token is a response token, already aligned
-    with the logits); labels [B, T] in student columns (see `to_student_columns`), -100 ignored. Without a mask the
-    positions are already selected (a head evaluated only at response positions): student_logits [N, V_draft],
+    with the logits); labels [B, T] in student columns (`decode.sampling.to_student_columns`), -100 ignored. Without a
+    mask the positions are already selected (a head evaluated only at response positions): student_logits [N, V_draft],
     teacher [N, ...], labels [N]. `num_tokens` defaults to the number of selected positions; with none selected the
     result is a zero that still carries a graph, so backward() and DDP gradient sync work as usual.
     """

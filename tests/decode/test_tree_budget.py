@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from decode.acceptance import analytic_acceptance
+from decode.acceptance import analytic_acceptance, draft_rank
 from decode.factory import build_decoder
 from decode.runtime import ModelRunner, greedy_decode
 from decode.speculative import SpeculativeDecoder
@@ -144,6 +144,15 @@ def test_predicted_tokens_per_second_and_the_recommended_budget():
 def test_context_schedule_merges_equal_neighbours():
     assert context_schedule([512, 128, 2048, 1024], {128: 8, 512: 8, 1024: 4, 2048: 2}.get) == [
         [768, 8], [1536, 4], [2048, 2]]
+
+
+def test_draft_rank_places_target_ids_in_the_draft_order():
+    probs = torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.2, 0.3]])
+    # full vocabulary: id 2 is second at the first position, id 0 first at the second
+    assert draft_rank(probs, torch.tensor([2, 0]), None).tolist() == [2, 1]
+    # a reduced head over target ids 2, 5, 7: 7 is column 2 (second), 4 is outside (0), 5 is column 1 (third)
+    assert draft_rank(probs, torch.tensor([7, 4]), torch.tensor([2, 5, 7])).tolist() == [2, 0]
+    assert draft_rank(probs, torch.tensor([5, 5]), torch.tensor([2, 5, 7])).tolist() == [1, 3]
 
 
 def test_greedy_ranks_place_the_target_token_in_the_draft_order(target, close_draft, reduced_draft):

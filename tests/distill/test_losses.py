@@ -3,13 +3,13 @@ import math
 import pytest
 import torch
 
+from decode.sampling import to_student_columns
 from distill.losses import (
     TopKTeacher,
     distillation_loss,
     forward_kl,
     generalized_jsd,
     reverse_kl,
-    to_student_columns,
     total_variation,
 )
 
