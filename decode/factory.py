@@ -42,7 +42,8 @@ def build_decoder(target, draft, decode: DecodeConfig, *, kind: str = DECODER, g
                                     branching=decode.tree_branching,
                                     draft_token_ids=token_ids, lookup_min_ngram=lookup_min_ngram, suffix=suffix,
                                     suffix_index=suffix_index_of(decode, draft) if suffix else None,
-                                    draft_min_confidence=decode.draft_min_confidence, lean=lean)
+                                    draft_min_confidence=decode.draft_min_confidence,
+                                    draft_rerank=decode.tree_rerank, lean=lean)
     else:
         drafter = make_drafter(kind, target.model, draft_model, draft_token_ids=token_ids,
                                lookup_min_ngram=lookup_min_ngram, draft_min_confidence=decode.draft_min_confidence,

@@ -16,7 +16,8 @@ the target.
 - `LookupTree`: prompt lookup's matches, several earlier occurrences as several branches (deterministic);
 - `SuffixTree`: suffix decoding's candidate tree (`decode.suffix`) from the target's earlier outputs and the request's
   own text (deterministic);
-- `ModelTree`: the draft model's tree, grown level by level with one draft forward per level (a per-level beam);
+- `ModelTree`: the draft model's tree, grown level by level with one draft forward per level (a per-level beam), in
+  greedy rounds the best candidates of all levels (EAGLE-2's rerank);
 - `FeatureTree`: the same tree from a feature draft (`decode.feature_draft`), as EAGLE-2 grows it;
 - `TreeDrafter`: what the decoder runs, its sources in order under one budget per round: lookup first, then suffix
   decoding's candidates, then the model fills what is left (`make_tree_drafter`); the budget is fixed or set by the
@@ -151,6 +152,16 @@ class ModelTree:
     below the first level gets children only where the draft's top probability there reaches it (a branch ends where
     the draft is unsure, as a chain block does). With branching 1 this is the drafter's chain.
 
+    Greedy rounds the draft owns (no other source proposed before it) with `rerank` (EAGLE-2's rerank) keep the best
+    `budget` of every candidate the beam saw instead of filling the budget level by level: each level's `branching`
+    best nodes (by cumulative probability) get their `branching` best children as candidates, and the round's tree is
+    the `budget` best candidates of all levels, so one confident path may go deep while an unsure root stays wide. A
+    level is expanded (one more draft forward) only from nodes that could still enter those `budget` (a child's
+    cumulative probability never exceeds its parent's) and, with `min_confidence`, whose cumulative probability
+    reaches it. Behind lookup's or suffix decoding's candidates the draft fills a few nodes level by level, where a
+    second forward rarely pays (docs/trees.md). Sampled rounds never rerank: which of the drawn trials to keep would
+    depend on the draws.
+
     How the draft computes its logits is two methods, `_root_logits` (after the sequence) and `_level_logits` (at a
     level's nodes, in one forward with a tree mask); `FeatureTree` overrides them for a feature draft.
     """
@@ -159,13 +170,13 @@ class ModelTree:
     family = DRAFT  # what the name calls the model
     _min_length = 1  # the shortest sequence the draft can continue
 
-    def __init__(self, drafter: ModelDrafter | FeatureDrafter, branching: int):
+    def __init__(self, drafter: ModelDrafter | FeatureDrafter, branching: int, rerank: bool = True):
         if branching < 1:
             raise ValueError(f"branching must be >= 1, got {branching}")
-        self.drafter, self.branching = drafter, branching
+        self.drafter, self.branching, self.rerank = drafter, branching, rerank
         self.context = drafter.context
         sure = "" if drafter.min_confidence is None else f", min_confidence={drafter.min_confidence:g}"
-        self.name = f"{self.family}(branching={branching}{sure})"
+        self.name = f"{self.family}(branching={branching}{sure}{', rerank' if rerank else ''})"
 
     def start(self, prompt: list[int]) -> ModelTreeState:
         return ModelTreeState(self.drafter.start(prompt))
@@ -174,6 +185,8 @@ class ModelTree:
              generator: torch.Generator | None) -> int:
         if budget < 1 or depth < 1 or len(seq) < self._min_length:
             return 0
+        if self.rerank and warp.greedy and not len(tree):
+            return self._grow_reranked(state, tree, seq, budget, depth)
         own = TokenTree()
         logits, calls = self._root_logits(state, seq, own), 1
         level, scores = [ROOT], {ROOT: 1.0}
@@ -189,6 +202,47 @@ class ModelTree:
             calls += 1
         tree.merge(own)
         return calls
+
+    def _grow_reranked(self, state, tree: TokenTree, seq: list[int], budget: int, depth: int) -> int:
+        """The greedy round's tree: the `budget` best candidates of all levels (see the class). `own`, the tree the
+        draft feeds, holds the expanded candidates."""
+        own = TokenTree()
+        logits, calls = self._root_logits(state, seq, own), 1
+        scores: list[float] = []  # every candidate's cumulative probability, in the order found
+        parents: list[int] = []  # its parent candidate (ROOT on the first level)
+        tokens: list[int] = []
+        beam, node_of = [ROOT], {ROOT: ROOT}  # the candidates expanded last, and each expanded one's node in `own`
+        sure = self.drafter.min_confidence or 0.0
+        for d in range(1, depth + 1):
+            top, index = logits.float().softmax(-1).topk(min(self.branching, logits.shape[-1]), -1)
+            first = len(scores)
+            for row, parent in enumerate(beam):
+                base = 1.0 if parent == ROOT else scores[parent]
+                for value, pick in zip(top[row].tolist(), index[row].tolist()):
+                    scores.append(base * value)
+                    parents.append(parent)
+                    tokens.append(self._target_token(pick))
+            if d == depth:
+                break
+            entry = sorted(scores, reverse=True)[budget - 1] if len(scores) >= budget else 0.0  # to enter the best
+            found = sorted(range(first, len(scores)), key=lambda i: (-scores[i], i))[: self.branching]
+            beam = [i for i in found if scores[i] > entry and scores[i] >= sure]
+            if not beam:
+                break
+            level = len(own)
+            for i in beam:
+                node_of[i] = own.add(node_of[parents[i]], tokens[i], DRAFT)
+            logits = self._level_logits(state, own, level, seq)
+            calls += 1
+        nodes = {ROOT: ROOT}
+        # parents before children: a child is found after its parent and never scores above it
+        for i in sorted(sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:budget]):
+            nodes[i] = tree.add(nodes[parents[i]], tokens[i], DRAFT)
+        return calls
+
+    def _target_token(self, pick: int) -> int:
+        """The target's id of the draft's output column `pick`."""
+        return pick if self.drafter.token_ids is None else int(self.drafter.token_ids[pick])
 
     def _root_logits(self, state: ModelTreeState, seq: list[int], own: TokenTree) -> torch.Tensor:
         """The draft's logits [1, V'] after `seq`, feeding what it has not seen; `own` is the tree to come."""
@@ -223,7 +277,6 @@ class ModelTree:
         counts = [0] * len(level)
         for flat in chosen[candidates.flatten()[chosen] > 0].tolist():
             counts[flat // top.shape[1]] += 1
-        token_ids = self.drafter.token_ids
         out = []
         for row, (parent, count) in enumerate(zip(level, counts)):
             if warp.greedy:
@@ -232,17 +285,19 @@ class ModelTree:
                 picks = (probs[row] / torch.empty_like(probs[row]).exponential_(1, generator=generator)).topk(count)[1]
                 trial_qs = list(without_replacement(probs[row], picks))
             for j, pick in enumerate(picks.tolist()):
-                token = pick if token_ids is None else int(token_ids[pick])
-                q = None if trial_qs[j] is None else to_target_vocab(trial_qs[j], token_ids, self.drafter.vocab_size)
-                out.append((parent, token, q, base[row] * float(probs[row, pick])))
+                q = None if trial_qs[j] is None else to_target_vocab(trial_qs[j], self.drafter.token_ids,
+                                                                     self.drafter.vocab_size)
+                out.append((parent, self._target_token(pick), q, base[row] * float(probs[row, pick])))
         return out
 
     def commit(self, state: ModelTreeState, seq: list[int]) -> None:
-        """Keep the fed nodes along `seq` in the draft's cache (moved next to the prefix); the rest is dropped."""
+        """Keep the fed nodes along `seq` in the draft's cache (moved next to the prefix); the rest is dropped. Never
+        the last token: the next round's draft forward starts from it (a reranked tree may have fed, and then left
+        out, the node of the target's bonus token)."""
         if state.tree is None:
             return
         node, slots = ROOT, []
-        for token in seq[state.base :]:
+        for token in seq[state.base : -1]:
             node = state.tree.child(node, token)
             if node is None or node >= state.fed:
                 break
@@ -269,8 +324,8 @@ class FeatureTree(ModelTree):
     family = FEATURES
     _min_length = 2  # a one-token prompt: no target features yet
 
-    def __init__(self, drafter: FeatureDrafter, branching: int):
-        super().__init__(drafter, branching)
+    def __init__(self, drafter: FeatureDrafter, branching: int, rerank: bool = True):
+        super().__init__(drafter, branching, rerank)
         self.feature_layers = drafter.feature_layers
 
     def start(self, prompt: list[int]) -> FeatureTreeState:
@@ -375,15 +430,16 @@ def make_tree_drafter(kind: str, target, draft=None, *, budget: int = 0,
                       budget_schedule: Sequence[Sequence[int]] | None = None, branching: int = 2,
                       draft_token_ids: torch.Tensor | None = None, lookup_min_ngram: int | None = None,
                       suffix: bool = False, suffix_index: SuffixIndex | None = None,
-                      draft_min_confidence: float | None = None, lean: bool = True) -> TreeDrafter:
+                      draft_min_confidence: float | None = None, draft_rerank: bool = True,
+                      lean: bool = True) -> TreeDrafter:
     """The tree drafter of `kind` (`decode.drafters.TREE_DRAFTER_KINDS`): "draft" the model's tree, "lookup" prompt
     lookup's branches (n-grams of 1-3 tokens unless `lookup_min_ngram` is set), "decoder" lookup's branches first
     and the model's tree in what is left of the budget (the model alone when lookup is off), "suffix" suffix
     decoding's candidates alone. With `suffix`, "lookup" and "decoder" add suffix decoding's candidates after
     lookup's ("draft" stays the model alone). Suffix decoding (`SuffixTree`) searches `suffix_index` and the request,
     the request alone when the index is None. `budget` nodes per round, or by sequence length from `budget_schedule`
-    (`TreeDrafter`); `branching`: nodes per level of the model's tree, and lookup branches; `draft_min_confidence`:
-    see `ModelTree`."""
+    (`TreeDrafter`); `branching`: nodes per level of the model's tree, and lookup branches; `draft_min_confidence`,
+    `draft_rerank`: see `ModelTree`."""
     if kind not in TREE_DRAFTER_KINDS:
         raise ValueError(f"tree drafter kind must be one of {TREE_DRAFTER_KINDS}, got {kind!r}")
     lookup_ngrams = (3, 1) if lookup_min_ngram is None else (max(3, lookup_min_ngram), lookup_min_ngram)
@@ -399,10 +455,11 @@ def make_tree_drafter(kind: str, target, draft=None, *, budget: int = 0,
     if isinstance(draft, FeatureDraft):
         if draft_token_ids is not None:
             raise ValueError("a feature draft carries its own vocabulary: pass no draft_token_ids")
-        model = FeatureTree(FeatureDrafter(draft, vocab_size, device, min_confidence=draft_min_confidence), branching)
+        model = FeatureTree(FeatureDrafter(draft, vocab_size, device, min_confidence=draft_min_confidence), branching,
+                            draft_rerank)
     else:
         model = ModelTree(ModelDrafter(draft, vocab_size, device, token_ids=draft_token_ids,
-                                       min_confidence=draft_min_confidence, lean=lean), branching)
+                                       min_confidence=draft_min_confidence, lean=lean), branching, draft_rerank)
     if kind == DRAFT:
         return TreeDrafter([model], **size)
     lookup = [] if lookup_min_ngram is None else [LookupTree(*lookup_ngrams, branching)]

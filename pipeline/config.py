@@ -81,6 +81,12 @@ class DecodeConfig(Section):
     tree_branching: int = Field(4, ge=1, description=(
         "Tree rounds: nodes per level of the draft model's tree (each level keeps the best children of the last by "
         "cumulative draft probability) and prompt lookup's branches."))
+    tree_rerank: bool = Field(True, description=(
+        "Greedy tree rounds the draft model has to itself (no lookup or suffix candidates that round): its tree is "
+        "the budget's best of every candidate its beam found on any level (EAGLE-2's rerank: deep where the draft is "
+        "sure, wide where it is not), a level expanded only from nodes that could still enter and whose cumulative "
+        "probability reaches draft_min_confidence. false: each level's best children in turn, as sampled rounds and "
+        "rounds behind other sources grow it (docs/trees.md)."))
     max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0, description="0 is greedy.")
     top_k: int = Field(0, ge=0, description="0 disables top-k.")

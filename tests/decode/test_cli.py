@@ -56,7 +56,7 @@ def test_decode_rejects_bad_messages(checkpoints, capsys):
 
 # the default decoder: token trees of prompt lookup, suffix decoding (no index beside these drafts) and the draft
 DEFAULT_DECODER = ("tree(budget_schedule=[[320, 4], [1280, 8], [2048, 4]]): lookup(n=2..3, branches=4)"
-                   "+suffix(request only, no index)+draft(branching=4, min_confidence=0.4)")
+                   "+suffix(request only, no index)+draft(branching=4, min_confidence=0.4, rerank)")
 
 
 def test_eval_logs_live_and_analytic_acceptance(checkpoints, capsys):
@@ -133,12 +133,12 @@ def test_bench_with_trees_runs_each_source_alone_the_chains_and_compared_budgets
                                       "draft_only", "lookup_only", "suffix_only", "chain", "draft_only_chain",
                                       "budget2", "scheduled"}
     assert all(m["same_output_as_target"] == 2 for m in report["methods"].values())
-    sources = "lookup(n=2..3, branches=4)+suffix(index of 2 sequences)+draft(branching=4, min_confidence=0.4)"
+    sources = "lookup(n=2..3, branches=4)+suffix(index of 2 sequences)+draft(branching=4, min_confidence=0.4, rerank)"
     assert report["drafters"] == {
         "speculative": f"tree(budget=4): {sources}",
         "lookup_only": "tree(budget=4): lookup(n=2..3, branches=4)",
         "suffix_only": "tree(budget=4): suffix(index of 2 sequences)",
-        "draft_only": "tree(budget=4): draft(branching=4, min_confidence=0.4)",
+        "draft_only": "tree(budget=4): draft(branching=4, min_confidence=0.4, rerank)",
         "chain": "lookup(n=2..3)+draft(min_confidence=0.4)", "draft_only_chain": "draft(min_confidence=0.4)",
         "budget2": f"tree(budget=2): {sources}", "scheduled": f"tree(budget_schedule=[[8, 2], [64, 6]]): {sources}"}
     decoders = report["decoders"]
@@ -272,7 +272,8 @@ def test_bench_runs_a_challenger_draft_in_the_rows_of_the_draft_it_stands_in_for
     challenger_rows = {"challenger", "challenger_draft_only", "challenger_draft_only_chain"}
     assert challenger_rows < set(report["methods"]) and challenger_rows < set(report["decoders"])
     assert all(m["same_output_as_target"] == 2 for m in report["methods"].values())
-    assert report["drafters"]["challenger_draft_only"] == "tree(budget=4): features(branching=4, min_confidence=0.4)"
+    assert report["drafters"]["challenger_draft_only"] == ("tree(budget=4): features(branching=4, min_confidence=0.4, "
+                                                           "rerank)")
     assert report["drafters"]["challenger_draft_only_chain"].startswith("features")
     challenger = report["challenger"]
     assert challenger["source"] == str(feature_dir) and 0 < challenger["costs"]["c"] < 10

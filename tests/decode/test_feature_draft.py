@@ -190,7 +190,8 @@ def test_a_tree_pass_hands_over_each_nodes_features_as_feeding_its_path_would(ta
 @torch.no_grad()
 def test_a_feature_tree_node_sees_what_decoding_its_path_as_a_chain_sees(target):
     """Every node's output hidden state in a grown feature tree equals the chain drafter's after the same tokens."""
-    drafter_tree = make_tree_drafter("draft", target, make_feature_draft(target), budget=7, branching=2)
+    drafter_tree = make_tree_drafter("draft", target, make_feature_draft(target), budget=7, branching=2,
+                                     draft_rerank=False)
     source = drafter_tree.sources[0]
     assert isinstance(source, FeatureTree) and drafter_tree.feature_layers == default_feature_layers(4)
     seq = [1, 5, 9, 3, 7, 7]

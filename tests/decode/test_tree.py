@@ -2,18 +2,20 @@
 sources, and tree-round decoding against target-only greedy decoding."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import DynamicCache
 
-from decode.drafters import ModelDrafter
+from decode.drafters import DRAFT, LOOKUP, ModelDrafter
 from decode.factory import build_decoder
 from decode.runtime import ModelRunner, compact, forward_logits, rollback
 from decode.sampling import Warp
 from decode.speculative import SpeculativeDecoder
 from decode.stats import GenerationStats
 from decode.tree import ROOT, TokenTree, accept_greedy, accept_sampled
-from decode.tree_drafters import LookupTree, ModelTree, TreeDrafter, lookup_matches, make_tree_drafter
+from decode.tree_drafters import LookupTree, ModelTree, ModelTreeState, TreeDrafter, lookup_matches, make_tree_drafter
 from pipeline.config import DecodeConfig
 from pipeline.sources import ResolvedModel
 from tests.decode.tiny import greedy_reference, perturbed_copy, tiny_llama
@@ -141,7 +143,8 @@ def test_model_tree_with_branching_one_is_the_greedy_chain(random_draft, min_con
     seq = [40, 41, 42, 43]
     chain = ModelDrafter(random_draft, 128, torch.device("cpu"), min_confidence=min_confidence)
     drafts, _, calls = chain.propose(chain.start(seq), seq, 4, Warp(), None)
-    source = ModelTree(ModelDrafter(random_draft, 128, torch.device("cpu"), min_confidence=min_confidence), 1)
+    source = ModelTree(ModelDrafter(random_draft, 128, torch.device("cpu"), min_confidence=min_confidence), 1,
+                       rerank=False)
     tree, state = TokenTree(), source.start(seq)
     assert source.grow(state, tree, seq, 8, 4, Warp(), None) == calls
     assert tree.tokens == drafts.tolist() and len(tree) == length and tree.parents == [ROOT, 0, 1, 2][:length]
@@ -150,7 +153,7 @@ def test_model_tree_with_branching_one_is_the_greedy_chain(random_draft, min_con
 @torch.inference_mode()
 def test_model_tree_levels_keep_the_best_children_by_cumulative_probability(target, close_draft):
     seq = [5, 9, 2, 77, 3]
-    source = ModelTree(ModelDrafter(close_draft, 128, torch.device("cpu")), 2)
+    source = ModelTree(ModelDrafter(close_draft, 128, torch.device("cpu")), 2, rerank=False)
     tree, state = TokenTree(), source.start(seq)
     assert source.grow(state, tree, seq, 7, 3, Warp(), None) == 3  # the prefix, then levels 1 and 2 (3 is not fed)
     assert tree.depths == [1, 1, 2, 2, 3, 3] and len(tree) == 6  # two per level, depth 3 reached first
@@ -175,6 +178,121 @@ def test_model_tree_levels_keep_the_best_children_by_cumulative_probability(targ
     accepted = [tree.tokens[i] for i in tree.path(4)]
     source.commit(state, seq + accepted + [1])
     assert state.cache.get_seq_length() == len(seq) + 2  # nodes of levels 1-2 were fed; level 3 was not
+
+
+class TableTree(ModelTree):
+    """A model tree whose draft probabilities come from a table: path of tokens after the sequence -> {token: p}
+    (what is left of 1 spread over tokens 10-19); it records every path it was asked about, per forward."""
+
+    def __init__(self, table: dict[tuple[int, ...], dict[int, float]], branching: int,
+                 min_confidence: float | None, rerank: bool = True):
+        drafter = SimpleNamespace(min_confidence=min_confidence, token_ids=None, context=None, vocab_size=20)
+        super().__init__(drafter, branching, rerank)
+        self.table, self.forwards = table, []
+
+    def start(self, prompt):
+        return ModelTreeState(None)
+
+    def _logits(self, paths: list[tuple[int, ...]]) -> torch.Tensor:
+        self.forwards.append(paths)
+        rows = []
+        for path in paths:
+            probs = torch.zeros(20, dtype=torch.float64)
+            for token, p in self.table.get(path, {}).items():
+                probs[token] = p
+            probs[10:] += (1 - probs.sum()) / 10
+            rows.append(probs.log())
+        return torch.stack(rows)
+
+    def _root_logits(self, state, seq, own):
+        return self._logits([()])
+
+    def _level_logits(self, state, own, first, seq):
+        return self._logits([tuple(own.tokens[i] for i in own.path(n)) for n in range(first, len(own))])
+
+    def commit(self, state, seq):
+        pass
+
+
+SURE_ROOT = {(): {1: 0.6, 2: 0.3, 3: 0.02, 4: 0.01}, (1,): {5: 0.9}, (1, 5): {6: 0.5}, (2,): {7: 0.2}}
+
+
+def test_a_reranked_tree_is_the_budgets_best_candidates_of_all_levels():
+    source = TableTree(SURE_ROOT, branching=4, min_confidence=0.4)
+    tree = TokenTree()
+    assert source.grow(source.start([0]), tree, [0], 4, 3, Warp(), None) == 3
+    # candidates by cumulative probability: 1 0.6, 1-5 0.54, 2 0.3, 1-5-6 0.27, then 3 0.02 and the rest below
+    assert tree.tokens == [1, 2, 5, 6] and tree.parents == [ROOT, ROOT, 0, 2]
+    # only the root's 1 (0.6 >= 0.4) and then 1-5 (0.54) were sure enough to expand
+    assert source.forwards == [[()], [(1,)], [(1, 5)]]
+    assert [tree.sources[n] for n in range(4)] == [DRAFT] * 4
+
+
+def test_the_per_level_beam_of_the_same_draft_fills_the_first_level():
+    source = TableTree(SURE_ROOT, branching=4, min_confidence=0.4, rerank=False)
+    tree = TokenTree()
+    assert source.grow(source.start([0]), tree, [0], 4, 3, Warp(), None) == 1
+    assert tree.tokens == [1, 2, 3, 4] and tree.depth == 1
+
+
+def test_an_unsure_root_stays_one_level_and_a_tie_at_the_budget_is_not_expanded():
+    unsure = TableTree({(): {1: 0.3, 2: 0.2, 3: 0.1, 4: 0.05}}, branching=4, min_confidence=0.4)
+    tree = TokenTree()
+    assert unsure.grow(unsure.start([0]), tree, [0], 4, 3, Warp(), None) == 1
+    assert tree.tokens == [1, 2, 3, 4]
+    # no confidence floor: the root's two best tie at 0.45 and fill the budget of 2, so no child of either could
+    # enter it (a child scores at most its parent's 0.45) and no draft forward is spent on them
+    tied = TableTree({(): {1: 0.45, 2: 0.45}}, branching=2, min_confidence=None)
+    tree = TokenTree()
+    assert tied.grow(tied.start([0]), tree, [0], 2, 3, Warp(), None) == 1
+    assert sorted(tree.tokens) == [1, 2]
+    # with a third slot the best's children compete: 1-x scores at most 0.45 x, 2's sibling chain likewise
+    tree = TokenTree()
+    assert tied.grow(tied.start([0]), tree, [0], 3, 2, Warp(), None) == 2
+    assert tied.forwards[-1] == [(1,), (2,)] and len(tree) == 3 and tree.depth == 2
+
+
+def test_reranking_is_left_to_greedy_rounds_the_draft_owns():
+    source = TableTree(SURE_ROOT, branching=4, min_confidence=0.4)
+    shared = TokenTree()
+    shared.add(ROOT, 9, LOOKUP)  # another source's candidate came first: the draft fills the rest level by level
+    assert source.grow(source.start([0]), shared, [0], 3, 3, Warp(), None) == 1
+    assert shared.tokens == [9, 1, 2, 3]
+    sampled = TokenTree()
+    source.grow(source.start([0]), sampled, [0], 4, 3, Warp(1.0, 0, 1.0), torch.Generator().manual_seed(0))
+    assert all(trial.q is not None for trial in sampled.trials(ROOT))  # drawn trials: the per-level beam
+
+
+@torch.inference_mode()
+def test_the_draft_cache_never_keeps_the_last_token_so_the_next_round_has_one_to_feed(close_draft):
+    """A reranked tree may feed a node and then leave it out; when the target's bonus token is that node's, the draft
+    must still start the next round from it."""
+    seq = [5, 9, 2, 77, 3]
+    source = ModelTree(ModelDrafter(close_draft, 128, torch.device("cpu")), 2, rerank=False)
+    tree, state = TokenTree(), source.start(seq)
+    source.grow(state, tree, seq, 4, 2, Warp(), None)  # level 1 fed, level 2 not
+    bonus = tree.tokens[1]  # a fed node's token as the round's last token
+    source.commit(state, seq + [bonus])
+    assert state.cache.get_seq_length() == len(seq)
+    after = TokenTree()
+    assert source.grow(state, after, seq + [bonus], 4, 2, Warp(), None) == 2 and len(after) == 4
+
+
+@pytest.mark.parametrize("budget,branching,gamma", [(4, 4, 5), (6, 2, 4), (10, 3, 6)])
+def test_reranked_draft_trees_give_target_greedy_output(target, close_draft, random_draft, reduced_draft, budget,
+                                                        branching, gamma):
+    prompt = [5, 9, 2, 77, 3, 5, 9]
+    expected = greedy_reference(target, prompt, 40)
+    token_ids = reduced_draft[1]
+    drafters = [make_tree_drafter("draft", target, close_draft, budget=budget, branching=branching),
+                make_tree_drafter("draft", target, random_draft, budget=budget, branching=branching,
+                                  draft_min_confidence=0.1),
+                make_tree_drafter("draft", target, reduced_draft[0], budget=budget, branching=branching,
+                                  draft_token_ids=token_ids)]
+    for drafter in drafters:
+        result = SpeculativeDecoder(target, drafter, gamma).generate(prompt, max_new_tokens=40)
+        assert result.token_ids == expected
+        assert result.stats.accepted_by_source.get(DRAFT, 0) == result.stats.accepted
 
 
 @pytest.mark.parametrize("budget,branching,gamma", [(1, 1, 4), (4, 2, 4), (9, 3, 3), (12, 2, 6), (6, 4, 5)])
@@ -229,7 +347,7 @@ def test_build_decoder_runs_trees_when_the_config_has_a_budget(target, close_dra
     decoder = build_decoder(*resolved, DecodeConfig(tree_budget=8, tree_branching=3, lookup_min_ngram=2))
     assert isinstance(decoder.drafter, TreeDrafter) and decoder.drafter.budget == 8
     assert decoder.drafter.name == ("tree(budget=8): lookup(n=2..3, branches=3)+suffix(request only, no index)"
-                                    "+draft(branching=3, min_confidence=0.4)")
+                                    "+draft(branching=3, min_confidence=0.4, rerank)")
     assert isinstance(build_decoder(*resolved, DecodeConfig()).drafter, TreeDrafter)  # trees are the default
     chains = DecodeConfig().chain_rounds()
     assert not chains.tree_rounds and not isinstance(build_decoder(*resolved, chains).drafter, TreeDrafter)
