@@ -27,8 +27,8 @@ budget n is the best over d ≤ D of τ_d(n) / ((d·c(d) + v_tree(n)) · t(L)); 
 The decoder's own tree (`decode.tree_drafters.ModelTree`) is a per-level beam, at most `tree_branching` nodes per
 level, γ levels (in greedy rounds the best of its candidates on all levels), chosen by cumulative draft probability
 rather than by this program, so the predicted τ is what the best tree of that size would give: an upper bound for the
-beam. Each row therefore reports its tree's depth and widest
-level, the γ and `tree_branching` a beam needs to reach that shape.
+beam. Each row therefore reports its tree's depth and widest level, the γ and `tree_branching` a beam needs to reach
+that shape.
 """
 
 from __future__ import annotations

@@ -213,6 +213,10 @@ class ModelTree:
         tokens: list[int] = []
         beam, node_of = [ROOT], {ROOT: ROOT}  # the candidates expanded last, and each expanded one's node in `own`
         sure = self.drafter.min_confidence or 0.0
+
+        def best_first(candidates) -> list[int]:  # ties: the one found first (a parent before its children)
+            return sorted(candidates, key=lambda i: (-scores[i], i))
+
         for d in range(1, depth + 1):
             top, index = logits.float().softmax(-1).topk(min(self.branching, logits.shape[-1]), -1)
             first = len(scores)
@@ -224,8 +228,9 @@ class ModelTree:
                     tokens.append(self._target_token(pick))
             if d == depth:
                 break
-            entry = sorted(scores, reverse=True)[budget - 1] if len(scores) >= budget else 0.0  # to enter the best
-            found = sorted(range(first, len(scores)), key=lambda i: (-scores[i], i))[: self.branching]
+            ranked = best_first(range(len(scores)))
+            entry = scores[ranked[budget - 1]] if len(ranked) >= budget else 0.0  # what a child must beat to enter
+            found = best_first(range(first, len(scores)))[: self.branching]
             beam = [i for i in found if scores[i] > entry and scores[i] >= sure]
             if not beam:
                 break
@@ -236,7 +241,7 @@ class ModelTree:
             calls += 1
         nodes = {ROOT: ROOT}
         # parents before children: a child is found after its parent and never scores above it
-        for i in sorted(sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:budget]):
+        for i in sorted(best_first(range(len(scores)))[:budget]):
             nodes[i] = tree.add(nodes[parents[i]], tokens[i], DRAFT)
         return calls
 
