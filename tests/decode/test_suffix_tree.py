@@ -113,15 +113,16 @@ def test_the_config_switch(target, close_draft, greedy_case, tmp_path):
     target_model = ResolvedModel("t", tmp_path / "target", target, None, "", None)
     bare = ResolvedModel("d", tmp_path, close_draft, None, "", None)
     assert build_decoder(target_model, bare, decode).drafter.name == (
-        "tree(budget=6): lookup(n=2..3, branches=2)+suffix(request only, no index)+draft(branching=2)")
+        "tree(budget=6): lookup(n=2..3, branches=2)+suffix(request only, no index)+draft(branching=2, rerank)")
     greedy_case[2].save(tmp_path / SUFFIX_INDEX_FILE)
     decoder = build_decoder(target_model, bare, decode)
     assert decoder.drafter.name == (
-        "tree(budget=6): lookup(n=2..3, branches=2)+suffix(index of 4 sequences)+draft(branching=2)")
+        "tree(budget=6): lookup(n=2..3, branches=2)+suffix(index of 4 sequences)+draft(branching=2, rerank)")
     prompts, outputs, _ = greedy_case
     result = decoder.generate(prompts[3], max_new_tokens=24)
     assert result.token_ids == outputs[3] and result.stats.accepted_by_source["suffix"] > 0
     # the draft model alone keeps its own acceptance; prompt lookup without a draft searches the request only
-    assert build_decoder(target_model, bare, decode, kind="draft").drafter.name == "tree(budget=6): draft(branching=2)"
+    assert build_decoder(target_model, bare, decode, kind="draft").drafter.name == ("tree(budget=6): "
+                                                                                   "draft(branching=2, rerank)")
     assert build_decoder(target_model, None, decode, kind="lookup").drafter.name == (
         "tree(budget=6): lookup(n=2..3, branches=2)+suffix(request only, no index)")
