@@ -41,6 +41,7 @@ from decode.llamacpp import Completion, LlamaCppError, LlamaServer, optional_row
 from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter, lookup_max_ngram
 from decode.runtime import ModelRunner, greedy_decode, hf_assistant_model, rollback
 from decode.stats import aggregate_stats, paired_speedup, ratio_ci
+from decode.sweep_costs import representative_tree
 from decode.timing import run_interleaved, timed
 from decode.tree_drafters import ModelTree, TreeDrafter
 from pipeline import metrics as M
@@ -76,8 +77,8 @@ def hf_generate(model, prompt: list[int], *, max_new_tokens: int, eos_ids: list[
 
 def costed_drafter(drafter, vocab_size: int):
     """The chain drafter whose step `step_costs` charges for `drafter`: the model half of a lookup-first hybrid, the
-    model source of a token tree (its first), prompt lookup for a tree without one, else the drafter itself. The
-    cost model is a chain's: for trees it prices a (γ+1)-token verify, not the tree's."""
+    model source of a token tree (its first), prompt lookup for a tree without one, else the drafter itself. For
+    trees `step_costs` also times the tree's own verify (`tree_budget`)."""
     if isinstance(drafter, LookupThenModelDrafter):
         return drafter.model
     if isinstance(drafter, TreeDrafter):
@@ -87,8 +88,10 @@ def costed_drafter(drafter, vocab_size: int):
 
 
 @torch.inference_mode()
-def step_costs(target: ModelRunner, draft, prompt: list[int], gamma: int, reps: int = 20) -> dict[str, float]:
-    """Median seconds of one cached target step, one draft step and one (γ+1)-token verify; c and v as ratios.
+def step_costs(target: ModelRunner, draft, prompt: list[int], gamma: int, reps: int = 20,
+               tree_budget: int = 0) -> dict[str, float]:
+    """Median seconds of one cached target step, one draft step and one (γ+1)-token verify; c and v as ratios. With
+    `tree_budget` nodes also a tree verify of that many (`decode.sweep_costs.representative_tree`) and v_tree.
 
     Timed the way the decoder runs them: target is its `ModelRunner`, draft its `ModelDrafter` or a
     `PromptLookupDrafter`, whose step is one lookup of γ tokens divided by γ (one lookup per round).
@@ -114,9 +117,25 @@ def step_costs(target: ModelRunner, draft, prompt: list[int], gamma: int, reps: 
         draft_step = cost(feature_step(draft.model), draft.model.new_cache(), draft.device, 1)
     else:  # the ModelDrafter the decoder runs: the draft's forward as the decoder calls it
         draft_step = cost(draft.runner.forward, draft.runner.new_cache(), draft.device, 1)
+    def tree_cost(budget: int) -> float:
+        device = _device(target.model)
+        tree = representative_tree(budget, output_size(target.model))
+        tokens = torch.tensor(prompt[-1:] + tree.tokens, device=device)
+        positions = torch.tensor([0, *tree.depths], device=device) + len(prompt)
+        mask = tree.attention_mask(device)
+        cache = target.new_cache()
+        target.forward(torch.tensor(prompt, device=device), cache, 0, True)
+        times = [timed(lambda: target.forward_tree(tokens, cache, len(prompt), positions, mask), device)[1]
+                 for _ in range(reps + 2)]
+        return statistics.median(times[2:])
+
     target_step, verify = target_cost(1), target_cost(gamma + 1)
-    return {"target_step_s": target_step, "draft_step_s": draft_step, "verify_s": verify,
-            "c": draft_step / target_step, "v": verify / target_step}
+    costs = {"target_step_s": target_step, "draft_step_s": draft_step, "verify_s": verify,
+             "c": draft_step / target_step, "v": verify / target_step}
+    if tree_budget:
+        tree_verify = tree_cost(tree_budget)
+        costs.update(tree_budget=tree_budget, tree_verify_s=tree_verify, v_tree=tree_verify / target_step)
+    return costs
 
 
 def feature_step(draft: FeatureDraft) -> Callable:
@@ -424,12 +443,17 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     outputs = {**runs.outputs, **{name: [result.token_ids for result in runs.outputs[name]] for name in decoders}}
     results, baseline = method_results(outputs, runs.seconds, seed)
 
+    tree_budget = decoder.drafter.budget_at(len(prompts[0])) if isinstance(decoder.drafter, TreeDrafter) else 0
     costs = step_costs(decoder.target_runner, costed_drafter(decoder.drafter, output_size(target.model)),
-                       prompts[0], fixed_gamma)
+                       prompts[0], fixed_gamma, tree_budget=tree_budget)
     summary = aggregate_stats(stats["speculative"], categories, seed=seed)
     alpha, tau = summary["acceptance_rate"]["value"], summary["tau"]["value"]
     c, v = costs["c"], costs["v"]
     in_run = in_run_costs(stats["speculative"], results[baseline])
+    if tree_budget:  # a tree round: its draft forwards as the run made them, one tree verify; Leviathan's is a chain's
+        predicted, bound = None, tau / (in_run["drafts_per_round"] * c + costs["v_tree"])
+    else:
+        predicted, bound = expected_speedup(alpha, fixed_gamma, c, v), tau / (fixed_gamma * c + v)
     draft_run = draft_alpha_row(rows)
     draft_summary = aggregate_stats(stats[draft_run], categories, seed=seed) if draft_run else None
     if second:
@@ -463,8 +487,8 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
         "alpha_draft_at_position": draft_summary["acceptance_at_position"] if draft_summary else None,
         "tau": summary["tau"],
         "costs": costs,
-        "predicted_speedup": expected_speedup(alpha, fixed_gamma, c, v),
-        "overhead_free_bound": tau / (fixed_gamma * c + v),
+        "predicted_speedup": predicted,
+        "overhead_free_bound": bound,
         "in_run_costs": in_run,
         "break_even_alpha": break_even_alpha(fixed_gamma, in_run["c"], in_run["v"]),
         "speculative_time_s": summary["time_s"],
@@ -527,9 +551,13 @@ def markdown(report: dict) -> str:
         f"[{t['low']:.2f}, {t['high']:.2f}]",
         f"- step costs: target {k['target_step_s'] * 1e3:.2f} ms, draft {k['draft_step_s'] * 1e3:.2f} ms, "
         f"verify of γ+1 tokens {k['verify_s'] * 1e3:.2f} ms -> c = {k['c']:.3f}, v = {k['v']:.3f}",
-        f"- Leviathan's prediction (1−α^(γ+1))/((1−α)(γc+v)) = {report['predicted_speedup']:.2f}x; "
-        f"overhead-free bound τ/(γc+v) = {report['overhead_free_bound']:.2f}x (costs isolated at the first prompt's "
-        "context)",
+        *([f"- tree verify of {k['tree_budget']} nodes (the first prompt's budget) {k['tree_verify_s'] * 1e3:.2f} ms "
+           f"-> v_tree = {k['v_tree']:.3f}; overhead-free bound τ/(d·c+v_tree) = {report['overhead_free_bound']:.2f}x "
+           f"with d = {r['drafts_per_round']:.2f} draft calls per round, the run's (costs isolated at the first "
+           "prompt's context; Leviathan's prediction is a chain's, not given for trees)"] if "v_tree" in k else
+          [f"- Leviathan's prediction (1−α^(γ+1))/((1−α)(γc+v)) = {report['predicted_speedup']:.2f}x; "
+           f"overhead-free bound τ/(γc+v) = {report['overhead_free_bound']:.2f}x (costs isolated at the first "
+           "prompt's context)"]),
         f"- in-run costs (each call at its real context): one target step {r['target_step_s'] * 1e3:.2f} ms, "
         f"c = {r['c']:.3f}, v = {r['v']:.3f}, {r['drafts_per_round']:.2f} drafts per round; overhead-free bound "
         f"{r['overhead_free_bound']:.2f}x, reached {speculative['speedup']['value'] / r['overhead_free_bound']:.2f} "
@@ -588,7 +616,6 @@ def flat_metrics(report: dict) -> dict[str, float]:
         M.SPEEDUP: speculative["speedup"]["value"],
         M.SPEEDUP_LOW: speculative["speedup"]["low"],
         M.SPEEDUP_HIGH: speculative["speedup"]["high"],
-        M.SPEEDUP_PREDICTED: report["predicted_speedup"],
         M.TOKENS_PER_S: speculative["tokens_per_s"]["value"],
         M.TARGET_TOKENS_PER_S: methods[TARGET_ONLY]["tokens_per_s"]["value"],
         M.COST_RATIO_C: costs["c"],
@@ -601,6 +628,10 @@ def flat_metrics(report: dict) -> dict[str, float]:
         M.ACCEPTANCE_DECODER: report["alpha"]["value"],
         M.tau_at(report["settings"]["gamma"]): report["tau"]["value"],
     }
+    if report["predicted_speedup"] is not None:  # chain rounds only
+        out[M.SPEEDUP_PREDICTED] = report["predicted_speedup"]
+    if "v_tree" in costs:
+        out[M.VERIFY_RATIO_V_TREE] = costs["v_tree"]
     if report["alpha_draft"] is not None:
         out[M.ACCEPTANCE_DRAFT] = report["alpha_draft"]["value"]
     if TARGET_ONLY_TORCH in methods:

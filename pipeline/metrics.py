@@ -60,6 +60,7 @@ SPEEDUP_PREDICTED = "speed/predicted_speedup"
 TREES_VS_CHAIN = "speed/trees_vs_chain"  # bench: the tree decoder's throughput over the same decoder in chain rounds
 COST_RATIO_C = "speed/cost_ratio_c"
 VERIFY_RATIO_V = "speed/verify_ratio_v"
+VERIFY_RATIO_V_TREE = "speed/verify_ratio_v_tree"  # bench, tree rounds: a verify of the round's node budget
 OVERHEAD_FREE_BOUND = "speed/overhead_free_bound"
 IN_RUN_COST_RATIO_C = "speed/in_run_cost_ratio_c"
 IN_RUN_VERIFY_RATIO_V = "speed/in_run_verify_ratio_v"

@@ -25,6 +25,7 @@ from decode.bench import (
 from decode.drafters import DECODER, DRAFT, LOOKUP, ModelDrafter, make_drafter
 from decode.llamacpp import Completion, LlamaCppError
 from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter
+from decode.runtime import ModelRunner
 from decode.stats import GenerationStats
 from decode.tree_drafters import make_tree_drafter
 
@@ -172,3 +173,28 @@ def test_the_cost_model_charges_the_chain_drafter_behind_hybrids_and_trees(targe
     assert isinstance(model, ModelDrafter) and model.runner.model is close_draft
     lookup_tree = costed_drafter(make_tree_drafter(LOOKUP, target, budget=4), 128)
     assert isinstance(lookup_tree, PromptLookupDrafter) and lookup_tree.vocab_size == 128
+
+
+class CountingRunner(ModelRunner):
+    """A target runner that records the tokens of every tree pass."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.tree_passes: list[tuple[int, list[int]]] = []
+
+    def forward_tree(self, tokens, cache, start, positions, tree_mask):
+        self.tree_passes.append((start, positions.tolist()))
+        return super().forward_tree(tokens, cache, start, positions, tree_mask)
+
+
+def test_step_costs_time_the_trees_own_verify_for_tree_rounds(target, close_draft):
+    runner, prompt = CountingRunner(target), list(range(1, 11))
+    drafter = costed_drafter(make_tree_drafter(DECODER, target, close_draft, budget=4), 128)
+    chain = bench.step_costs(runner, drafter, prompt, gamma=3, reps=2)
+    assert "v_tree" not in chain and not runner.tree_passes
+    costs = bench.step_costs(runner, drafter, prompt, gamma=3, reps=2, tree_budget=4)
+    assert costs["tree_budget"] == 4
+    assert costs["v_tree"] == pytest.approx(costs["tree_verify_s"] / costs["target_step_s"])
+    # 2 warm-up passes and 2 timed, each of the pending token and 4 nodes after the 10-token prompt: the root's two
+    # children at depth 1, their first child's two at depth 2 (`decode.sweep_costs.representative_tree`)
+    assert runner.tree_passes == [(10, [10, 11, 11, 12, 12])] * 4

@@ -97,7 +97,9 @@ def test_bench_writes_reports(checkpoints, capsys, tmp_path):
     assert "speedup" not in report["methods"][report["baseline"]]
     assert report["settings"]["lookup_min_ngram"] == 2 and report["settings"]["draft_min_confidence"] == 0.4
     assert report["costs"]["c"] > 0 and report["costs"]["v"] > 0
-    assert report["predicted_speedup"] > 0 and report["overhead_free_bound"] > 0
+    # tree rounds: the bound prices the tree's own verify; Leviathan's prediction is a chain's, so there is none
+    assert report["costs"]["tree_budget"] > 0 and report["costs"]["v_tree"] > 0
+    assert report["predicted_speedup"] is None and report["overhead_free_bound"] > 0
     assert all(m["same_output_as_target"] == 3 for m in report["methods"].values())
     in_run = report["in_run_costs"]
     assert in_run["c"] > 0 and in_run["v"] > 0 and 0 < in_run["model_time_share"] <= 1
