@@ -117,12 +117,11 @@ def step_costs(target: ModelRunner, draft, prompt: list[int], gamma: int, reps: 
         draft_step = cost(feature_step(draft.model), draft.model.new_cache(), draft.device, 1)
     else:  # the ModelDrafter the decoder runs: the draft's forward as the decoder calls it
         draft_step = cost(draft.runner.forward, draft.runner.new_cache(), draft.device, 1)
+
     def tree_cost(budget: int) -> float:
         device = _device(target.model)
         tree = representative_tree(budget, output_size(target.model))
-        tokens = torch.tensor(prompt[-1:] + tree.tokens, device=device)
-        positions = torch.tensor([0, *tree.depths], device=device) + len(prompt)
-        mask = tree.attention_mask(device)
+        tokens, positions, mask = tree.pass_inputs(prompt[-1], len(prompt), device)
         cache = target.new_cache()
         target.forward(torch.tensor(prompt, device=device), cache, 0, True)
         times = [timed(lambda: target.forward_tree(tokens, cache, len(prompt), positions, mask), device)[1]

@@ -215,10 +215,9 @@ def tree_round(target: ModelRunner, target_cache, drafter: TreeDrafter, draft_st
     tree, draft_calls = drafter.grow(draft_state, seq, depth, warp, generator)
     lap("draft")
     device, start = next(target.model.parameters()).device, len(seq) - 1
-    tokens = torch.tensor(seq[-1:] + tree.tokens, device=device)
-    positions = torch.tensor([0, *tree.depths], device=device) + start
-    logits, features = target.forward_tree_features(tokens, target_cache, start, positions,
-                                                    tree.attention_mask(device), drafter.feature_layers)
+    tokens, positions, mask = tree.pass_inputs(seq[-1], start, device)
+    logits, features = target.forward_tree_features(tokens, target_cache, start, positions, mask,
+                                                    drafter.feature_layers)
     verdict = accept(tree, logits, warp, generator)
     lap("verify")
     compact(target_cache, start + 1, [start + 1 + node for node in verdict.path])

@@ -137,10 +137,8 @@ def measure_costs(target_model, proposers: Mapping[str, object], tokens: list[in
 
     def tree_verify(cache, length: int, budget: int) -> Callable[[], object]:
         tree = representative_tree(budget, vocab_size)
-        fed = torch.tensor(tokens[length : length + 1] + tree.tokens, device=device)
-        positions = torch.tensor([0, *tree.depths], device=device) + length
-        return lambda: accept(tree, runner.forward_tree(fed, cache, length, positions, tree.attention_mask(device)),
-                              warp, None)
+        fed, positions, mask = tree.pass_inputs(tokens[length], length, device)
+        return lambda: accept(tree, runner.forward_tree(fed, cache, length, positions, mask), warp, None)
 
     # (quantity key, context index) -> (run, undo)
     timers: dict[tuple[str, int], tuple[Callable, Callable]] = {}

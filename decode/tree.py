@@ -115,6 +115,15 @@ class TokenTree:
             rows.append(row)
         return torch.tensor(rows, dtype=torch.bool, device=device)
 
+    def pass_inputs(self, pending: int, start: int,
+                    device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the target's tree pass feeds (`decode.runtime.ModelRunner.forward_tree`): tokens [N+1], the pending
+        token then the nodes; positions [N+1], `start` for the pending token and start + depth for each node; and
+        `attention_mask`."""
+        tokens = torch.tensor([pending, *self.tokens], device=device)
+        positions = torch.tensor([0, *self.depths], device=device) + start
+        return tokens, positions, self.attention_mask(device)
+
 
 @dataclass(frozen=True)
 class Verdict:
