@@ -7,7 +7,7 @@ from pathlib import Path
 from decode.drafters import DECODER, DRAFT, LOOKUP, SUFFIX, make_drafter
 from decode.speculative import GammaPolicy, SpeculativeDecoder
 from decode.suffix import SuffixIndex, load_suffix_index
-from decode.tree_budget_auto import BudgetChoice, auto_budget_schedule
+from decode.tree_budget_auto import BudgetChoice, ModelFreeTrees, auto_budget_schedule
 from decode.tree_drafters import make_tree_drafter
 from pipeline.config import AUTO, DecodeConfig
 from pipeline.sources import eos_token_ids
@@ -54,14 +54,20 @@ def build_decoder(target, draft, decode: DecodeConfig, *, kind: str = DECODER, g
 
 def tree_budget_choice(decode: DecodeConfig, target, draft, kind: str = DECODER) -> BudgetChoice | None:
     """The node budget schedule of `decode`'s tree rounds for the tree `kind` grows, "auto" resolved
-    (`decode.tree_budget_auto`: from the draft where its model grows the tree); None for a fixed `tree_budget` or
-    chain rounds."""
+    (`decode.tree_budget_auto`: from the draft where its model grows the tree, else from prompt lookup's and suffix
+    decoding's trees replayed on the suffix index of `suffix_index_of`); None for a fixed `tree_budget` or chain
+    rounds."""
     schedule = decode.tree_budget_schedule
     if decode.tree_budget or schedule is None:
         return None
     if schedule != AUTO:
         return BudgetChoice([tuple(e) for e in schedule], "configured")
-    return auto_budget_schedule(target, draft if kind in (DECODER, DRAFT) else None, decode.gamma)
+    if kind in (DECODER, DRAFT):
+        return auto_budget_schedule(target, draft, decode.gamma)
+    model_free = ModelFreeTrees(kind, suffix_index_of(decode, draft), suffix=decode.suffix or kind == SUFFIX,
+                                lookup_min_ngram=decode.lookup_min_ngram if kind == LOOKUP else None,
+                                branching=decode.tree_branching)
+    return auto_budget_schedule(target, None, decode.gamma, model_free=model_free)
 
 
 def suffix_index_of(decode: DecodeConfig, draft) -> SuffixIndex | None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -189,6 +189,22 @@ def predict_tree_budgets(costs: dict, draft: str, p: Sequence[float], budgets: S
         chains.append({"draft": draft, "context": context, "gamma": gamma, "tau": expected_tokens(trees.p[0], gamma),
                        "predicted_speedup": speedup, "predicted_tokens_per_s": speedup / step})
     return rows, chains
+
+
+def predict_model_free_budgets(costs: dict, name: str, tau: Mapping[int, float]) -> list[dict]:
+    """Tree rows, as `predict_tree_budgets` gives them, of trees grown without a draft model (prompt lookup's
+    branches, suffix decoding's candidates) at every measured context: τ(B) replayed on text the target wrote
+    (`decode.tree_budget_auto.replayed_tau`: their acceptance is not a draft's rank acceptance, so the dynamic
+    program has nothing to work on), no draft cost (their search runs on the host between passes, left out as the
+    draft's prefill is), predicted speedup τ(B) / v_tree(B). The tree's shape is the sources' own: not reported."""
+    target, rows = costs["target"], []
+    for i, context in enumerate(costs["contexts"]):
+        for budget, value in sorted(tau.items()):
+            v = target["v_tree"][str(budget)][i]
+            rows.append({"draft": name, "context": context, "budget": budget, "tau": value, "nodes": budget,
+                         "depth": None, "width": None, "draft_cost": 0.0, "v_tree": v,
+                         "predicted_speedup": value / v, "predicted_tokens_per_s": value / v / target["step_s"][i]})
+    return rows
 
 
 def context_schedule(contexts: Sequence[int], pick: Callable[[int], int]) -> list[list[int]]:

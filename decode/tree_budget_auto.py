@@ -11,16 +11,22 @@ as for `cpu_linear: auto`); the rank acceptances p_r are the draft's, measured b
 (`decode.tree_budget.load_rank_acceptance`; a feature draft's at its first position). The schedule is then the
 sweep's own recommendation (`predict_tree_budgets`, `recommend_tree_budget`).
 
-Where either half is missing the built-in schedule (`pipeline.config.DEFAULT_TREE_BUDGET_SCHEDULE`) stands and the
-reason goes with it: no draft model (prompt lookup's and suffix decoding's trees alone), or a draft distilled before
-p_r were stored.
+Trees grown without a draft model (prompt lookup's branches and suffix decoding's candidates: `--draft prompt-lookup`,
+bench's `lookup_only` and `suffix_only` rows) have no rank acceptance: what they propose is not a ranked list of one
+model's choices. For them `auto` measures τ(B) itself (`replayed_tau`): the same tree drafter, greedy rounds
+replayed on responses the target wrote (sequences of the suffix index, the others searched), a node accepted where it
+continues that text, as the decoder's greedy walk accepts it where the target writes it; the schedule is then the
+budget with the most τ(B) / v_tree(B) at each context (`predict_model_free_budgets`), on the target's costs alone.
+
+Where a half is missing the built-in schedule (`pipeline.config.DEFAULT_TREE_BUDGET_SCHEDULE`) stands and the reason
+goes with it: a draft distilled before p_r were stored, or no draft model and no suffix index to replay on.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,8 +35,18 @@ import torch
 from decode.drafters import DRAFT, make_drafter
 from decode.kernel_choice import machine_busy, machine_key
 from decode.kernels import cpu_linear_of
+from decode.sampling import Warp
+from decode.suffix import SuffixIndex
 from decode.sweep_costs import measure_costs
-from decode.tree_budget import TREE_BUDGETS, load_rank_acceptance, predict_tree_budgets, recommend_tree_budget
+from decode.tree import ROOT
+from decode.tree_budget import (
+    TREE_BUDGETS,
+    load_rank_acceptance,
+    predict_model_free_budgets,
+    predict_tree_budgets,
+    recommend_tree_budget,
+)
+from decode.tree_drafters import make_tree_drafter
 from pipeline import draftops_home
 from pipeline.config import DEFAULT_TREE_BUDGET_SCHEDULE
 from pipeline.files import write_text_atomic
@@ -39,6 +55,8 @@ CONTEXTS = (128, 512, 2048)  # the sweep's context lengths for trees; schedule e
 REPS = 10  # timed repetitions of every quantity (the sweep's)
 SEED = 0  # of the token ids timed: a tree pass costs the same whatever the tokens
 BUSY_TIMINGS: dict[Path, dict] = {}  # cache file -> costs timed on a busy machine, for this process only
+REPLAY_SEQUENCES = 32  # responses of the suffix index replayed for a model-free tree's τ(B) (`replayed_tau`)
+MIN_REPLAY_SEQUENCES = 8  # fewer in the index: too little text to tell budgets apart, the built-in schedule stands
 
 
 @dataclass(frozen=True)
@@ -53,14 +71,34 @@ def default_choice(reason: str) -> BudgetChoice:
     return BudgetChoice([tuple(e) for e in DEFAULT_TREE_BUDGET_SCHEDULE], f"built-in schedule: {reason}")
 
 
-def auto_budget_schedule(target, draft, max_depth: int, *, reps: int = REPS,
-                         log: Callable[[str], None] | None = None) -> BudgetChoice:
-    """The node budget by context length for trees of at most `max_depth` levels grown by `draft`.
+@dataclass(frozen=True)
+class ModelFreeTrees:
+    """A tree drafter without a draft model as `auto` replays it: `make_tree_drafter`'s kind ("lookup", "suffix")
+    and settings, and the suffix index whose responses are the replayed text (searched by suffix decoding when
+    `suffix`)."""
 
-    target, draft: `pipeline.sources.ResolvedModel`s (draft None: trees of prompt lookup and suffix decoding alone).
-    log: where the one line announcing a measurement goes (stderr by default)."""
+    kind: str
+    index: SuffixIndex | None
+    suffix: bool = True
+    lookup_min_ngram: int | None = None
+    branching: int = 2
+
+    def settings(self) -> dict:
+        """What τ(B) depends on besides the depth and budgets: the sources, and the index's contents."""
+        digest = None if self.index is None else hashlib.sha256(self.index.tokens.tobytes()).hexdigest()[:16]
+        return {"kind": self.kind, "suffix": self.suffix, "lookup_min_ngram": self.lookup_min_ngram,
+                "branching": self.branching, "index": digest}
+
+
+def auto_budget_schedule(target, draft, max_depth: int, *, model_free: ModelFreeTrees | None = None,
+                         reps: int = REPS, log: Callable[[str], None] | None = None) -> BudgetChoice:
+    """The node budget by context length for trees of at most `max_depth` levels grown by `draft`, or without a draft
+    model (draft None) by `model_free`.
+
+    target, draft: `pipeline.sources.ResolvedModel`s. log: where the line announcing a measurement goes (stderr by
+    default)."""
     if draft is None:
-        return default_choice("no draft model")
+        return model_free_schedule(target, model_free, max_depth, reps=reps, log=log)
     p = load_rank_acceptance(draft.path) if draft.path is not None else None
     if p is None:
         return default_choice(f"{draft.source} carries no rank acceptance (distilled before draftops stored it)")
@@ -68,6 +106,81 @@ def auto_budget_schedule(target, draft, max_depth: int, *, reps: int = REPS,
     rows, _ = predict_tree_budgets(costs, DRAFT, p, TREE_BUDGETS, max_depth)
     schedule = recommend_tree_budget(rows, costs["contexts"])["tree_budget_schedule"]
     return BudgetChoice([(int(m), int(b)) for m, b in schedule], "measured on this machine")
+
+
+def model_free_schedule(target, trees: ModelFreeTrees | None, max_depth: int, *, reps: int = REPS,
+                        log: Callable[[str], None] | None = None) -> BudgetChoice:
+    """`auto` for trees without a draft model: τ(B) replayed (`replayed_tau`, cached) over the target's tree verify
+    costs (`tree_costs` with no draft)."""
+    sequences = 0 if trees is None or trees.index is None else len(trees.index)
+    if sequences < MIN_REPLAY_SEQUENCES:
+        return default_choice(f"no draft model, and {'no' if not sequences else 'too small a'} suffix index to replay "
+                              "prompt lookup's and suffix decoding's trees on")
+    tau = cached_replayed_tau(target, trees, max_depth, log=log)
+    costs = tree_costs(target, None, max_depth, reps=reps, log=log)
+    rows = predict_model_free_budgets(costs, trees.kind, tau)
+    schedule = recommend_tree_budget(rows, costs["contexts"])["tree_budget_schedule"]
+    return BudgetChoice([(int(m), int(b)) for m, b in schedule],
+                        f"measured on this machine, τ replayed on {min(REPLAY_SEQUENCES, sequences // 2)} responses")
+
+
+def replay_split(index: SuffixIndex, count: int = REPLAY_SEQUENCES) -> tuple[list[list[int]], SuffixIndex]:
+    """(texts, index): `count` of the index's sequences (at most half of them) spread evenly through it, and an index
+    of the others, so a replayed text never finds itself."""
+    sequences = index.sequences()
+    count = min(count, len(sequences) // 2)
+    held = {int(i * len(sequences) / count) for i in range(count)}
+    return ([s for i, s in enumerate(sequences) if i in held],
+            SuffixIndex([s for i, s in enumerate(sequences) if i not in held]))
+
+
+def replayed_tau(target_model, trees: ModelFreeTrees, budgets: Sequence[int], max_depth: int,
+                 count: int = REPLAY_SEQUENCES) -> dict[int, float]:
+    """τ(B), new tokens per round, of `trees` at each node budget B: greedy tree rounds of at most `max_depth` levels
+    replayed on texts the target wrote (`replay_split`; the first token is the prompt), a node accepted where the
+    path to it continues the text: what the decoder's greedy walk does where the target writes that text. The texts
+    are responses without their prompts, so prompt lookup finds less to copy than in a request, most at the budgets
+    it would fill."""
+    texts, index = replay_split(trees.index, count)
+    tau = {}
+    for budget in budgets:
+        drafter = make_tree_drafter(trees.kind, target_model, budget=budget, branching=trees.branching,
+                                    lookup_min_ngram=trees.lookup_min_ngram, suffix=trees.suffix, suffix_index=index)
+        tokens = rounds = 0
+        for text in (t for t in texts if len(t) > 1):
+            seq = text[:1]
+            states = drafter.start(seq)
+            while len(seq) < len(text):
+                rest = text[len(seq):]
+                tree, _ = drafter.grow(states, seq, min(max_depth, len(rest) - 1), Warp(), None)
+                node, accepted = ROOT, 0
+                while accepted < len(rest) - 1 and (node := tree.child(node, rest[accepted])) is not None:
+                    accepted += 1
+                seq = seq + rest[:accepted + 1]
+                drafter.commit(states, seq)
+                tokens, rounds = tokens + accepted + 1, rounds + 1
+        tau[budget] = tokens / rounds
+    return tau
+
+
+def cached_replayed_tau(target, trees: ModelFreeTrees, max_depth: int,
+                        log: Callable[[str], None] | None = None) -> dict[int, float]:
+    """`replayed_tau` at `TREE_BUDGETS` from the cache under `$DRAFTOPS_HOME/tree_costs/`, or replayed and cached
+    (it depends on the sources and the index, not on the machine)."""
+    key = {"replayed_tau": trees.settings(), "max_depth": max_depth, "budgets": list(TREE_BUDGETS),
+           "sequences": REPLAY_SEQUENCES}
+    path = cache_file(key)
+    cached = read_costs(path, key)
+    if cached is not None:
+        return {int(b): float(t) for b, t in cached.items()}
+    (log or (lambda line: print(line, file=sys.stderr, flush=True)))(
+        f"tree budget auto: replaying {trees.kind}'s trees of {min(TREE_BUDGETS)}-{max(TREE_BUDGETS)} nodes on "
+        f"{min(REPLAY_SEQUENCES, len(trees.index) // 2)} of the suffix index's responses, once (cached under "
+        f"{path.parent})")
+    tau = replayed_tau(target.model, trees, TREE_BUDGETS, max_depth)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps({"key": key, "costs": {str(b): t for b, t in tau.items()}}, indent=1))
+    return tau
 
 
 def cost_contexts(model, max_depth: int) -> list[int]:
@@ -82,13 +195,13 @@ def cost_contexts(model, max_depth: int) -> list[int]:
 
 def cost_key(target, draft, max_depth: int) -> dict:
     """What the measured costs hold for: this machine (CPU, torch, threads; the GPU's name on one), the target and
-    draft weights, their device, dtype and CPU kernels, and what was timed."""
+    draft weights (draft None: the target's costs alone), their device, dtype and CPU kernels, and what was timed."""
     parameter = next(target.model.parameters())
     device = parameter.device
     return {"machine": machine_key(),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
             "dtype": str(parameter.dtype), "kernels": cpu_linear_of(target.model),
-            "target": target.fingerprint, "draft": draft.fingerprint,
+            "target": target.fingerprint, "draft": None if draft is None else draft.fingerprint,
             "contexts": cost_contexts(target.model, max_depth), "budgets": list(TREE_BUDGETS),
             "gammas": sorted({1, max_depth})}
 
@@ -109,8 +222,9 @@ def read_costs(path: Path, key: dict) -> dict | None:
 
 def tree_costs(target, draft, max_depth: int, *, reps: int = REPS, log: Callable[[str], None] | None = None) -> dict:
     """`measure_costs` of the target's tree verifies and the draft's rounds (γ 1 and max_depth, between which a
-    tree level's cost is interpolated), from the cache or measured and cached; timings a busy machine gave are kept
-    for the rest of this process only (`BUSY_TIMINGS`), so its later decoders do not time again."""
+    tree level's cost is interpolated; none with draft None), from the cache or measured and cached; timings a busy
+    machine gave are kept for the rest of this process only (`BUSY_TIMINGS`), so its later decoders do not time
+    again."""
     key = cost_key(target, draft, max_depth)
     path = cache_file(key)
     cached = BUSY_TIMINGS.get(path) or read_costs(path, key)
@@ -118,13 +232,15 @@ def tree_costs(target, draft, max_depth: int, *, reps: int = REPS, log: Callable
         return cached
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     contexts = key["contexts"]
-    log(f"tree budget auto: timing the target's tree verify of {min(TREE_BUDGETS)}-{max(TREE_BUDGETS)} nodes and "
-        f"the draft's rounds at contexts {contexts}, once on this machine (cached under {path.parent})")
+    timed = "" if draft is None else " and the draft's rounds"
+    log(f"tree budget auto: timing the target's tree verify of {min(TREE_BUDGETS)}-{max(TREE_BUDGETS)} nodes{timed} "
+        f"at contexts {contexts}, once on this machine (cached under {path.parent})")
     vocab_size = target.model.get_output_embeddings().weight.shape[0]
     tokens = torch.randint(vocab_size, (max(contexts) + max_depth + 2,),
                            generator=torch.Generator().manual_seed(SEED)).tolist()
-    drafter = make_drafter(DRAFT, target.model, draft.model, draft_token_ids=draft.token_ids)
-    costs = measure_costs(target.model, {DRAFT: drafter}, tokens, contexts, key["gammas"], reps=reps,
+    drafters = {} if draft is None else {
+        DRAFT: make_drafter(DRAFT, target.model, draft.model, draft_token_ids=draft.token_ids)}
+    costs = measure_costs(target.model, drafters, tokens, contexts, key["gammas"], reps=reps,
                           tree_budgets=TREE_BUDGETS)
     busy = machine_busy()
     if busy:

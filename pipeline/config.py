@@ -67,9 +67,11 @@ class DecodeConfig(Section):
         "Tree rounds with the node budget by sequence length: [[max_context, budget], ...] with increasing "
         "max_context (prompt + generated; the last budget beyond), instead of tree_budget (which stays 0). auto: the "
         "schedule `draftops sweep` would recommend, from this machine's tree verify costs (timed once per machine, "
-        "target and draft, and cached) and the rank acceptance the draft's distill measured; without those (no draft "
-        f"model, an older draft) {[list(e) for e in DEFAULT_TREE_BUDGET_SCHEDULE]}, one 2-core CPU's "
-        "(docs/trees.md). null with tree_budget 0: chain rounds."))
+        "target and draft, and cached) and the rank acceptance the draft's distill measured; trees without a draft "
+        "model (prompt lookup, suffix decoding) from those costs and their rounds replayed on the suffix index's "
+        "responses; without those (an older draft; no draft model and no suffix index) "
+        f"{[list(e) for e in DEFAULT_TREE_BUDGET_SCHEDULE]}, one 2-core CPU's (docs/trees.md). null with "
+        "tree_budget 0: chain rounds."))
     suffix: bool = Field(True, description=(
         "Tree rounds: suffix decoding's candidates join the tree after prompt lookup's, before the draft model's: "
         "continuations of the text's last tokens in the target's earlier outputs (the suffix index `make distill` "

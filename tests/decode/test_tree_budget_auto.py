@@ -8,12 +8,16 @@ import pytest
 
 import decode.tree_budget_auto as auto
 from decode.factory import build_decoder, tree_budget_choice
+from decode.suffix import SuffixIndex
 from decode.tree_budget import TREE_BUDGETS, load_rank_acceptance, save_rank_acceptance
 from pipeline.config import DEFAULT_TREE_BUDGET_SCHEDULE, DecodeConfig, DraftopsConfig
 from pipeline.sources import TREE_ACCEPTANCE_FILE, ResolvedModel
 from tests.decode.tiny import greedy_reference
 
 P = [0.5, 0.2, 0.1, 0.05]  # the draft's rank acceptances p_1..p_4
+NO_REPLAY = ("built-in schedule: no draft model, and no suffix index to replay prompt lookup's and suffix decoding's "
+             "trees on")
+TEXT = list(range(1, 21))  # a response with no repeats in itself: suffix decoding finds it in the index alone
 
 
 @pytest.fixture
@@ -94,7 +98,7 @@ def test_without_a_rank_acceptance_the_built_in_schedule_stands(models, target, 
     assert choice.schedule == built_in
     assert choice.source == ("built-in schedule: draft carries no rank acceptance (distilled before draftops "
                              "stored it)")
-    assert auto.auto_budget_schedule(models[0], None, max_depth=5).source == "built-in schedule: no draft model"
+    assert auto.auto_budget_schedule(models[0], None, max_depth=5).source == NO_REPLAY
 
 
 def test_the_decoder_runs_the_auto_schedule(models, monkeypatch, target):
@@ -105,8 +109,8 @@ def test_the_decoder_runs_the_auto_schedule(models, monkeypatch, target):
     assert decoder.drafter.schedule == [(128, 2)]
     prompt = [5, 9, 2, 77, 3, 5, 9]
     assert decoder.generate(prompt, max_new_tokens=30).token_ids == greedy_reference(target, prompt, 30)
-    # prompt lookup and suffix decoding alone grow no draft tree: the built-in schedule
-    assert tree_budget_choice(decode, *models, kind="suffix").source == "built-in schedule: no draft model"
+    # prompt lookup and suffix decoding alone, with no suffix index to replay them on: the built-in schedule
+    assert tree_budget_choice(decode, *models, kind="suffix").source == NO_REPLAY
     assert tree_budget_choice(decode.chain_rounds(), *models) is None
     assert tree_budget_choice(DecodeConfig(tree_budget_schedule=[[16, 2]]), *models) == auto.BudgetChoice(
         [(16, 2)], "configured")
@@ -125,3 +129,58 @@ def test_a_feature_draft_is_timed_with_the_targets_features(tmp_path, monkeypatc
                                        ResolvedModel("f", tmp_path, make_feature_draft(target), None, "f-fp", None),
                                        max_depth=3, reps=1, log=lambda line: None)
     assert choice.source == "measured on this machine" and [m for m, _ in choice.schedule] == [128]
+
+
+def test_replay_split_holds_out_at_most_half_spread_through_the_index():
+    index = SuffixIndex([[i, i + 1] for i in range(10)])
+    texts, rest = auto.replay_split(index, count=32)
+    assert texts == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    assert rest.sequences() == [[1, 2], [3, 4], [5, 6], [7, 8], [9, 10]]
+    texts, rest = auto.replay_split(index, count=2)
+    assert texts == [[0, 1], [5, 6]] and len(rest) == 8
+
+
+def test_replayed_tau_counts_the_greedy_walk_over_the_text(target):
+    """Suffix decoding on a 20-token text whose copies fill the index, 5 levels at most; a match of m tokens is
+    continued by at most m (max_spec_factor 1), the prompt is the text's first token. Budget 2: +2 (a 1-token
+    match), then +3 five times, then +2 (a level left): 19 tokens in 7 rounds. Budget 4: +2, +4 (3-token match),
+    +5, +5, +3 (2 levels left): 19 in 5. Budget 8: +2, +4, +6, +6, +1 (no level left): 19 in 5."""
+    trees = auto.ModelFreeTrees("suffix", SuffixIndex([TEXT] * 10))
+    tau = auto.replayed_tau(target, trees, budgets=(2, 4, 8), max_depth=5)
+    assert tau == pytest.approx({2: 19 / 7, 4: 19 / 5, 8: 19 / 5})
+    # prompt lookup alone finds nothing in a text without repeats: one token a round
+    assert auto.replayed_tau(target, auto.ModelFreeTrees("lookup", SuffixIndex([TEXT] * 10), suffix=False),
+                             budgets=(2, 8), max_depth=5) == {2: 1.0, 8: 1.0}
+
+
+@pytest.mark.parametrize(("v_tree", "budget"), [
+    (lambda b: 1.0 + 0.005 * b, 4),  # width nearly free: τ(4) = τ(8), and 4 nodes cost less
+    (lambda b: 1.0 + 0.5 * b, 2),  # B=2 2.71 / 2.0 beats B=4 3.8 / 3.0
+])
+def test_without_a_draft_model_the_budget_comes_from_the_replayed_trees(models, target, monkeypatch, v_tree, budget):
+    monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: flat_costs(v_tree))
+    monkeypatch.setattr(auto, "TREE_BUDGETS", (2, 4, 8))
+    lines = []
+    trees = auto.ModelFreeTrees("suffix", SuffixIndex([TEXT] * 10))
+    choice = auto.auto_budget_schedule(models[0], None, max_depth=5, model_free=trees, log=lines.append)
+    assert choice == auto.BudgetChoice([(128, budget)], "measured on this machine, τ replayed on 5 responses")
+    assert lines[0].startswith("tree budget auto: replaying suffix's trees of 2-8 nodes on 5 of the suffix index's "
+                               "responses, once")
+    (replayed,) = [json.loads(f.read_text()) for f in (auto.draftops_home() / "tree_costs").glob("*.json")
+                   if "replayed_tau" in f.read_text()]
+    assert replayed["costs"] == pytest.approx({"2": 19 / 7, "4": 19 / 5, "8": 19 / 5})
+    monkeypatch.setattr(auto, "replayed_tau", lambda *a, **k: pytest.fail("replayed again"))
+    assert auto.auto_budget_schedule(models[0], None, max_depth=5, model_free=trees, log=lines.append) == choice
+    small = auto.ModelFreeTrees("suffix", SuffixIndex([TEXT] * 7))
+    assert auto.auto_budget_schedule(models[0], None, max_depth=5, model_free=small).source == (
+        "built-in schedule: no draft model, and too small a suffix index to replay prompt lookup's and suffix "
+        "decoding's trees on")
+
+
+def test_the_suffix_only_decoder_runs_the_replayed_schedule(models, target, monkeypatch, tmp_path):
+    monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: flat_costs(lambda b: 1.0 + 0.5 * b))
+    SuffixIndex([TEXT] * 10).save(tmp_path / "index.json")
+    decode = DecodeConfig(suffix_index=str(tmp_path / "index.json"))
+    decoder = build_decoder(models[0], None, decode, kind="suffix")
+    assert decoder.drafter.schedule == [(128, 2)]
+    assert decoder.generate(TEXT[:3], max_new_tokens=20).token_ids == greedy_reference(target, TEXT[:3], 20)
