@@ -10,13 +10,17 @@ the kernel measured faster on this machine (`AutoLinear`, `decode.kernel_choice`
 
 Only inference takes the oneDNN path: with autograd recording (training), or off CPU, or in another dtype, the layer
 is a plain `nn.Linear`.
+
+`ConcatLinear` runs several layers that read the same input (a decoder layer's q, k and v; its gate and up) as one
+product over their weights stacked by rows, on the kernel the layers themselves run; each layer's own forward is its
+reference.
 """
 from __future__ import annotations
 
 import bisect
 import itertools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
 
@@ -179,6 +183,57 @@ def use_cpu_linear(model: torch.nn.Module, kind: str) -> torch.nn.Module:
             module.plan_rows = tuple(t.rows for t in timings)
             module.plan_onednn = tuple(t.pick == "onednn" for t in timings)
     return model
+
+
+class ConcatLinear:
+    """Linear layers that read the same input, run as one product over their weights stacked by rows -> the tuple of
+    their outputs. A decoder step on a CPU reads every weight once for one or a few rows, so each product costs its
+    weight's read plus a per-call cost that small weights do not amortize: one call per decoder layer for q, k and v
+    and one for gate and up instead of five.
+
+    The stacked weight is derived from the layers' own, like a packed one (`OneDNNLinear`): built at first use and
+    again whenever a layer's weight or bias is replaced or changed in place (training). The product runs the kernel
+    the first layer runs at that moment ("auto" with its own plan for the stacked shape, "onednn" or "torch"), so
+    `use_cpu_linear` and `torch_kernels` on the model switch it too.
+    """
+
+    def __init__(self, layers: Sequence[torch.nn.Linear]):
+        if len({layer.in_features for layer in layers}) != 1 or len({layer.bias is None for layer in layers}) != 1:
+            raise ValueError("stacked layers need one input size, and a bias on all of them or none")
+        self.layers = list(layers)
+        self.sizes = [layer.out_features for layer in layers]
+        self.stacked: torch.nn.Linear | None = None
+        self.kind: type | None = None  # the layer class `stacked` was switched to
+        self.source: list[tuple[torch.Tensor, int]] = []  # (tensor, version) it was stacked from
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if torch.is_grad_enabled() and any(layer.weight.requires_grad for layer in self.layers):
+            return tuple(layer(x) for layer in self.layers)  # gradients reach the layers' own weights
+        return self.current()(x).split(self.sizes, -1)
+
+    def current(self) -> torch.nn.Linear:
+        """The stacked layer, rebuilt if a source tensor changed, on the kernel the first layer runs."""
+        tensors = [t for layer in self.layers for t in (layer.weight, layer.bias) if t is not None]
+        if self.stacked is None or any(t is not s or _version(t) != v for t, (s, v) in zip(tensors, self.source)):
+            first = self.layers[0]
+            stacked = torch.nn.Linear(first.in_features, sum(self.sizes), bias=first.bias is not None,
+                                      device=first.weight.device, dtype=first.weight.dtype)
+            with torch.no_grad():
+                stacked.weight.copy_(torch.cat([layer.weight for layer in self.layers]))
+                if first.bias is not None:
+                    stacked.bias.copy_(torch.cat([layer.bias for layer in self.layers]))
+            self.stacked, self.kind = stacked.requires_grad_(False), None
+            self.source = [(t, _version(t)) for t in tensors]
+        kind = type(self.layers[0])
+        if kind is not self.kind:
+            use_cpu_linear(self.stacked, {AutoLinear: "auto", OneDNNLinear: "onednn"}.get(kind, "torch"))
+            self.kind = kind
+        return self.stacked
+
+
+def _version(tensor: torch.Tensor) -> int:
+    """In-place changes to `tensor` (inference tensors keep no counter and cannot change outside inference mode)."""
+    return -1 if tensor.is_inference() else tensor._version
 
 
 @contextmanager

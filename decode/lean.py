@@ -9,12 +9,16 @@ token tree (`decode.tree`) at per-node positions under a tree mask; `tests/decod
 feeding each root-to-node path plainly. `LeanLlama(model, compiled=True)` runs the same forward through
 `torch.compile` (inductor, dynamic shapes; parity-tested against the eager one): it saves Python overhead on one-token
 steps, but compiling takes minutes on a small CPU, so it is opt-in (docs/cpu-runtime.md has the measurement).
+The eager forward runs each decoder layer's q, k, v projections as one product and its gate and up as another
+(`decode.kernels.ConcatLinear`, as gpt-fast and serving engines do): a few-row step pays per product called.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from decode.kernels import ConcatLinear
 
 
 class KVCache:
@@ -79,8 +83,15 @@ class LeanLlama:
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.compiled = compiled
+        # per decoder layer: its q, k, v projections and its gate, up projections, each as one product; the compiled
+        # forward keeps the layers' own (inductor traces their products)
+        self.qkv = self.gate_up = None
         if compiled:  # graphs are built on first use, one per call pattern (a step, a block, a tree)
             self._layers = torch.compile(self._layers, dynamic=True)
+        else:
+            self.qkv = [ConcatLinear([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
+                        for layer in self.inner.layers]
+            self.gate_up = [ConcatLinear([layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in self.inner.layers]
 
     @staticmethod
     def supports(model) -> bool:
@@ -182,9 +193,13 @@ class LeanLlama:
             if i in capture:
                 captured[i] = x
             attention, h = layer.self_attn, layer.input_layernorm(x)
-            q = attention.q_proj(h).view(b, n, self.heads, self.head_dim).transpose(1, 2)
-            k = attention.k_proj(h).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = attention.v_proj(h).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+            if self.qkv is None:
+                q, k, v = attention.q_proj(h), attention.k_proj(h), attention.v_proj(h)
+            else:
+                q, k, v = self.qkv[i](h)
+            q = q.view(b, n, self.heads, self.head_dim).transpose(1, 2)
+            k = k.view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = v.view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             if ragged:  # [B, T, heads, dim] into each row's own slots
                 keys[i][rows, :, positions], values[i][rows, :, positions] = k.transpose(1, 2), v.transpose(1, 2)
@@ -193,7 +208,12 @@ class LeanLlama:
             out = F.scaled_dot_product_attention(q, keys[i][:, :, :end], values[i][:, :, :end],
                                                  attn_mask=mask, scale=attention.scaling, enable_gqa=True)
             x = x + attention.o_proj(out.transpose(1, 2).reshape(b, n, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            h = layer.post_attention_layernorm(x)
+            if self.gate_up is None:
+                x = x + layer.mlp(h)
+            else:
+                gate, up = self.gate_up[i](h)
+                x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
         x = self.inner.norm(x[:, -1:] if keep_last else x)
         features = torch.cat([captured[i] for i in capture], -1) if capture else None
         return self.model.lm_head(x), features

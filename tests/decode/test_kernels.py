@@ -12,6 +12,7 @@ from decode import kernel_choice, kernels
 from decode.kernel_choice import ROWS, Timing, cache_file, machine_key, read_cache
 from decode.kernels import (
     AutoLinear,
+    ConcatLinear,
     OneDNNLinear,
     cpu_linear_of,
     linear_shapes,
@@ -90,6 +91,74 @@ def test_layer_repacks_when_its_weight_changes_and_copies_pack_their_own():
         assert torch.equal(twin(x), twin.bias.expand(3, 8))
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
     assert not torch.equal(before, layer(x))
+
+
+# --------------------------------------------------------------------------- stacked products
+
+
+def three_layers(bias: bool) -> list[torch.nn.Linear]:
+    torch.manual_seed(3)
+    return [torch.nn.Linear(16, out, bias=bias) for out in (12, 4, 4)]  # q, k, v of a 3-head, 1-kv-head layer
+
+
+@pytest.mark.parametrize("kind", ["torch", "onednn", "auto"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_stacked_product_gives_each_layers_own_output(kind, bias, monkeypatch):
+    monkeypatch.setattr(kernels, "measure_linear", timings_of("ototot"))
+    layers = three_layers(bias)
+    for layer in layers:
+        use_cpu_linear(layer, kind)
+    stacked = ConcatLinear(layers)
+    with torch.inference_mode():
+        for rows in (1, 2, 6, 64):
+            x = torch.randn(1, rows, 16)
+            outputs = stacked(x)
+            assert [o.shape for o in outputs] == [(1, rows, 12), (1, rows, 4), (1, rows, 4)]
+            for out, layer in zip(outputs, layers):
+                torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert type(stacked.current()) is type(layers[0])
+    if kind == "auto":  # its own plan, for its own (stacked) shape
+        assert stacked.current().plan_onednn == (True, False, True, False, True, False)
+
+
+def test_stacked_product_follows_its_layers_weights_and_kernel():
+    layers = three_layers(bias=True)
+    for layer in layers:
+        use_cpu_linear(layer, "onednn")
+    stacked = ConcatLinear(layers)
+    x = torch.randn(3, 16)
+
+    def assert_matches():
+        for out, layer in zip(stacked(x), layers):
+            torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+    with torch.no_grad():
+        assert_matches()
+        layers[1].weight.mul_(2)  # in place, as an optimizer step does
+        assert_matches()
+        layers[2].bias = torch.nn.Parameter(torch.randn(4))  # replaced, as load_state_dict(assign=True) does
+        assert_matches()
+        assert type(stacked.current()) is OneDNNLinear
+        with torch_kernels(torch.nn.ModuleList(layers)):
+            assert_matches()
+            assert type(stacked.current()) is torch.nn.Linear
+        assert type(stacked.current()) is OneDNNLinear
+
+
+def test_stacked_product_leaves_gradients_to_the_layers_own_weights():
+    layers = three_layers(bias=False)
+    x = torch.randn(2, 16)
+    sum(out.square().sum() for out in ConcatLinear(layers)(x)).backward()
+    for layer in layers:
+        expected = 2 * F.linear(x, layer.weight).T @ x
+        torch.testing.assert_close(layer.weight.grad, expected)
+
+
+def test_stacked_layers_must_share_their_input_and_bias_kind():
+    with pytest.raises(ValueError, match="one input size"):
+        ConcatLinear([torch.nn.Linear(16, 4), torch.nn.Linear(8, 4)])
+    with pytest.raises(ValueError, match="a bias on all"):
+        ConcatLinear([torch.nn.Linear(16, 4), torch.nn.Linear(16, 4, bias=False)])
 
 
 # --------------------------------------------------------------------------- cpu_linear: auto
