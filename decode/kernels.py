@@ -185,6 +185,9 @@ def use_cpu_linear(model: torch.nn.Module, kind: str) -> torch.nn.Module:
     return model
 
 
+STACKABLE = (torch.nn.Linear, OneDNNLinear, AutoLinear)  # the layer classes `ConcatLinear` stacks
+
+
 class ConcatLinear:
     """Linear layers that read the same input, run as one product over their weights stacked by rows -> the tuple of
     their outputs. A decoder step on a CPU reads every weight once for one or a few rows, so each product costs its
@@ -207,8 +210,11 @@ class ConcatLinear:
         self.source: list[tuple[torch.Tensor, int]] = []  # (tensor, version) it was stacked from
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if torch.is_grad_enabled() and any(layer.weight.requires_grad for layer in self.layers):
-            return tuple(layer(x) for layer in self.layers)  # gradients reach the layers' own weights
+        """Each layer's output; each layer's own forward where the layers are not all plain fp32-style linear layers
+        (int8 dynamic ones, say) or where autograd would need their own weights."""
+        if (any(type(layer) not in STACKABLE for layer in self.layers)
+                or torch.is_grad_enabled() and any(layer.weight.requires_grad for layer in self.layers)):
+            return tuple(layer(x) for layer in self.layers)
         return self.current()(x).split(self.sizes, -1)
 
     def current(self) -> torch.nn.Linear:

@@ -154,6 +154,17 @@ def test_stacked_product_leaves_gradients_to_the_layers_own_weights():
         torch.testing.assert_close(layer.weight.grad, expected)
 
 
+def test_layers_of_other_kinds_run_their_own_forward():
+    layers = three_layers(bias=True)
+    layers[1] = torch.ao.nn.quantized.dynamic.Linear(16, 4)  # int8 weights: nothing to stack
+    stacked = ConcatLinear(layers)
+    x = torch.randn(2, 16)
+    with torch.inference_mode():
+        for out, layer in zip(stacked(x), layers):
+            assert torch.equal(out, layer(x))
+    assert stacked.stacked is None
+
+
 def test_stacked_layers_must_share_their_input_and_bias_kind():
     with pytest.raises(ValueError, match="one input size"):
         ConcatLinear([torch.nn.Linear(16, 4), torch.nn.Linear(8, 4)])
