@@ -55,6 +55,12 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def _version(tensor: torch.Tensor) -> int:
+    """In-place changes to `tensor`, for weights derived from it (inference tensors keep no counter; they can only
+    change inside inference mode, which nothing does)."""
+    return -1 if tensor.is_inference() else tensor._version
+
+
 class OneDNNLinear(torch.nn.Linear):
     """An `nn.Linear` that takes the oneDNN path when it can (same parameters, same state dict), on its weight packed
     at first use and packed again whenever the weight is replaced or changed in place (training, `load_state_dict`)."""
@@ -67,9 +73,8 @@ class OneDNNLinear(torch.nn.Linear):
 
     def _packed_weight(self) -> torch.Tensor:
         weight = self.weight
-        # inference tensors keep no version counter; they can only change inside inference mode, which nothing does.
         # The weight itself is the identity (not its address: a replacement may reuse a freed weight's memory).
-        version = -1 if weight.is_inference() else weight._version
+        version = _version(weight)
         cached = _packed.get(self)
         if cached is None or cached[0]() is not weight or cached[1] != version:
             cached = _packed[self] = (weakref.ref(weight), version, pack_weight(weight))
@@ -122,8 +127,11 @@ def _auto_eligible(module: torch.nn.Module) -> bool:
     return module.weight.device.type == "cpu" and module.weight.dtype == torch.float32
 
 
+SWITCHABLE = (torch.nn.Linear, OneDNNLinear, AutoLinear)  # the layer classes `use_cpu_linear` switches between
+
+
 def _switchable_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
-    return [m for m in model.modules() if type(m) in (torch.nn.Linear, OneDNNLinear, AutoLinear)]
+    return [m for m in model.modules() if type(m) in SWITCHABLE]
 
 
 def linear_shapes(model: torch.nn.Module) -> dict[Shape, int]:
@@ -185,9 +193,6 @@ def use_cpu_linear(model: torch.nn.Module, kind: str) -> torch.nn.Module:
     return model
 
 
-STACKABLE = (torch.nn.Linear, OneDNNLinear, AutoLinear)  # the layer classes `ConcatLinear` stacks
-
-
 class ConcatLinear:
     """Linear layers that read the same input, run as one product over their weights stacked by rows -> the tuple of
     their outputs. A decoder step on a CPU reads every weight once for one or a few rows, so each product costs its
@@ -206,13 +211,13 @@ class ConcatLinear:
         self.layers = list(layers)
         self.sizes = [layer.out_features for layer in layers]
         self.stacked: torch.nn.Linear | None = None
-        self.kind: type | None = None  # the layer class `stacked` was switched to
+        self.kind: type | None = None  # the first layer's class when `stacked` was switched to its kernel
         self.source: list[tuple[torch.Tensor, int]] = []  # (tensor, version) it was stacked from
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Each layer's output; each layer's own forward where the layers are not all plain fp32-style linear layers
-        (int8 dynamic ones, say) or where autograd would need their own weights."""
-        if (any(type(layer) not in STACKABLE for layer in self.layers)
+        """Each layer's output; each layer's own forward where a layer is not one `use_cpu_linear` switches (an int8
+        dynamic one, say) or where autograd would need their own weights."""
+        if (any(type(layer) not in SWITCHABLE for layer in self.layers)
                 or torch.is_grad_enabled() and any(layer.weight.requires_grad for layer in self.layers)):
             return tuple(layer(x) for layer in self.layers)
         return self.current()(x).split(self.sizes, -1)
@@ -232,14 +237,9 @@ class ConcatLinear:
             self.source = [(t, _version(t)) for t in tensors]
         kind = type(self.layers[0])
         if kind is not self.kind:
-            use_cpu_linear(self.stacked, {AutoLinear: "auto", OneDNNLinear: "onednn"}.get(kind, "torch"))
+            use_cpu_linear(self.stacked, cpu_linear_of(self.layers[0]))
             self.kind = kind
         return self.stacked
-
-
-def _version(tensor: torch.Tensor) -> int:
-    """In-place changes to `tensor` (inference tensors keep no counter and cannot change outside inference mode)."""
-    return -1 if tensor.is_inference() else tensor._version
 
 
 @contextmanager
