@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG_PATH = REPO_CONFIGS / "default.yaml"
@@ -192,6 +192,12 @@ class DistillConfig(Section):
     eval_every: int = Field(50, ge=1, description="Optimizer steps between held-out evaluations.")
     checkpoint_every: int = Field(25, ge=1, description="Optimizer steps between resumable checkpoints.")
     keep_checkpoints: int = Field(2, ge=1)
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _bare_no(cls, value: Any) -> Any:
+        """YAML 1.1 reads a bare `no` (`distill.mixed_precision=no`, `mixed_precision: no`) as false."""
+        return "no" if value is False else value
 
     @model_validator(mode="after")
     def _features_train_on_target_responses(self) -> DistillConfig:

@@ -21,6 +21,16 @@ def test_overrides_are_typed_and_nested():
     assert cfg.tracking.uri == "sqlite:///x.db"
 
 
+def test_a_bare_no_is_the_option_no_not_false(tmp_path):
+    # YAML 1.1 reads `no` as false; mixed_precision's off value is the string "no"
+    assert load_config(None, ["distill.mixed_precision=no"]).distill.mixed_precision == "no"
+    path = tmp_path / "mp.yaml"
+    path.write_text("distill:\n  mixed_precision: no\n")
+    assert load_config(path).distill.mixed_precision == "no"
+    with pytest.raises(ConfigError, match="distill.mixed_precision"):
+        load_config(None, ["distill.mixed_precision=true"])
+
+
 def test_misspelled_key_in_file_names_key_and_file(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("decode:\n  gama: 4\n")
