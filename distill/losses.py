@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-LossName = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "ce"]  # "ce": hard labels only (the baseline)
+LossName = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "argmax_ce", "ce"]  # "ce": hard labels only (the baseline)
 TAIL_FLOOR = 1e-6
 
 
@@ -86,7 +86,14 @@ def total_variation(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     return 1.0 - torch.minimum(log_p.exp(), log_q.exp()).sum(-1)
 
 
-DIVERGENCES = {"forward_kl": forward_kl, "reverse_kl": reverse_kl, "tvd": total_variation}
+def argmax_cross_entropy(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """−log q of the teacher's most likely bucket: what greedy acceptance rewards (the draft's first choice being the
+    target's), with none of the teacher's mass elsewhere; the limit of forward KL as the teacher's temperature → 0."""
+    return -log_q.gather(-1, log_p.argmax(-1, keepdim=True)).squeeze(-1)
+
+
+DIVERGENCES = {"forward_kl": forward_kl, "reverse_kl": reverse_kl, "tvd": total_variation,
+               "argmax_ce": argmax_cross_entropy}
 
 
 # --------------------------------------------------------------------------- teacher/student -> buckets

@@ -172,8 +172,9 @@ class DistillConfig(Section):
         "scored by the target online.")
     onpolicy_temperature: float = Field(1.0, gt=0.0)
     # objective
-    loss: Literal["forward_kl", "reverse_kl", "jsd", "tvd", "ce"] = Field("forward_kl", description=(
-        "Divergence to the teacher; 'ce' is the plain cross-entropy baseline on the target's tokens."))
+    loss: Literal["forward_kl", "reverse_kl", "jsd", "tvd", "argmax_ce", "ce"] = Field("forward_kl", description=(
+        "Divergence to the teacher; 'argmax_ce': cross-entropy on the teacher's most likely token at every position; "
+        "'ce' is the plain cross-entropy baseline on the target's (sampled) tokens."))
     jsd_beta: float = Field(0.5, ge=0.0, le=1.0, description="jsd only: 0 = forward KL, 1 = reverse KL.")
     temperature: float = Field(1.0, gt=0.0, description="Distillation temperature (1 with a top-k teacher).")
     ce_weight: float = Field(0.0, ge=0.0, description="Weight of cross-entropy on the response tokens.")

@@ -123,6 +123,21 @@ def test_top_k_teacher_buckets_the_tail():
     assert fkl == pytest.approx(0.5 * LN2 + 0.2 * math.log(0.8) + 0.3 * math.log(0.6), abs=1e-6)
     tvd = distillation_loss(q.log().view(1, 1, 5), teacher, mask, loss="tvd").item()
     assert tvd == pytest.approx(1 - (0.25 + 0.2 + 0.3), abs=1e-6)
+    # the teacher's most likely bucket is id 0: −ln q(0)
+    greedy = distillation_loss(q.log().view(1, 1, 5), teacher, mask, loss="argmax_ce").item()
+    assert greedy == pytest.approx(-math.log(0.25), abs=1e-6)
+
+
+def test_argmax_cross_entropy_reads_only_the_teachers_first_choice():
+    # P's argmax is column 0, Q gives it 0.4; a teacher with the same argmax but other mass elsewhere scores the same
+    assert one_position(logits(Q), logits(P), loss="argmax_ce") == pytest.approx(-math.log(0.4), abs=1e-6)
+    flatter = torch.tensor([0.4, 0.35, 0.25])
+    assert one_position(logits(Q), logits(flatter), loss="argmax_ce") == pytest.approx(-math.log(0.4), abs=1e-6)
+    # a reduced-vocabulary student: the argmax over the columns it has (target id 2 -> column 1, q 0.6)
+    student = torch.tensor([0.4, 0.6]).log()
+    value = one_position(student, logits(torch.tensor([0.1, 0.5, 0.4])), loss="argmax_ce",
+                         token_ids=torch.tensor([0, 2]))
+    assert value == pytest.approx(-math.log(0.6), abs=1e-6)
 
 
 def test_top_k_over_the_whole_vocabulary_equals_full_logits():
