@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-LossName = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "argmax_ce", "ce"]  # "ce": hard labels only (the baseline)
+from pipeline.config import LossName
+
 TAIL_FLOOR = 1e-6
 
 

@@ -19,6 +19,10 @@ class ConfigError(ValueError):
     """A config file or override that does not fit the schema."""
 
 
+# the objectives `distill.losses.distillation_loss` computes; "ce": hard labels only (the baseline)
+LossName = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "argmax_ce", "ce"]
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -172,7 +176,7 @@ class DistillConfig(Section):
         "scored by the target online.")
     onpolicy_temperature: float = Field(1.0, gt=0.0)
     # objective
-    loss: Literal["forward_kl", "reverse_kl", "jsd", "tvd", "argmax_ce", "ce"] = Field("forward_kl", description=(
+    loss: LossName = Field("forward_kl", description=(
         "Divergence to the teacher; 'argmax_ce': cross-entropy on the teacher's most likely token at every position; "
         "'ce' is the plain cross-entropy baseline on the target's (sampled) tokens."))
     jsd_beta: float = Field(0.5, ge=0.0, le=1.0, description="jsd only: 0 = forward KL, 1 = reverse KL.")
