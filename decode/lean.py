@@ -6,19 +6,68 @@ draft's step (it runs γ times a round); docs/cpu-runtime.md has the measurement
 does (gpt-fast style: explicit positions into a preallocated KV cache), so it computes the same function; the
 transformers forward is the reference, and `tests/decode/test_lean.py` holds the parity test. `forward_tree` feeds a
 token tree (`decode.tree`) at per-node positions under a tree mask; `tests/decode/test_tree.py` checks it against
-feeding each root-to-node path plainly. `LeanLlama(model, compiled=True)` runs the same forward through
-`torch.compile` (inductor, dynamic shapes; parity-tested against the eager one): it saves Python overhead on one-token
-steps, but compiling takes minutes on a small CPU, so it is opt-in (docs/cpu-runtime.md has the measurement).
+feeding each root-to-node path plainly.
 The eager forward runs each decoder layer's q, k, v projections as one product and its gate and up as another
 (`decode.kernels.ConcatLinear`, as gpt-fast and serving engines do): a few-row step pays per product called.
+
+`LeanLlama(model, compiled=True)` runs the passes a decoder makes after the prompt (a step, a verify block, a tree:
+one sequence, at most `COMPILED_MAX_TOKENS` tokens, past position 1, no features) through `torch.compile` of the
+same function (`CompiledPass`, parity-tested against the eager forward); prefills, wider passes, batches and feature
+captures stay eager. A step of a small model on a CPU is mostly per-call cost and weight reads: on a CPU the graph is
+compiled with the weights frozen into it, inductor's C++ GEMM templates on weights it packs once, and a C++ wrapper,
+so that one call runs the whole pass. Compiling takes minutes on a small CPU and is redone by every process (frozen
+weights are not cached), so it is opt-in (`decode.compiled`); docs/cpu-runtime.md has the measurement.
 """
 from __future__ import annotations
+
+import sys
+import weakref
 
 import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from decode.kernels import ConcatLinear
+
+# what a graph that cannot be built raises (inductor wraps its own errors in the second)
+COMPILE_ERRORS = (torch._dynamo.exc.BackendCompilerFailed, torch._inductor.exc.InductorError)
+COMPILED_MAX_TOKENS = 4  # the widest pass run compiled: past 4 rows inductor's C++ GEMM is slower than eager
+_compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its one compiled LeanLlama
+
+
+def use_compiled_passes(model) -> None:
+    """From now on, `decode.runtime.ModelRunner` runs `model`'s passes compiled (`LeanLlama(model, compiled=True)`),
+    one compiled forward per model shared by every runner of it (the decoder's, the cost timings'), so that each
+    graph is compiled once a process."""
+    if not LeanLlama.supports(model):
+        raise ValueError("decode.compile compiles the lean forward: it needs a Llama-architecture model in eval mode")
+    if model not in _compiled:
+        _compiled[model] = LeanLlama(model, compiled=True)
+
+
+def compiled_lean(model) -> LeanLlama | None:
+    """The compiled forward `use_compiled_passes` gave `model`, if any."""
+    return _compiled.get(model)
+
+
+def compile_options(device: torch.device) -> dict:
+    """inductor's options for a compiled pass on `device`. On a CPU: weights frozen into the graph as constants, GEMMs
+    from inductor's C++ templates on weights packed once (autotuned against ATen), the wrapper in C++, and each
+    product split across threads by its output columns only: a few-row product then reads every weight once
+    (splitting its rows between threads, as inductor may, has every thread read all of them)."""
+    if device.type != "cpu":
+        return {}
+    return {"freezing": True, "cpp_wrapper": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+            "cpp.gemm_thread_factors": f"1,{torch.get_num_threads()},1",
+            "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}  # no tables on stderr
+
+
+class CompileUnavailable(RuntimeError):
+    """`CompiledPass` could not build its graph on this machine."""
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 class KVCache:
@@ -82,16 +131,11 @@ class LeanLlama:
         self.model, self.inner = model, model.model
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.compiled = compiled
-        # per decoder layer: its q, k, v projections and its gate, up projections, each as one product; the compiled
-        # forward keeps the layers' own (inductor traces their products)
-        self.qkv = self.gate_up = None
-        if compiled:  # graphs are built on first use, one per call pattern (a step, a block, a tree)
-            self._layers = torch.compile(self._layers, dynamic=True)
-        else:
-            self.qkv = [ConcatLinear([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
-                        for layer in self.inner.layers]
-            self.gate_up = [ConcatLinear([layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in self.inner.layers]
+        # per decoder layer: its q, k, v projections and its gate, up projections, each as one product
+        self.qkv = [ConcatLinear([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
+                    for layer in self.inner.layers]
+        self.gate_up = [ConcatLinear([layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in self.inner.layers]
+        self.compiled = CompiledPass(self) if compiled else None
 
     @staticmethod
     def supports(model) -> bool:
@@ -172,9 +216,20 @@ class LeanLlama:
         into slots start..start+T-1 of every row; positions [B, T] (`forward_ragged`) into the slots they name."""
         ragged = positions.dim() == 2
         end = int(positions.max()) + 1 if ragged else start + tokens.shape[1]
-        # Compiled, the cache keeps a slot past `end`: a slice `[:end]` that is the whole buffer would be a new graph
-        # (a guard on end == capacity), and growing the buffer stays out of the graph, as does the length.
-        cache.reserve(end + 1 if self.compiled else end)
+        if (self.compiled is not None and not ragged and not capture and tokens.shape[0] == 1
+                and tokens.shape[1] <= COMPILED_MAX_TOKENS and start >= 2):
+            # start >= 2: a prefill (start 0) stays eager, and a start of 0 or 1 would be a graph of its own (torch
+            # specializes those); a slot past `end`: a slice `[:end]` that is the whole buffer would be a new graph
+            # too (a guard on end == capacity); growing the buffer stays out of the graph, as does the length
+            cache.reserve(end + 1)
+            try:
+                logits = self.compiled(tokens, cache.keys, cache.values, start, end, positions, mask)
+            except CompileUnavailable:
+                self.compiled = None
+            else:
+                cache.length = end
+                return (logits[:, -1:] if keep_last else logits), None
+        cache.reserve(end)
         out = self._layers(tokens, cache.keys, cache.values, start, end, positions, mask, keep_last, capture)
         cache.length = end
         return out
@@ -193,10 +248,7 @@ class LeanLlama:
             if i in capture:
                 captured[i] = x
             attention, h = layer.self_attn, layer.input_layernorm(x)
-            if self.qkv is None:
-                q, k, v = attention.q_proj(h), attention.k_proj(h), attention.v_proj(h)
-            else:
-                q, k, v = self.qkv[i](h)
+            q, k, v = self.qkv[i](h)
             q = q.view(b, n, self.heads, self.head_dim).transpose(1, 2)
             k = k.view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
             v = v.view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -209,11 +261,86 @@ class LeanLlama:
                                                  attn_mask=mask, scale=attention.scaling, enable_gqa=True)
             x = x + attention.o_proj(out.transpose(1, 2).reshape(b, n, -1))
             h = layer.post_attention_layernorm(x)
-            if self.gate_up is None:
-                x = x + layer.mlp(h)
-            else:
-                gate, up = self.gate_up[i](h)
-                x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+            gate, up = self.gate_up[i](h)
+            x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
         x = self.inner.norm(x[:, -1:] if keep_last else x)
         features = torch.cat([captured[i] for i in capture], -1) if capture else None
         return self.model.lm_head(x), features
+
+
+class CompiledPass(torch.nn.Module):
+    """`LeanLlama._layers` of one sequence, every logit, as a module for `torch.compile`: the products are plain
+    `F.linear` on the weights (q, k, v and gate, up stacked, as the eager forward stacks them), which inductor compiles
+    itself, where the eager forward calls draftops' packed kernels that it cannot trace. Freezing makes the weights
+    constants of the graph, so a model whose weights change afterwards needs a new `LeanLlama`.
+
+    One module per model: graphs are built on first use, one for steps (one token, no mask) and one for every
+    wider pass (a block or a tree under a mask; the number of tokens and the context length are dynamic)."""
+
+    def __init__(self, lean: LeanLlama):
+        super().__init__()
+        self.lean = [lean]  # in a list: not a submodule (its model's modules are registered below)
+        self.model = lean.model
+        self.qkv = torch.nn.ParameterList([self._stacked(stack) for stack in lean.qkv])
+        self.gate_up = torch.nn.ParameterList([self._stacked(stack) for stack in lean.gate_up])
+        self.qkv_bias = [self._stacked_bias(stack) for stack in lean.qkv]
+        self.gate_up_bias = [self._stacked_bias(stack) for stack in lean.gate_up]
+        # applied while the graphs are built (one option, a string, is not one torch.compile's `options` takes)
+        self.options = compile_options(next(lean.model.parameters()).device)
+        self.graphs = torch.compile(self._pass, dynamic=True)
+        self.built: set[bool] = set()  # which graphs were built: for steps (True), for wider passes (False)
+
+    @staticmethod
+    def _stacked(stack: ConcatLinear) -> torch.nn.Parameter:
+        return torch.nn.Parameter(torch.cat([layer.weight.detach() for layer in stack.layers]), requires_grad=False)
+
+    @staticmethod
+    def _stacked_bias(stack: ConcatLinear) -> torch.Tensor | None:
+        return None if stack.layers[0].bias is None else torch.cat([layer.bias.detach() for layer in stack.layers])
+
+    def forward(self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], start: int,
+                end: int, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """tokens [1, T] at `positions` [T] into slots start..end-1 (the buffers hold more than `end`) -> logits
+        [1, T, V]."""
+        for buffer in (*keys, *values):  # only the capacity varies: sizes that equal the number of tokens fed (the
+            if not hasattr(buffer, "_dynamo_static_indices"):  # kv heads, say) would otherwise be tied to it
+                for dim in (0, 1, 3):
+                    torch._dynamo.mark_static(buffer, dim)
+        if (step := tokens.shape[1] == 1) in self.built:
+            with torch._inductor.config.patch(self.options):
+                return self.graphs(tokens, keys, values, start, end, positions, mask)
+        config = self.model.config
+        what = "one-token steps" if step else f"passes of 2-{COMPILED_MAX_TOKENS} tokens"
+        log(f"draftops: compiling the {config.num_hidden_layers}-layer {config.model_type} model's {what} "
+            "(decode.compiled: minutes on a small CPU, once per process)")
+        try:
+            with torch._inductor.config.patch(self.options):
+                logits = self.graphs(tokens, keys, values, start, end, positions, mask)
+        except COMPILE_ERRORS as exc:  # a machine inductor cannot build on (no C++ compiler, say): nothing lost
+            log(f"draftops: compiling failed, the eager forward runs instead: {str(exc).splitlines()[0]}")
+            raise CompileUnavailable from exc
+        self.built.add(step)
+        return logits
+
+    def _pass(self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], start: int, end: int,
+              positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        lean, inner = self.lean[0], self.model.model
+        b, n = tokens.shape
+        x = inner.embed_tokens(tokens)
+        cos, sin = inner.rotary_emb(x, positions[None])
+        sizes = [lean.heads * lean.head_dim, lean.kv_heads * lean.head_dim, lean.kv_heads * lean.head_dim]
+        for i, layer in enumerate(inner.layers):
+            attention, mlp = layer.self_attn, layer.mlp
+            q, k, v = F.linear(layer.input_layernorm(x), self.qkv[i], self.qkv_bias[i]).split(sizes, -1)
+            q = q.view(b, n, lean.heads, lean.head_dim).transpose(1, 2)
+            k = k.view(b, n, lean.kv_heads, lean.head_dim).transpose(1, 2)
+            v = v.view(b, n, lean.kv_heads, lean.head_dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            keys[i][:, :, start:end], values[i][:, :, start:end] = k, v
+            out = F.scaled_dot_product_attention(q, keys[i][:, :, :end], values[i][:, :, :end],
+                                                 attn_mask=mask, scale=attention.scaling, enable_gqa=True)
+            x = x + F.linear(out.transpose(1, 2).reshape(b, n, -1), attention.o_proj.weight, attention.o_proj.bias)
+            gate, up = F.linear(layer.post_attention_layernorm(x), self.gate_up[i], self.gate_up_bias[i]).chunk(2, -1)
+            x = x + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+        head = self.model.lm_head
+        return F.linear(inner.norm(x), head.weight, head.bias)

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from decode.feature_draft import target_features
 from decode.kernels import cpu_linear_of, use_cpu_linear
-from decode.lean import KVCache, LeanLlama
+from decode.lean import KVCache, LeanLlama, compiled_lean, use_compiled_passes
 from decode.speculators_format import load_speculators
 from pipeline.sources import (
     HF_ASSISTANT_DIR,
@@ -127,13 +127,17 @@ class ModelRunner:
     """A causal LM as draftops runs it: `decode.lean.LeanLlama` where the architecture allows (the same function with
     far less per-call overhead), else the transformers forward with a DynamicCache, which is also the reference."""
 
-    def __init__(self, model, lean: bool = True, compiled: bool = False):
-        """compiled: the lean forward through `torch.compile` (`decode.lean.LeanLlama`); it needs the lean forward."""
-        if compiled and not (lean and LeanLlama.supports(model)):
-            raise ValueError("a compiled forward compiles the lean forward: it needs lean=True and a "
-                             "Llama-architecture model in eval mode")
+    def __init__(self, model, lean: bool = True, compiled: bool | None = None):
+        """compiled: True, the lean forward's passes through `torch.compile` (`decode.lean.use_compiled_passes`,
+        after which every runner of `model` left at None is compiled too); False, the eager lean forward; None, as
+        `model` is set (`decode.compiled`). It needs the lean forward."""
+        if compiled:
+            if not lean:
+                raise ValueError("a compiled forward compiles the lean forward: it needs lean=True")
+            use_compiled_passes(model)
         self.model = model
-        self.lean = LeanLlama(model, compiled) if lean and LeanLlama.supports(model) else None
+        shared = compiled_lean(model) if lean and compiled is not False else None
+        self.lean = shared or (LeanLlama(model) if lean and LeanLlama.supports(model) else None)
 
     def new_cache(self):
         return self.lean.new_cache() if self.lean is not None else DynamicCache(config=self.model.config)

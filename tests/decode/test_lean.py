@@ -6,7 +6,7 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import DynamicCache
 
-from decode.lean import LeanLlama
+from decode.lean import COMPILED_MAX_TOKENS, LeanLlama, compiled_lean, use_compiled_passes
 from decode.runtime import ModelRunner, forward_logits, greedy_decode, rollback
 from decode.speculative import SpeculativeDecoder
 from tests.decode.tiny import greedy_reference, tiny_llama
@@ -91,12 +91,58 @@ def test_other_architectures_and_training_mode_keep_the_transformers_forward():
 
 
 @torch.inference_mode()
-def test_the_compiled_forward_builds_one_graph_for_prefills_and_one_for_steps_whatever_the_length():
-    """Compiling takes minutes on the real target: prompts of other lengths and a cache that grows past its capacity
-    (or fills it exactly) must not build new graphs in the middle of decoding."""
+def test_the_compiled_forward_builds_one_graph_for_steps_and_one_for_wider_passes_whatever_the_length():
+    """Compiling takes minutes on the real target: prompts of other lengths, passes of other widths and a cache that
+    grows past its capacity (or fills it exactly) must not build new graphs in the middle of decoding; prefills and
+    passes wider than COMPILED_MAX_TOKENS stay eager."""
     torch._dynamo.reset()
     counters.clear()
-    runner = ModelRunner(tiny_llama(2), compiled=True)
+    model = tiny_llama(2).to(torch.float32)  # the dtype inductor's C++ GEMMs run
+    runner = ModelRunner(model, compiled=True)
+    assert compiled_lean(model) is runner.lean and ModelRunner(model).lean is runner.lean
+    assert ModelRunner(model, compiled=False).lean.compiled is None
     for length in (7, 250, 255, 600):  # 255 + 1 fills the first capacity (256) exactly
         greedy_decode(runner, [1 + i % 100 for i in range(length)], 3, [])
+    cache = runner.new_cache()
+    tokens = torch.arange(1, 60)
+    runner.forward(tokens[:20], cache, 0, True)
+    for n in (2, 5, 3, COMPILED_MAX_TOKENS, COMPILED_MAX_TOKENS + 1):
+        runner.forward(tokens[20 : 20 + n], cache, 20, False)
+        rollback(cache, 20)
     assert counters["stats"]["unique_graphs"] == 2
+
+
+@torch.inference_mode()
+def test_the_compiled_forward_decodes_what_the_eager_one_does():
+    """Greedy speculative decoding with trees and with chains through compiled passes (target and draft, float32:
+    inductor's C++ GEMMs) gives the eager decoder's tokens."""
+    target, draft = tiny_llama(2).to(torch.float32), tiny_llama(3).to(torch.float32)
+    prompt = [5, 9, 2, 77, 3, 9, 2, 77]
+    eager = [SpeculativeDecoder(target, draft, 4, tree_budget=budget) for budget in (0, 3)]
+    expected = [d.generate(prompt, max_new_tokens=30).token_ids for d in eager]
+    use_compiled_passes(target)
+    use_compiled_passes(draft)
+    compiled = [SpeculativeDecoder(target, draft, 4, tree_budget=budget) for budget in (0, 3)]
+    assert compiled[0].target_runner.lean is compiled_lean(target) and eager[0].target_runner.lean.compiled is None
+    assert [d.generate(prompt, max_new_tokens=30).token_ids for d in compiled] == expected
+
+
+@torch.inference_mode()
+def test_where_a_graph_cannot_be_built_the_eager_forward_runs_instead(capsys):
+    model = tiny_llama(4).to(torch.float32)
+    compiled, eager = LeanLlama(model, compiled=True), LeanLlama(model)
+
+    def no_compiler(*args):
+        raise torch._inductor.exc.InductorError(RuntimeError("C++ compile error: g++ not found"), "")
+
+    compiled.compiled.graphs = no_compiler
+    tokens = torch.arange(1, 12)
+    caches = [lean.new_cache() for lean in (compiled, eager)]
+    for lean, cache in zip((compiled, eager), caches):
+        lean.forward_logits(tokens[:8], cache, 0, True)
+    got = compiled.forward_logits(tokens[8:11], caches[0], 8, False)
+    assert compiled.compiled is None and caches[0].get_seq_length() == 11
+    assert torch.equal(got, eager.forward_logits(tokens[8:11], caches[1], 8, False))
+    err = capsys.readouterr().err
+    assert "compiling the 2-layer llama model's passes of 2-4 tokens" in err
+    assert "compiling failed, the eager forward runs instead" in err and "g++ not found" in err
