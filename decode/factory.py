@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from decode.drafters import DECODER, DRAFT, LOOKUP, SUFFIX, make_drafter
+from decode.lean import LeanLlama, use_compiled_passes
 from decode.speculative import GammaPolicy, SpeculativeDecoder
 from decode.suffix import SuffixIndex, load_suffix_index
 from decode.tree_budget_auto import BudgetChoice, ModelFreeTrees, auto_budget_schedule
@@ -31,8 +32,14 @@ def build_decoder(target, draft, decode: DecodeConfig, *, kind: str = DECODER, g
     or None for the "lookup" and "suffix" drafters. `decode.tree_budget` > 0 or `decode.tree_budget_schedule` gives
     tree rounds (`decode.tree_drafters`) with the budgets of `tree_budget_choice`; `decode.suffix`
     adds suffix decoding to the trees of "decoder" and "lookup", with the suffix index of `suffix_index_of`.
+    `decode.compiled` compiles the target's and a layer draft's passes (`decode.lean.use_compiled_passes`: for every
+    decoder of them in this process).
     """
     draft_model, token_ids = (None, None) if draft is None else (draft.model, draft.token_ids)
+    if decode.compiled and lean:  # before the tree budget's costs are timed: they are the compiled passes'
+        use_compiled_passes(target.model)
+        if hasattr(draft_model, "config") and LeanLlama.supports(draft_model):  # a layer draft (a feature one: eager)
+            use_compiled_passes(draft_model)
     lookup_min_ngram = decode.lookup_min_ngram if kind in (DECODER, LOOKUP) else None
     suffix = (decode.suffix and kind in (DECODER, LOOKUP)) or kind == SUFFIX
     if decode.tree_rounds:

@@ -46,7 +46,7 @@ from decode.tree import ROOT
 from pipeline.files import write_text_atomic
 from pipeline.sources import TREE_ACCEPTANCE_FILE
 
-TREE_BUDGETS = (2, 4, 8, 16, 32, 64)  # the node budgets whose tree verify is timed (`draftops sweep`, auto)
+TREE_BUDGETS = (2, 3, 4, 8, 16, 32, 64)  # the node budgets whose tree verify is timed (`draftops sweep`, auto)
 
 
 def rank_acceptance(ranks: Sequence[Sequence[int]], max_rank: int) -> list[float]:

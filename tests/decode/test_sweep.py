@@ -145,7 +145,7 @@ def test_sweep_cli(checkpoints, capsys, tmp_path):
     assert ("analytic_alpha" in report["acceptance"][draft]
             and "analytic_alpha" not in report["acceptance"]["prompt-lookup"])
     # token trees: v_tree per budget, rank acceptances of the draft models, a budget schedule for one of them
-    budgets = [2, 4, 8, 16, 32, 64]
+    budgets = [2, 3, 4, 8, 16, 32, 64]
     assert report["settings"]["tree_budgets"] == budgets and set(costs["target"]["v_tree"]) == {str(b) for b in budgets}
     assert all(len(v) == 2 and min(v) > 0 for v in costs["target"]["v_tree"].values())
     ranks = report["acceptance"][draft]["rank_acceptance"]
@@ -153,7 +153,7 @@ def test_sweep_cli(checkpoints, capsys, tmp_path):
     assert ranks[0] == pytest.approx(report["acceptance"][draft]["analytic_alpha"]["8"]["value"])  # rank 1 = a match
     assert "rank_acceptance" not in report["acceptance"]["prompt-lookup"]
     trees = report["tree_budgets"]
-    assert trees["max_depth"] == 3 and len(trees["rows"]) == 2 * 2 * 6 and len(trees["chains"]) == 2 * 2
+    assert trees["max_depth"] == 3 and len(trees["rows"]) == 2 * 2 * 7 and len(trees["chains"]) == 2 * 2
     assert {r["draft"] for r in trees["rows"]} == {draft, "target-layers:1:20"}
     assert all(r["predicted_tokens_per_s"] > 0 and 1 <= r["depth"] <= 3 and r["tau"] >= 1 for r in trees["rows"])
     # the batch axis: costs of 1, 2 and 4 sequences of 24 tokens, every draft's speedup by batch size
