@@ -269,7 +269,7 @@ def llama_cpp_summary(outputs: dict, seconds: dict, completions: dict[str, list[
 
 
 CHAIN, DRAFT_ONLY_CHAIN = "chain", "draft_only_chain"
-PLAIN_COMPILED = "plain_compiled"
+PLAIN_EAGER = "plain_eager"
 SOURCE_ROWS = {DRAFT: "draft_only", LOOKUP: "lookup_only", SUFFIX: "suffix_only"}  # a source's row: it alone
 # --challenger: a second draft's rows, each the row of the draft it stands in for
 CHALLENGER_ROWS = {"speculative": "challenger", SOURCE_ROWS[DRAFT]: "challenger_draft_only",
@@ -278,16 +278,9 @@ CHALLENGER_ROWS = {"speculative": "challenger", SOURCE_ROWS[DRAFT]: "challenger_
 
 def reserved_rows() -> set[str]:
     """Row names bench gives its own rows: a --compare row takes another."""
-    return {TARGET_ONLY, TARGET_ONLY_TORCH, "plain", PLAIN_COMPILED, "speculative", "hf_assisted", "hf_prompt_lookup",
+    return {TARGET_ONLY, TARGET_ONLY_TORCH, "plain", PLAIN_EAGER, "speculative", "hf_assisted", "hf_prompt_lookup",
             CHAIN, DRAFT_ONLY_CHAIN, *SOURCE_ROWS.values(), *CHALLENGER_ROWS.values(), LLAMA_CPP_TARGET_ONLY,
             LLAMA_CPP_SPECULATIVE}
-
-
-def compiled_greedy(runner: ModelRunner, prompt: list[int], max_new_tokens: int, eos: Sequence[int]) -> list[int]:
-    """`greedy_decode` through a compiled lean forward, on torch's stock kernels (inductor compiles those; draftops'
-    packed oneDNN calls are not traced)."""
-    with torch_kernels(runner.model):
-        return greedy_decode(runner, prompt, max_new_tokens, eos)
 
 
 def decoder_rows(decode: DecodeConfig, has_draft: bool) -> dict[str, tuple[DecodeConfig, str]]:
@@ -343,14 +336,15 @@ def decoder_summary(stats: Sequence, categories: Sequence[str], seed: int) -> di
 def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[str], decode: DecodeConfig, *,
               gamma: int | None = None, seed: int = 0, progress: bool = True,
               llama_cpp: dict[str, LlamaServer] | None = None, compare: dict[str, DecodeConfig] | None = None,
-              compiled: bool = False, challenger=None) -> dict:
+              challenger=None) -> dict:
     """target is a `pipeline.sources.ResolvedModel`, draft one too, or None to bench prompt lookup alone. Greedy
     throughout; `decode` (cfg.decode) describes the decoder, `gamma` overrides its γ policy with a fixed γ; the rows
     of `decoder_rows` run beside it. `compare`: more decoders to run beside it by row name (their own decode
     settings, same drafter kind). `progress`: a bar over the prompts on stderr. `llama_cpp`: started llama.cpp
     servers for the rows LLAMA_CPP_TARGET_ONLY and LLAMA_CPP_SPECULATIVE (`decode.llamacpp`), run interleaved with
-    the others on the same token ids. `compiled`: a `plain_compiled` row, plain greedy decoding through the lean
-    forward compiled by `torch.compile` (compiled during the untimed warm-up run). `challenger`: a second draft (a
+    the others on the same token ids. With `decode.compiled`, every draftops row runs compiled passes (compiled in
+    the untimed warm-up run) and a `plain_eager` row runs plain greedy decoding through the eager lean forward, so
+    that what compiling gains and what speculation gains stay apart. `challenger`: a second draft (a
     `ResolvedModel`) run in the rows of `challenger_rows`, its step costs and its own acceptance reported beside the
     draft's (`report["challenger"]`).
 
@@ -364,6 +358,9 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     decoders = {name: build_decoder(target, draft, row_decode, kind=kind, gamma=gamma)
                 for name, (row_decode, kind) in rows.items()}
     for name, variant in (compare or {}).items():
+        if variant.compiled != decode.compiled:
+            raise ValueError(f"compared row {name}: decode.compiled holds for the whole run (a model's passes are "
+                             f"compiled for the process); with it on, the {PLAIN_EAGER} row is the eager forward")
         decoders[name] = build_decoder(target, draft, variant.model_copy(update={"temperature": 0.0}),
                                        kind=LOOKUP if draft is None else DECODER, gamma=gamma)
     second = challenger_rows(rows) if challenger is not None else {}
@@ -381,11 +378,12 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
         methods[TARGET_ONLY_TORCH] = lambda p: hf_generate_on_torch_kernels(target.model, p, **common)
     methods["plain"] = lambda p: greedy_decode(decoder.target_runner, p, max_new_tokens, eos)
     notes = [f"speculative: {describe_trees(decode, target, draft)}"]
-    if compiled:
-        compiled_runner = ModelRunner(target.model, compiled=True)
-        methods[PLAIN_COMPILED] = lambda p: compiled_greedy(compiled_runner, p, max_new_tokens, eos)
-        notes.append(f"{PLAIN_COMPILED}: plain through torch.compile (inductor, dynamic shapes) of the same lean "
-                     "forward on torch's stock kernels, compiled in the warm-up run (not timed)")
+    if decode.compiled:
+        eager_runner = ModelRunner(target.model, compiled=False)
+        methods[PLAIN_EAGER] = lambda p: greedy_decode(eager_runner, p, max_new_tokens, eos)
+        notes.append(f"decode.compiled: plain and the speculative rows run the target's and the draft's passes "
+                     f"compiled (torch.compile, compiled in the warm-up run, not timed); {PLAIN_EAGER}: plain through "
+                     "the eager lean forward")
     for name, d in decoders.items():
         methods[name] = (lambda d: lambda p: d.generate(p, max_new_tokens=max_new_tokens))(d)
     halves = [name for name in SOURCE_ROWS.values() if name in decoders]

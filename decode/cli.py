@@ -237,7 +237,7 @@ def bench_command(args) -> int:
             servers, skipped = llama_cpp_servers(args.llama_cpp, target.source, draft, args.gamma or decode.gamma,
                                                  out / "llama.cpp", stack)
             report = run_bench(target, draft, prompts, [r.category for r in requests], decode, gamma=args.gamma,
-                               seed=cfg.seed, llama_cpp=servers, compare=compare, compiled=args.compiled,
+                               seed=cfg.seed, llama_cpp=servers, compare=compare,
                                challenger=challenger)
         if skipped:
             report["notes"].append(f"no llama_cpp rows: {skipped}")
@@ -451,9 +451,6 @@ def add_commands(subparsers) -> None:
     bench.add_argument("--llama-cpp", choices=["auto", "on", "off"], default="auto",
                        help="llama.cpp's rows (its target alone and with the draft exported as GGUF): auto runs them "
                             "where llama-server is built (make llama-cpp) and the draft is a layer draft")
-    bench.add_argument("--compiled", action="store_true",
-                       help="one more row, plain_compiled: target-only greedy decoding through torch.compile of the "
-                            "lean forward (compiling takes minutes on a small CPU; docs/cpu-runtime.md)")
     bench.set_defaults(handler=bench_command)
 
     sweep = subparsers.add_parser(

@@ -182,15 +182,18 @@ def test_bench_with_trees_runs_each_source_alone_the_chains_and_compared_budgets
     assert "missing.json" in capsys.readouterr().err
 
 
-def test_bench_times_a_compiled_forward_on_request(checkpoints, capsys, tmp_path):
+def test_bench_with_compiled_passes_runs_every_draftops_row_compiled_beside_the_eager_plain_row(checkpoints, capsys,
+                                                                                               tmp_path):
     target, draft, traffic, _ = checkpoints
-    report = run_json(capsys, ["bench", "--target", target, "--draft", draft, "--traffic", traffic, "--split", "all",
-                               "--limit", "2", "--max-new-tokens", "5", "--out", str(tmp_path), "--json", "--compiled",
-                               "--llama-cpp", "off", "device=cpu", "decode.lookup_min_ngram=null",
-                               "decode.tree_budget_schedule=null"])
-    assert list(report["methods"])[:4] == ["target_only", "target_only_torch", "plain", "plain_compiled"]
-    assert report["methods"]["plain_compiled"]["same_output_as_target"] == 2
-    assert any(note.startswith("plain_compiled: plain through torch.compile") for note in report["notes"])
+    common = ["bench", "--target", target, "--draft", draft, "--traffic", traffic, "--split", "all", "--limit", "2",
+              "--max-new-tokens", "5", "--json", "--llama-cpp", "off", "device=cpu", "decode.tree_budget=2",
+              "decode.suffix=false", "decode.compiled=true"]
+    report = run_json(capsys, [*common, "--out", str(tmp_path)])
+    assert list(report["methods"])[:4] == ["target_only", "target_only_torch", "plain", "plain_eager"]
+    assert all(row["same_output_as_target"] == 2 for row in report["methods"].values())
+    assert any(note.startswith("decode.compiled: plain and the speculative rows") for note in report["notes"])
+    assert main([*common, "--out", str(tmp_path / "bad"), "--compare", "eager decode.compiled=false"]) == 2
+    assert "decode.compiled holds for the whole run" in capsys.readouterr().err
 
 
 def test_bench_with_reduced_vocab_draft_gives_hf_its_full_vocab_copy(checkpoints, capsys, tmp_path):
