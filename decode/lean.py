@@ -21,7 +21,6 @@ weights are not cached), so it is opt-in (`decode.compiled`); docs/cpu-runtime.m
 from __future__ import annotations
 
 import sys
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +30,20 @@ from decode.kernels import ConcatLinear
 
 # what a graph that cannot be built raises (inductor wraps its own errors in the second)
 COMPILE_ERRORS = (torch._dynamo.exc.BackendCompilerFailed, torch._inductor.exc.InductorError)
+COMPILED_ATTRIBUTE = "_draftops_compiled"  # where a model keeps its compiled forward (`use_compiled_passes`)
 COMPILED_MAX_TOKENS = 4  # the widest pass run compiled: past 4 rows inductor's C++ GEMM is slower than eager
-_compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its one compiled LeanLlama
+
+
+class _CompiledHolder:
+    """A model's compiled forward, kept on the model itself so that it lives and dies with it (a weak-keyed table would
+    keep the model alive: the forward refers to it). A copy of the model (`copy.deepcopy`: the int8 copy, a bfloat16
+    copy for generation) is another model and gets no compiled forward."""
+
+    def __init__(self, lean: LeanLlama | None):
+        self.lean = lean
+
+    def __deepcopy__(self, memo) -> _CompiledHolder:
+        return _CompiledHolder(None)
 
 
 def use_compiled_passes(model) -> None:
@@ -40,14 +51,15 @@ def use_compiled_passes(model) -> None:
     one compiled forward per model shared by every runner of it (the decoder's, the cost timings'), so that each
     graph is compiled once a process."""
     if not LeanLlama.supports(model):
-        raise ValueError("decode.compile compiles the lean forward: it needs a Llama-architecture model in eval mode")
-    if model not in _compiled:
-        _compiled[model] = LeanLlama(model, compiled=True)
+        raise ValueError("decode.compiled compiles the lean forward: it needs a Llama-architecture model in eval mode")
+    if compiled_lean(model) is None:
+        model.__dict__[COMPILED_ATTRIBUTE] = _CompiledHolder(LeanLlama(model, compiled=True))
 
 
 def compiled_lean(model) -> LeanLlama | None:
     """The compiled forward `use_compiled_passes` gave `model`, if any."""
-    return _compiled.get(model)
+    holder = model.__dict__.get(COMPILED_ATTRIBUTE)
+    return None if holder is None else holder.lean
 
 
 def compile_options(device: torch.device) -> dict:
@@ -287,6 +299,8 @@ class CompiledPass(torch.nn.Module):
         self.gate_up_bias = [self._stacked_bias(stack) for stack in lean.gate_up]
         # applied while the graphs are built (one option, a string, is not one torch.compile's `options` takes)
         self.options = compile_options(next(lean.model.parameters()).device)
+        # every model's graphs are graphs of this one method, which torch caps at 8 (4 compiled models) by default
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.graphs = torch.compile(self._pass, dynamic=True)
         self.built: set[bool] = set()  # which graphs were built: for steps (True), for wider passes (False)
 

@@ -1,6 +1,8 @@
 """decode.lean.LeanLlama against its reference, the transformers forward with a DynamicCache."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -101,6 +103,8 @@ def test_the_compiled_forward_builds_one_graph_for_steps_and_one_for_wider_passe
     runner = ModelRunner(model, compiled=True)
     assert compiled_lean(model) is runner.lean and ModelRunner(model).lean is runner.lean
     assert ModelRunner(model, compiled=False).lean.compiled is None
+    copied = copy.deepcopy(model)  # another model: it compiles its own, if asked
+    assert compiled_lean(copied) is None and ModelRunner(copied).lean.compiled is None
     for length in (7, 250, 255, 600):  # 255 + 1 fills the first capacity (256) exactly
         greedy_decode(runner, [1 + i % 100 for i in range(length)], 3, [])
     cache = runner.new_cache()
