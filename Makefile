@@ -67,12 +67,15 @@ distill-sizes: setup
 
 # Benchmarks on the held-out split of the traffic draftops ships (prompts the draft never trained on). The README's
 # Spec-Bench figures: make bench BENCH_TRAFFIC=../shared/data/spec_bench.jsonl BENCH_SPLIT=all (read by path).
+# The draftops rows run compiled passes (decode.compiled, compiled in the untimed warm-up: a few minutes more) beside a
+# plain_eager row; BENCH_COMPILED=false benches the eager forward.
 BENCH_TRAFFIC ?= default
 BENCH_SPLIT ?= heldout
+BENCH_COMPILED ?= true
 DRAFT ?= models:/draftops-draft@champion
 bench: setup
 	.venv/bin/draftops bench --config $(CONFIG) --draft $(DRAFT) --traffic $(BENCH_TRAFFIC) --split $(BENCH_SPLIT) \
-		--per-category 5 --max-new-tokens 128 --out outputs/bench $(ARGS)
+		--per-category 5 --max-new-tokens 128 --out outputs/bench decode.compiled=$(BENCH_COMPILED) $(ARGS)
 
 # The boundary map on the default pair: the registered champion, the draft-size family of `make distill-sizes` (each
 # optional), prompt lookup; with the draft-size and batch axes and the int8 target beside speculation, on a grid
