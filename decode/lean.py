@@ -64,13 +64,10 @@ def compiled_lean(model) -> LeanLlama | None:
 
 def compile_options(device: torch.device) -> dict:
     """inductor's options for a compiled pass on `device`. On a CPU: weights frozen into the graph as constants, GEMMs
-    from inductor's C++ templates on weights packed once (autotuned against ATen), the wrapper in C++, and each
-    product split across threads by its output columns only: a few-row product then reads every weight once
-    (splitting its rows between threads, as inductor may, has every thread read all of them)."""
+    from inductor's C++ templates on weights packed once (autotuned against ATen), and the wrapper in C++."""
     if device.type != "cpu":
         return {}
     return {"freezing": True, "cpp_wrapper": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
-            "cpp.gemm_thread_factors": f"1,{torch.get_num_threads()},1",
             "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}  # no tables on stderr
 
 
@@ -282,7 +279,7 @@ class LeanLlama:
 
 class CompiledPass(torch.nn.Module):
     """`LeanLlama._layers` of one sequence, every logit, as a module for `torch.compile`: the products are plain
-    `F.linear` on the weights (q, k, v and gate, up stacked, as the eager forward stacks them), which inductor compiles
+    `F.linear` on the weights (q, k, v and gate, up on the eager forward's stacked weights), which inductor compiles
     itself, where the eager forward calls draftops' packed kernels that it cannot trace. Freezing makes the weights
     constants of the graph, so a model whose weights change afterwards needs a new `LeanLlama`.
 
@@ -293,24 +290,16 @@ class CompiledPass(torch.nn.Module):
         super().__init__()
         self.lean = [lean]  # in a list: not a submodule (its model's modules are registered below)
         self.model = lean.model
-        self.qkv = torch.nn.ParameterList([self._stacked(stack) for stack in lean.qkv])
-        self.gate_up = torch.nn.ParameterList([self._stacked(stack) for stack in lean.gate_up])
-        self.qkv_bias = [self._stacked_bias(stack) for stack in lean.qkv]
-        self.gate_up_bias = [self._stacked_bias(stack) for stack in lean.gate_up]
-        # applied while the graphs are built (one option, a string, is not one torch.compile's `options` takes)
-        self.options = compile_options(next(lean.model.parameters()).device)
+        # the eager forward's stacked weights (q, k, v and gate, up), shared
+        stacked = [stack.current() for stack in (*lean.qkv, *lean.gate_up)]
+        self.stacked = torch.nn.ParameterList([torch.nn.Parameter(layer.weight, requires_grad=False)
+                                               for layer in stacked])
+        self.stacked_bias = [layer.bias for layer in stacked]
         # every model's graphs are graphs of this one method, which torch caps at 8 (4 compiled models) by default
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self.graphs = torch.compile(self._pass, dynamic=True)
+        self.graphs = torch.compile(self._pass, dynamic=True,
+                                    options=compile_options(next(lean.model.parameters()).device))
         self.built: set[bool] = set()  # which graphs were built: for steps (True), for wider passes (False)
-
-    @staticmethod
-    def _stacked(stack: ConcatLinear) -> torch.nn.Parameter:
-        return torch.nn.Parameter(torch.cat([layer.weight.detach() for layer in stack.layers]), requires_grad=False)
-
-    @staticmethod
-    def _stacked_bias(stack: ConcatLinear) -> torch.Tensor | None:
-        return None if stack.layers[0].bias is None else torch.cat([layer.bias.detach() for layer in stack.layers])
 
     def forward(self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], start: int,
                 end: int, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -321,15 +310,13 @@ class CompiledPass(torch.nn.Module):
                 for dim in (0, 1, 3):
                     torch._dynamo.mark_static(buffer, dim)
         if (step := tokens.shape[1] == 1) in self.built:
-            with torch._inductor.config.patch(self.options):
-                return self.graphs(tokens, keys, values, start, end, positions, mask)
+            return self.graphs(tokens, keys, values, start, end, positions, mask)
         config = self.model.config
         what = "one-token steps" if step else f"passes of 2-{COMPILED_MAX_TOKENS} tokens"
         log(f"draftops: compiling the {config.num_hidden_layers}-layer {config.model_type} model's {what} "
             "(decode.compiled: minutes on a small CPU, once per process)")
         try:
-            with torch._inductor.config.patch(self.options):
-                logits = self.graphs(tokens, keys, values, start, end, positions, mask)
+            logits = self.graphs(tokens, keys, values, start, end, positions, mask)
         except COMPILE_ERRORS as exc:  # a machine inductor cannot build on (no C++ compiler, say): nothing lost
             log(f"draftops: compiling failed, the eager forward runs instead: {str(exc).splitlines()[0]}")
             raise CompileUnavailable from exc
@@ -343,9 +330,10 @@ class CompiledPass(torch.nn.Module):
         x = inner.embed_tokens(tokens)
         cos, sin = inner.rotary_emb(x, positions[None])
         sizes = [lean.heads * lean.head_dim, lean.kv_heads * lean.head_dim, lean.kv_heads * lean.head_dim]
+        layers = len(inner.layers)  # self.stacked: every layer's q, k, v, then every layer's gate, up
         for i, layer in enumerate(inner.layers):
             attention, mlp = layer.self_attn, layer.mlp
-            q, k, v = F.linear(layer.input_layernorm(x), self.qkv[i], self.qkv_bias[i]).split(sizes, -1)
+            q, k, v = F.linear(layer.input_layernorm(x), self.stacked[i], self.stacked_bias[i]).split(sizes, -1)
             q = q.view(b, n, lean.heads, lean.head_dim).transpose(1, 2)
             k = k.view(b, n, lean.kv_heads, lean.head_dim).transpose(1, 2)
             v = v.view(b, n, lean.kv_heads, lean.head_dim).transpose(1, 2)
@@ -354,7 +342,8 @@ class CompiledPass(torch.nn.Module):
             out = F.scaled_dot_product_attention(q, keys[i][:, :, :end], values[i][:, :, :end],
                                                  attn_mask=mask, scale=attention.scaling, enable_gqa=True)
             x = x + F.linear(out.transpose(1, 2).reshape(b, n, -1), attention.o_proj.weight, attention.o_proj.bias)
-            gate, up = F.linear(layer.post_attention_layernorm(x), self.gate_up[i], self.gate_up_bias[i]).chunk(2, -1)
+            h = layer.post_attention_layernorm(x)
+            gate, up = F.linear(h, self.stacked[layers + i], self.stacked_bias[layers + i]).chunk(2, -1)
             x = x + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
         head = self.model.lm_head
         return F.linear(inner.norm(x), head.weight, head.bias)

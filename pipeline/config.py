@@ -85,9 +85,10 @@ class DecodeConfig(Section):
         "With suffix: a suffix index file (`draftops suffix-index` builds one from the target's responses to a "
         "traffic file) instead of the one beside the draft. null: the draft's own."))
     compiled: bool = Field(False, description=(
-        "Run the target's and the draft model's passes after the prompt (steps, verify blocks, trees) through "
-        "torch.compile: on a CPU, inductor's C++ GEMMs on weights packed once and each pass one call. Faster steps, "
-        "after minutes of compiling per model in every process (docs/cpu-runtime.md); prefills stay eager."))
+        "Run the target's and the draft model's passes after the prompt (steps, verify blocks and trees of up to 4 "
+        "tokens) through torch.compile: on a CPU, inductor's C++ GEMMs on weights packed once and each pass one call. "
+        "Faster steps, after minutes of compiling per model in every process (docs/cpu-runtime.md); prefills and "
+        "wider passes stay eager."))
     tree_branching: int = Field(4, ge=1, description=(
         "Tree rounds: nodes per level of the draft model's tree (each level keeps the best children of the last by "
         "cumulative draft probability) and prompt lookup's branches."))

@@ -7,7 +7,8 @@ import torch
 from decode.drafters import DECODER
 from decode.drafts import draft_from_target_layers, reduce_vocabulary
 from decode.feature_draft import feature_draft_from_target
-from decode.runtime import load_model
+from decode.lean import compiled_lean, use_compiled_passes
+from decode.runtime import ModelRunner, greedy_decode, load_model
 from decode.speculative import SpeculativeDecoder
 from decode.suffix import SuffixIndex
 from decode.tree_drafters import make_tree_drafter
@@ -95,3 +96,30 @@ def test_greedy_with_token_trees_equals_target_only(target):
         for source, n in result.stats.accepted_by_source.items():
             accepted[source] = accepted.get(source, 0) + n
     assert accepted.get("suffix", 0) > 0 and accepted.get("draft", 0) > 0
+
+
+def test_greedy_through_compiled_passes_equals_target_only():
+    """`decode.compiled`: the target's and the draft's steps and 2-4-token passes as compiled graphs (minutes to
+    build), trees of 3 nodes (4-token passes, the widest compiled) from prompt lookup, suffix decoding and the draft,
+    and plain greedy decoding through the compiled target. A fresh target: the module's stays eager for the others.
+    One held-out request of every category."""
+    target = load_model("smollm2-135m-instruct", device="cpu")
+    draft = draft_from_target_layers(target.model, [0, 1]).eval()
+    token_ids = torch.arange(8192)
+    reduce_vocabulary(draft, token_ids, target.model.get_output_embeddings().weight.detach())
+    eos = eos_token_ids(target.model, target.tokenizer)
+    requests = first_per_category(load_traffic(DEFAULT_TRAFFIC).split("heldout"), 1)
+    prompts, _ = encode_prompts(requests, target.tokenizer, max_prompt_tokens=384)
+    references = [target_only(target, prompt, eos).tolist() for prompt in prompts]
+    use_compiled_passes(target.model)
+    use_compiled_passes(draft)
+    drafter = make_tree_drafter(DECODER, target.model, draft, budget_schedule=[[2048, 3]], branching=4,
+                                draft_token_ids=token_ids, lookup_min_ngram=2, suffix=True,
+                                suffix_index=SuffixIndex(references[: len(references) // 2]))
+    decoder = SpeculativeDecoder(target.model, drafter, gamma=5, eos_token_ids=eos)
+    assert decoder.target_runner.lean is compiled_lean(target.model)
+    runner = ModelRunner(target.model)
+    for request, prompt, reference in zip(requests, prompts, references):
+        assert decoder.generate(prompt, max_new_tokens=32).token_ids == reference, f"{request.id}: speculative"
+        assert greedy_decode(runner, prompt, 32, eos) == reference, f"{request.id}: plain"
+    assert compiled_lean(target.model).compiled.built == {True, False}
