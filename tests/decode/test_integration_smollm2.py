@@ -73,18 +73,24 @@ def test_greedy_with_a_feature_draft_equals_target_only(target, trees):
         assert result.stats.draft_calls > 0
 
 
-def test_greedy_with_token_trees_equals_target_only(target):
-    """Tree rounds as docs/trees.md measures them: prompt lookup's branches, suffix decoding's candidates and the
-    draft's tree (4 per level) under the sweep's budgets, one target pass a round. The suffix index holds the
-    target's greedy replies to half of the requests, so suffix candidates are accepted there and the draft's tree
-    works elsewhere. One held-out request of every category."""
+def tree_case(target):
+    """A 2-layer cut of the target with an 8k-row head, and one held-out request of every category with its prompt
+    and the target's greedy reply -> (draft, draft token ids, eos ids, requests, prompts, references)."""
     draft = draft_from_target_layers(target.model, [0, 1]).eval()
     token_ids = torch.arange(8192)
     reduce_vocabulary(draft, token_ids, target.model.get_output_embeddings().weight.detach())
     eos = eos_token_ids(target.model, target.tokenizer)
     requests = first_per_category(load_traffic(DEFAULT_TRAFFIC).split("heldout"), 1)
     prompts, _ = encode_prompts(requests, target.tokenizer, max_prompt_tokens=384)
-    references = [target_only(target, prompt, eos).tolist() for prompt in prompts]
+    return draft, token_ids, eos, requests, prompts, [target_only(target, prompt, eos).tolist() for prompt in prompts]
+
+
+def test_greedy_with_token_trees_equals_target_only(target):
+    """Tree rounds as docs/trees.md measures them: prompt lookup's branches, suffix decoding's candidates and the
+    draft's tree (4 per level) under the sweep's budgets, one target pass a round. The suffix index holds the
+    target's greedy replies to half of the requests, so suffix candidates are accepted there and the draft's tree
+    works elsewhere. One held-out request of every category."""
+    draft, token_ids, eos, requests, prompts, references = tree_case(target)
     drafter = make_tree_drafter(DECODER, target.model, draft, budget_schedule=[[320, 4], [1280, 8], [2048, 4]],
                                 branching=4, draft_token_ids=token_ids, lookup_min_ngram=2, suffix=True,
                                 suffix_index=SuffixIndex(references[: len(references) // 2]))
@@ -104,13 +110,7 @@ def test_greedy_through_compiled_passes_equals_target_only():
     and plain greedy decoding through the compiled target. A fresh target: the module's stays eager for the others.
     One held-out request of every category."""
     target = load_model("smollm2-135m-instruct", device="cpu")
-    draft = draft_from_target_layers(target.model, [0, 1]).eval()
-    token_ids = torch.arange(8192)
-    reduce_vocabulary(draft, token_ids, target.model.get_output_embeddings().weight.detach())
-    eos = eos_token_ids(target.model, target.tokenizer)
-    requests = first_per_category(load_traffic(DEFAULT_TRAFFIC).split("heldout"), 1)
-    prompts, _ = encode_prompts(requests, target.tokenizer, max_prompt_tokens=384)
-    references = [target_only(target, prompt, eos).tolist() for prompt in prompts]
+    draft, token_ids, eos, requests, prompts, references = tree_case(target)
     use_compiled_passes(target.model)
     use_compiled_passes(draft)
     drafter = make_tree_drafter(DECODER, target.model, draft, budget_schedule=[[2048, 3]], branching=4,
