@@ -297,8 +297,10 @@ class CompiledPass(torch.nn.Module):
         self.stacked_bias = [layer.bias for layer in stacked]
         # every model's graphs are graphs of this one method, which torch caps at 8 (4 compiled models) by default
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self.graphs = torch.compile(self._pass, dynamic=True,
-                                    options=compile_options(next(lean.model.parameters()).device))
+        # applied around each call, not passed to torch.compile: dynamo reads `freezing` itself, outside the options
+        # torch.compile hands inductor, and without it the weights are graph inputs that no GEMM template packs
+        self.options = compile_options(next(lean.model.parameters()).device)
+        self.graphs = torch.compile(self._pass, dynamic=True)
         self.built: set[bool] = set()  # which graphs were built: for steps (True), for wider passes (False)
 
     def forward(self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], start: int,
@@ -309,14 +311,16 @@ class CompiledPass(torch.nn.Module):
             if not hasattr(buffer, "_dynamo_static_indices"):  # kv heads, say) would otherwise be tied to it
                 for dim in (0, 1, 3):
                     torch._dynamo.mark_static(buffer, dim)
-        if (step := tokens.shape[1] == 1) in self.built:
-            return self.graphs(tokens, keys, values, start, end, positions, mask)
+        if (step := tokens.shape[1] == 1) in self.built:  # the options on every call: a graph dynamo rebuilds is
+            with torch._inductor.config.patch(self.options):  # built as the first was
+                return self.graphs(tokens, keys, values, start, end, positions, mask)
         config = self.model.config
         what = "one-token steps" if step else f"passes of 2-{COMPILED_MAX_TOKENS} tokens"
         log(f"draftops: compiling the {config.num_hidden_layers}-layer {config.model_type} model's {what} "
             "(decode.compiled: minutes on a small CPU, once per process)")
         try:
-            logits = self.graphs(tokens, keys, values, start, end, positions, mask)
+            with torch._inductor.config.patch(self.options):
+                logits = self.graphs(tokens, keys, values, start, end, positions, mask)
         except COMPILE_ERRORS as exc:  # a machine inductor cannot build on (no C++ compiler, say): nothing lost
             log(f"draftops: compiling failed, the eager forward runs instead: {str(exc).splitlines()[0]}")
             raise CompileUnavailable from exc

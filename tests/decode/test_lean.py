@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+import torch._inductor.freezing
 from torch._dynamo.utils import counters
 from transformers import DynamicCache
 
@@ -93,12 +94,20 @@ def test_other_architectures_and_training_mode_keep_the_transformers_forward():
 
 
 @torch.inference_mode()
-def test_the_compiled_forward_builds_one_graph_for_steps_and_one_for_wider_passes_whatever_the_length():
+def test_the_compiled_forward_builds_one_graph_for_steps_and_one_for_wider_passes_whatever_the_length(monkeypatch):
     """Compiling takes minutes on the real target: prompts of other lengths, passes of other widths and a cache that
     grows past its capacity (or fills it exactly) must not build new graphs in the middle of decoding; prefills and
     passes wider than COMPILED_MAX_TOKENS stay eager."""
     torch._dynamo.reset()
     counters.clear()
+    frozen = []  # per graph built, how many of its inputs were frozen into it as constants
+
+    def freeze(dynamo_gm, aot_gm, example_inputs):
+        graph, kept = torch._inductor.freezing._freeze(dynamo_gm, aot_gm, example_inputs)
+        frozen.append(len(example_inputs) - len(kept))
+        return graph, kept
+
+    monkeypatch.setattr(torch._inductor.freezing, "freeze", freeze)
     model = tiny_llama(2).to(torch.float32)  # the dtype inductor's C++ GEMMs run
     runner = ModelRunner(model, compiled=True)
     assert compiled_lean(model) is runner.lean and ModelRunner(model).lean is runner.lean
@@ -114,6 +123,9 @@ def test_the_compiled_forward_builds_one_graph_for_steps_and_one_for_wider_passe
         runner.forward(tokens[20 : 20 + n], cache, 20, False)
         rollback(cache, 20)
     assert counters["stats"]["unique_graphs"] == 2
+    # every weight in every graph: the embedding; per layer two norms, q|k|v, o, gate|up and down; the final norm,
+    # the head and the rotary frequencies
+    assert frozen == [1 + 2 * 6 + 3] * 2
 
 
 @torch.inference_mode()
