@@ -15,7 +15,8 @@ one sequence, at most `COMPILED_MAX_TOKENS` tokens, past position 1, no features
 same function (`CompiledPass`, parity-tested against the eager forward); prefills, wider passes, batches and feature
 captures stay eager. A step of a small model on a CPU is mostly per-call cost and weight reads: on a CPU the graph is
 compiled with the weights frozen into it, inductor's C++ GEMM templates on weights it packs once, and a C++ wrapper,
-so that one call runs the whole pass. Compiling takes minutes on a small CPU and is redone by every process (frozen
+so that one call runs the whole pass. Passes of more than `SHORT_PASS_TOKENS` tokens have a graph of their own, its
+GEMMs autotuned at their width. Compiling takes minutes on a small CPU and is redone by every process (frozen
 weights are not cached), so it is opt-in (`decode.compiled`); docs/cpu-runtime.md has the measurement.
 """
 from __future__ import annotations
@@ -31,7 +32,8 @@ from decode.kernels import ConcatLinear
 # what a graph that cannot be built raises (inductor wraps its own errors in the second)
 COMPILE_ERRORS = (torch._dynamo.exc.BackendCompilerFailed, torch._inductor.exc.InductorError)
 COMPILED_ATTRIBUTE = "_draftops_compiled"  # where a model keeps its compiled forward (`use_compiled_passes`)
-COMPILED_MAX_TOKENS = 4  # the widest pass run compiled: past 4 rows inductor's C++ GEMM is slower than eager
+COMPILED_MAX_TOKENS = 16  # the widest pass run compiled
+SHORT_PASS_TOKENS = 4  # passes of 2-4 tokens share a graph, wider ones have their own
 
 
 class _CompiledHolder:
@@ -283,8 +285,13 @@ class CompiledPass(torch.nn.Module):
     itself, where the eager forward calls draftops' packed kernels that it cannot trace. Freezing makes the weights
     constants of the graph, so a model whose weights change afterwards needs a new `LeanLlama`.
 
-    One module per model: graphs are built on first use, one for steps (one token, no mask) and one for every
-    wider pass (a block or a tree under a mask; the number of tokens and the context length are dynamic)."""
+    One module per model: graphs are built on first use, one for steps (one token, no mask), one for passes of 2 to
+    `SHORT_PASS_TOKENS` tokens and one for wider passes up to `COMPILED_MAX_TOKENS` (a block or a tree under a mask;
+    the number of tokens and the context length are dynamic). Each graph's GEMMs are autotuned at the width it is
+    first called with: kernels picked for 2 rows are not the fastest for 8."""
+
+    WIDTHS = {"step": "one-token steps", "short": f"passes of 2-{SHORT_PASS_TOKENS} tokens",
+              "wide": f"passes of {SHORT_PASS_TOKENS + 1}-{COMPILED_MAX_TOKENS} tokens"}
 
     def __init__(self, lean: LeanLlama):
         super().__init__()
@@ -300,8 +307,9 @@ class CompiledPass(torch.nn.Module):
         # applied around each call, not passed to torch.compile: dynamo reads `freezing` itself, outside the options
         # torch.compile hands inductor, and without it the weights are graph inputs that no GEMM template packs
         self.options = compile_options(next(lean.model.parameters()).device)
-        self.graphs = torch.compile(self._pass, dynamic=True)
-        self.built: set[bool] = set()  # which graphs were built: for steps (True), for wider passes (False)
+        self.graphs = torch.compile(self._pass, dynamic=True)  # steps and short passes
+        self.wide_graphs = torch.compile(self._wide_pass, dynamic=True)
+        self.built: set[str] = set()  # the `WIDTHS` whose graph was built
 
     def forward(self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], start: int,
                 end: int, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -311,21 +319,29 @@ class CompiledPass(torch.nn.Module):
             if not hasattr(buffer, "_dynamo_static_indices"):  # kv heads, say) would otherwise be tied to it
                 for dim in (0, 1, 3):
                     torch._dynamo.mark_static(buffer, dim)
-        if (step := tokens.shape[1] == 1) in self.built:  # the options on every call: a graph dynamo rebuilds is
-            with torch._inductor.config.patch(self.options):  # built as the first was
-                return self.graphs(tokens, keys, values, start, end, positions, mask)
+        n = tokens.shape[1]
+        width = "step" if n == 1 else "short" if n <= SHORT_PASS_TOKENS else "wide"
+        graphs = self.wide_graphs if width == "wide" else self.graphs
+        if width in self.built:  # the options on every call: a graph dynamo rebuilds is built as the first was
+            with torch._inductor.config.patch(self.options):
+                return graphs(tokens, keys, values, start, end, positions, mask)
         config = self.model.config
-        what = "one-token steps" if step else f"passes of 2-{COMPILED_MAX_TOKENS} tokens"
-        log(f"draftops: compiling the {config.num_hidden_layers}-layer {config.model_type} model's {what} "
-            "(decode.compiled: minutes on a small CPU, once per process)")
+        log(f"draftops: compiling the {config.num_hidden_layers}-layer {config.model_type} model's "
+            f"{self.WIDTHS[width]} (decode.compiled: minutes on a small CPU, once per process)")
         try:
             with torch._inductor.config.patch(self.options):
-                logits = self.graphs(tokens, keys, values, start, end, positions, mask)
+                logits = graphs(tokens, keys, values, start, end, positions, mask)
         except COMPILE_ERRORS as exc:  # a machine inductor cannot build on (no C++ compiler, say): nothing lost
             log(f"draftops: compiling failed, the eager forward runs instead: {str(exc).splitlines()[0]}")
             raise CompileUnavailable from exc
-        self.built.add(step)
+        self.built.add(width)
         return logits
+
+    def _wide_pass(self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], start: int,
+                   end: int, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """`_pass` under a code object of its own: dynamo keeps graphs per code object, and the 2-4-token graph,
+        dynamic in the number of tokens, would otherwise run the wide passes on kernels autotuned for 2 rows."""
+        return self._pass(tokens, keys, values, start, end, positions, mask)
 
     def _pass(self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], start: int, end: int,
               positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

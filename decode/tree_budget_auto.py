@@ -35,7 +35,7 @@ import torch
 from decode.drafters import DRAFT, make_drafter
 from decode.kernel_choice import machine_busy, machine_key
 from decode.kernels import cpu_linear_of
-from decode.lean import compiled_lean
+from decode.lean import COMPILED_MAX_TOKENS, compiled_lean
 from decode.sampling import Warp
 from decode.suffix import SuffixIndex
 from decode.sweep_costs import measure_costs
@@ -197,13 +197,13 @@ def cost_contexts(model, max_depth: int) -> list[int]:
 def cost_key(target, draft, max_depth: int) -> dict:
     """What the measured costs hold for: this machine (CPU, torch, threads; the GPU's name on one), the target and
     draft weights (draft None: the target's costs alone), their device, dtype, CPU kernels and compiled passes
-    (`decode.compiled`), and what was timed."""
+    (`decode.compiled`: up to how many tokens a pass is compiled), and what was timed."""
     parameter = next(target.model.parameters())
     device = parameter.device
     return {"machine": machine_key(),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
             "dtype": str(parameter.dtype), "kernels": cpu_linear_of(target.model),
-            **({"compiled": True} if compiled_lean(target.model) is not None else {}),
+            **({"compiled": COMPILED_MAX_TOKENS} if compiled_lean(target.model) is not None else {}),
             "target": target.fingerprint, "draft": None if draft is None else draft.fingerprint,
             "contexts": cost_contexts(target.model, max_depth), "budgets": list(TREE_BUDGETS),
             "gammas": sorted({1, max_depth})}

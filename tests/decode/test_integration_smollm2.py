@@ -105,10 +105,10 @@ def test_greedy_with_token_trees_equals_target_only(target):
 
 
 def test_greedy_through_compiled_passes_equals_target_only():
-    """`decode.compiled`: the target's and the draft's steps and 2-4-token passes as compiled graphs (minutes to
-    build), trees of 3 nodes (4-token passes, the widest compiled) from prompt lookup, suffix decoding and the draft,
-    and plain greedy decoding through the compiled target. A fresh target: the module's stays eager for the others.
-    One held-out request of every category."""
+    """`decode.compiled`: the target's and the draft's passes as compiled graphs (minutes to build). Trees of 3 nodes
+    (4-token passes) from prompt lookup, suffix decoding and the draft; chains of 5 (6-token verifies: the wide graph,
+    on its own GEMM blocks); plain greedy decoding through the compiled target. A fresh target: the module's stays
+    eager for the others. One held-out request of every category."""
     target = load_model("smollm2-135m-instruct", device="cpu")
     draft, token_ids, eos, requests, prompts, references = tree_case(target)
     use_compiled_passes(target.model)
@@ -117,9 +117,11 @@ def test_greedy_through_compiled_passes_equals_target_only():
                                 draft_token_ids=token_ids, lookup_min_ngram=2, suffix=True,
                                 suffix_index=SuffixIndex(references[: len(references) // 2]))
     decoder = SpeculativeDecoder(target.model, drafter, gamma=5, eos_token_ids=eos)
+    chains = SpeculativeDecoder(target.model, draft, gamma=5, draft_token_ids=token_ids, eos_token_ids=eos)
     assert decoder.target_runner.lean is compiled_lean(target.model)
     runner = ModelRunner(target.model)
     for request, prompt, reference in zip(requests, prompts, references):
-        assert decoder.generate(prompt, max_new_tokens=32).token_ids == reference, f"{request.id}: speculative"
+        assert decoder.generate(prompt, max_new_tokens=32).token_ids == reference, f"{request.id}: trees"
+        assert chains.generate(prompt, max_new_tokens=32).token_ids == reference, f"{request.id}: chains"
         assert greedy_decode(runner, prompt, 32, eos) == reference, f"{request.id}: plain"
-    assert compiled_lean(target.model).compiled.built == {True, False}
+    assert compiled_lean(target.model).compiled.built == {"step", "short", "wide"}

@@ -9,7 +9,7 @@ import torch._inductor.freezing
 from torch._dynamo.utils import counters
 from transformers import DynamicCache
 
-from decode.lean import COMPILED_MAX_TOKENS, LeanLlama, compiled_lean, use_compiled_passes
+from decode.lean import COMPILED_MAX_TOKENS, SHORT_PASS_TOKENS, LeanLlama, compiled_lean, use_compiled_passes
 from decode.runtime import ModelRunner, forward_logits, greedy_decode, rollback
 from decode.speculative import SpeculativeDecoder
 from tests.decode.tiny import greedy_reference, tiny_llama
@@ -94,10 +94,11 @@ def test_other_architectures_and_training_mode_keep_the_transformers_forward():
 
 
 @torch.inference_mode()
-def test_the_compiled_forward_builds_one_graph_for_steps_and_one_for_wider_passes_whatever_the_length(monkeypatch):
+def test_the_compiled_forward_builds_one_graph_per_width_class_whatever_the_length(monkeypatch):
     """Compiling takes minutes on the real target: prompts of other lengths, passes of other widths and a cache that
-    grows past its capacity (or fills it exactly) must not build new graphs in the middle of decoding; prefills and
-    passes wider than COMPILED_MAX_TOKENS stay eager."""
+    grows past its capacity (or fills it exactly) must not build new graphs in the middle of decoding. Three graphs:
+    steps, passes up to SHORT_PASS_TOKENS, wider ones; prefills and passes wider than COMPILED_MAX_TOKENS stay
+    eager."""
     torch._dynamo.reset()
     counters.clear()
     frozen = []  # per graph built, how many of its inputs were frozen into it as constants
@@ -119,13 +120,14 @@ def test_the_compiled_forward_builds_one_graph_for_steps_and_one_for_wider_passe
     cache = runner.new_cache()
     tokens = torch.arange(1, 60)
     runner.forward(tokens[:20], cache, 0, True)
-    for n in (2, 5, 3, COMPILED_MAX_TOKENS, COMPILED_MAX_TOKENS + 1):
+    for n in (2, 5, 3, SHORT_PASS_TOKENS, 6, COMPILED_MAX_TOKENS, COMPILED_MAX_TOKENS + 1):
         runner.forward(tokens[20 : 20 + n], cache, 20, False)
         rollback(cache, 20)
-    assert counters["stats"]["unique_graphs"] == 2
+    assert counters["stats"]["unique_graphs"] == 3
     # every weight in every graph: the embedding; per layer two norms, q|k|v, o, gate|up and down; the final norm,
     # the head and the rotary frequencies
-    assert frozen == [1 + 2 * 6 + 3] * 2
+    assert frozen == [1 + 2 * 6 + 3] * 3
+    assert runner.lean.compiled.built == {"step", "short", "wide"}
 
 
 @torch.inference_mode()
