@@ -85,7 +85,7 @@ class DecodeConfig(Section):
         "With suffix: a suffix index file (`draftops suffix-index` builds one from the target's responses to a "
         "traffic file) instead of the one beside the draft. null: the draft's own."))
     compiled: bool = Field(False, description=(
-        "Run the target's and the draft model's passes after the prompt (steps, verify blocks and trees of up to 4 "
+        "Run the target's and the draft model's passes after the prompt (steps, verify blocks and trees of up to 16 "
         "tokens) through torch.compile: on a CPU, inductor's C++ GEMMs on weights packed once and each pass one call. "
         "Faster steps, after minutes of compiling per model in every process (docs/cpu-runtime.md); prefills and "
         "wider passes stay eager."))
