@@ -302,7 +302,7 @@ class CompiledPass(torch.nn.Module):
         self.stacked = torch.nn.ParameterList([torch.nn.Parameter(layer.weight, requires_grad=False)
                                                for layer in stacked])
         self.stacked_bias = [layer.bias for layer in stacked]
-        # every model's graphs are graphs of this one method, which torch caps at 8 (4 compiled models) by default
+        # every model's graphs are graphs of the same two methods, which torch caps at 8 graphs each by default
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         # applied around each call, not passed to torch.compile: dynamo reads `freezing` itself, outside the options
         # torch.compile hands inductor, and without it the weights are graph inputs that no GEMM template packs
@@ -322,13 +322,11 @@ class CompiledPass(torch.nn.Module):
         n = tokens.shape[1]
         width = "step" if n == 1 else "short" if n <= SHORT_PASS_TOKENS else "wide"
         graphs = self.wide_graphs if width == "wide" else self.graphs
-        if width in self.built:  # the options on every call: a graph dynamo rebuilds is built as the first was
-            with torch._inductor.config.patch(self.options):
-                return graphs(tokens, keys, values, start, end, positions, mask)
-        config = self.model.config
-        log(f"draftops: compiling the {config.num_hidden_layers}-layer {config.model_type} model's "
-            f"{self.WIDTHS[width]} (decode.compiled: minutes on a small CPU, once per process)")
-        try:
+        if width not in self.built:
+            config = self.model.config
+            log(f"draftops: compiling the {config.num_hidden_layers}-layer {config.model_type} model's "
+                f"{self.WIDTHS[width]} (decode.compiled: minutes on a small CPU, once per process)")
+        try:  # the options on every call: a graph dynamo rebuilds is built as the first was
             with torch._inductor.config.patch(self.options):
                 logits = graphs(tokens, keys, values, start, end, positions, mask)
         except COMPILE_ERRORS as exc:  # a machine inductor cannot build on (no C++ compiler, say): nothing lost
