@@ -16,12 +16,14 @@ same function (`CompiledPass`, parity-tested against the eager forward); prefill
 captures stay eager. A step of a small model on a CPU is mostly per-call cost and weight reads: on a CPU the graph is
 compiled with the weights frozen into it, inductor's C++ GEMM templates on weights it packs once, and a C++ wrapper,
 so that one call runs the whole pass. Passes of more than `SHORT_PASS_TOKENS` tokens have a graph of their own, its
-GEMMs autotuned at their width. Compiling takes minutes on a small CPU and is redone by every process (frozen
-weights are not cached), so it is opt-in (`decode.compiled`); docs/cpu-runtime.md has the measurement.
+GEMMs autotuned at their width. Compiling takes minutes on a small CPU and is redone by every process (inductor's
+graph cache cannot store the packed weights), so it is opt-in (`decode.compiled`); docs/cpu-runtime.md has the
+measurement.
 """
 from __future__ import annotations
 
 import sys
+import types
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +73,14 @@ def compile_options(device: torch.device) -> dict:
         return {}
     return {"freezing": True, "cpp_wrapper": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
             "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}  # no tables on stderr
+
+
+def own_method(function, instance):
+    """`function` bound to `instance` through a copy of its code object: dynamo keeps graphs, and their guards, per
+    code object."""
+    code = function.__code__.replace()
+    return types.MethodType(types.FunctionType(code, function.__globals__, function.__name__, function.__defaults__,
+                                               function.__closure__), instance)
 
 
 class CompileUnavailable(RuntimeError):
@@ -302,13 +312,15 @@ class CompiledPass(torch.nn.Module):
         self.stacked = torch.nn.ParameterList([torch.nn.Parameter(layer.weight, requires_grad=False)
                                                for layer in stacked])
         self.stacked_bias = [layer.bias for layer in stacked]
-        # every model's graphs are graphs of the same two methods, which torch caps at 8 graphs each by default
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         # applied around each call, not passed to torch.compile: dynamo reads `freezing` itself, outside the options
         # torch.compile hands inductor, and without it the weights are graph inputs that no GEMM template packs
         self.options = compile_options(next(lean.model.parameters()).device)
-        self.graphs = torch.compile(self._pass, dynamic=True)  # steps and short passes
-        self.wide_graphs = torch.compile(self._wide_pass, dynamic=True)
+        # graphs of code objects of this module's own, so that no guard on its modules is needed to tell its graphs
+        # from another model's: those guards (every weight, norm and layer attribute) would be checked on every call,
+        # and the weights are frozen into the graphs anyway
+        unguarded = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        self.graphs = torch.compile(own_method(CompiledPass._pass, self), dynamic=True, options=unguarded)
+        self.wide_graphs = torch.compile(own_method(CompiledPass._wide_pass, self), dynamic=True, options=unguarded)
         self.built: set[str] = set()  # the `WIDTHS` whose graph was built
 
     def forward(self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], start: int,
@@ -326,8 +338,9 @@ class CompiledPass(torch.nn.Module):
             config = self.model.config
             log(f"draftops: compiling the {config.num_hidden_layers}-layer {config.model_type} model's "
                 f"{self.WIDTHS[width]} (decode.compiled: minutes on a small CPU, once per process)")
-        try:  # the options on every call: a graph dynamo rebuilds is built as the first was
-            with torch._inductor.config.patch(self.options):
+        try:  # the options on every call: a graph dynamo rebuilds is built as the first was. Floats (norm epsilons,
+            # the attention scale) are constants of the graph: traced as symbols, dynamo would restart its analysis
+            with torch._inductor.config.patch(self.options), torch._dynamo.config.patch(specialize_float=True):
                 logits = graphs(tokens, keys, values, start, end, positions, mask)
         except COMPILE_ERRORS as exc:  # a machine inductor cannot build on (no C++ compiler, say): nothing lost
             log(f"draftops: compiling failed, the eager forward runs instead: {str(exc).splitlines()[0]}")

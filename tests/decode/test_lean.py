@@ -146,6 +146,22 @@ def test_the_compiled_forward_decodes_what_the_eager_one_does():
 
 
 @torch.inference_mode()
+def test_models_of_one_architecture_each_run_their_own_weights_compiled():
+    """Compiled graphs are built without guards on the model's modules: two models alike but for their weights must
+    still each get graphs of their own (their weights are frozen into them)."""
+    models = [tiny_llama(seed).to(torch.float32) for seed in (2, 3)]
+    tokens = torch.arange(1, 20)
+    for model in models:
+        logits = []
+        for lean in (LeanLlama(model, compiled=True), LeanLlama(model)):
+            cache = lean.new_cache()
+            lean.forward_logits(tokens[:10], cache, 0, True)
+            logits.append(torch.cat([lean.forward_logits(tokens[10:11], cache, 10, False),
+                                     lean.forward_logits(tokens[11:14], cache, 11, False)]))
+        torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
 def test_where_a_graph_cannot_be_built_the_eager_forward_runs_instead(capsys):
     model = tiny_llama(4).to(torch.float32)
     compiled, eager = LeanLlama(model, compiled=True), LeanLlama(model)
