@@ -16,14 +16,18 @@ same function (`CompiledPass`, parity-tested against the eager forward); prefill
 captures stay eager. A step of a small model on a CPU is mostly per-call cost and weight reads: on a CPU the graph is
 compiled with the weights frozen into it, inductor's C++ GEMM templates on weights it packs once, and a C++ wrapper,
 so that one call runs the whole pass. Passes of more than `SHORT_PASS_TOKENS` tokens have a graph of their own, its
-GEMMs autotuned at their width. Compiling takes minutes on a small CPU and is redone by every process (inductor's
-graph cache cannot store the packed weights), so it is opt-in (`decode.compiled`); docs/cpu-runtime.md has the
-measurement.
+GEMMs C++ templates on register blocks of at most `WIDE_PASS_BLOCK_ROWS` rows (`narrow_gemm_blocks`). Compiling
+takes minutes on a small CPU and is redone by every process (inductor's graph cache cannot store the packed weights),
+so it is opt-in (`decode.compiled`); docs/cpu-runtime.md has the measurement.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import sys
 import types
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +40,7 @@ COMPILE_ERRORS = (torch._dynamo.exc.BackendCompilerFailed, torch._inductor.exc.I
 COMPILED_ATTRIBUTE = "_draftops_compiled"  # where a model keeps its compiled forward (`use_compiled_passes`)
 COMPILED_MAX_TOKENS = 16  # the widest pass run compiled
 SHORT_PASS_TOKENS = 4  # passes of 2-4 tokens share a graph, wider ones have their own
+WIDE_PASS_BLOCK_ROWS = 4  # the wide graph's GEMM micro-kernels take this many rows at a time (`narrow_gemm_blocks`)
 
 
 class _CompiledHolder:
@@ -73,6 +78,51 @@ def compile_options(device: torch.device) -> dict:
         return {}
     return {"freezing": True, "cpp_wrapper": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
             "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}  # no tables on stderr
+
+
+def wide_pass_options(options: dict) -> dict:
+    """`compile_options` for the graph of passes wider than `SHORT_PASS_TOKENS`: on a CPU, inductor's C++ GEMM
+    templates only (`narrow_gemm_blocks` makes them fit these widths); autotuning against ATen's packed products picked
+    kernels slower in the whole pass than in isolation. Where no template fits a product, inductor runs ATen's."""
+    return {**options, "max_autotune_gemm_backends": "CPP"} if options else options
+
+
+@contextlib.contextmanager
+def narrow_gemm_blocks(rows: int) -> Iterator[None]:
+    """For the duration, inductor's fp32 AVX-512 GEMM micro-kernels take at most `rows` rows at a time (a wider
+    product loops over them). Its default register block of 8 rows by 48 columns needs 24 accumulators, which g++
+    spills to the stack after every FMA; blocks of up to 4 rows stay in registers. Leaves inductor as it is where its
+    internals differ from torch 2.13's."""
+    narrowed = _narrowed_micro_gemms(rows)
+    if narrowed is None:
+        yield
+        return
+    tables = narrowed[0]
+    saved = {kind: list(configs) for kind, configs in tables.items()}
+    for kind, configs in narrowed[1].items():
+        tables[kind][:] = configs
+    try:
+        yield
+    finally:
+        for kind, configs in saved.items():
+            tables[kind][:] = configs
+
+
+@functools.cache
+def _narrowed_micro_gemms(rows: int) -> tuple[dict, dict] | None:
+    """(inductor's micro-GEMM table, the same with fp32 AVX-512 register blocks of at most `rows` rows), or None."""
+    try:
+        import torch._inductor.compile_fx  # noqa: F401  (inductor first: its codegen modules import each other)
+        from torch._inductor.codegen import cpp_micro_gemm
+        from torch._inductor.codegen.cpp_utils import GemmBlocking
+
+        tables = cpp_micro_gemm.micro_gemm_configs
+        return tables, {kind: [dataclasses.replace(c, register_blocking=GemmBlocking(
+            min(rows, c.register_blocking.block_m), *c.register_blocking[1:]))
+            if c.vec_isa_cls is cpp_micro_gemm.VecAVX512 and c.input_dtype == c.input2_dtype == torch.float32
+            else c for c in configs] for kind, configs in tables.items()}
+    except (ImportError, AttributeError, TypeError):
+        return None
 
 
 def own_method(function, instance):
@@ -297,8 +347,9 @@ class CompiledPass(torch.nn.Module):
 
     One module per model: graphs are built on first use, one for steps (one token, no mask), one for passes of 2 to
     `SHORT_PASS_TOKENS` tokens and one for wider passes up to `COMPILED_MAX_TOKENS` (a block or a tree under a mask;
-    the number of tokens and the context length are dynamic). Each graph's GEMMs are autotuned at the width it is
-    first called with: kernels picked for 2 rows are not the fastest for 8."""
+    the number of tokens and the context length are dynamic). The step and short graphs' GEMMs are autotuned (C++
+    template against ATen) at the width they are first called with; the wide graph's are C++ templates on narrower
+    register blocks (`wide_pass_options`, `narrow_gemm_blocks`): kernels picked for 2 rows are not the fastest for 8."""
 
     WIDTHS = {"step": "one-token steps", "short": f"passes of 2-{SHORT_PASS_TOKENS} tokens",
               "wide": f"passes of {SHORT_PASS_TOKENS + 1}-{COMPILED_MAX_TOKENS} tokens"}
@@ -315,6 +366,7 @@ class CompiledPass(torch.nn.Module):
         # applied around each call, not passed to torch.compile: dynamo reads `freezing` itself, outside the options
         # torch.compile hands inductor, and without it the weights are graph inputs that no GEMM template packs
         self.options = compile_options(next(lean.model.parameters()).device)
+        self.wide_options = wide_pass_options(self.options)
         # graphs of code objects of this module's own, so that no guard on its modules is needed to tell its graphs
         # from another model's: those guards (every weight, norm and layer attribute) would be checked on every call,
         # and the weights are frozen into the graphs anyway
@@ -333,14 +385,16 @@ class CompiledPass(torch.nn.Module):
                     torch._dynamo.mark_static(buffer, dim)
         n = tokens.shape[1]
         width = "step" if n == 1 else "short" if n <= SHORT_PASS_TOKENS else "wide"
-        graphs = self.wide_graphs if width == "wide" else self.graphs
+        wide = width == "wide"
+        graphs, options = (self.wide_graphs, self.wide_options) if wide else (self.graphs, self.options)
         if width not in self.built:
             config = self.model.config
             log(f"draftops: compiling the {config.num_hidden_layers}-layer {config.model_type} model's "
                 f"{self.WIDTHS[width]} (decode.compiled: minutes on a small CPU, once per process)")
         try:  # the options on every call: a graph dynamo rebuilds is built as the first was. Floats (norm epsilons,
             # the attention scale) are constants of the graph: traced as symbols, dynamo would restart its analysis
-            with torch._inductor.config.patch(self.options), torch._dynamo.config.patch(specialize_float=True):
+            with (torch._inductor.config.patch(options), torch._dynamo.config.patch(specialize_float=True),
+                  narrow_gemm_blocks(WIDE_PASS_BLOCK_ROWS) if wide else contextlib.nullcontext()):
                 logits = graphs(tokens, keys, values, start, end, positions, mask)
         except COMPILE_ERRORS as exc:  # a machine inductor cannot build on (no C++ compiler, say): nothing lost
             log(f"draftops: compiling failed, the eager forward runs instead: {str(exc).splitlines()[0]}")

@@ -9,7 +9,16 @@ import torch._inductor.freezing
 from torch._dynamo.utils import counters
 from transformers import DynamicCache
 
-from decode.lean import COMPILED_MAX_TOKENS, SHORT_PASS_TOKENS, LeanLlama, compiled_lean, use_compiled_passes
+from decode.lean import (
+    COMPILED_MAX_TOKENS,
+    SHORT_PASS_TOKENS,
+    LeanLlama,
+    compile_options,
+    compiled_lean,
+    narrow_gemm_blocks,
+    use_compiled_passes,
+    wide_pass_options,
+)
 from decode.runtime import ModelRunner, forward_logits, greedy_decode, rollback
 from decode.speculative import SpeculativeDecoder
 from tests.decode.tiny import greedy_reference, tiny_llama
@@ -128,6 +137,26 @@ def test_the_compiled_forward_builds_one_graph_per_width_class_whatever_the_leng
     # the head and the rotary frequencies
     assert frozen == [1 + 2 * 6 + 3] * 3
     assert runner.lean.compiled.built == {"step", "short", "wide"}
+
+
+def test_wide_passes_compile_cpp_gemms_on_register_blocks_of_at_most_four_rows():
+    """inductor's fp32 AVX-512 micro-kernels are narrowed to 4-row blocks while a wide pass compiles (8-row blocks spill
+    their accumulators), and the table is inductor's own again afterwards."""
+    import torch._inductor.compile_fx  # noqa: F401
+    from torch._inductor.codegen.cpp_micro_gemm import VecAVX512, micro_gemm_configs
+
+    def fp32_blocks():
+        return [c.register_blocking for configs in micro_gemm_configs.values() for c in configs
+                if c.vec_isa_cls is VecAVX512 and c.input_dtype == c.input2_dtype == torch.float32]
+
+    before = fp32_blocks()
+    assert max(block.block_m for block in before) > 4
+    with narrow_gemm_blocks(4):
+        assert [(b.block_m, b.block_n) for b in fp32_blocks()] == [(min(4, b.block_m), b.block_n) for b in before]
+    assert fp32_blocks() == before
+    options = compile_options(torch.device("cpu"))
+    assert wide_pass_options(options) == {**options, "max_autotune_gemm_backends": "CPP"}
+    assert wide_pass_options(compile_options(torch.device("cuda"))) == {}
 
 
 @torch.inference_mode()
