@@ -22,11 +22,13 @@ from decode.sampling import to_student_columns, to_target_vocab, warp_logits
 class AnalyticAcceptance:
     """per_position[i][t]: α at the t-th response token of sequence i; per_sequence: their means (nan if empty);
     ranks[i][t] (with `greedy_ranks`): where the target's greedy token t stands in the draft's order at that position
-    (1: the draft's top choice; 0: outside the draft's vocabulary, never proposed)."""
+    (1: the draft's top choice; 0: outside the draft's vocabulary, never proposed); target_confidence[i][t]: the
+    target's probability of its most likely token there (its softmax, unwarped)."""
 
     per_sequence: list[float]
     per_position: list[list[float]]
     ranks: list[list[int]] | None = None
+    target_confidence: list[list[float]] = field(default_factory=list)
 
     @property
     def counts(self) -> list[int]:
@@ -69,6 +71,7 @@ def analytic_acceptance(
         draft_token_ids = torch.as_tensor(draft_token_ids, dtype=torch.long, device=device)
     per_position: list[list[float]] = []
     ranks: list[list[int]] = []
+    confidence: list[list[float]] = []
     for begin in range(0, len(sequences), batch_size):
         batch = [list(s) for s in sequences[begin : begin + batch_size]]
         starts = response_starts[begin : begin + batch_size]
@@ -96,15 +99,41 @@ def analytic_acceptance(
             if scored.start >= scored.stop:
                 per_position.append([])
                 ranks.append([])
+                confidence.append([])
                 continue
             p = warp_logits(p_logits[row, scored], temperature, top_k, top_p)
             q = warp_logits(q_logits[row, scored], temperature, top_k, top_p)
             q = to_target_vocab(q, draft_token_ids, p.shape[-1])
             per_position.append(torch.minimum(p, q).sum(-1).tolist())
+            confidence.append(p_logits[row, scored].float().softmax(-1).amax(-1).tolist())
             if greedy_ranks:
                 ranks.append(greedy_rank(p_logits[row, scored], q_logits[row, scored], draft_token_ids))
     per_sequence = [sum(a) / len(a) if a else float("nan") for a in per_position]
-    return AnalyticAcceptance(per_sequence, per_position, ranks if greedy_ranks else None)
+    return AnalyticAcceptance(per_sequence, per_position, ranks if greedy_ranks else None, confidence)
+
+
+CONFIDENCE_EDGES = (0.5, 0.8)  # the target's top probability: a near tie below 0.5, sure from 0.8
+
+
+def alpha_by_target_confidence(per_position: Sequence[Sequence[float]], confidence: Sequence[Sequence[float]],
+                               edges: Sequence[float] = CONFIDENCE_EDGES) -> list[dict]:
+    """α over the response tokens in each band of the target's own confidence ([0, e1), [e1, e2), ..., [ek, 1]):
+    {low, high, tokens, share, alpha (nan if none)} per band. A draft that misses tokens the target is sure of has
+    something left to learn; where the target's first and second choices nearly tie, even a close copy of its
+    distribution often ranks them the other way round."""
+    alphas = [a for row in per_position for a in row]
+    confidences = [c for row in confidence for c in row]
+    if len(alphas) != len(confidences):
+        raise ValueError(f"{len(alphas)} α values but {len(confidences)} confidences")
+    bounds = [0.0, *edges, 1.0]
+    bands = []
+    for band, (low, high) in enumerate(zip(bounds, bounds[1:])):
+        last = band == len(bounds) - 2
+        inside = [a for a, c in zip(alphas, confidences) if low <= c and (c < high or last)]
+        bands.append({"low": low, "high": high, "tokens": len(inside),
+                      "share": len(inside) / len(alphas) if alphas else float("nan"),
+                      "alpha": sum(inside) / len(inside) if inside else float("nan")})
+    return bands
 
 
 def greedy_rank(p_logits: torch.Tensor, q_logits: torch.Tensor, draft_token_ids: torch.Tensor | None) -> list[int]:

@@ -187,6 +187,10 @@ def eval_command(args) -> int:
         for name, summary in report["live"][DRAFT].get("per_category", {}).items():
             print(f"  {name:<16} α̂ {summary['acceptance_rate']['value']:.3f}  "
                   f"α {report['analytic']['per_category'][name]['value']:.3f}  τ {summary['tau']['value']:.2f}")
+        print("analytic α by the target's own confidence (its top probability):")
+        for band in report["analytic"]["by_target_confidence"]:
+            print(f"  [{band['low']:.1f}, {band['high']:.1f}{']' if band['high'] == 1 else ')'}  "
+                  f"{band['share']:6.1%} of tokens  α {band['alpha']:.3f}")
         print(f"MLflow run: {report['mlflow_run_id']}")
     return 0
 
@@ -428,7 +432,8 @@ def add_commands(subparsers) -> None:
         "eval", help="live and analytic acceptance of a draft on traffic, logged to MLflow",
         description="Decode the traffic's prompts speculatively (live acceptance, τ, tokens/s) and score the same "
                     "text with one teacher-forced pass of both models (analytic α); prompt-level 95% intervals, "
-                    "per category and per draft position; logged to MLflow experiment draftops-eval.")
+                    "per category, per draft position and by the target's own confidence (where the target "
+                    "nearly ties, no draft agrees reliably); logged to MLflow experiment draftops-eval.")
     _common(evaluate, traffic=True)
     evaluate.add_argument("--temperature", type=float, default=None, help="0 is greedy (default: decode.temperature)")
     evaluate.set_defaults(handler=eval_command)

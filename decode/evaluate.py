@@ -8,7 +8,12 @@ from collections.abc import Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from decode.acceptance import analytic_acceptance, expected_tokens, expected_tokens_from_positions
+from decode.acceptance import (
+    alpha_by_target_confidence,
+    analytic_acceptance,
+    expected_tokens,
+    expected_tokens_from_positions,
+)
 from decode.drafters import DECODER, DRAFT
 from decode.factory import build_decoder
 from decode.stats import aggregate_stats, ratio_ci
@@ -64,6 +69,7 @@ def evaluate(target, draft, prompts: Sequence[list[int]], categories: Sequence[s
             "alpha": alpha.to_dict(),
             "per_category": by_category,
             "alpha_by_token": mean_by_index(analytic.per_position),
+            "by_target_confidence": alpha_by_target_confidence(analytic.per_position, analytic.target_confidence),
         },
         "predicted_tau": {
             "from_analytic_alpha": expected_tokens(alpha.value, policy.gamma) if alpha.value == alpha.value else None,
@@ -157,6 +163,8 @@ def flat_metrics(report: dict) -> dict[str, float]:
         out[M.per_category(M.ACCEPTANCE_DRAFT, name)] = summary["acceptance_rate"]["value"]
         out[M.per_category(tau, name)] = summary["tau"]["value"]
         out[M.per_category(alpha, name)] = analytic["per_category"][name]["value"]
+    for band in analytic["by_target_confidence"]:
+        out[M.by_target_confidence(alpha, band["low"], band["high"])] = band["alpha"]
     for i, value in enumerate(live["acceptance_at_position"]):
         out[M.position(i + 1)] = value
     return M.finite(out)

@@ -9,6 +9,7 @@ names for the same quantities, so MLflow's compare view lines them up column by 
 | `acceptance/alpha_t0` | α at temperature 0: greedy agreement of draft and target on held-out traffic |
 | `acceptance/alpha_t1` | α at temperature 1: E[Σ min(p, q)] = 1 − TVD |
 | `acceptance/alpha_t0/<category>` | the same per traffic category |
+| `acceptance/alpha_t0_by_target_confidence/<low>-<high>` | eval: α where the target's top probability is in that band |
 | `acceptance/draft` | the draft model's own acceptance while decoding alone (no prompt lookup): what drift is about |
 | `acceptance/decoder` | the acceptance of the decoder users run: prompt lookup first, the draft elsewhere |
 | `acceptance/tau_gamma<γ>` | tokens per target call at γ draft tokens |
@@ -179,6 +180,12 @@ def _key(text: str) -> str:
 def alpha_at(temperature: float) -> str:
     """α at a sampling temperature: `acceptance/alpha_t0`, `acceptance/alpha_t1`, `acceptance/alpha_t0.7`."""
     return f"acceptance/alpha_t{float(temperature):g}"
+
+
+def by_target_confidence(metric: str, low: float, high: float) -> str:
+    """An acceptance over the tokens where the target's own top probability is in [low, high):
+    `acceptance/alpha_t0_by_target_confidence/0.5-0.8` (`decode.acceptance.alpha_by_target_confidence`)."""
+    return f"{metric}_by_target_confidence/{float(low):g}-{float(high):g}"
 
 
 def tau_at(gamma: int) -> str:

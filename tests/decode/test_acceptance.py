@@ -3,7 +3,12 @@ import math
 import pytest
 import torch
 
-from decode.acceptance import analytic_acceptance, expected_tokens, expected_tokens_from_positions
+from decode.acceptance import (
+    alpha_by_target_confidence,
+    analytic_acceptance,
+    expected_tokens,
+    expected_tokens_from_positions,
+)
 from decode.sampling import to_target_vocab, warp_logits
 from decode.speculative import SpeculativeDecoder
 from decode.stats import acceptance_ci, ratio_ci
@@ -78,3 +83,24 @@ def test_live_acceptance_agrees_with_analytic(target, close_draft):
     tau = sum(s.new_tokens for s in stats) / sum(s.target_calls for s in stats)
     assert expected_tokens_from_positions(conditional, 3) == pytest.approx(tau, rel=0.1)
     assert expected_tokens(predicted.value, 3) == pytest.approx(tau, rel=0.15)
+
+
+def test_target_confidence_is_the_targets_top_probability(target, close_draft):
+    result = analytic_acceptance(target, close_draft, SEQUENCES, STARTS, batch_size=2, temperature=0.0)
+    with torch.no_grad():
+        top = target(torch.tensor([SEQUENCES[0]])).logits[0].softmax(-1).amax(-1)
+    assert result.target_confidence[0] == pytest.approx(top[2:6].tolist(), abs=1e-6)
+    assert [len(c) for c in result.target_confidence] == result.counts == [4, 2, 0]
+
+
+def test_alpha_by_target_confidence_by_hand():
+    per_position = [[1.0, 0.0, 1.0], [0.0, 1.0]]
+    confidence = [[0.3, 0.45, 0.5], [0.9, 1.0]]  # 0.5 opens the middle band; 1.0 falls in the last, closed one
+    bands = alpha_by_target_confidence(per_position, confidence)
+    assert [(b["low"], b["high"], b["tokens"]) for b in bands] == [(0.0, 0.5, 2), (0.5, 0.8, 1), (0.8, 1.0, 2)]
+    assert [b["alpha"] for b in bands] == [0.5, 1.0, 0.5]
+    assert [b["share"] for b in bands] == [0.4, 0.2, 0.4]
+    empty = alpha_by_target_confidence([[1.0]], [[0.95]], edges=(0.5,))
+    assert math.isnan(empty[0]["alpha"]) and empty[1]["alpha"] == 1.0 and empty[0]["tokens"] == 0
+    with pytest.raises(ValueError, match="2 α values but 1 confidences"):
+        alpha_by_target_confidence([[1.0, 0.0]], [[0.5]])

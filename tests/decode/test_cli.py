@@ -79,6 +79,13 @@ def test_eval_logs_live_and_analytic_acceptance(checkpoints, capsys):
     assert run.data.params["drafter_decoder"] == DEFAULT_DECODER
     assert run.data.metrics["acceptance/pos_1"] == pytest.approx(report["live"]["draft"]["acceptance_at_position"][0])
     assert "acceptance/tau_gamma5" in run.data.metrics and "speed/tokens_per_s" in run.data.metrics
+    bands = report["analytic"]["by_target_confidence"]
+    assert [(b["low"], b["high"]) for b in bands] == [(0.0, 0.5), (0.5, 0.8), (0.8, 1.0)]
+    assert sum(b["tokens"] for b in bands) == report["live"]["draft"]["new_tokens"]
+    for band in bands:
+        if band["tokens"]:
+            assert run.data.metrics[f"acceptance/alpha_t1_by_target_confidence/{band['low']:g}-{band['high']:g}"] \
+                == pytest.approx(band["alpha"])
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "eval")}
     assert artifacts == {"eval/report.json", "eval/per_position.png", "eval/per_category.png"}
 
