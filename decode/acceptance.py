@@ -27,8 +27,8 @@ class AnalyticAcceptance:
 
     per_sequence: list[float]
     per_position: list[list[float]]
+    target_confidence: list[list[float]]
     ranks: list[list[int]] | None = None
-    target_confidence: list[list[float]] = field(default_factory=list)
 
     @property
     def counts(self) -> list[int]:
@@ -109,7 +109,7 @@ def analytic_acceptance(
             if greedy_ranks:
                 ranks.append(greedy_rank(p_logits[row, scored], q_logits[row, scored], draft_token_ids))
     per_sequence = [sum(a) / len(a) if a else float("nan") for a in per_position]
-    return AnalyticAcceptance(per_sequence, per_position, ranks if greedy_ranks else None, confidence)
+    return AnalyticAcceptance(per_sequence, per_position, confidence, ranks if greedy_ranks else None)
 
 
 CONFIDENCE_EDGES = (0.5, 0.8)  # the target's top probability: a near tie below 0.5, sure from 0.8
@@ -127,9 +127,8 @@ def alpha_by_target_confidence(per_position: Sequence[Sequence[float]], confiden
         raise ValueError(f"{len(alphas)} α values but {len(confidences)} confidences")
     bounds = [0.0, *edges, 1.0]
     bands = []
-    for band, (low, high) in enumerate(zip(bounds, bounds[1:])):
-        last = band == len(bounds) - 2
-        inside = [a for a, c in zip(alphas, confidences) if low <= c and (c < high or last)]
+    for low, high in zip(bounds, bounds[1:]):  # the last band is closed: a confidence of 1.0 falls in it
+        inside = [a for a, c in zip(alphas, confidences) if low <= c < high or c == high == 1.0]
         bands.append({"low": low, "high": high, "tokens": len(inside),
                       "share": len(inside) / len(alphas) if alphas else float("nan"),
                       "alpha": sum(inside) / len(inside) if inside else float("nan")})
