@@ -95,8 +95,9 @@ class FeatureDraft(nn.Module):
         return KVCache(1, self.kv_heads, self.head_dim, weight.dtype, weight.device)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
-        """Target features [..., 3H] -> the layer's hidden input [..., H]."""
-        return self.fc(features)
+        """Target features [..., 3H] -> the layer's hidden input [..., H], in the draft's precision (training keeps
+        float32 weights beside a bfloat16 target; the features cache stores float16)."""
+        return self.fc(features.to(self.fc.weight.dtype))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))

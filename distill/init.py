@@ -43,7 +43,8 @@ def remap_vocabulary(draft, draft_ids: torch.Tensor, token_ids: torch.Tensor, he
 
 
 def init_draft(cfg: DistillConfig, target, *, token_ids: torch.Tensor | None = None, tokenizer=None):
-    """The draft described by `cfg` (init, init_layers, init_checkpoint, init_config), in train mode.
+    """The draft described by `cfg` (init, init_layers, init_checkpoint, init_config), in train mode, its own weights
+    in float32 (`float32_weights`).
 
     With `token_ids`, the head is cut to those rows, taken from the target's head; a checkpoint with a reduced head
     over other ids keeps its rows for the ids both share (`remap_vocabulary`). `tokenizer`: the target's; a checkpoint
@@ -51,7 +52,7 @@ def init_draft(cfg: DistillConfig, target, *, token_ids: torch.Tensor | None = N
     family "features": a `decode.feature_draft.FeatureDraft` from the target's weights (the init keys do not apply).
     """
     if cfg.family == "features":
-        return feature_draft_from_target(target, token_ids).train()
+        return float32_weights(feature_draft_from_target(target, token_ids), target).train()
     if cfg.init == "target_layers":
         draft = draft_from_target_layers(target, cfg.init_layers)
     elif cfg.init == "config":
@@ -69,9 +70,20 @@ def init_draft(cfg: DistillConfig, target, *, token_ids: torch.Tensor | None = N
                 # the checkpoint's trained rows, new ids start from the target's head
                 new_ids = token_ids if token_ids is not None else torch.arange(target.config.vocab_size)
                 remap_vocabulary(draft, loaded.token_ids, new_ids, target.get_output_embeddings().weight.detach())
-            return draft.train()
+            return float32_weights(draft, target).train()
     draft = draft.to(target.device)
     if token_ids is not None:
         # The target's head rows (identical to its embeddings when tied) are the best start for the kept ids.
         reduce_vocabulary(draft, token_ids, target.get_output_embeddings().weight.detach())
-    return draft.train()
+    return float32_weights(draft, target).train()
+
+
+def float32_weights(draft, target):
+    """`draft` with its own weights in float32 whatever the target's precision: the master copy training updates
+    and export saves (accelerate's mixed precision casts the compute). Weights it shares with the target (a feature
+    draft's embeddings) stay as the target holds them: casting those would change the target's own forward."""
+    shared = {id(p) for p in target.parameters()}
+    for parameter in draft.parameters():
+        if id(parameter) not in shared and parameter.dtype != torch.float32:
+            parameter.data = parameter.data.float()
+    return draft

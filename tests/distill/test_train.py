@@ -258,6 +258,27 @@ def test_a_feature_draft_job_exports_the_speculators_format_registers_and_decode
     assert again.version == "1" and again.history == result.history
 
 
+@pytest.mark.parametrize("family", ["layers", "features"])
+def test_beside_a_bfloat16_target_drafts_train_and_export_float32_weights(isolated_home, family):
+    """What `dtype: auto` gives on a GPU, here on a CPU: a bfloat16 target, bf16 mixed precision. The draft's own
+    weights are float32 master weights from init to export (the export once came out rounded to bfloat16), and a
+    feature draft's embeddings, shared with the target, stay bfloat16 (once cast with the draft, the target's own
+    forward mixed float32 embeddings into bfloat16 layers and the first evaluation failed)."""
+    from pipeline.sources import save_checkpoint
+    from tests.conftest import make_tiny_model, make_tokenizer
+
+    tokenizer = make_tokenizer(extra_words=40)
+    save_checkpoint(make_tiny_model(len(tokenizer), seed=0, layers=4), tokenizer, isolated_home / "target")
+    cfg = tiny_config(isolated_home, f"distill.family={family}", "distill.ttt_steps=2", "decode.gamma=3",
+                      "distill.max_steps=4", "distill.register_model=false", "dtype=bfloat16",
+                      "distill.mixed_precision=bf16")
+    result = run_distill(cfg)
+    assert len(result.evals) == 1 and torch.isfinite(torch.tensor([h["loss"] for h in result.history])).all()
+    floats = {w.dtype for w in load_file(str(result.export_dir / "model.safetensors")).values()
+              if w.is_floating_point()}
+    assert floats == {torch.float32}
+
+
 def test_the_summary_points_at_the_export_for_vllm_and_llama_cpp(isolated_home, capsys):
     cfg = tiny_config(isolated_home)
     draft = isolated_home / "out" / "job" / "draft"
