@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 CONFIG ?= configs/default.yaml
 ARGS ?=
 
-.PHONY: setup lint test test-integration test-faults test-browser test-llamacpp llama-cpp distill distill-sizes bench monitor drift-demo sweep ui report clean
+.PHONY: setup lint test test-integration test-faults test-browser test-llamacpp test-cuda llama-cpp distill distill-sizes bench monitor drift-demo sweep ui report clean
 
 setup: .venv/.installed
 
@@ -51,6 +51,11 @@ llama-cpp: setup
 # live llama-server's counters. Kept out of .ci/run, whose time the build would take.
 test-llamacpp: llama-cpp
 	$(call PYTEST,-m llamacpp)
+
+# Decoding, sampling and distill (bf16, both draft families, configs/accelerate/fsdp.yaml) on a CUDA GPU; each test
+# skips where torch sees none, as in CI. Install a CUDA torch first (`make setup TORCH=`, see above).
+test-cuda: setup
+	$(call PYTEST,-m cuda)
 
 # The MLflow UI in a real headless Chromium (Debian's chromium + chromium-driver; see .ci/run). Screenshots: test-artifacts/
 test-browser: setup

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import is_bf16_available, set_seed
+from accelerate.utils import DistributedType, is_bf16_available, set_seed
 
 from decode.drafts import frequent_token_ids
 from decode.feature_draft import FEATURES, default_feature_layers
@@ -67,6 +67,12 @@ def make_accelerator(cfg: DraftopsConfig) -> Accelerator:
     if not usable:
         print(f"draftops distill: mixed_precision={mixed} is not available here; training in full precision")
     return Accelerator(cpu=cpu, mixed_precision=mixed if usable else "no")
+
+
+def distributed_as(accelerator: Accelerator) -> str:
+    """", distributed as FSDP" (DDP's "MULTI_GPU", gloo's "MULTI_CPU", ...); "" for one plain process."""
+    kind = accelerator.distributed_type
+    return "" if kind == DistributedType.NO else f", distributed as {kind.value}"
 
 
 def prepare_data(cfg: DraftopsConfig, accelerator, target, timings: Timings) -> TrainingData:
@@ -186,8 +192,7 @@ def run_distill(cfg: DraftopsConfig, *, init_only: bool = False, register_only: 
         accelerator.end_training()
         return finished
     set_seed(cfg.seed)
-    # fp32 master weights even beside a bf16 target; accelerate's mixed precision casts the compute
-    draft = init_draft(cfg.distill, target.model, token_ids=data.token_ids, tokenizer=target.tokenizer).float()
+    draft = init_draft(cfg.distill, target.model, token_ids=data.token_ids, tokenizer=target.tokenizer)
     if init_only:
         export_dir = job_dir / "init"
         if accelerator.is_main_process:
@@ -202,7 +207,7 @@ def run_distill(cfg: DraftopsConfig, *, init_only: bool = False, register_only: 
     accelerator.print(f"draftops distill: draft of {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M parameters "
                       f"({sum(p.numel() for p in draft.parameters() if p.requires_grad) / 1e6:.1f}M trained), "
                       f"lm_head over {draft.lm_head.out_features} ids; {accelerator.num_processes} process(es) on "
-                      f"{accelerator.device}; job folder {job_dir}")
+                      f"{accelerator.device}{distributed_as(accelerator)}; job folder {job_dir}")
     history, evals, best = train_loop(cfg, accelerator, target.model, target.tokenizer, draft, data, job_dir, timings)
     accelerator.wait_for_everyone()
 
