@@ -23,11 +23,15 @@ class AnalyticAcceptance:
     """per_position[i][t]: α at the t-th response token of sequence i; per_sequence: their means (nan if empty);
     ranks[i][t] (with `greedy_ranks`): where the target's greedy token t stands in the draft's order at that position
     (1: the draft's top choice; 0: outside the draft's vocabulary, never proposed); target_confidence[i][t]: the
-    target's probability of its most likely token there (its softmax, unwarped)."""
+    target's probability of its most likely token there (its softmax, unwarped); outside_vocabulary[i][t]: the
+    target's probability there (warped as for α) on ids a reduced head lacks, which no draft of that vocabulary
+    proposes: α_t ≤ 1 − outside_vocabulary[i][t] (greedy: 1 where the target's token is not in it; 0 for a full
+    head)."""
 
     per_sequence: list[float]
     per_position: list[list[float]]
     target_confidence: list[list[float]]
+    outside_vocabulary: list[list[float]]
     ranks: list[list[int]] | None = None
 
     @property
@@ -72,6 +76,7 @@ def analytic_acceptance(
     per_position: list[list[float]] = []
     ranks: list[list[int]] = []
     confidence: list[list[float]] = []
+    outside: list[list[float]] = []
     for begin in range(0, len(sequences), batch_size):
         batch = [list(s) for s in sequences[begin : begin + batch_size]]
         starts = response_starts[begin : begin + batch_size]
@@ -100,16 +105,21 @@ def analytic_acceptance(
                 per_position.append([])
                 ranks.append([])
                 confidence.append([])
+                outside.append([])
                 continue
             p = warp_logits(p_logits[row, scored], temperature, top_k, top_p)
             q = warp_logits(q_logits[row, scored], temperature, top_k, top_p)
             q = to_target_vocab(q, draft_token_ids, p.shape[-1])
             per_position.append(torch.minimum(p, q).sum(-1).tolist())
             confidence.append(p_logits[row, scored].float().softmax(-1).amax(-1).tolist())
+            if draft_token_ids is None:
+                outside.append([0.0] * p.shape[0])
+            else:
+                outside.append((1 - p.index_select(-1, draft_token_ids).sum(-1)).clamp(min=0).tolist())
             if greedy_ranks:
                 ranks.append(greedy_rank(p_logits[row, scored], q_logits[row, scored], draft_token_ids))
     per_sequence = [sum(a) / len(a) if a else float("nan") for a in per_position]
-    return AnalyticAcceptance(per_sequence, per_position, confidence, ranks if greedy_ranks else None)
+    return AnalyticAcceptance(per_sequence, per_position, confidence, outside, ranks if greedy_ranks else None)
 
 
 CONFIDENCE_EDGES = (0.5, 0.8)  # the target's top probability: a near tie below 0.5, sure from 0.8

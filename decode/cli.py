@@ -191,6 +191,9 @@ def eval_command(args) -> int:
         for band in report["analytic"]["by_target_confidence"]:
             print(f"  [{band['low']:.1f}, {band['high']:.1f}{']' if band['high'] == 1 else ')'}  "
                   f"{band['share']:6.1%} of tokens  α {band['alpha']:.3f}")
+        outside = report["analytic"]["outside_draft_vocabulary"]
+        print(f"the target's probability outside the draft's vocabulary: {outside:.1%} (α can reach {1 - outside:.3f} "
+              f"at most)")
         print(f"MLflow run: {report['mlflow_run_id']}")
     return 0
 

@@ -70,6 +70,7 @@ def evaluate(target, draft, prompts: Sequence[list[int]], categories: Sequence[s
             "per_category": by_category,
             "alpha_by_token": mean_by_index(analytic.per_position),
             "by_target_confidence": alpha_by_target_confidence(analytic.per_position, analytic.target_confidence),
+            "outside_draft_vocabulary": token_mean(analytic.outside_vocabulary),
         },
         "predicted_tau": {
             "from_analytic_alpha": expected_tokens(alpha.value, policy.gamma) if alpha.value == alpha.value else None,
@@ -77,6 +78,12 @@ def evaluate(target, draft, prompts: Sequence[list[int]], categories: Sequence[s
             "measured": summaries[DRAFT]["tau"]["value"],
         },
     }
+
+
+def token_mean(rows: Sequence[Sequence[float]]) -> float:
+    """The mean over every response token of every sequence (nan if there are none)."""
+    values = [v for row in rows for v in row]
+    return sum(values) / len(values) if values else float("nan")
 
 
 def mean_by_index(rows: Sequence[Sequence[float]], min_count: int = 3) -> list[float]:
@@ -165,6 +172,7 @@ def flat_metrics(report: dict) -> dict[str, float]:
         out[M.per_category(alpha, name)] = analytic["per_category"][name]["value"]
     for band in analytic["by_target_confidence"]:
         out[M.by_target_confidence(alpha, band["low"], band["high"])] = band["alpha"]
+    out[M.outside_draft_vocabulary(alpha)] = analytic["outside_draft_vocabulary"]
     for i, value in enumerate(live["acceptance_at_position"]):
         out[M.position(i + 1)] = value
     return M.finite(out)

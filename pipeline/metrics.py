@@ -10,6 +10,7 @@ names for the same quantities, so MLflow's compare view lines them up column by 
 | `acceptance/alpha_t1` | α at temperature 1: E[Σ min(p, q)] = 1 − TVD |
 | `acceptance/alpha_t0/<category>` | the same per traffic category |
 | `acceptance/alpha_t0_by_target_confidence/<low>-<high>` | eval: α where the target's top probability is in that band |
+| `acceptance/alpha_t0_outside_draft_vocabulary` | eval: target probability on ids the draft lacks; α ≤ 1 − it |
 | `acceptance/draft` | the draft model's own acceptance while decoding alone (no prompt lookup): what drift is about |
 | `acceptance/decoder` | the acceptance of the decoder users run: prompt lookup first, the draft elsewhere |
 | `acceptance/tau_gamma<γ>` | tokens per target call at γ draft tokens |
@@ -186,6 +187,12 @@ def by_target_confidence(metric: str, low: float, high: float) -> str:
     """An acceptance over the tokens where the target's own top probability is in [low, high):
     `acceptance/alpha_t0_by_target_confidence/0.5-0.8` (`decode.acceptance.alpha_by_target_confidence`)."""
     return f"{metric}_by_target_confidence/{float(low):g}-{float(high):g}"
+
+
+def outside_draft_vocabulary(metric: str) -> str:
+    """The target's probability (warped as for `metric`) on ids outside the draft's vocabulary, the part of α no
+    draft of that vocabulary reaches: `acceptance/alpha_t0_outside_draft_vocabulary`."""
+    return f"{metric}_outside_draft_vocabulary"
 
 
 def tau_at(gamma: int) -> str:

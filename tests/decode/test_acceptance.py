@@ -93,6 +93,25 @@ def test_target_confidence_is_the_targets_top_probability(target, close_draft):
     assert [len(c) for c in result.target_confidence] == result.counts == [4, 2, 0]
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_outside_vocabulary_is_the_targets_probability_on_ids_the_draft_lacks(target, close_draft, reduced_draft,
+                                                                              temperature):
+    draft, token_ids = reduced_draft
+    result = analytic_acceptance(target, draft, SEQUENCES[:2], STARTS[:2], draft_token_ids=token_ids,
+                                 temperature=temperature)
+    with torch.no_grad():
+        p = warp_logits(target(torch.tensor([SEQUENCES[0]])).logits[0], temperature=temperature)[2:6]
+    lacked = torch.ones(p.shape[-1], dtype=torch.bool)
+    lacked[token_ids] = False
+    assert result.outside_vocabulary[0] == pytest.approx(p[:, lacked].sum(-1).tolist(), abs=1e-6)
+    if temperature == 0:  # greedy: 1 exactly where the target's token is one the draft cannot propose
+        assert result.outside_vocabulary[0] == [float(lacked[t]) for t in p.argmax(-1)]
+    assert all(a <= 1 - o + 1e-9 for a, o in zip(result.per_position[0], result.outside_vocabulary[0]))
+    assert [len(o) for o in result.outside_vocabulary] == result.counts
+    full = analytic_acceptance(target, close_draft, SEQUENCES, STARTS, temperature=temperature)
+    assert full.outside_vocabulary == [[0.0] * n for n in full.counts]
+
+
 def test_alpha_by_target_confidence_by_hand():
     per_position = [[1.0, 0.0, 1.0], [0.0, 1.0]]
     confidence = [[0.3, 0.45, 0.5], [0.9, 1.0]]  # 0.5 opens the middle band; 1.0 falls in the last, closed one

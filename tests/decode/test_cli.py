@@ -86,6 +86,9 @@ def test_eval_logs_live_and_analytic_acceptance(checkpoints, capsys):
         if band["tokens"]:
             assert run.data.metrics[f"acceptance/alpha_t1_by_target_confidence/{band['low']:g}-{band['high']:g}"] \
                 == pytest.approx(band["alpha"])
+    outside = report["analytic"]["outside_draft_vocabulary"]
+    assert 0.0 <= outside < 1.0 and report["analytic"]["alpha"]["value"] <= 1 - outside
+    assert run.data.metrics["acceptance/alpha_t1_outside_draft_vocabulary"] == pytest.approx(outside)
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "eval")}
     assert artifacts == {"eval/report.json", "eval/per_position.png", "eval/per_category.png"}
 
