@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,13 @@ def mlflow_uri(tmp_path, _migrated_mlflow_db, monkeypatch):
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
     return uri
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """accelerate keeps one AcceleratorState a process and refuses an Accelerator with other settings (mixed
+    precision, CPU or not) after it: each test's distill job starts from none, as a `draftops distill` process does."""
+    yield
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
