@@ -516,7 +516,8 @@ def markdown(report: dict) -> str:
         f"device {s['device']}. Intervals: 95% bootstrap over prompts.",
         "",
         f"Speedups are against {baseline}, the faster target-only row (the denominator): target_only is HF "
-        f"generate on draftops' linear kernels (cpu_linear {s['cpu_linear']})"
+        + (f"generate on draftops' linear kernels (cpu_linear {s['cpu_linear']})" if s["device"] == "cpu"
+           else f"generate on {s['device']}")
         + (", target_only_torch on torch's stock kernels." if TARGET_ONLY_TORCH in report["methods"] else "."),
         "",
         f"| method | new tokens | seconds | tokens/s | speedup vs {baseline} | same output as target_only |",

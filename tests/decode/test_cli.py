@@ -4,6 +4,7 @@ import mlflow
 import pytest
 import torch
 
+from decode.bench import markdown
 from decode.drafts import full_vocab_copy
 from pipeline.cli import main
 from pipeline.sources import HF_ASSISTANT_DIR, save_checkpoint
@@ -120,7 +121,10 @@ def test_bench_writes_reports(checkpoints, capsys, tmp_path):
     assert main(["bench", "--target", target, "--draft", draft, "--traffic", traffic, "--split", "all", "--limit", "1",
                  "--out", str(tmp_path / "on"), "--llama-cpp", "on", "device=cpu"]) == 2
     assert "draftops: error: --llama-cpp on: " in capsys.readouterr().err
-    assert "Leviathan's prediction" in (tmp_path / "bench.md").read_text()
+    text = (tmp_path / "bench.md").read_text()
+    assert "Leviathan's prediction" in text and "target_only is HF generate on draftops' linear kernels" in text
+    on_gpu = {**report, "settings": {**report["settings"], "device": "cuda:0"}}  # no CPU kernels to name there
+    assert "target_only is HF generate on cuda:0, target_only_torch" in markdown(on_gpu)
     run = mlflow.get_run(report["mlflow_run_id"])
     assert run.data.metrics["speed/speedup_vs_target"] == pytest.approx(
         report["methods"]["speculative"]["speedup"]["value"])
