@@ -4,6 +4,8 @@ layers (`decode.kernels`). Both forwards also take token trees (a tree mask, per
 compacted to a tree round's accepted path (`compact`), so tree rounds run on either."""
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -67,15 +69,28 @@ def hf_assistant_model(draft: ResolvedModel) -> torch.nn.Module:
 
 
 
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters or "past_key_values" not in parameters else "past_key_values"
+
+
+def with_cache(model, cache: DynamicCache) -> dict:
+    """The keyword argument that hands `model`'s transformers forward its KV cache: `cache` since transformers renamed
+    `past_key_values` (5.25 has `cache`, 5.17 `past_key_values`). A forward takes an unknown keyword silently and
+    then attends to no cache at all, so the name is read off the forward's own signature."""
+    return {_cache_keyword(type(model)): cache}
+
+
 def forward_logits(model, tokens: torch.Tensor, cache: DynamicCache, start: int, keep_last: bool) -> torch.Tensor:
     """Feed tokens [T] at positions start..start+T-1 through the cache -> logits [T, V] (or [1, V] if keep_last)."""
     positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)
     out = model(
         input_ids=tokens[None],
         position_ids=positions[None],
-        cache=cache,
         use_cache=True,
         logits_to_keep=1 if keep_last else 0,
+        **with_cache(model, cache),
     )
     return out.logits[0]
 
@@ -84,8 +99,8 @@ def forward_features(model, tokens: torch.Tensor, cache: DynamicCache, start: in
                      layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode.lean.LeanLlama.forward_features` through the transformers forward (`output_hidden_states`)."""
     positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)
-    out = model(input_ids=tokens[None], position_ids=positions[None], cache=cache, use_cache=True,
-                output_hidden_states=True)
+    out = model(input_ids=tokens[None], position_ids=positions[None], use_cache=True, output_hidden_states=True,
+                **with_cache(model, cache))
     return out.logits[0], target_features(out.hidden_states, layers)[0]
 
 
@@ -98,8 +113,8 @@ def forward_tree(model, tokens: torch.Tensor, cache: DynamicCache, positions: to
     visible[:, end - tree_mask.shape[1] :] = tree_mask
     dtype = model.get_input_embeddings().weight.dtype
     mask = torch.zeros(n, end, dtype=dtype, device=tokens.device).masked_fill_(~visible, torch.finfo(dtype).min)
-    out = model(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask[None, None], cache=cache,
-                use_cache=True, output_hidden_states=bool(layers))
+    out = model(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask[None, None],
+                use_cache=True, output_hidden_states=bool(layers), **with_cache(model, cache))
     return out.logits[0], target_features(out.hidden_states, layers)[0] if layers else None
 
 
