@@ -122,6 +122,12 @@ def analytic_acceptance(
     return AnalyticAcceptance(per_sequence, per_position, confidence, outside, ranks if greedy_ranks else None)
 
 
+def token_mean(rows: Sequence[Sequence[float]]) -> float:
+    """The mean over every response token of every sequence (nan if there are none)."""
+    values = [v for row in rows for v in row]
+    return sum(values) / len(values) if values else float("nan")
+
+
 CONFIDENCE_EDGES = (0.5, 0.8)  # the target's top probability: a near tie below 0.5, sure from 0.8
 
 

@@ -13,6 +13,7 @@ from decode.acceptance import (
     analytic_acceptance,
     expected_tokens,
     expected_tokens_from_positions,
+    token_mean,
 )
 from decode.drafters import DECODER, DRAFT
 from decode.factory import build_decoder
@@ -78,12 +79,6 @@ def evaluate(target, draft, prompts: Sequence[list[int]], categories: Sequence[s
             "measured": summaries[DRAFT]["tau"]["value"],
         },
     }
-
-
-def token_mean(rows: Sequence[Sequence[float]]) -> float:
-    """The mean over every response token of every sequence (nan if there are none)."""
-    values = [v for row in rows for v in row]
-    return sum(values) / len(values) if values else float("nan")
 
 
 def mean_by_index(rows: Sequence[Sequence[float]], min_count: int = 3) -> list[float]:

@@ -10,7 +10,7 @@ import random
 
 import torch
 
-from decode.acceptance import analytic_acceptance, draft_rank, simulated_tau
+from decode.acceptance import analytic_acceptance, draft_rank, simulated_tau, token_mean
 from decode.sampling import to_student_columns
 from distill.batches import collate
 from distill.responses import ResponseSet
@@ -56,11 +56,7 @@ def _draft_probs_at(probs: torch.Tensor, target_ids: torch.Tensor, token_ids: to
 
 
 def summarize_acceptance(greedy: list[list[float]], sampled: list[list[float]], gamma: int) -> dict:
-    def mean(rows):
-        values = [a for r in rows for a in r]
-        return sum(values) / len(values) if values else float("nan")
-
-    return {"alpha_t0": mean(greedy), "alpha_t1": mean(sampled), "tau_t0": simulated_tau(greedy, gamma),
+    return {"alpha_t0": token_mean(greedy), "alpha_t1": token_mean(sampled), "tau_t0": simulated_tau(greedy, gamma),
             "tau_t1": simulated_tau(sampled, gamma)}
 
 
