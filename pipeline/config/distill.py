@@ -1,0 +1,94 @@
+"""`distill:`: how a draft is distilled from the target (draft family, data, loss, budget, registration)."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from pipeline.config.base import Section
+
+# the objectives `distill.losses.distillation_loss` computes; "ce": hard labels only (the baseline)
+LossName = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "argmax_ce", "ce"]
+
+
+class DistillConfig(Section):
+    """`draftops distill`. The defaults are the embedded job on SmolLM2-135M-Instruct."""
+
+    output_dir: str = Field("outputs/distill", description="Where checkpoints and the exported draft go.")
+    resume: bool = Field(True, description="Continue from the last checkpoint of an identical job in output_dir.")
+    register_model: bool = Field(True, description="Log the run to MLflow and register the exported draft.")
+    family: Literal["layers", "features"] = Field(
+        "layers", description="layers: a small LM (init below) that reads tokens; features: an EAGLE-3 head that "
+        "reads the target's hidden states (one decoder layer from the target's weights; init keys do not apply).")
+    ttt_steps: int = Field(3, ge=1, description="features only: draft steps unrolled in training (training-time "
+                           "test), each fed the draft's own previous output.")
+    # draft initialization
+    init: Literal["target_layers", "checkpoint", "config"] = Field(
+        "target_layers", description="target_layers: copy init_layers + embeddings, norm, head from the target; "
+        "checkpoint: start from init_checkpoint; config: random init from the target's config + init_config.")
+    init_layers: list[int] = Field([0, 1], min_length=1, description="Target layers the draft starts from.")
+    init_checkpoint: str | None = Field(None, description="Model source for init=checkpoint.")
+    init_config: dict[str, Any] = Field({}, description="Config overrides for init=config, e.g. num_hidden_layers: 2.")
+    draft_vocab_size: int = Field(
+        8192, ge=0, description="Keep the N most frequent ids of the target's responses (+ special tokens) in the "
+        "draft's lm_head; 0 keeps the full vocabulary.")
+    train_embeddings: bool = Field(
+        False, description="Also train the input embeddings (always, when tied to the head).")
+    # data
+    train_prompts: int = Field(0, ge=0, description="Train-split prompts used; 0: all of them.")
+    responses_per_prompt: int = Field(
+        8, ge=1, description="Target responses per prompt: the first greedy, the others sampled.")
+    eval_prompts: int = Field(24, ge=1, description="Held-out prompts for α/τ evaluation.")
+    max_new_tokens: int = Field(128, ge=1, description="Longest target response generated.")
+    generation_temperature: float = Field(0.8, gt=0.0, description="Temperature of the sampled responses.")
+    generation_batch_size: int = Field(64, ge=1)
+    generation_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description=(
+        "The precision the target generates the training responses and top-k teacher in. auto: bfloat16 where the "
+        "target is fp32 on a CPU with usable AMX-BF16 units (a generation batch's products run several times faster "
+        "there), else the target's own. The held-out responses, and so α and τ, always come from the target as "
+        "loaded. docs/cpu-runtime.md."))
+    teacher: Literal["topk", "online"] = Field(
+        "topk", description="topk: cache the target's top-k log-probs while it generates; online: run the target "
+        "on every training batch.")
+    topk: int = Field(64, ge=1, description="Teacher log-probs kept per response token (fp16 + int32 ids).")
+    onpolicy_fraction: float = Field(
+        0.0, ge=0.0, le=1.0, description="Share of steps trained on continuations sampled from the current draft, "
+        "scored by the target online.")
+    onpolicy_temperature: float = Field(1.0, gt=0.0)
+    # objective
+    loss: LossName = Field("forward_kl", description=(
+        "Divergence to the teacher; 'argmax_ce': cross-entropy on the teacher's most likely token at every position; "
+        "'ce' is the plain cross-entropy baseline on the target's (sampled) tokens."))
+    jsd_beta: float = Field(0.5, ge=0.0, le=1.0, description="jsd only: 0 = forward KL, 1 = reverse KL.")
+    temperature: float = Field(1.0, gt=0.0, description="Distillation temperature (1 with a top-k teacher).")
+    ce_weight: float = Field(0.0, ge=0.0, description="Weight of cross-entropy on the response tokens.")
+    # optimization
+    epochs: int = Field(3, ge=1)
+    batch_size: int = Field(16, ge=1, description="Sequences per process per micro-batch.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    learning_rate: float = Field(3e-3, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    warmup_steps: int = Field(10, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Cosine decay ends at this share of the lr.")
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    mixed_precision: Literal["no", "bf16", "fp16"] = Field("no", description="Used where the device supports it.")
+    max_steps: int = Field(0, ge=0, description="Stop after this many optimizer steps; 0: run all epochs.")
+    # evaluation and checkpoints
+    eval_every: int = Field(50, ge=1, description="Optimizer steps between held-out evaluations.")
+    checkpoint_every: int = Field(25, ge=1, description="Optimizer steps between resumable checkpoints.")
+    keep_checkpoints: int = Field(2, ge=1)
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _bare_no(cls, value: Any) -> Any:
+        """YAML 1.1 reads a bare `no` (`distill.mixed_precision=no`, `mixed_precision: no`) as false."""
+        return "no" if value is False else value
+
+    @model_validator(mode="after")
+    def _features_train_on_target_responses(self) -> DistillConfig:
+        if self.family == "features" and self.onpolicy_fraction > 0:
+            raise ValueError("distill.onpolicy_fraction applies to family 'layers': a feature draft cannot generate "
+                             "continuations without the target's features")
+        return self
+
+

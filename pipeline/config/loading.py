@@ -1,0 +1,111 @@
+"""Loading a run's config: a YAML file from `configs/` plus dotted `key=value` overrides, validated by the schema.
+
+Every section forbids unknown keys, so a misspelled key fails loudly with its dotted name and the file it came from.
+The schema's defaults *are* the embedded default job; `configs/default.yaml` spells them out for reading.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from pipeline.config.base import ConfigError, Section
+from pipeline.config.run import DraftopsConfig
+
+REPO_CONFIGS = Path(__file__).resolve().parent.parent.parent / "configs"
+DEFAULT_CONFIG_PATH = REPO_CONFIGS / "default.yaml"
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for key in parents:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"command line: {dotted}: '{key}' is a value, not a section")
+        node = child
+    node[leaf] = value
+
+
+def _format_errors(err: ValidationError, origin: str) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{origin}: unknown key '{key}'")
+        else:
+            lines.append(f"{origin}: {key}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """`a.b=1` pairs to a nested dict; values are parsed as YAML scalars (so 3 is an int, true a bool)."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"command line: override '{item}' is not of the form key=value")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    return tree
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> DraftopsConfig:
+    """Load a YAML config (default: configs/default.yaml if present) and apply dotted overrides."""
+    path = Path(path) if path is not None else (DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else None)
+    data: dict[str, Any] = {}
+    origin = "defaults"
+    if path is not None:
+        origin = str(path)
+        if not path.exists():
+            raise ConfigError(f"{path}: config file not found")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of keys")
+    try:
+        DraftopsConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, origin)) from None
+    try:
+        return DraftopsConfig.model_validate(_merge(data, parse_overrides(overrides)))
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, "command line")) from None
+
+
+def save_config(cfg: DraftopsConfig, path: str | Path) -> Path:
+    """Write the resolved config next to a run or checkpoint (nanoGPT habit: every artifact knows how it was made)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return path
+
+
+def iter_fields(model: type[Section] = DraftopsConfig, prefix: str = ""):
+    """(dotted key, pydantic field) for every leaf setting, in schema order."""
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, Section):
+            yield from iter_fields(field.annotation, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", field
+
+
+def reference_markdown() -> str:
+    """The config reference table of the README, generated from the schema so that the two cannot disagree."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    for key, field in iter_fields():
+        default = field.get_default(call_default_factory=True)
+        meaning = (field.description or "").replace("|", "\\|").replace("\n", " ")
+        shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()
+        rows.append(f"| `{key}` | `{shown}` | {meaning} |")
+    return "\n".join(rows) + "\n"

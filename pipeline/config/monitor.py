@@ -1,0 +1,85 @@
+"""`monitor:` and `target_update:`: the nightly drift check, its retraining and gate, and the demo's target update."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from pipeline.config.base import Section
+
+
+class MonitorConfig(Section):
+    heldout_requests: int = Field(256, ge=2, description=(
+        "Prompts per acceptance measurement: the baseline's held-out prompts and the most recent held-out requests. "
+        "`draftops monitor simulate` shows the power this gives against a given drop."))
+    level: float = Field(0.05, gt=0.0, lt=0.5, description=(
+        "False-alarm level per check; split evenly (Bonferroni) between the paired and the unpaired test."))
+    margin: float = Field(0.01, ge=0.0, lt=1.0, description="Tolerated drop in acceptance (absolute, 0.01 = 1 point).")
+    test_method: Literal["bootstrap", "delta"] = Field(
+        "bootstrap", description="Prompt-level bootstrap or delta method.")
+    n_bootstrap: int = Field(2000, ge=100, description="Bootstrap resamples over prompts.")
+    drift_threshold: float = Field(0.05, gt=0.0, le=1.0, description=(
+        "Jensen-Shannon divergence (bits) of prompt-token frequencies above which traffic counts as shifted."))
+    drift_buckets: int = Field(256, ge=2, description="Token buckets: most frequent reference tokens + 'other'.")
+    break_even_alpha: float = Field(0.4, ge=0.0, le=1.0, description=(
+        "Absolute alarm for a champion never benchmarked: acceptance below this makes speculative decoding no faster "
+        "than the target alone. Once `draftops bench` has measured the champion, its break-even (from the run's c "
+        "and v) is used instead."))
+    live_requests: int = Field(
+        0, ge=0, description="Also measure live acceptance by decoding this many requests (0: off).")
+    retrain: bool = Field(False, description="On DRIFT, re-distill a challenger and promote it only if it is better.")
+    retrain_init: Literal["champion", "config"] = Field("champion", description=(
+        "Where a challenger starts: champion, the champion's weights (distill.init=checkpoint at NAME@champion; "
+        "vocabulary rows both heads share are kept); config, distill.init as configured."))
+    promote_margin: float = Field(0.01, ge=0.0, lt=1.0, description=(
+        "A challenger must beat the champion's acceptance by this much (paired test on the same held-out prompts)."))
+    schedule: str = Field("0 2 * * *", description="Crontab expression of the scheduled check (default nightly 02:00).")
+    timezone: str = Field("UTC", description="Time zone of the schedule.")
+    misfire_grace_time: int = Field(3600, ge=1, description=(
+        "Seconds after its time a missed check (service down) still runs, once, when the service comes back."))
+    state_dir: str = Field("outputs/monitor", description=(
+        "Job store (jobs.sqlite), check lock, reports and the server metrics' windows (server_metrics.json)."))
+    lock_timeout: float = Field(0.0, ge=0.0, description=(
+        "Seconds a check waits for another check or retrain to finish; 0 skips immediately."))
+    simulate_checks: int = Field(200, ge=1, description="Simulated checks per point in `draftops monitor simulate`.")
+    simulate_drops: list[float] = Field([0.02, 0.05, 0.10], description="Drops (absolute) whose power is simulated.")
+    server_metrics_url: str | None = Field(None, description=(
+        "Prometheus endpoint of the engine serving the champion (vLLM /metrics, llama-server --metrics): each check "
+        "reads its speculative-decoding counters, logs the acceptance since the last check (one window) and tests "
+        "the recent windows against the champion's first ones. null: off."))
+    server_model_name: str | None = Field(None, description=(
+        "Read only the counters labelled with this model_name (vLLM's served model name); null: the sum over all."))
+    server_baseline_windows: int = Field(7, ge=2, description=(
+        "Windows (checks) closed while a version is champion that form its server baseline."))
+    server_recent_windows: int = Field(3, ge=2, description=(
+        "Latest windows compared with the server baseline (permutation test over windows, at monitor.level and "
+        "monitor.margin); `draftops monitor simulate --server` shows its false-alarm rate and power."))
+    server_timeout: float = Field(10.0, gt=0.0, description="Seconds to wait for the metrics endpoint.")
+
+
+class TargetUpdateConfig(Section):
+    """`draftops target finetune`: an updated target, for rehearsing a target change (LoRA on the target's own
+    responses in another style, merged into a new checkpoint)."""
+
+    prompts: str = Field("traffic", description=(
+        "'traffic': the train split of the configured traffic (the responses distill generated are reused from "
+        "the cache); else a traffic-format JSONL read by path, e.g. ../shared/data/gsm8k_train.jsonl."))
+    max_prompts: int = Field(256, ge=0, description=(
+        "Prompts used from a file; 0: all. The traffic's train split is used whole, as distill uses it."))
+    style: Literal["uppercase", "prefix"] = Field("uppercase", description=(
+        "uppercase: the responses in ALL CAPS; prefix: every response starts with `prefix`."))
+    prefix: str = Field("Certainly! Here is a clear and complete answer.", description="Opening of style=prefix.")
+    steps: int = Field(30, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(4, ge=1)
+    learning_rate: float = Field(2e-3, gt=0.0)
+    max_seq_tokens: int = Field(192, ge=16, description="Prompt + styled response longer than this are cut.")
+    lora_last_layers: int = Field(10, ge=0, description=(
+        "Adapt only the last N decoder layers (the backward pass stops below them); 0: every layer."))
+    lora_r: int = Field(16, ge=1)
+    lora_alpha: int = Field(32, ge=1)
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    lora_target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], min_length=1)
+    output_dir: str = Field("outputs/target-updated", description="Where the merged checkpoint is written.")
+
+

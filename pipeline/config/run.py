@@ -1,0 +1,51 @@
+"""The whole run's config: the target, device and precision, and one section per stage (`DraftopsConfig`)."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from pipeline.config.base import Section
+from pipeline.config.decode import DecodeConfig
+from pipeline.config.distill import DistillConfig
+from pipeline.config.monitor import MonitorConfig, TargetUpdateConfig
+
+
+class TrafficConfig(Section):
+    path: str = Field("default", description=(
+        "Traffic JSONL file, or a glob of rotated logs (.gz too); 'default' is the traffic shipped with draftops."))
+    heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Share of request ids held out (by hash).")
+    max_prompt_tokens: int = Field(512, ge=8, description="Prompts longer than this keep their last tokens.")
+    skip_malformed: bool = Field(False, description="Skip and count malformed lines instead of failing.")
+    since: str | float | None = Field(None, description=(
+        "Keep requests logged at or after this time (ISO-8601, or epoch seconds/milliseconds); null: no bound."))
+    until: str | float | None = Field(None, description="Keep requests logged before this time; null: no bound.")
+
+
+class TrackingConfig(Section):
+    uri: str | None = Field(None, description="MLflow tracking URI; else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db.")
+    registered_model: str = Field("draftops-draft", description="Registered model that holds the draft versions.")
+    system_metrics: bool = Field(True, description="Log CPU/GPU/memory usage with every run.")
+
+
+
+class DraftopsConfig(Section):
+    target: str = Field("smollm2-135m-instruct", description="Target model source (see `draftops models info`).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' lets accelerate pick.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="'auto': float32 on CPU, bfloat16 on CUDA.")
+    cpu_linear: Literal["auto", "onednn", "torch"] = Field("auto", description=(
+        "fp32 linear layers on CPU at inference: oneDNN on weights packed once, torch's own (MKL), or 'auto': per "
+        "weight shape and row count the one measured faster on this CPU (measured at the first load, cached under "
+        "$DRAFTOPS_HOME/cpu_linear; `draftops models info SOURCE --kernels` shows it). docs/cpu-runtime.md."))
+    seed: int = 0
+    traffic: TrafficConfig = TrafficConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    decode: DecodeConfig = DecodeConfig()
+    distill: DistillConfig = DistillConfig()
+    monitor: MonitorConfig = MonitorConfig()
+    target_update: TargetUpdateConfig = TargetUpdateConfig()
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
