@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decode.feature_draft import FeatureDraft, target_features
+from decode.models.feature_draft import FeatureDraft
+from decode.runtime.forward import target_features
 from decode.sampling import to_student_columns, to_target_vocab, warp_logits
 
 
@@ -61,11 +62,11 @@ def analytic_acceptance(
 
     Sequences are right-padded and batched; both models see the same tokens and the same logit warping. Only the
     logits from the first scored position on are computed, and they are warped one sequence at a time. A feature draft
-    (`decode.feature_draft`) reads the target's features from the same pass; its α is that of its first draft position
-    (its prediction of token t from the target's features at t - 2 and token t - 1).
+    (`decode.models.feature_draft`) reads the target's features from the same pass; its α is that of its first draft
+    position (its prediction of token t from the target's features at t - 2 and token t - 1).
 
     greedy_ranks: also rank the target's argmax among the draft's unwarped probabilities at every position, the order
-    in which a greedy token tree offers the draft's candidates (`decode.tree_drafters.ModelTree`): a rank-r candidate
+    in which a greedy token tree offers the draft's candidates (`decode.drafters.tree.ModelTree`): a rank-r candidate
     is the one the greedy walk accepts exactly where this rank is r (`decode.tree_budget.rank_acceptance`).
     """
     if len(sequences) != len(response_starts):

@@ -16,7 +16,7 @@ from pipeline.registry import is_registry_uri
 
 
 def _load_target(args):
-    from decode.runtime import load_model
+    from decode.serving.loading import load_model
     from pipeline.config import load_config
 
     cfg = load_config(args.config, args.overrides)
@@ -30,8 +30,8 @@ def _load_target(args):
 
 def _load(args):
     """Config (with overrides), then target and draft on the same device and dtype, tokenizers checked."""
-    from decode.ngram import PROMPT_LOOKUP
-    from decode.runtime import load_draft
+    from decode.drafters.lookup import PROMPT_LOOKUP
+    from decode.serving.loading import load_draft
 
     if args.draft == PROMPT_LOOKUP:
         raise ValueError(f"--draft {PROMPT_LOOKUP} works with `draftops decode`, `bench` and `sweep`; "
@@ -74,7 +74,7 @@ def _error(exc: Exception) -> int:
 def models_info_kernels(args, info: dict) -> int:
     """`draftops models info SOURCE --kernels`: the checkpoint's facts, then per weight shape of its linear layers the
     timings of both CPU kernels at each measured row count and the pick, with the cache file and its key."""
-    from decode.kernels import cpu_linear_report
+    from decode.runtime.kernels import cpu_linear_report
     from pipeline.sources import resolve_model
 
     report = cpu_linear_report(resolve_model(args.source, device="cpu", dtype="float32").model)
@@ -99,9 +99,9 @@ def models_info_kernels(args, info: dict) -> int:
 
 
 def decode_command(args) -> int:
-    from decode.drafters import DECODER, LOOKUP
+    from decode.drafters.chain import DECODER, LOOKUP
+    from decode.drafters.lookup import PROMPT_LOOKUP
     from decode.factory import build_decoder
-    from decode.ngram import PROMPT_LOOKUP
     from pipeline.traffic import Request, encode_prompt
 
     try:
@@ -138,8 +138,8 @@ def decode_command(args) -> int:
 def eval_command(args) -> int:
     import mlflow
 
-    from decode.drafters import DECODER, DRAFT
-    from decode.evaluate import evaluate, flat_metrics, per_category_figure, per_position_figure
+    from decode.drafters.chain import DECODER, DRAFT
+    from decode.measure.evaluate import evaluate, flat_metrics, per_category_figure, per_position_figure
     from pipeline.metrics import DRAFT_FINGERPRINT_TAG, DRAFT_SOURCE_TAG, LATEST_EVAL_RUN_TAG, TARGET_FINGERPRINT_TAG
     from pipeline.registry import link_run
     from pipeline.tracking import log_figure, start_run
@@ -201,7 +201,7 @@ def eval_command(args) -> int:
 def _compared_decoders(args) -> dict:
     """bench's --compare "NAME key=value ...": the decode settings of each named decoder, the command's config with
     the command's overrides and then its own."""
-    from decode.bench import reserved_rows
+    from decode.measure.bench import reserved_rows
     from pipeline.config import load_config
 
     compared = {}
@@ -218,11 +218,11 @@ def _compared_decoders(args) -> dict:
 def bench_command(args) -> int:
     import mlflow
 
-    from decode.bench import flat_metrics as bench_metrics
-    from decode.bench import llama_cpp_servers, markdown, run_bench
-    from decode.llamacpp import LlamaCppError
-    from decode.ngram import PROMPT_LOOKUP
-    from decode.runtime import load_draft
+    from decode.drafters.lookup import PROMPT_LOOKUP
+    from decode.measure.bench import flat_metrics as bench_metrics
+    from decode.measure.bench import llama_cpp_servers, markdown, run_bench
+    from decode.serving.llamacpp import LlamaCppError
+    from decode.serving.loading import load_draft
     from pipeline.metrics import DRAFT_FINGERPRINT_TAG, DRAFT_SOURCE_TAG, LATEST_BENCH_RUN_TAG, TARGET_FINGERPRINT_TAG
     from pipeline.registry import link_run
     from pipeline.tracking import start_run
@@ -269,7 +269,7 @@ def bench_command(args) -> int:
 
 
 def export_command(args) -> int:
-    from decode.export_formats import (
+    from decode.serving.export import (
         GGUF,
         ExportError,
         draft_source,
@@ -301,7 +301,7 @@ def export_command(args) -> int:
 
 
 def llama_cpp_command(args) -> int:
-    from decode.llamacpp import LlamaCppError, build
+    from decode.serving.llamacpp import LlamaCppError, build
 
     try:
         folder = build(Path(args.sdist) if args.sdist else None, jobs=args.jobs)
@@ -318,9 +318,9 @@ def _int_list(text: str) -> list[int]:
 def sweep_command(args) -> int:
     import mlflow
 
-    from decode.llamacpp import LlamaCppError
-    from decode.sweep import llama_cpp_target_server, load_drafts, run_sweep
-    from decode.sweep_report import figures, markdown, write_decode_config
+    from decode.measure.sweep import llama_cpp_target_server, load_drafts, run_sweep
+    from decode.measure.sweep_report import figures, markdown, write_decode_config
+    from decode.serving.llamacpp import LlamaCppError
     from pipeline import metrics as M
     from pipeline.tracking import log_figure, start_run
     from pipeline.traffic import encode_prompts

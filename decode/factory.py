@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from decode.drafters import DECODER, DRAFT, LOOKUP, SUFFIX, make_drafter
-from decode.lean import LeanLlama, use_compiled_passes
+from decode.drafters.chain import DECODER, DRAFT, LOOKUP, SUFFIX, make_drafter
+from decode.drafters.suffix import SuffixIndex, load_suffix_index
+from decode.drafters.tree import make_tree_drafter
+from decode.runtime.lean import LeanLlama, use_compiled_passes
 from decode.speculative import GammaPolicy, SpeculativeDecoder
-from decode.suffix import SuffixIndex, load_suffix_index
 from decode.tree_budget_auto import BudgetChoice, ModelFreeTrees, auto_budget_schedule
-from decode.tree_drafters import make_tree_drafter
 from pipeline.config import AUTO, DecodeConfig
 from pipeline.sources import eos_token_ids
 
@@ -25,15 +25,15 @@ def gamma_policy(decode: DecodeConfig, gamma: int | None = None) -> GammaPolicy:
 
 def build_decoder(target, draft, decode: DecodeConfig, *, kind: str = DECODER, gamma: int | None = None,
                   lean: bool = True) -> SpeculativeDecoder:
-    """The speculative decoder `decode` describes, with the drafter of `kind` (`decode.drafters.DRAFTER_KINDS`, and
-    in tree rounds `TREE_DRAFTER_KINDS`).
+    """The speculative decoder `decode` describes, with the drafter of `kind` (`decode.drafters.chain.DRAFTER_KINDS`,
+    and in tree rounds `TREE_DRAFTER_KINDS`).
 
     target: a `pipeline.sources.ResolvedModel` (its generation config and tokenizer give the EOS ids); draft: one too,
     or None for the "lookup" and "suffix" drafters. `decode.tree_budget` > 0 or `decode.tree_budget_schedule` gives
-    tree rounds (`decode.tree_drafters`) with the budgets of `tree_budget_choice`; `decode.suffix`
+    tree rounds (`decode.drafters.tree`) with the budgets of `tree_budget_choice`; `decode.drafters.suffix`
     adds suffix decoding to the trees of "decoder" and "lookup", with the suffix index of `suffix_index_of`.
-    `decode.compiled` compiles the target's and a layer draft's passes (`decode.lean.use_compiled_passes`: for every
-    decoder of them in this process).
+    `decode.compiled` compiles the target's and a layer draft's passes (`decode.runtime.lean.use_compiled_passes`: for
+    every decoder of them in this process).
     """
     draft_model, token_ids = (None, None) if draft is None else (draft.model, draft.token_ids)
     if decode.compiled and lean:  # before the tree budget's costs are timed: they are the compiled passes'
@@ -79,7 +79,7 @@ def tree_budget_choice(decode: DecodeConfig, target, draft, kind: str = DECODER)
 
 def suffix_index_of(decode: DecodeConfig, draft) -> SuffixIndex | None:
     """The suffix index suffix decoding searches: `decode.suffix_index` when set, else the one the draft's folder
-    carries (`decode.suffix.load_suffix_index`); None (the request alone) when there is neither."""
+    carries (`decode.drafters.suffix.load_suffix_index`); None (the request alone) when there is neither."""
     if decode.suffix_index is not None:
         if not Path(decode.suffix_index).is_file():
             raise ValueError(f"decode.suffix_index: no file {decode.suffix_index}")

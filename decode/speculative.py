@@ -5,8 +5,8 @@ the drafter's state covers a prefix of the sequence; each model is fed exactly t
 explicit positions, and rejected drafts are rolled back by cropping the caches. `speculative_round` is one round of
 the algorithm; `SpeculativeDecoder.generate` runs rounds until a stop and keeps the statistics.
 
-Proposals come from a drafter (`decode.drafters`): a draft model, prompt lookup, or lookup first and the model
-elsewhere. With a tree budget the decoder runs `tree_round`s instead: a tree drafter (`decode.tree_drafters`) proposes
+Proposals come from a drafter (`decode.drafters.chain`): a draft model, prompt lookup, or lookup first and the model
+elsewhere. With a tree budget the decoder runs `tree_round`s instead: a tree drafter (`decode.drafters.tree`) proposes
 many continuations at once, the target verifies them in one pass with a tree attention mask and `decode.tree.accept`
 keeps one path of them. `decode.factory.build_decoder` builds the decoder a config describes.
 """
@@ -20,12 +20,12 @@ from typing import Literal
 
 import torch
 
-from decode.drafters import DECODER, Drafter, make_drafter, model_context, output_size
-from decode.runtime import ModelRunner, compact, rollback
+from decode.drafters.chain import DECODER, Drafter, make_drafter, model_context, output_size
+from decode.drafters.tree import TreeDrafter, make_tree_drafter
+from decode.round_stats import GenerationStats
+from decode.runtime.forward import ModelRunner, compact, rollback
 from decode.sampling import Warp, sample
-from decode.stats import GenerationStats
 from decode.tree import accept
-from decode.tree_drafters import TreeDrafter, make_tree_drafter
 from pipeline.sources import eos_token_ids as model_eos_token_ids
 
 
@@ -248,8 +248,8 @@ class SpeculativeDecoder:
         stop_strings: Sequence[str] | None = None,
         tokenizer=None,
     ):
-        """draft: an HF causal LM, or a drafter (`decode.drafters`, e.g. `decode.ngram.PromptLookupDrafter`), or a
-        `decode.tree_drafters.TreeDrafter` (tree rounds).
+        """draft: an HF causal LM, or a drafter (`decode.drafters.chain`, e.g.
+        `decode.drafters.lookup.PromptLookupDrafter`), or a `decode.drafters.tree.TreeDrafter` (tree rounds).
 
         gamma: a fixed γ, or a `GammaPolicy` (schedule by context length, adaptive); in tree rounds, the deepest level.
         lookup_min_ngram, draft_min_confidence: with a draft model, the "decoder" drafter of `make_drafter` (prompt

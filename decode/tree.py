@@ -20,7 +20,7 @@ next token is drawn from the final p. Each step is a speculative-sampling step w
 the residual as its target, so the output follows the target's warped distribution exactly, provided every trial's
 token was drawn from its q given everything drawn before it (which also makes a repeated token a trial of its own:
 two sampled siblings may draw the same token) and which trials exist never depends on their own tokens. The sources
-(`decode.tree_drafters`) are built that way; `tests/decode/test_tree_lossless.py` holds the chi-square tests.
+(`decode.drafters.tree`) are built that way; `tests/decode/test_tree_lossless.py` holds the chi-square tests.
 """
 from __future__ import annotations
 
@@ -117,9 +117,9 @@ class TokenTree:
 
     def pass_inputs(self, pending: int, start: int,
                     device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What the target's tree pass feeds (`decode.runtime.ModelRunner.forward_tree`): tokens [N+1], the pending
-        token then the nodes; positions [N+1], `start` for the pending token and start + depth for each node; and
-        `attention_mask`."""
+        """What the target's tree pass feeds (`decode.runtime.forward.ModelRunner.forward_tree`): tokens [N+1], the
+        pending token then the nodes; positions [N+1], `start` for the pending token and start + depth for each node;
+        and `attention_mask`."""
         tokens = torch.tensor([pending, *self.tokens], device=device)
         positions = torch.tensor([0, *self.depths], device=device) + start
         return tokens, positions, self.attention_mask(device)

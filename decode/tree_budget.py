@@ -18,13 +18,13 @@ subtrees of s_1..s_k nodes:
 
 S_d(m) being the expected accepted nodes of the best m nodes below a node, at most d levels deep; τ_d(n) = 1 + S_d(n).
 
-Cost of a round at context L, in target steps t(L) (`decode.sweep_costs.measure_costs`): d·c(d) to grow a tree of d
+Cost of a round at context L, in target steps t(L) (`decode.step_costs.measure_costs`): d·c(d) to grow a tree of d
 levels (one draft forward per level, as a chain round of d proposals; a level's width is taken as free for the draft)
 plus v_tree(n), one tree pass over the pending token and n nodes. `predict_tree_budgets`: the predicted tokens/s at
 budget n is the best over d ≤ D of τ_d(n) / ((d·c(d) + v_tree(n)) · t(L)); the draft's prefill is left out, as in the
 γ schedule's steady state.
 
-The decoder's own tree (`decode.tree_drafters.ModelTree`) is a per-level beam, at most `tree_branching` nodes per
+The decoder's own tree (`decode.drafters.tree.ModelTree`) is a per-level beam, at most `tree_branching` nodes per
 level, γ levels (in greedy rounds the best of its candidates on all levels), chosen by cumulative draft probability
 rather than by this program, so the predicted τ is what the best tree of that size would give: an upper bound for the
 beam. Each row therefore reports its tree's depth and widest level, the γ and `tree_branching` a beam needs to reach
@@ -166,7 +166,7 @@ def predict_tree_budgets(costs: dict, draft: str, p: Sequence[float], budgets: S
     nodes that can be accepted (`BestTrees.parents`), its depth and widest level, the draft cost d·c(d) and v_tree in
     target steps, predicted speedup over the target alone and tokens/s. Chain row per context: the best γ ≤ max_depth
     under the same model (τ = 1 + Σ_k p_1^k, cost γ·c(γ) + v(γ+1)), for comparison.
-    costs: `decode.sweep_costs.measure_costs` with these tree budgets; p: `rank_acceptance`.
+    costs: `decode.step_costs.measure_costs` with these tree budgets; p: `rank_acceptance`.
     """
     trees = best_trees(p, max(budgets), max_depth)
     target, rows, chains = costs["target"], [], []

@@ -4,7 +4,7 @@ decoder runs from this machine's own costs and the draft's own rank acceptance.
 The best tree depends on the hardware's verify-cost curve (Sequoia, Chen et al. 2024): where a pass over 8 nodes
 costs about one target step, wide trees pay; where it costs two (a CPU without spare compute per weight read), two
 nodes a round beat eight. So one machine's schedule does not carry to another, and `auto` measures instead: the costs
-`draftops sweep` prices trees with (`decode.sweep_costs.measure_costs`: the target's step and its tree verify of
+`draftops sweep` prices trees with (`decode.step_costs.measure_costs`: the target's step and its tree verify of
 `TREE_BUDGETS` nodes, the draft's rounds, a feature draft's fed the target's features, at `CONTEXTS`), once per
 machine, target and draft, cached as JSON under `$DRAFTOPS_HOME/tree_costs/` (not cached when the machine is busy,
 as for `cpu_linear: auto`); the rank acceptances p_r are the draft's, measured by its distill on held-out responses
@@ -32,13 +32,14 @@ from pathlib import Path
 
 import torch
 
-from decode.drafters import DRAFT, make_drafter
-from decode.kernel_choice import machine_busy, machine_key
-from decode.kernels import cpu_linear_of
-from decode.lean import COMPILED_MAX_TOKENS, compiled_lean
+from decode.drafters.chain import DRAFT, make_drafter
+from decode.drafters.suffix import SuffixIndex
+from decode.drafters.tree import make_tree_drafter
+from decode.runtime.kernel_choice import machine_busy, machine_key
+from decode.runtime.kernels import cpu_linear_of
+from decode.runtime.lean import COMPILED_MAX_TOKENS, compiled_lean
 from decode.sampling import Warp
-from decode.suffix import SuffixIndex
-from decode.sweep_costs import measure_costs
+from decode.step_costs import measure_costs
 from decode.tree import ROOT
 from decode.tree_budget import (
     TREE_BUDGETS,
@@ -47,7 +48,6 @@ from decode.tree_budget import (
     predict_tree_budgets,
     recommend_tree_budget,
 )
-from decode.tree_drafters import make_tree_drafter
 from pipeline import draftops_home
 from pipeline.config import DEFAULT_TREE_BUDGET_SCHEDULE
 from pipeline.files import write_text_atomic

@@ -22,7 +22,7 @@ def distill_command(args) -> int:
 
 
 def suffix_index_command(args) -> int:
-    from decode.runtime import load_model
+    from decode.serving.loading import load_model
     from distill.responses import target_suffix_index
     from pipeline.config import load_config
     from pipeline.traffic import load_traffic

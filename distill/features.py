@@ -1,4 +1,4 @@
-"""The target's features for a feature draft's training (`decode.feature_draft`): the hidden states entering the
+"""The target's features for a feature draft's training (`decode.models.feature_draft`): the hidden states entering the
 read layers at every position of every training sequence (prompt + response), from batched teacher-forced passes,
 cached next to the responses they belong to.
 
@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from decode.feature_draft import target_features
+from decode.runtime.forward import target_features
 from distill.responses import ResponseSet
 from pipeline.files import TMP_SUFFIX
 

@@ -1,7 +1,7 @@
 """Where a draft starts: an existing checkpoint, a subset of the target's layers, or a random model from a config.
 
-An optional reduced vocabulary (`decode.drafts`): the draft's lm_head keeps only the rows of the N token ids the target
-itself emits most often on the training traffic, plus every special token.
+An optional reduced vocabulary (`decode.models.layer_draft`): the draft's lm_head keeps only the rows of the N token
+ids the target itself emits most often on the training traffic, plus every special token.
 """
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import copy
 import torch
 from transformers import AutoModelForCausalLM
 
-from decode.drafts import draft_from_target_layers, reduce_vocabulary
-from decode.feature_draft import feature_draft_from_target
+from decode.models.feature_draft import feature_draft_from_target
+from decode.models.layer_draft import draft_from_target_layers, reduce_vocabulary
 from pipeline.config import DistillConfig
 from pipeline.sources import check_tokenizer_compat, resolve_model
 
@@ -49,7 +49,8 @@ def init_draft(cfg: DistillConfig, target, *, token_ids: torch.Tensor | None = N
     With `token_ids`, the head is cut to those rows, taken from the target's head; a checkpoint with a reduced head
     over other ids keeps its rows for the ids both share (`remap_vocabulary`). `tokenizer`: the target's; a checkpoint
     to start from must map text to the same ids (`check_tokenizer_compat`), or its weights mean other tokens.
-    family "features": a `decode.feature_draft.FeatureDraft` from the target's weights (the init keys do not apply).
+    family "features": a `decode.models.feature_draft.FeatureDraft` from the target's weights (the init keys do not
+    apply).
     """
     if cfg.family == "features":
         return float32_weights(feature_draft_from_target(target, token_ids), target).train()

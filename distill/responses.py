@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from decode import generation
-from decode.kernel_choice import amx_bf16_usable
-from decode.suffix import SuffixIndex
+from decode.drafters.suffix import SuffixIndex
+from decode.runtime import batch_generation
+from decode.runtime.kernel_choice import amx_bf16_usable
 from pipeline import draftops_home
 from pipeline.files import recover_dir, swap_dir, temporary_sibling
 from pipeline.sources import eos_token_ids
@@ -115,13 +115,13 @@ def generate_rounds(model, tokenizer, prompts: list[list[int]], rounds: list[tup
     complete. A response ends with its first EOS token (kept: the draft must learn to propose it too) or after
     max_new_tokens.
 
-    Llama-architecture models run through continuous batching on the lean forward (`decode.generation`: rows refilled
-    as sequences end, each prompt prefilled once for all rounds, samples independent of batching); other models
-    through transformers' `generate`, a batch of similar lengths at a time. `capture`: the target layers whose input
-    hidden states a feature draft reads, recorded as the lean engine generates (`ResponseSet.features`; not by
+    Llama-architecture models run through continuous batching on the lean forward (`decode.runtime.batch_generation`:
+    rows refilled as sequences end, each prompt prefilled once for all rounds, samples independent of batching); other
+    models through transformers' `generate`, a batch of similar lengths at a time. `capture`: the target layers whose
+    input hidden states a feature draft reads, recorded as the lean engine generates (`ResponseSet.features`; not by
     transformers' `generate`, whose sets come without them).
     """
-    if not generation.supports(model):
+    if not batch_generation.supports(model):
         out = []
         for r, (temperature, seed) in enumerate(rounds):
             out.append(hf_generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -131,11 +131,12 @@ def generate_rounds(model, tokenizer, prompts: list[list[int]], rounds: list[tup
         return out
     n = len(prompts)
     order = sorted(range(n), key=lambda i: len(prompts[i]))
-    jobs = [generation.Job(prompts[i], temperature, hash((seed, i))) for temperature, seed in rounds for i in order]
-    finished: list[dict[int, generation.Generated]] = [{} for _ in rounds]
+    jobs = [batch_generation.Job(prompts[i], temperature, hash((seed, i)))
+            for temperature, seed in rounds for i in order]
+    finished: list[dict[int, batch_generation.Generated]] = [{} for _ in rounds]
     out: list[ResponseSet | None] = [None] * len(rounds)
 
-    def done(index: int, generated: generation.Generated) -> None:
+    def done(index: int, generated: batch_generation.Generated) -> None:
         r = index // n
         finished[r][order[index % n]] = generated
         if len(finished[r]) == n:
@@ -147,7 +148,7 @@ def generate_rounds(model, tokenizer, prompts: list[list[int]], rounds: list[tup
             if on_round is not None:
                 on_round(r, out[r])
 
-    generation.generate(model, jobs, max_new_tokens=max_new_tokens, stop_ids=eos_token_ids(model, tokenizer),
+    batch_generation.generate(model, jobs, max_new_tokens=max_new_tokens, stop_ids=eos_token_ids(model, tokenizer),
                         batch_size=batch_size, topk=topk, capture=capture, on_done=done, progress=progress)
     return out
 
@@ -156,7 +157,7 @@ def generation_model(model, dtype: str):
     """The model that generates the training responses for `distill.generation_dtype` = `dtype`: `model` itself, or
     a copy of it in bfloat16. Training data need not be bit-identical to what the target decodes in fp32; the draft
     is measured against the target as loaded. "auto" takes bfloat16 for an fp32 model on a CPU whose AMX-BF16 units
-    this process may use (`decode.kernel_choice.amx_bf16_usable`)."""
+    this process may use (`decode.runtime.kernel_choice.amx_bf16_usable`)."""
     parameter = next(model.parameters())
     if dtype == "auto":
         amx = parameter.device.type == "cpu" and parameter.dtype == torch.float32 and amx_bf16_usable()
@@ -344,9 +345,9 @@ def teacher_forced_topk(
 
 
 def target_suffix_index(target, requests: list, cfg) -> tuple[SuffixIndex, float]:
-    """A suffix index (`decode.suffix`) over the target's greedy responses to `requests`, generated with distill's
-    settings and cached as `make distill` caches them (so the train split's responses are shared with a distillation
-    that generated them in the target's own precision: `generation_model`).
+    """A suffix index (`decode.drafters.suffix`) over the target's greedy responses to `requests`, generated with
+    distill's settings and cached as `make distill` caches them (so the train split's responses are shared with a
+    distillation that generated them in the target's own precision: `generation_model`).
     `target` is a `pipeline.sources.ResolvedModel`. Returns the index and its build seconds."""
     d = cfg.distill
     prompts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)

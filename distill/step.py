@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from decode.feature_draft import FEATURES, FeatureDraft, target_features, window_start
+from decode.models.feature_draft import FEATURES, FeatureDraft, window_start
+from decode.runtime.forward import target_features
 from distill.losses import TopKTeacher, distillation_loss
 from pipeline.config import DistillConfig
 

@@ -19,10 +19,10 @@ import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, is_bf16_available, set_seed
 
-from decode.drafts import frequent_token_ids
-from decode.feature_draft import FEATURES, default_feature_layers
-from decode.runtime import load_model
-from decode.suffix import SuffixIndex
+from decode.drafters.suffix import SuffixIndex
+from decode.models.feature_draft import FEATURES, default_feature_layers
+from decode.models.layer_draft import frequent_token_ids
+from decode.serving.loading import load_model
 from decode.tree_budget import TREE_BUDGETS, rank_acceptance
 from distill.checkpoints import job_key, load_best, point_latest
 from distill.evaluation import exact_eval, feature_eval
@@ -228,7 +228,7 @@ def run_distill(cfg: DraftopsConfig, *, init_only: bool = False, register_only: 
                           "loss": history[best["step"] - 1]["loss"],
                           "train_responses": len(data.train), "train_tokens": data.train.num_response_tokens}
         with timings.measure("export"):
-            # the draft travels with a suffix index of the target's train responses (`decode.suffix`)
+            # the draft travels with a suffix index of the target's train responses (`decode.drafters.suffix`)
             # ... and the rank acceptance its token trees' node budget is chosen from (`decode.tree_budget_auto`)
             export_draft(draft, target.tokenizer, export_dir, token_ids=data.token_ids, cfg=cfg,
                          suffix_index=SuffixIndex(data.train.response_ids),

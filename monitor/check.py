@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from decode.runtime import load_draft, load_model
+from decode.serving.loading import load_draft, load_model
 from monitor.decision import EXIT_ERROR, Decision, Status, challenger_gate, decide, non_finite
 from monitor.measure import Baseline, Measurement, heldout_by_recency, measure_analytic, measure_live, new_baseline
 from monitor.report import monitor_checks, monitor_history_figure

@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from tqdm.auto import tqdm
 
 from decode.acceptance import analytic_acceptance
-from decode.drafters import DRAFT
+from decode.drafters.chain import DRAFT
 from decode.factory import build_decoder
 from distill.responses import cached_responses
 from monitor.stats import PromptAcceptance

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from decode.runtime import load_model
+from decode.serving.loading import load_model
 from distill.responses import cached_responses
 from pipeline import metrics
 from pipeline.config import DraftopsConfig, TargetUpdateConfig

@@ -23,7 +23,7 @@ names for the same quantities, so MLflow's compare view lines them up column by 
 | `time/<phase>_s` | seconds spent in a phase |
 | `monitor/...` | one monitor check: acceptance now vs baseline, the drop test, traffic drift, retraining |
 
-`acceptance/draft` counts accepted / verified draft tokens; `acceptance/decoder` is that of the `decode.drafters`
+`acceptance/draft` counts accepted / verified draft tokens; `acceptance/decoder` is that of the `decode.drafters.chain`
 "decoder".
 
 Tags and aliases are named here too, so every stage writes and reads the same strings (their values are what existing
@@ -72,7 +72,7 @@ TOKENS_PER_S = "speed/tokens_per_s"
 TARGET_TOKENS_PER_S = "speed/target_tokens_per_s"
 TARGET_TORCH_KERNELS_TOKENS_PER_S = "speed/target_torch_kernels_tokens_per_s"  # the target on torch's stock kernels
 NEW_TOKENS = "speed/new_tokens"
-LLAMA_CPP_TOKENS_PER_S = "speed/llama_cpp_target_tokens_per_s"  # llama.cpp's target alone (decode.bench)
+LLAMA_CPP_TOKENS_PER_S = "speed/llama_cpp_target_tokens_per_s"  # llama.cpp's target alone (decode.measure.bench)
 LLAMA_CPP_SPECULATIVE_TOKENS_PER_S = "speed/llama_cpp_speculative_tokens_per_s"  # llama.cpp with the GGUF draft
 LLAMA_CPP_SPEEDUP = "speed/llama_cpp_speculative_speedup_vs_llama_cpp_target"
 ACCEPTANCE_LLAMA_CPP = "acceptance/llama_cpp"  # accepted / drafted tokens, as llama-server reports them

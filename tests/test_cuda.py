@@ -15,10 +15,10 @@ import pytest
 import torch
 import yaml
 
-from decode.lean import use_compiled_passes
-from decode.runtime import ModelRunner, greedy_decode
+from decode.drafters.tree import make_tree_drafter
+from decode.runtime.forward import ModelRunner, greedy_decode
+from decode.runtime.lean import use_compiled_passes
 from decode.speculative import SpeculativeDecoder
-from decode.tree_drafters import make_tree_drafter
 from tests.decode.test_feature_draft import make_feature_draft
 from tests.decode.test_lossless import T1, check_first_two
 from tests.decode.tiny import greedy_reference, perturbed_copy, tiny_llama
@@ -66,8 +66,8 @@ def test_a_feature_draft_on_cuda_decodes_the_targets_own_tokens(tree):
 
 @torch.inference_mode()
 def test_compiled_passes_on_cuda_decode_what_the_eager_ones_do():
-    """inductor's Triton kernels (`decode.lean.compile_options` gives a GPU no CPU options) for target and draft,
-    float32, chains and trees."""
+    """inductor's Triton kernels (`decode.runtime.lean.compile_options` gives a GPU no CPU options) for target and
+    draft, float32, chains and trees."""
     target, draft = on_gpu(tiny_llama(2), torch.float32), on_gpu(tiny_llama(3), torch.float32)
     prompt = PROMPTS[0]
     expected = [SpeculativeDecoder(target, draft, 4, tree_budget=budget).generate(prompt, max_new_tokens=30).token_ids
@@ -142,7 +142,7 @@ def test_distill_on_cuda_trains_in_bfloat16_mixed_precision_and_exports_fp32_wei
 
 def test_a_feature_draft_job_on_cuda_exports_a_draft_that_decodes_losslessly(tmp_path):
     from decode.factory import build_decoder
-    from decode.runtime import load_draft, load_model
+    from decode.serving.loading import load_draft, load_model
     from pipeline.sources import save_checkpoint
     from tests.conftest import make_tiny_model, make_tokenizer
 

@@ -9,9 +9,9 @@ from decode.acceptance import (
     expected_tokens,
     expected_tokens_from_positions,
 )
+from decode.measure.intervals import acceptance_ci, ratio_ci
 from decode.sampling import to_target_vocab, warp_logits
 from decode.speculative import SpeculativeDecoder
-from decode.stats import acceptance_ci, ratio_ci
 
 SEQUENCES = [[5, 9, 17, 33, 2, 64, 7], [1, 2, 3], [100, 101, 7, 8, 9, 10, 11, 12, 13]]
 STARTS = [3, 1, 9]  # the last sequence has an empty response

@@ -1,11 +1,12 @@
-"""decode.batched: a batch decoded greedily, with and without a draft, gives every sequence its own greedy output."""
+"""decode.measure.batched: a batch decoded greedily, with and without a draft, gives every sequence its own greedy
+output."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from decode.batched import batched_greedy, batched_speculative
-from decode.lean import LeanLlama
+from decode.measure.batched import batched_greedy, batched_speculative
+from decode.runtime.lean import LeanLlama
 from tests.decode.tiny import greedy_reference
 
 PROMPTS = [[5, 9, 2, 77, 3, 8, 1], [3, 3, 8, 8, 3, 3, 8], [100, 4, 17, 17, 60, 2, 9]]

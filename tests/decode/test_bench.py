@@ -1,4 +1,4 @@
-"""decode.bench's cost accounting, its denominator and its llama.cpp rows, on hand-made timings."""
+"""decode.measure.bench's cost accounting, its denominator and its llama.cpp rows, on hand-made timings."""
 from __future__ import annotations
 
 import contextlib
@@ -7,9 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 
-import decode.bench as bench
-import decode.llamacpp as llamacpp
-from decode.bench import (
+import decode.measure.bench as bench
+import decode.serving.llamacpp as llamacpp
+from decode.drafters.chain import DECODER, DRAFT, LOOKUP, ModelDrafter, make_drafter
+from decode.drafters.lookup import LookupThenModelDrafter, PromptLookupDrafter
+from decode.drafters.tree import make_tree_drafter
+from decode.measure.bench import (
     LLAMA_CPP_SPECULATIVE,
     LLAMA_CPP_TARGET_ONLY,
     TARGET_ONLY,
@@ -22,12 +25,9 @@ from decode.bench import (
     llama_cpp_summary,
     method_results,
 )
-from decode.drafters import DECODER, DRAFT, LOOKUP, ModelDrafter, make_drafter
-from decode.llamacpp import Completion, LlamaCppError
-from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter
-from decode.runtime import ModelRunner
-from decode.stats import GenerationStats
-from decode.tree_drafters import make_tree_drafter
+from decode.round_stats import GenerationStats
+from decode.runtime.forward import ModelRunner
+from decode.serving.llamacpp import Completion, LlamaCppError
 
 
 def test_in_run_costs_split_the_decoders_time_into_model_calls_and_bookkeeping():
@@ -79,7 +79,8 @@ def test_speedups_are_against_the_faster_target_only_row():
 
 
 class FakeServer:
-    """Stands in for a started `decode.llamacpp.LlamaServer`: a fixed completion per prompt, with its timings."""
+    """Stands in for a started `decode.serving.llamacpp.LlamaServer`: a fixed completion per prompt, with its
+    timings."""
 
     def __init__(self, replies: dict[int, tuple[list[int], int, int]]):
         self.replies, self.asked = replies, []
@@ -196,5 +197,5 @@ def test_step_costs_time_the_trees_own_verify_for_tree_rounds(target, close_draf
     assert costs["tree_budget"] == 4
     assert costs["v_tree"] == pytest.approx(costs["tree_verify_s"] / costs["target_step_s"])
     # 2 warm-up passes and 2 timed, each of the pending token and 4 nodes after the 10-token prompt: the root's two
-    # children at depth 1, their first child's two at depth 2 (`decode.sweep_costs.representative_tree`)
+    # children at depth 1, their first child's two at depth 2 (`decode.step_costs.representative_tree`)
     assert runner.tree_passes == [(10, [10, 11, 11, 12, 12])] * 4

@@ -4,8 +4,8 @@ import mlflow
 import pytest
 import torch
 
-from decode.bench import markdown
-from decode.drafts import full_vocab_copy
+from decode.measure.bench import markdown
+from decode.models.layer_draft import full_vocab_copy
 from pipeline.cli import main
 from pipeline.sources import HF_ASSISTANT_DIR, save_checkpoint
 from tests.conftest import make_tiny_model, make_tokenizer
@@ -135,7 +135,7 @@ def test_bench_writes_reports(checkpoints, capsys, tmp_path):
 
 
 def test_bench_with_trees_runs_each_source_alone_the_chains_and_compared_budgets(checkpoints, capsys, tmp_path):
-    from decode.suffix import SuffixIndex
+    from decode.drafters.suffix import SuffixIndex
 
     target, draft, traffic, _ = checkpoints
     index = SuffixIndex([[5, 6, 7, 8], [9, 10, 11]]).save(tmp_path / "index.json")
@@ -227,7 +227,7 @@ def test_eval_bench_and_the_monitor_agree_on_each_acceptance_name(checkpoints, c
     """`acceptance/draft` (the draft decoding alone, in chain rounds) and `acceptance/decoder` (the configured
     decoder) mean the same thing wherever they are logged: same draft, same prompts, same greedy decoding, same
     value."""
-    from decode.runtime import load_model
+    from decode.serving.loading import load_model
     from monitor.measure import measure_live
     from pipeline.config import load_config
     from pipeline.traffic import load_traffic
@@ -275,7 +275,7 @@ def test_eval_prints_both_acceptances_for_people(checkpoints, capsys):
 def test_bench_runs_a_challenger_draft_in_the_rows_of_the_draft_it_stands_in_for(checkpoints, capsys, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from decode.speculators_format import save_speculators
+    from decode.serving.speculators import save_speculators
     from tests.decode.test_feature_draft import make_feature_draft
 
     _, draft, traffic, _ = checkpoints

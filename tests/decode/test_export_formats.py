@@ -1,4 +1,4 @@
-"""`draftops export` (decode.export_formats): a layer draft with a reduced head comes out as a plain full-vocabulary
+"""`draftops export` (decode.serving.export): a layer draft with a reduced head comes out as a plain full-vocabulary
 checkpoint that transformers loads and that scores the kept ids as the draft does; a feature draft comes out as its
 speculators folder; the folders hold no draftops file and their config agrees with their weights; wrong formats,
 sources and folders are refused; the command prints the serving command lines."""
@@ -13,8 +13,10 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from decode.drafts import draft_from_target_layers, reduce_vocabulary
-from decode.export_formats import (
+from decode.drafters.suffix import SuffixIndex
+from decode.models.feature_draft import feature_draft_from_target
+from decode.models.layer_draft import draft_from_target_layers, reduce_vocabulary
+from decode.serving.export import (
     FEATURES,
     LAYERS,
     ExportError,
@@ -24,9 +26,7 @@ from decode.export_formats import (
     export_format,
     serving_commands,
 )
-from decode.feature_draft import feature_draft_from_target
-from decode.speculators_format import load_speculators
-from decode.suffix import SuffixIndex
+from decode.serving.speculators import load_speculators
 from distill.export import export_draft
 from pipeline import registry
 from pipeline.cli import main

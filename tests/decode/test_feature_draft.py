@@ -1,25 +1,19 @@
-"""The feature draft (decode.feature_draft): training's unrolled steps compute what decoding computes, the target's
-lean forward hands over the same features as transformers', and decoding with it stays lossless."""
+"""The feature draft (decode.models.feature_draft): training's unrolled steps compute what decoding computes, the
+target's lean forward hands over the same features as transformers', and decoding with it stays lossless."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from decode.acceptance import analytic_acceptance
-from decode.feature_draft import (
-    FeatureDraft,
-    FeatureDrafter,
-    default_feature_layers,
-    target_features,
-    window_start,
-)
-from decode.runtime import ModelRunner, greedy_decode
+from decode.drafters.suffix import SuffixIndex
+from decode.drafters.tree import FeatureTree, make_tree_drafter
+from decode.models.feature_draft import FeatureDraft, FeatureDrafter, default_feature_layers, window_start
+from decode.runtime.forward import ModelRunner, greedy_decode, target_features
 from decode.sampling import Warp
 from decode.speculative import SpeculativeDecoder
-from decode.suffix import SuffixIndex
-from decode.sweep_costs import FeatureRounds, measure_costs
+from decode.step_costs import FeatureRounds, measure_costs
 from decode.tree import ROOT, TokenTree
-from decode.tree_drafters import FeatureTree, make_tree_drafter
 from tests.conftest import make_tiny_model
 from tests.decode.test_lossless import check_first_two
 

@@ -3,7 +3,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from decode.generation import Job, generate
+from decode.runtime.batch_generation import Job, generate
 from tests.decode.tiny import greedy_reference, tiny_llama
 
 PROMPTS = [[1, 10, 11, 12], [1, 20, 21], [1, 30, 31, 32, 33, 34], [1, 5], [1, 6, 7, 8]]

@@ -1,4 +1,4 @@
-"""A layer draft as llama.cpp's GGUF (decode.gguf_format, `draftops export --format gguf`): the rotary permutation by
+"""A layer draft as llama.cpp's GGUF (decode.serving.gguf, `draftops export --format gguf`): the rotary permutation by
 hand, a round trip through transformers' GGUF loader that gives the draft's logits back (f32 to rounding, f16 close),
 the target's vocabulary carried verbatim, the rotary base where transformers 5 keeps it, and refusals."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from decode.drafts import draft_from_target_layers, reduce_vocabulary
-from decode.export_formats import ExportError, draft_source, export_format, serving_commands, target_gguf
-from decode.gguf_format import GGUFExportError, rope_base, rope_permute, write_llama_gguf
+from decode.models.layer_draft import draft_from_target_layers, reduce_vocabulary
+from decode.serving.export import ExportError, draft_source, export_format, serving_commands, target_gguf
+from decode.serving.gguf import GGUFExportError, rope_base, rope_permute, write_llama_gguf
 from distill.export import export_draft
 from pipeline.cli import main
 from pipeline.config import load_config
@@ -156,7 +156,7 @@ def test_the_gguf_format_needs_the_targets_gguf(layer_draft, tmp_path, capsys):
 
 
 def test_a_broken_gguf_is_caught_by_the_read_back(layer_draft, tmp_path, monkeypatch):
-    import decode.gguf_format as gguf_format
+    import decode.serving.gguf as gguf_format
 
     swapped = {**gguf_format.LAYER_TENSORS, "mlp.gate_proj.weight": "ffn_up.weight",
                "mlp.up_proj.weight": "ffn_gate.weight"}

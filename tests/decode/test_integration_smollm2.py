@@ -4,14 +4,15 @@ The prompts are the held-out split of the traffic draftops ships, so a clone wit
 import pytest
 import torch
 
-from decode.drafters import DECODER
-from decode.drafts import draft_from_target_layers, reduce_vocabulary
-from decode.feature_draft import feature_draft_from_target
-from decode.lean import compiled_lean, use_compiled_passes
-from decode.runtime import ModelRunner, greedy_decode, load_model
+from decode.drafters.chain import DECODER
+from decode.drafters.suffix import SuffixIndex
+from decode.drafters.tree import make_tree_drafter
+from decode.models.feature_draft import feature_draft_from_target
+from decode.models.layer_draft import draft_from_target_layers, reduce_vocabulary
+from decode.runtime.forward import ModelRunner, greedy_decode
+from decode.runtime.lean import compiled_lean, use_compiled_passes
+from decode.serving.loading import load_model
 from decode.speculative import SpeculativeDecoder
-from decode.suffix import SuffixIndex
-from decode.tree_drafters import make_tree_drafter
 from pipeline.sources import eos_token_ids
 from pipeline.traffic import DEFAULT_TRAFFIC, encode_prompts, first_per_category, load_traffic
 

@@ -7,8 +7,16 @@ import os
 import pytest
 import torch
 
-from decode import kernel_choice
-from decode.kernel_choice import ROWS, Timing, cache_file, interleaved_minimums, machine_key, read_cache, shape_timings
+from decode.runtime import kernel_choice
+from decode.runtime.kernel_choice import (
+    ROWS,
+    Timing,
+    cache_file,
+    interleaved_minimums,
+    machine_key,
+    read_cache,
+    shape_timings,
+)
 
 
 class FakeClock:

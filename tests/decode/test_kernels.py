@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from decode import kernel_choice, kernels
-from decode.kernel_choice import ROWS, Timing, cache_file, machine_key, read_cache
-from decode.kernels import (
+from decode.runtime import kernel_choice, kernels
+from decode.runtime.forward import ModelRunner, greedy_decode
+from decode.runtime.kernel_choice import ROWS, Timing, cache_file, machine_key, read_cache
+from decode.runtime.kernels import (
     AutoLinear,
     ConcatLinear,
     OneDNNLinear,
@@ -20,7 +21,6 @@ from decode.kernels import (
     torch_kernels,
     use_cpu_linear,
 )
-from decode.runtime import ModelRunner, greedy_decode
 from pipeline.cli import main
 from tests.conftest import make_tiny_model
 from tests.decode.tiny import tiny_llama
@@ -67,7 +67,7 @@ def test_unknown_kind_is_refused():
 
 @pytest.mark.parametrize("rows", [1, 2, 6, 300])
 def test_packed_weight_matches_reference(rows):
-    from decode.kernels import pack_weight
+    from decode.runtime.kernels import pack_weight
 
     torch.manual_seed(rows)
     x, weight, bias = torch.randn(rows, 96), torch.randn(200, 96), torch.randn(200)

@@ -1,4 +1,4 @@
-"""decode.lean.LeanLlama against its reference, the transformers forward with a DynamicCache."""
+"""decode.runtime.lean.LeanLlama against its reference, the transformers forward with a DynamicCache."""
 from __future__ import annotations
 
 import copy
@@ -9,7 +9,8 @@ import torch._inductor.freezing
 from torch._dynamo.utils import counters
 from transformers import DynamicCache
 
-from decode.lean import (
+from decode.runtime.forward import ModelRunner, forward_logits, greedy_decode, rollback
+from decode.runtime.lean import (
     COMPILED_MAX_TOKENS,
     SHORT_PASS_TOKENS,
     LeanLlama,
@@ -19,7 +20,6 @@ from decode.lean import (
     use_compiled_passes,
     wide_pass_options,
 )
-from decode.runtime import ModelRunner, forward_logits, greedy_decode, rollback
 from decode.speculative import SpeculativeDecoder
 from tests.decode.tiny import greedy_reference, tiny_llama
 

@@ -1,4 +1,4 @@
-"""llama.cpp as a peer engine (decode.llamacpp).
+"""llama.cpp as a peer engine (decode.serving.llamacpp).
 
 Unmarked: the build's CPU options by hand, where the server is looked for, and the errors when it is absent. Marked
 `llamacpp` (`make test-llamacpp`, which builds llama-server first): on the real SmolLM2 target's GGUF and a draft
@@ -13,16 +13,9 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from decode.drafts import draft_from_target_layers
-from decode.export_formats import GGUF, draft_source, export_format, target_gguf
-from decode.llamacpp import (
-    LLAMA_CPP_ENV,
-    LlamaCppError,
-    LlamaServer,
-    build_dir,
-    cmake_cpu_options,
-    find_server,
-)
+from decode.models.layer_draft import draft_from_target_layers
+from decode.serving.export import GGUF, draft_source, export_format, target_gguf
+from decode.serving.llamacpp import LLAMA_CPP_ENV, LlamaCppError, LlamaServer, build_dir, cmake_cpu_options, find_server
 from distill.export import export_draft
 from pipeline import metrics as M
 from pipeline import registry

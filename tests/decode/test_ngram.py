@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from decode.ngram import PromptLookupDrafter
+from decode.drafters.lookup import PromptLookupDrafter
 from decode.sampling import Warp
 from decode.speculative import GammaPolicy, SpeculativeDecoder
 from tests.decode.test_lossless import check_first_two

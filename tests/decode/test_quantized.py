@@ -1,12 +1,12 @@
-"""decode.quantized: the int8 copy of a target and its distance from the fp32 one."""
+"""decode.measure.quantized: the int8 copy of a target and its distance from the fp32 one."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from decode.kernels import use_cpu_linear
-from decode.quantized import int8_dynamic, quantization_quality
-from decode.runtime import ModelRunner, greedy_decode
+from decode.measure.quantized import int8_dynamic, quantization_quality
+from decode.runtime.forward import ModelRunner, greedy_decode
+from decode.runtime.kernels import use_cpu_linear
 from tests.decode.tiny import tiny_llama
 
 

@@ -1,8 +1,8 @@
-"""decode.runtime: the transformers forward's KV cache keyword, whichever transformers names it."""
+"""decode.runtime.forward: the transformers forward's KV cache keyword, whichever transformers names it."""
 import torch
 from transformers import DynamicCache
 
-from decode.runtime import forward_logits, with_cache
+from decode.runtime.forward import forward_logits, with_cache
 from tests.conftest import make_tiny_model
 
 

@@ -1,4 +1,4 @@
-"""The speculators Eagle3 format (decode.speculators_format): a feature draft comes back from disk computing the same,
+"""The speculators Eagle3 format (decode.serving.speculators): a feature draft comes back from disk computing the same,
 its vocabulary maps follow speculators' conventions, wrong folders and targets are refused, and `speculators` itself
 loads the export and computes the same logits."""
 from __future__ import annotations
@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from decode.feature_draft import FeatureDraft, target_features
-from decode.speculators_format import is_speculators_dir, load_speculators, save_speculators, vocab_maps
+from decode.models.feature_draft import FeatureDraft
+from decode.runtime.forward import target_features
+from decode.serving.speculators import is_speculators_dir, load_speculators, save_speculators, vocab_maps
 from tests.conftest import make_tiny_model
 
 VOCAB = 40

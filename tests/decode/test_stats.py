@@ -5,8 +5,7 @@ import pytest
 from scipy import stats as sps
 
 from decode.acceptance import expected_speedup, expected_tokens, expected_tokens_from_positions
-from decode.stats import (
-    GenerationStats,
+from decode.measure.intervals import (
     RatioCI,
     acceptance_ci,
     aggregate_stats,
@@ -15,6 +14,7 @@ from decode.stats import (
     ratio_ci,
     sum_ratio,
 )
+from decode.round_stats import GenerationStats
 
 
 def test_record_block_counts_trials_and_positions():

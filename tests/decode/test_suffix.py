@@ -7,9 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from decode.sampling import Warp
-from decode.speculative import SpeculativeDecoder
-from decode.suffix import (
+from decode.drafters.suffix import (
     Candidates,
     RequestTokens,
     SuffixDrafter,
@@ -17,6 +15,8 @@ from decode.suffix import (
     SuffixSearch,
     load_suffix_index,
 )
+from decode.sampling import Warp
+from decode.speculative import SpeculativeDecoder
 from pipeline.sources import SUFFIX_INDEX_FILE
 from tests.decode.test_lossless import check_first_two
 from tests.decode.tiny import greedy_reference, tiny_llama

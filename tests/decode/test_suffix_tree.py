@@ -1,13 +1,14 @@
 """Suffix decoding as a tree source: the nodes `SuffixTree` adds (by hand), target-greedy identity with suffix nodes
-accepted beside lookup and the draft model's tree, and the `decode.suffix` switch through `build_decoder`."""
+accepted beside lookup and the draft model's tree, and the `decode.drafters.suffix` switch through `build_decoder`."""
 import pytest
 import torch
 
+from decode.drafters.suffix import SuffixDrafter, SuffixIndex
+from decode.drafters.tree import TreeDrafter, make_tree_drafter
+from decode.drafters.tree_sources import SuffixTree
 from decode.factory import build_decoder
 from decode.speculative import SpeculativeDecoder
-from decode.suffix import SuffixDrafter, SuffixIndex
 from decode.tree import ROOT, TokenTree
-from decode.tree_drafters import SuffixTree, TreeDrafter, make_tree_drafter
 from pipeline.config import DecodeConfig
 from pipeline.sources import SUFFIX_INDEX_FILE, ResolvedModel
 from tests.decode.tiny import greedy_reference

@@ -15,11 +15,11 @@ from decode.acceptance import (
     greedy_block,
     walk,
 )
-from decode.ngram import PromptLookupDrafter
-from decode.runtime import ModelRunner, greedy_decode
+from decode.drafters.lookup import PromptLookupDrafter
+from decode.measure.sweep import at_context, lookup_block, spread
+from decode.measure.sweep_model import cell_break_even_alpha, predict_batches, predicted_seconds
+from decode.runtime.forward import ModelRunner, greedy_decode
 from decode.speculative import GammaPolicy, SpeculativeDecoder, scheduled_gamma
-from decode.sweep import at_context, lookup_block, spread
-from decode.sweep_costs import cell_break_even_alpha, predict_batches, predicted_seconds
 from pipeline.cli import main
 from pipeline.config import load_config
 from pipeline.sources import save_checkpoint
@@ -328,7 +328,7 @@ def test_batch_axis_charges_each_round_its_verify_at_that_batch_size():
 
 
 def test_greedy_responses_are_decoded_once_per_target_prompts_and_length(monkeypatch):
-    import decode.sweep as sweep
+    import decode.measure.sweep as sweep
     from tests.decode.tiny import tiny_llama
 
     model = tiny_llama(3)

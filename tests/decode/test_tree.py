@@ -8,14 +8,15 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from decode.drafters import DRAFT, LOOKUP, ModelDrafter
+from decode.drafters.chain import DRAFT, LOOKUP, ModelDrafter
+from decode.drafters.tree import ModelTree, ModelTreeState, TreeDrafter, make_tree_drafter
+from decode.drafters.tree_sources import LookupTree, lookup_matches
 from decode.factory import build_decoder
-from decode.runtime import ModelRunner, compact, forward_logits, rollback
+from decode.round_stats import GenerationStats
+from decode.runtime.forward import ModelRunner, compact, forward_logits, rollback
 from decode.sampling import Warp
 from decode.speculative import SpeculativeDecoder
-from decode.stats import GenerationStats
 from decode.tree import ROOT, TokenTree, accept_greedy, accept_sampled
-from decode.tree_drafters import LookupTree, ModelTree, ModelTreeState, TreeDrafter, lookup_matches, make_tree_drafter
 from pipeline.config import DecodeConfig
 from pipeline.sources import ResolvedModel
 from tests.decode.tiny import greedy_reference, perturbed_copy, tiny_llama

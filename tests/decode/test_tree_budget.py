@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from decode.acceptance import analytic_acceptance, draft_rank
+from decode.drafters.tree import TreeDrafter, make_tree_drafter
 from decode.factory import build_decoder
-from decode.runtime import ModelRunner, greedy_decode
+from decode.runtime.forward import ModelRunner, greedy_decode
 from decode.speculative import SpeculativeDecoder
-from decode.sweep_costs import measure_costs, representative_tree
+from decode.step_costs import measure_costs, representative_tree
 from decode.tree import ROOT
 from decode.tree_budget import (
     best_trees,
@@ -22,7 +23,6 @@ from decode.tree_budget import (
     recommend_tree_budget,
     tree_shape,
 )
-from decode.tree_drafters import TreeDrafter, make_tree_drafter
 from pipeline.config import DecodeConfig
 from pipeline.sources import ResolvedModel
 from tests.decode.tiny import greedy_reference

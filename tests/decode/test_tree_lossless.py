@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
+from decode.drafters.suffix import SuffixIndex
+from decode.drafters.tree import make_tree_drafter, without_replacement
 from decode.sampling import Warp, sample
 from decode.speculative import SpeculativeDecoder
-from decode.suffix import SuffixIndex
 from decode.tree import ROOT, TokenTree, accept_sampled
-from decode.tree_drafters import make_tree_drafter, without_replacement
 from tests.decode.test_lossless import assert_matches, check_first_two
 from tests.decode.tiny import perturbed_copy, tiny_llama
 

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from decode.feature_draft import FeatureDraft, target_features
+from decode.models.feature_draft import FeatureDraft
+from decode.runtime.forward import target_features
 from distill.losses import TopKTeacher
 from distill.step import FeatureStepLogits, feature_loss_step, shifted, step_mask
 from pipeline.config import DistillConfig

@@ -2,7 +2,7 @@
 job reads them back; a file that does not fit the responses is computed again."""
 import torch
 
-from decode.feature_draft import target_features
+from decode.runtime.forward import target_features
 from distill.features import cached_features, features_file, teacher_forced_features
 from distill.responses import ResponseSet
 from tests.conftest import make_tiny_model

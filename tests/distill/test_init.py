@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from decode.drafts import draft_from_target_layers, frequent_token_ids, full_vocab_copy
+from decode.models.layer_draft import draft_from_target_layers, frequent_token_ids, full_vocab_copy
 from distill.init import draft_from_config, init_draft
 from pipeline.config import DistillConfig
 from pipeline.sources import TokenizerMismatch, save_checkpoint

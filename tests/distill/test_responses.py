@@ -36,7 +36,7 @@ def test_greedy_responses_with_recorded_top_k_match_a_teacher_forced_pass():
 
 
 def test_continuous_batching_gives_transformers_generate_greedy_responses_and_teacher():
-    """The lean engine (`decode.generation`) and the fallback for other architectures agree."""
+    """The lean engine (`decode.runtime.batch_generation`) and the fallback for other architectures agree."""
     model, tokenizer = setup()
     ours = generate_responses(model, tokenizer, PROMPTS, max_new_tokens=6, temperature=0.0, batch_size=2, seed=0,
                               topk=5)
@@ -119,8 +119,8 @@ def test_responses_of_another_precision_are_cached_apart(isolated_home):
 
 
 def test_suffix_index_command_indexes_the_targets_greedy_responses_from_distills_cache(tmp_path, capsys):
-    from decode.runtime import load_model
-    from decode.suffix import SuffixIndex
+    from decode.drafters.suffix import SuffixIndex
+    from decode.serving.loading import load_model
     from distill.responses import cached_responses
     from pipeline.cli import main
     from pipeline.traffic import encode_prompts, load_traffic

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from decode.suffix import load_suffix_index
+from decode.drafters.suffix import load_suffix_index
 from decode.tree_budget import TREE_BUDGETS, load_rank_acceptance
 from distill.checkpoints import latest_checkpoint
 from distill.loop import NonFiniteLoss
@@ -228,9 +228,10 @@ def test_a_feature_draft_job_exports_the_speculators_format_registers_and_decode
     exported as speculators Eagle3, registered, then loaded back from the registry through `load_draft` and decoded
     greedily: the target's own output. A re-run trains nothing."""
     from decode.factory import build_decoder
-    from decode.feature_draft import FeatureDraft
-    from decode.runtime import ModelRunner, greedy_decode, load_draft, load_model
-    from decode.speculators_format import is_speculators_dir
+    from decode.models.feature_draft import FeatureDraft
+    from decode.runtime.forward import ModelRunner, greedy_decode
+    from decode.serving.loading import load_draft, load_model
+    from decode.serving.speculators import is_speculators_dir
     from pipeline.sources import save_checkpoint
     from pipeline.tracking import setup_mlflow
     from tests.conftest import make_tiny_model, make_tokenizer

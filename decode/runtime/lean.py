@@ -8,7 +8,7 @@ transformers forward is the reference, and `tests/decode/test_lean.py` holds the
 token tree (`decode.tree`) at per-node positions under a tree mask; `tests/decode/test_tree.py` checks it against
 feeding each root-to-node path plainly.
 The eager forward runs each decoder layer's q, k, v projections as one product and its gate and up as another
-(`decode.kernels.ConcatLinear`, as gpt-fast and serving engines do): a few-row step pays per product called.
+(`decode.runtime.kernels.ConcatLinear`, as gpt-fast and serving engines do): a few-row step pays per product called.
 
 `LeanLlama(model, compiled=True)` runs the passes a decoder makes after the prompt (a step, a verify block, a tree:
 one sequence, at most `COMPILED_MAX_TOKENS` tokens, past position 1, no features) through `torch.compile` of the
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from decode.kernels import ConcatLinear
+from decode.runtime.kernels import ConcatLinear
 
 # what a graph that cannot be built raises (inductor wraps its own errors in the second)
 COMPILE_ERRORS = (torch._dynamo.exc.BackendCompilerFailed, torch._inductor.exc.InductorError)
@@ -56,9 +56,9 @@ class _CompiledHolder:
 
 
 def use_compiled_passes(model) -> None:
-    """From now on, `decode.runtime.ModelRunner` runs `model`'s passes compiled (`LeanLlama(model, compiled=True)`),
-    one compiled forward per model shared by every runner of it (the decoder's, the cost timings'), so that each
-    graph is compiled once a process."""
+    """From now on, `decode.runtime.forward.ModelRunner` runs `model`'s passes compiled (`LeanLlama(model,
+    compiled=True)`), one compiled forward per model shared by every runner of it (the decoder's, the cost timings'),
+    so that each graph is compiled once a process."""
     if not LeanLlama.supports(model):
         raise ValueError("decode.compiled compiles the lean forward: it needs a Llama-architecture model in eval mode")
     if compiled_lean(model) is None:
@@ -145,7 +145,7 @@ class KVCache:
     """Per-layer keys and values [batch, kv_heads, capacity, head_dim], grown by doubling; `length` positions are
     valid (the same for every sequence of a batch).
 
-    `get_seq_length` and `crop` follow transformers' DynamicCache, so `decode.runtime.rollback` works on both.
+    `get_seq_length` and `crop` follow transformers' DynamicCache, so `decode.runtime.forward.rollback` works on both.
     """
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
@@ -229,7 +229,7 @@ class LeanLlama:
     def forward_batch(self, tokens: torch.Tensor, cache: KVCache, start: int, keep_last: bool) -> torch.Tensor:
         """`forward_logits` of a batch: tokens [B, T] at positions start..start+T-1 of every sequence of a cache of
         B sequences of one length -> logits [B, T, V] (or [B, 1, V] if keep_last). What a serving engine's batched
-        step or verify costs (`decode.sweep_costs.measure_batch_costs`)."""
+        step or verify costs (`decode.step_costs.measure_batch_costs`)."""
         n, end = tokens.shape[1], start + tokens.shape[1]
         positions = torch.arange(start, end, device=tokens.device)
         mask = None if n == 1 else torch.arange(end, device=tokens.device)[None, :] <= positions[:, None]
@@ -238,8 +238,8 @@ class LeanLlama:
     def forward_ragged(self, tokens: torch.Tensor, cache: KVCache, starts: torch.Tensor) -> torch.Tensor:
         """`forward_batch` with a start per sequence: tokens [B, T] into slots starts[b]..starts[b]+T-1 of row b,
         each seeing its own row's slots up to its position -> logits [B, T, V]. Sequences of a batch that accept
-        different numbers of drafted tokens go on at different lengths (`decode.batched`); a row's slots past its
-        length are stale and never seen."""
+        different numbers of drafted tokens go on at different lengths (`decode.measure.batched`); a row's slots past
+        its length are stale and never seen."""
         return self.forward_ragged_features(tokens, cache, starts, ())[0]
 
     def forward_ragged_features(self, tokens: torch.Tensor, cache: KVCache, starts: torch.Tensor,
@@ -256,7 +256,7 @@ class LeanLlama:
                          keep_last: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward_logits` of every token (of the last, if keep_last), and the hidden states entering `layers` at
         every token, concatenated -> (logits [T or 1, V], features [T, len(layers) * H]): what a feature draft
-        (`decode.feature_draft`) reads."""
+        (`decode.models.feature_draft`) reads."""
         n, end = tokens.shape[0], start + tokens.shape[0]
         positions = torch.arange(start, end, device=tokens.device)
         mask = None if n == 1 else torch.arange(end, device=tokens.device)[None, :] <= positions[:, None]

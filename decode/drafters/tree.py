@@ -5,8 +5,8 @@ budget, depth, warp, generator)` adds at most `budget` new nodes of at most `dep
 `decode.tree.TokenTree` continuing `seq` and returns the number of model forwards it ran; `commit(state, seq)` is told
 the sequence after the round, so a model source keeps what it computed along the accepted path. A source that reads
 the target's hidden states names the layers in `feature_layers` and gets the accepted positions' states through
-`observe(state, features)` after every round, as a chain drafter does (`decode.drafters`). Sources label their nodes
-(`LOOKUP`, `DRAFT`, ...), and the decoder's statistics count accepted tokens per label.
+`observe(state, features)` after every round, as a chain drafter does (`decode.drafters.chain`). Sources label their
+nodes (`LOOKUP`, `DRAFT`, ...), and the decoder's statistics count accepted tokens per label.
 
 A source must keep the tree's sampled test lossless (`decode.tree`): every sampled trial's token is drawn from the q
 it carries given what was drawn before it, trials are added in the order they were drawn, and how many trials a node
@@ -14,11 +14,11 @@ gets is decided before they are drawn. Deterministic candidates (q None) may be 
 the target.
 
 - `LookupTree`: prompt lookup's matches, several earlier occurrences as several branches (deterministic);
-- `SuffixTree`: suffix decoding's candidate tree (`decode.suffix`) from the target's earlier outputs and the request's
-  own text (deterministic);
+- `SuffixTree`: suffix decoding's candidate tree (`decode.drafters.suffix`) from the target's earlier outputs and the
+request's own text (deterministic);
 - `ModelTree`: the draft model's tree, grown level by level with one draft forward per level (a per-level beam), in
   greedy rounds the best candidates of all levels (EAGLE-2's rerank);
-- `FeatureTree`: the same tree from a feature draft (`decode.feature_draft`), as EAGLE-2 grows it;
+- `FeatureTree`: the same tree from a feature draft (`decode.models.feature_draft`), as EAGLE-2 grows it;
 - `TreeDrafter`: what the decoder runs, its sources in order under one budget per round: lookup first, then suffix
   decoding's candidates, then the model fills what is left (`make_tree_drafter`); the budget is fixed or set by the
   sequence's length from a schedule (`decode.tree_budget_schedule`; `draftops sweep` recommends one).
@@ -27,105 +27,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from decode.drafters import DRAFT, LOOKUP, SUFFIX, TREE_DRAFTER_KINDS, ModelDrafter, output_size
-from decode.feature_draft import FEATURES, FeatureDraft, FeatureDrafter, FeatureState
-from decode.runtime import compact
+from decode.drafters.chain import DRAFT, LOOKUP, SUFFIX, TREE_DRAFTER_KINDS, ModelDrafter, output_size
+from decode.drafters.suffix import SuffixDrafter, SuffixIndex
+from decode.drafters.tree_sources import LookupTree, SuffixTree, TreeSource
+from decode.models.feature_draft import FEATURES, FeatureDraft, FeatureDrafter, FeatureState
+from decode.runtime.forward import compact
 from decode.sampling import Warp, to_target_vocab
-from decode.suffix import RequestTokens, SuffixDrafter, SuffixIndex
 from decode.tree import ROOT, TokenTree
-
-
-class TreeSource(Protocol):
-    name: str
-    context: int | None
-    feature_layers: tuple[int, ...]  # target layers whose input hidden states it reads (`observe`); () for tokens
-
-    def start(self, prompt: list[int]) -> object: ...
-
-    def grow(self, state, tree: TokenTree, seq: list[int], budget: int, depth: int, warp: Warp,
-             generator: torch.Generator | None) -> int: ...
-
-    def commit(self, state, seq: list[int]) -> None: ...
-
-
-def lookup_matches(seq: list[int], k: int, max_ngram: int, min_ngram: int, branches: int) -> list[list[int]]:
-    """Up to `branches` distinct continuations of up to k tokens that followed earlier occurrences of seq's last n
-    tokens: n = max_ngram down to min_ngram, the most recent occurrence first (`decode.ngram` takes the first)."""
-    found: list[list[int]] = []
-    if k < 1 or len(seq) < 2:
-        return found
-    tokens = torch.tensor(seq)
-    for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
-        windows = tokens[:-1].unfold(0, n, 1)  # every n-gram that has at least one token after it
-        for hit in (windows == tokens[-n:]).all(1).nonzero().flatten().tolist()[::-1]:
-            continuation = seq[hit + n : hit + n + k]
-            if continuation not in found:
-                found.append(continuation)
-                if len(found) == branches:
-                    return found
-    return found
-
-
-class LookupTree:
-    """Prompt lookup as a tree source: each of up to `branches` matches (`lookup_matches`) becomes a branch."""
-
-    context = None  # no positions of its own
-    feature_layers = ()
-
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, branches: int = 2):
-        if not 1 <= min_ngram <= max_ngram or branches < 1:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram and branches >= 1, got {min_ngram}, {max_ngram}, "
-                             f"{branches}")
-        self.max_ngram, self.min_ngram, self.branches = max_ngram, min_ngram, branches
-        self.name = f"lookup(n={min_ngram}..{max_ngram}, branches={branches})"
-
-    def start(self, prompt: list[int]) -> None:
-        return None
-
-    def grow(self, state, tree: TokenTree, seq: list[int], budget: int, depth: int, warp, generator) -> int:
-        limit = len(tree) + budget
-        for branch in lookup_matches(seq, depth, self.max_ngram, self.min_ngram, self.branches):
-            node = ROOT
-            for token in branch:
-                if len(tree) >= limit and tree.child(node, token) is None:
-                    break
-                node = tree.add(node, token, LOOKUP)
-        return 0
-
-    def commit(self, state, seq: list[int]) -> None:
-        pass
-
-
-class SuffixTree:
-    """Suffix decoding as a tree source: `SuffixDrafter.candidates` within the round's budget and depth, added as
-    deterministic candidates (chosen from the text alone, never from the target, so the test stays lossless). Its
-    state is the request's tokens (`decode.suffix.RequestTokens`), brought up to date with the sequence every round."""
-
-    context = None  # no positions of its own
-    feature_layers = ()
-
-    def __init__(self, drafter: SuffixDrafter):
-        self.drafter, self.name = drafter, drafter.name
-
-    def start(self, prompt: list[int]) -> RequestTokens:
-        return self.drafter.start(prompt)
-
-    def grow(self, state: RequestTokens, tree: TokenTree, seq: list[int], budget: int, depth: int, warp,
-             generator) -> int:
-        if budget < 1 or depth < 1:
-            return 0
-        found = self.drafter.candidates(state, seq, budget, depth)
-        nodes: list[int] = []  # the tree's node of each candidate (a new one, or one another source proposed)
-        for token, parent in zip(found.tokens, found.parents):
-            nodes.append(tree.add(ROOT if parent < 0 else nodes[parent], token, SUFFIX))
-        return 0
-
-    def commit(self, state: RequestTokens, seq: list[int]) -> None:
-        state.sync(seq)
 
 
 @dataclass
@@ -321,9 +232,9 @@ class FeatureTreeState:
 
 
 class FeatureTree(ModelTree):
-    """`ModelTree` from a feature draft (`decode.feature_draft.FeatureDrafter`), EAGLE-2's dynamic tree: the root's
-    logits come from the target's features of the last round's accepted positions, and a node of level d+1 pairs its
-    parent's output hidden state with its own token, at its depth's position. The draft's entries of a round's tree
+    """`ModelTree` from a feature draft (`decode.models.feature_draft.FeatureDrafter`), EAGLE-2's dynamic tree: the
+    root's logits come from the target's features of the last round's accepted positions, and a node of level d+1 pairs
+    its parent's output hidden state with its own token, at its depth's position. The draft's entries of a round's tree
     are dropped when it ends: the accepted positions come back as target features (`observe`)."""
 
     family = FEATURES
@@ -437,8 +348,8 @@ def make_tree_drafter(kind: str, target, draft=None, *, budget: int = 0,
                       suffix: bool = False, suffix_index: SuffixIndex | None = None,
                       draft_min_confidence: float | None = None, draft_rerank: bool = True,
                       lean: bool = True) -> TreeDrafter:
-    """The tree drafter of `kind` (`decode.drafters.TREE_DRAFTER_KINDS`): "draft" the model's tree, "lookup" prompt
-    lookup's branches (n-grams of 1-3 tokens unless `lookup_min_ngram` is set), "decoder" lookup's branches first
+    """The tree drafter of `kind` (`decode.drafters.chain.TREE_DRAFTER_KINDS`): "draft" the model's tree, "lookup"
+    prompt lookup's branches (n-grams of 1-3 tokens unless `lookup_min_ngram` is set), "decoder" lookup's branches first
     and the model's tree in what is left of the budget (the model alone when lookup is off), "suffix" suffix
     decoding's candidates alone. With `suffix`, "lookup" and "decoder" add suffix decoding's candidates after
     lookup's ("draft" stays the model alone). Suffix decoding (`SuffixTree`) searches `suffix_index` and the request,

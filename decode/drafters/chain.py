@@ -5,18 +5,19 @@ generator)` returns up to k draft tokens continuing `seq`, their probabilities q
 greedy: the greedy test reads the tokens only) and the number of model forwards it ran; `rollback(state, length)`
 forgets everything past the first `length` tokens of the sequence after a rejection. `context` is the number of
 positions the drafter can see (None: no limit of its own), and `name` says what it is in run records. A drafter that
-reads the target's hidden states (`decode.feature_draft.FeatureDrafter`) names the layers in `feature_layers`; the
-decoder then captures them in every target pass and hands the kept positions' states to `observe(state, features)`.
+reads the target's hidden states (`decode.models.feature_draft.FeatureDrafter`) names the layers in `feature_layers`;
+the decoder then captures them in every target pass and hands the kept positions' states to `observe(state, features)`.
 Token-level drafters have `feature_layers = ()`.
 
 The kinds (`DRAFTER_KINDS`):
-- "draft": the draft model alone (`ModelDrafter`, or `decode.feature_draft.FeatureDrafter` for a feature draft): the
-  draft's own acceptance, which is what drift is about;
-- "lookup": prompt lookup alone (`decode.ngram.PromptLookupDrafter`), no model;
+- "draft": the draft model alone (`ModelDrafter`, or `decode.models.feature_draft.FeatureDrafter` for a feature draft):
+the draft's own acceptance, which is what drift is about;
+- "lookup": prompt lookup alone (`decode.drafters.lookup.PromptLookupDrafter`), no model;
 - "decoder": what users run: prompt lookup first wherever the text repeats, the draft model elsewhere
-  (`decode.ngram.LookupThenModelDrafter`), or the draft model alone when lookup is off.
-Tree rounds (`decode.tree_drafters.make_tree_drafter`) take one more, `TREE_DRAFTER_KINDS`:
-- "suffix": suffix decoding alone (`decode.tree_drafters.SuffixTree`), no model; also the label of its tree nodes.
+  (`decode.drafters.lookup.LookupThenModelDrafter`), or the draft model alone when lookup is off.
+Tree rounds (`decode.drafters.tree.make_tree_drafter`) take one more, `TREE_DRAFTER_KINDS`:
+- "suffix": suffix decoding alone (`decode.drafters.tree_sources.SuffixTree`), no model; also the label of its tree
+nodes.
 """
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
-from decode.feature_draft import FeatureDraft, FeatureDrafter
-from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter, lookup_first_drafter
-from decode.runtime import ModelRunner, rollback
+from decode.drafters.lookup import LookupThenModelDrafter, PromptLookupDrafter, lookup_first_drafter
+from decode.models.feature_draft import FeatureDraft, FeatureDrafter
+from decode.runtime.forward import ModelRunner, rollback
 from decode.sampling import Warp, confident, draft_token
 
 DRAFT, LOOKUP, DECODER, SUFFIX = "draft", "lookup", "decoder", "suffix"

@@ -30,7 +30,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from decode.lean import KVCache
+from decode.runtime.lean import KVCache
 from decode.sampling import Warp, confident, draft_token
 
 FEATURES = "features"  # the draft family's name in configs and run records
@@ -43,11 +43,6 @@ def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
         return 2, num_layers // 2, num_layers - 3
     low = max(num_layers - 3, 0)
     return low, min(low + 1, num_layers - 1), min(low + 2, num_layers - 1)
-
-
-def target_features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) -> torch.Tensor:
-    """The draft's input from transformers' `output_hidden_states` (entry i is the state entering layer i)."""
-    return torch.cat([hidden_states[i] for i in layers], dim=-1)
 
 
 class FeatureDraft(nn.Module):
@@ -127,8 +122,8 @@ class FeatureDraft(nn.Module):
              positions: torch.Tensor, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Decoding: indices start..start+T-1 with hidden [T, H] and tokens [T] at positions [T], causally after the
         cache's first `start` entries -> output hidden [T, H] (logits: `logits`). With tree_mask [T, m] (a token
-        tree's level, as `decode.lean.LeanLlama.forward_tree`): each index sees every entry before the last m and
-        those of the last m its row allows, instead of causally."""
+        tree's level, as `decode.runtime.lean.LeanLlama.forward_tree`): each index sees every entry before the last m
+        and those of the last m its row allows, instead of causally."""
         n, end = tokens.shape[0], start + tokens.shape[0]
         cache.reserve(end)
         q, k, v, residual = self.project(hidden[None], tokens[None], positions[None])

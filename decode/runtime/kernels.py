@@ -5,7 +5,7 @@ oneDNN given a plain [out, in] weight reorders it on every call with more than o
 speculative verify) would cost several one-row ones; packed once, it costs little more than one. Which kernel is
 faster depends on the CPU, the weight's shape and the number of rows (docs/cpu-runtime.md has measurements), hence
 the `cpu_linear` setting: "onednn" or "torch" everywhere, or "auto" (the default): per weight shape and row count,
-the kernel measured faster on this machine (`AutoLinear`, `decode.kernel_choice`).
+the kernel measured faster on this machine (`AutoLinear`, `decode.runtime.kernel_choice`).
 `torch.nn.functional.linear` is the reference; `tests/decode/test_kernels.py` holds the parity tests.
 
 Only inference takes the oneDNN path: with autograd recording (training), or off CPU, or in another dtype, the layer
@@ -27,7 +27,15 @@ from dataclasses import asdict
 import torch
 import torch.nn.functional as F
 
-from decode.kernel_choice import ROWS, Shape, Timing, cache_file, interleaved_minimums, machine_key, shape_timings
+from decode.runtime.kernel_choice import (
+    ROWS,
+    Shape,
+    Timing,
+    cache_file,
+    interleaved_minimums,
+    machine_key,
+    shape_timings,
+)
 
 PACK_ROWS_HINT = 8  # oneDNN picks the packed layout for this many rows; measured the same for hints 4-64
 # layer -> (weak reference to the weight it was packed from, that weight's version, packed weight). Kept outside the
@@ -102,8 +110,8 @@ class AutoLinear(OneDNNLinear):
 
 def measure_linear(shape: Shape) -> list[Timing]:
     """`F.linear` against `onednn_linear` on packed weights, for a random fp32 weight of `shape` at each of ROWS rows:
-    the fastest of interleaved calls (`decode.kernel_choice.interleaved_minimums`), each call on the next of enough
-    copies of the weight to exceed STREAM_BYTES, so that the weight comes from memory as it does in decoding."""
+    the fastest of interleaved calls (`decode.runtime.kernel_choice.interleaved_minimums`), each call on the next of
+    enough copies of the weight to exceed STREAM_BYTES, so that the weight comes from memory as it does in decoding."""
     out_features, in_features = shape
     copies = max(1, min(MAX_COPIES, -(-STREAM_BYTES // (4 * out_features * in_features))))
     weights = [torch.randn(shape) for _ in range(copies)]
@@ -165,10 +173,10 @@ def use_cpu_linear(model: torch.nn.Module, kind: str) -> torch.nn.Module:
     """Switch every `nn.Linear` of `model` to `kind` in place; returns the model.
 
     "onednn": `OneDNNLinear`; "torch": `nn.Linear`; "auto": `AutoLinear` on each fp32 CPU layer, planned from this
-    machine's cached timings of its weight shape (`decode.kernel_choice.shape_timings`: measured here on first use), and
-    `nn.Linear` on any other device or dtype. A draft loaded with "auto" shares the target's plans for the shapes they
-    have in common (same cache) and has its own shapes measured. "onednn" and "auto" fall back to "torch" where this
-    torch build has no oneDNN.
+    machine's cached timings of its weight shape (`decode.runtime.kernel_choice.shape_timings`: measured here on first
+    use), and `nn.Linear` on any other device or dtype. A draft loaded with "auto" shares the target's plans for the
+    shapes they have in common (same cache) and has its own shapes measured. "onednn" and "auto" fall back to "torch"
+    where this torch build has no oneDNN.
     """
     if kind not in KINDS:
         raise ValueError(f"cpu_linear must be one of {', '.join(KINDS)}; got {kind!r}")

@@ -1,10 +1,10 @@
 """Greedy decoding of a batch of sequences, with and without a draft model: what a serving engine's batch costs.
 
 `draftops sweep` predicts the speedup of speculation by batch size from costs measured per batch
-(`decode.sweep_costs.measure_batch_costs`); these decode a batch for real, to check that prediction
-(`decode.sweep.measure_batches`). Both run the lean forward of a batch. Every sequence of a batch takes its own
+(`decode.step_costs.measure_batch_costs`); these decode a batch for real, to check that prediction
+(`decode.measure.sweep.measure_batches`). Both run the lean forward of a batch. Every sequence of a batch takes its own
 rounds: it accepts as many drafted tokens as match the target's greedy tokens, so the sequences go on at different
-lengths (`decode.lean.LeanLlama.forward_ragged`), and the batch runs until every sequence has its tokens (static
+lengths (`decode.runtime.lean.LeanLlama.forward_ragged`), and the batch runs until every sequence has its tokens (static
 batching: a finished sequence rides along). Greedy and lossless: each sequence gets what `batched_greedy` gives it.
 The single-sequence decoder (`decode.speculative`) stays the one draftops decodes with; this is its batched check.
 """
@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-from decode.lean import LeanLlama
-from decode.timing import timed
+from decode.runtime.lean import LeanLlama
+from decode.runtime.timing import timed
 
 
 def _lean(model) -> LeanLlama:

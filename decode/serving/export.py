@@ -7,7 +7,8 @@ config, and a full-vocabulary `hf_assistant/` copy inside. This module writes on
 - `hf`, a layer draft: a plain Hugging Face checkpoint with its tokenizer that transformers loads as is
   (`AutoModelForCausalLM.from_pretrained`, `assistant_model=`): the full-vocabulary copy (`hf_assistant/`, or the
   checkpoint itself when its head is full; a reduced draft without the copy gets one built,
-  `decode.drafts.full_vocab_copy`). Rows of target ids the reduced head dropped are zero, so they score logit 0.
+  `decode.models.layer_draft.full_vocab_copy`). Rows of target ids the reduced head dropped are zero, so they score
+  logit 0.
 - `vllm`: what vLLM loads as the draft. A layer draft: the same folder as `hf`, served with
   `speculative_config={"model": DIR, "method": "draft_model", "num_speculative_tokens": k}` (vLLM docs, "Draft
   Models", docs.vllm.ai/en/v0.25.0/features/speculative_decoding/draft_model/). vLLM refuses a draft whose vocabulary
@@ -20,11 +21,11 @@ config, and a full-vocabulary `hf_assistant/` copy inside. This module writes on
   `{"model": DIR, "method": "eagle3", "num_speculative_tokens": k}` beside an explicit target (speculators docs,
   "Serve in vLLM", docs.vllm.ai/projects/speculators/en/stable/user_guide/tutorials/serve_vllm/; vllm-project/vllm
   #21345 added the format).
-- `speculators`: a feature draft's folder (`decode.speculators_format`); a layer draft has none.
-- `gguf`, a layer draft: `draft-<dtype>.gguf` for llama.cpp's `--model-draft` (`decode.gguf_format`), the full
+- `speculators`: a feature draft's folder (`decode.serving.speculators`); a layer draft has none.
+- `gguf`, a layer draft: `draft-<dtype>.gguf` for llama.cpp's `--model-draft` (`decode.serving.gguf`), the full
   vocabulary copy's weights under the `tokenizer.*` metadata of the target's own GGUF (the default target's, or
   `--target FILE.gguf`), which llama.cpp compares token by token before it speculates. It is read back through
-  transformers' GGUF loader and must give the copy's logits (`check_gguf_file`); `decode.llamacpp` runs it.
+  transformers' GGUF loader and must give the copy's logits (`check_gguf_file`); `decode.serving.llamacpp` runs it.
 
 SGLang (docs, "Speculative Decoding", advanced_features/speculative_decoding.md): a separate small draft model runs with
 `--speculative-algorithm STANDALONE --speculative-draft-model-path DIR`, an EAGLE-3 head with `--speculative-algorithm
@@ -48,9 +49,9 @@ import yaml
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from decode.drafts import full_vocab_copy
-from decode.gguf_format import GGUF_DTYPES, GGUFExportError, write_llama_gguf
-from decode.speculators_format import WEIGHTS_FILE
+from decode.models.layer_draft import full_vocab_copy
+from decode.serving.gguf import GGUF_DTYPES, GGUFExportError, write_llama_gguf
+from decode.serving.speculators import WEIGHTS_FILE
 from pipeline.files import swap_dir, temporary_sibling
 from pipeline.sources import (
     CONFIG_FILE,

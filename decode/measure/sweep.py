@@ -3,12 +3,12 @@
 Greedy acceptance on the traffic comes from one teacher-forced pass per draft over target-greedy responses (prompt
 lookup: its lookups replayed over the same responses); `decode.acceptance.walk` over those per-token outcomes gives
 exactly the target calls the greedy decoder makes, for every γ and generation length G (tested against the decoder).
-Step costs and each cell's predicted time: `decode.sweep_costs`. A subset of cells is decoded for real
+Step costs and each cell's predicted time: `decode.step_costs`. A subset of cells is decoded for real
 (target-only greedy vs the speculative decoder, interleaved, same prompts), and the measured/predicted gap is
 reported: it holds the per-round overhead and how much acceptance moves with context. EOS does not stop any
-generation here, so every cell generates exactly G tokens. Figures and markdown: `decode.sweep_report`.
+generation here, so every cell generates exactly G tokens. Figures and markdown: `decode.measure.sweep_report`.
 
-The batch axis (`decode.sweep_costs.measure_batch_costs`): the target's step and verify and each draft model's step
+The batch axis (`decode.step_costs.measure_batch_costs`): the target's step and verify and each draft model's step
 for B sequences at once, and the predicted speedup by batch size from the same walks: where speculation stops paying
 as a server batches more requests.
 
@@ -35,19 +35,21 @@ import numpy as np
 import torch
 
 from decode.acceptance import Block, analytic_acceptance, greedy_block, walk
-from decode.batched import batched_greedy, batched_speculative
-from decode.drafters import DRAFT, LOOKUP, Drafter, make_drafter
-from decode.drafts import draft_from_target_layers, frequent_token_ids, reduce_vocabulary
-from decode.feature_draft import FeatureDraft
-from decode.kernels import cpu_linear_of, use_cpu_linear
-from decode.llamacpp import LlamaServer, optional_rows, served_target
-from decode.ngram import PROMPT_LOOKUP, PromptLookupDrafter
-from decode.quantized import int8_dynamic, quantization_quality
-from decode.runtime import ModelRunner, greedy_decode, load_draft
+from decode.drafters.chain import DRAFT, LOOKUP, Drafter, make_drafter
+from decode.drafters.lookup import PROMPT_LOOKUP, PromptLookupDrafter
+from decode.measure.batched import batched_greedy, batched_speculative
+from decode.measure.intervals import aggregate_stats, paired_speedup, ratio_ci
+from decode.measure.quantized import int8_dynamic, quantization_quality
+from decode.measure.sweep_model import predict_batches, predict_cells
+from decode.models.feature_draft import FeatureDraft
+from decode.models.layer_draft import draft_from_target_layers, frequent_token_ids, reduce_vocabulary
+from decode.runtime.forward import ModelRunner, greedy_decode
+from decode.runtime.kernels import cpu_linear_of, use_cpu_linear
+from decode.runtime.timing import run_interleaved
+from decode.serving.llamacpp import LlamaServer, optional_rows, served_target
+from decode.serving.loading import load_draft
 from decode.speculative import SpeculativeDecoder
-from decode.stats import aggregate_stats, paired_speedup, ratio_ci
-from decode.sweep_costs import measure_batch_costs, measure_costs, predict_batches, predict_cells
-from decode.timing import run_interleaved
+from decode.step_costs import measure_batch_costs, measure_costs
 from decode.tree_budget import (
     TREE_BUDGETS,
     context_schedule,
@@ -81,7 +83,7 @@ class Draft:
 
     @property
     def grows_trees(self) -> bool:
-        """A draft LM: what `decode.tree_drafters.ModelTree` grows trees with (not prompt lookup, not a feature
+        """A draft LM: what `decode.drafters.tree.ModelTree` grows trees with (not prompt lookup, not a feature
         draft)."""
         return self.is_model and not isinstance(self.model, FeatureDraft)
 
@@ -369,9 +371,9 @@ def measure_cells(target_model, drafts: Sequence[Draft], plan, prompts: Sequence
 
 def measure_batches(target_model, draft: Draft, rows: list[dict], prompts: Sequence[list[int]],
                     batches: Sequence[int], new_tokens: int) -> list[dict]:
-    """Decode a batch for real at each of `batches` (`decode.batched`): B of `prompts` (cycled; all of one length),
-    the target alone and with `draft` at the γ the batch axis predicted best for it at B (`rows`), one after the
-    other in an order that alternates by B; the speedup of the decoding after the prefill, beside the prediction."""
+    """Decode a batch for real at each of `batches` (`decode.measure.batched`): B of `prompts` (cycled; all of one
+    length), the target alone and with `draft` at the γ the batch axis predicted best for it at B (`rows`), one after
+    the other in an order that alternates by B; the speedup of the decoding after the prefill, beside the prediction."""
     measured = []
     predicted = {r["batch"]: r for r in rows if r["draft"] == draft.name}
     for i, b in enumerate(batches):
@@ -396,7 +398,7 @@ def batch_axis(model, drafts: Sequence[Draft], costs: dict, acceptance: dict, pr
                filler: list[int], *, batches: Sequence[int], gammas: Sequence[int], lengths: Sequence[int], reps: int,
                phase: Callable[[str, str], None]) -> dict:
     """The batch axis at the context length of `prompts` (all of one length): costs by batch size
-    (`decode.sweep_costs.measure_batch_costs`), each draft's predicted speedup by batch size (`predict_batches`,
+    (`decode.step_costs.measure_batch_costs`), each draft's predicted speedup by batch size (`predict_batches`,
     steady state over the longest generation length), and the batches up to MEASURED_BATCH_MAX decoded for real
     (`measure_batches`, the middle generation length) with the draft model predicted best at the smallest batch."""
     context = len(prompts[0])
@@ -426,7 +428,7 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int:
 def llama_cpp_target_server(mode: str, target: str, log: Path, stack: contextlib.ExitStack
                             ) -> tuple[LlamaServer | None, str | None]:
     """llama-server on the target's GGUF for the quantization rows, or (None, why not), by `mode` as
-    `decode.llamacpp.optional_rows` takes it; it stops when `stack` closes."""
+    `decode.serving.llamacpp.optional_rows` takes it; it stops when `stack` closes."""
     return optional_rows(mode, lambda: stack.enter_context(
         LlamaServer(served_target(target), threads=torch.get_num_threads(), log=log)))
 
@@ -435,11 +437,11 @@ def measure_quantization(target_model, draft: Draft, gamma: int, prompts: Sequen
                          quality_prompts: Sequence[list[int]], quality_responses: Sequence[list[int]], *,
                          llama_cpp: LlamaServer | None = None, seed: int = 0) -> dict:
     """The target quantized instead of drafted for: the fp32 target alone, its int8 copy alone
-    (`decode.quantized.int8_dynamic`), llama.cpp on the target's GGUF where `llama_cpp` is given (a started server;
-    its own quantized kernels), and the speculative decoder with `draft` at γ, interleaved on `prompts` (each
+    (`decode.measure.quantized.int8_dynamic`), llama.cpp on the target's GGUF where `llama_cpp` is given (a started
+    server; its own quantized kernels), and the speculative decoder with `draft` at γ, interleaved on `prompts` (each
     generating `new_tokens`, EOS ignored), with speedups against the fp32 target alone; how many outputs each shares
     with it; and the int8 target's quality on the quality prompts' fp32 greedy responses
-    (`decode.quantized.quantization_quality`).
+    (`decode.measure.quantized.quantization_quality`).
     """
     device = next(target_model.parameters()).device
     quantized = int8_dynamic(target_model)

@@ -1,9 +1,9 @@
 """The target quantized instead of drafted for: torch's dynamic int8 linear layers, and what they cost in quality.
 
 Speculative decoding gives the target's own output; a quantized target gives another model's, faster. Which buys more
-on a machine is what `draftops sweep` puts side by side (`decode.sweep.measure_quantization`): tokens/s of the fp32
-target alone, the int8 target alone and the speculative decoder, and the int8 target's distance from the fp32 one on
-held-out traffic (`quantization_quality`).
+on a machine is what `draftops sweep` puts side by side (`decode.measure.sweep.measure_quantization`): tokens/s of the
+fp32 target alone, the int8 target alone and the speculative decoder, and the int8 target's distance from the fp32 one
+on held-out traffic (`quantization_quality`).
 
 torch's dynamic quantization (`torch.ao.quantization.quantize_dynamic`: int8 weights per output channel, activations
 quantized per call with one scale per tensor) is what runs on a stock CPU torch build; torch marks its quantized
@@ -19,9 +19,9 @@ from collections.abc import Sequence
 import torch
 from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
-from decode.kernels import use_cpu_linear
-from decode.runtime import ModelRunner
-from decode.stats import ratio_ci
+from decode.measure.intervals import ratio_ci
+from decode.runtime.forward import ModelRunner
+from decode.runtime.kernels import use_cpu_linear
 
 FP32_LAYERS = ("down_proj",)  # linear layers int8_dynamic leaves in fp32, by name
 

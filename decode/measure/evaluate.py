@@ -15,9 +15,9 @@ from decode.acceptance import (
     expected_tokens_from_positions,
     token_mean,
 )
-from decode.drafters import DECODER, DRAFT
+from decode.drafters.chain import DECODER, DRAFT
 from decode.factory import build_decoder
-from decode.stats import aggregate_stats, ratio_ci
+from decode.measure.intervals import aggregate_stats, ratio_ci
 from pipeline import metrics as M
 from pipeline.config import DecodeConfig
 

@@ -3,7 +3,7 @@
 llama.cpp's speculative decoding refuses a draft whose vocabulary differs from the target's (common/speculative.cpp
 compares vocab type, size, BOS/EOS and every token's text), so the draft's `tokenizer.*` metadata is copied verbatim
 from the target's GGUF instead of being rebuilt from a tokenizer. The weights are the draft's full-vocabulary
-checkpoint (`decode.export_formats`: a reduced head's dropped rows are zero), named as llama.cpp names a Llama, with
+checkpoint (`decode.serving.export`: a reduced head's dropped rows are zero), named as llama.cpp names a Llama, with
 the query and key projections permuted from Hugging Face's rotary layout (the two halves of each head rotate
 together) to GGUF's (adjacent pairs rotate together), as llama.cpp's own `convert_hf_to_gguf.py` does
 (`LlamaModel.permute`). Norms stay float32 (llama.cpp's kernels take them so); matrices are float16 or float32.

@@ -1,12 +1,12 @@
 """What `cpu_linear: auto` rests on: per weight shape and row count, how long torch's `F.linear` and oneDNN's packed
 product take on this machine, measured once and cached.
 
-The measurement itself (`decode.kernels.measure_linear`) times the two kernels in turns and keeps each one's fastest
-call (`interleaved_minimums`): other load on the machine only ever adds time, so the minimum is the estimate of the
-kernel's own cost that a busy machine distorts least (a median picked the wrong kernel where another job held a core).
-Its results are cached as JSON under `$DRAFTOPS_HOME/cpu_linear/`, one file per machine key: the CPU's model name,
-the torch version and torch's thread count, the three things the comparison depends on. The first load of a model on
-a machine measures the shapes the cache lacks and adds them; later loads read the file. A file that cannot be read
+The measurement itself (`decode.runtime.kernels.measure_linear`) times the two kernels in turns and keeps each one's
+fastest call (`interleaved_minimums`): other load on the machine only ever adds time, so the minimum is the estimate of
+the kernel's own cost that a busy machine distorts least (a median picked the wrong kernel where another job held a
+core). Its results are cached as JSON under `$DRAFTOPS_HOME/cpu_linear/`, one file per machine key: the CPU's model
+name, the torch version and torch's thread count, the three things the comparison depends on. The first load of a model
+on a machine measures the shapes the cache lacks and adds them; later loads read the file. A file that cannot be read
 (corrupt, another key, rows measured differently) counts as empty: its shapes are measured again and it is rewritten
 atomically.
 """
@@ -28,7 +28,8 @@ from pipeline import draftops_home
 from pipeline.files import write_text_atomic
 
 # The row counts measured: 1 (decoding), the widths of speculative verifies (γ + 1 for small γ) and a generation
-# batch. A product of n rows runs the kernel picked at the largest of these that is <= n (`decode.kernels.AutoLinear`).
+# batch. A product of n rows runs the kernel picked at the largest of these that is <= n
+# (`decode.runtime.kernels.AutoLinear`).
 ROWS = (1, 2, 4, 6, 8, 64)
 WARMUP = 1  # an untimed turn first: oneDNN creates its primitive, pages are touched
 REPS = 31  # timed turns at most ...

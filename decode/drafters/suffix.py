@@ -21,9 +21,10 @@ continuation yet, and counting it halves every estimate from the request); the r
 kept as a tree; and `max_depth` bounds the match only, not match + continuation (the reference's tree stops there),
 which differs only for matches within a budget of `max_depth`.
 
-`SuffixDrafter` is the drafter (`decode.drafters`): its chain (`propose`) is the candidates with only the most frequent
-continuation followed, deterministic, so the decoder's test with a one-hot q stays lossless; `candidates` gives the
-tree (plain lists: tokens, parents, scores), which `decode.tree_drafters.SuffixTree` adds to a tree round.
+`SuffixDrafter` is the drafter (`decode.drafters.chain`): its chain (`propose`) is the candidates with only the most
+frequent continuation followed, deterministic, so the decoder's test with a one-hot q stays lossless; `candidates`
+gives the tree (plain lists: tokens, parents, scores), which `decode.drafters.tree_sources.SuffixTree` adds to a tree
+round.
 """
 from __future__ import annotations
 

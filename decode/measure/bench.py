@@ -14,9 +14,9 @@ When the decoder has more than one source (prompt lookup, suffix decoding, the d
 chain rounds (`chain`, `draft_only_chain`). `--compare` adds decoder rows with other decode settings
 (`decoder_rows`).
 
-Where llama.cpp is built (`decode.llamacpp`), two more rows run interleaved with these: `llama_cpp_target_only` and
-`llama_cpp_speculative` (llama-server on the target's GGUF, alone and with the draft exported as GGUF), what a CPU user
-would run instead. llama.cpp computes with its own quantized kernels, so it decodes a slightly different model than
+Where llama.cpp is built (`decode.serving.llamacpp`), two more rows run interleaved with these: `llama_cpp_target_only`
+and `llama_cpp_speculative` (llama-server on the target's GGUF, alone and with the draft exported as GGUF), what a CPU
+user would run instead. llama.cpp computes with its own quantized kernels, so it decodes a slightly different model than
 the float32 target the other rows share: its speculative row is compared with its own target-only row (speedup,
 identical outputs, the acceptance its server reports), and it is not a candidate for the denominator above.
 """
@@ -32,18 +32,19 @@ import torch
 from tqdm.auto import tqdm
 
 from decode.acceptance import break_even_alpha, expected_speedup
-from decode.drafters import DECODER, DRAFT, LOOKUP, SUFFIX, output_size
-from decode.export_formats import GGUF, draft_source, export_format
+from decode.drafters.chain import DECODER, DRAFT, LOOKUP, SUFFIX, output_size
+from decode.drafters.lookup import LookupThenModelDrafter, PromptLookupDrafter, lookup_max_ngram
+from decode.drafters.tree import ModelTree, TreeDrafter
 from decode.factory import build_decoder, tree_budget_choice
-from decode.feature_draft import FeatureDraft, FeatureDrafter
-from decode.kernels import cpu_linear_of, torch_kernels
-from decode.llamacpp import Completion, LlamaCppError, LlamaServer, optional_rows, served_target
-from decode.ngram import LookupThenModelDrafter, PromptLookupDrafter, lookup_max_ngram
-from decode.runtime import ModelRunner, greedy_decode, hf_assistant_model, rollback
-from decode.stats import aggregate_stats, paired_speedup, ratio_ci
-from decode.sweep_costs import representative_tree
-from decode.timing import run_interleaved, timed
-from decode.tree_drafters import ModelTree, TreeDrafter
+from decode.measure.intervals import aggregate_stats, paired_speedup, ratio_ci
+from decode.models.feature_draft import FeatureDraft, FeatureDrafter
+from decode.runtime.forward import ModelRunner, greedy_decode, rollback
+from decode.runtime.kernels import cpu_linear_of, torch_kernels
+from decode.runtime.timing import run_interleaved, timed
+from decode.serving.export import GGUF, draft_source, export_format
+from decode.serving.llamacpp import Completion, LlamaCppError, LlamaServer, optional_rows, served_target
+from decode.serving.loading import hf_assistant_model
+from decode.step_costs import representative_tree
 from pipeline import metrics as M
 from pipeline.config import DecodeConfig
 from pipeline.sources import HF_ASSISTANT_DIR, eos_token_ids
@@ -91,7 +92,7 @@ def costed_drafter(drafter, vocab_size: int):
 def step_costs(target: ModelRunner, draft, prompt: list[int], gamma: int, reps: int = 20,
                tree_budget: int = 0) -> dict[str, float]:
     """Median seconds of one cached target step, one draft step and one (γ+1)-token verify; c and v as ratios. With
-    `tree_budget` nodes also a tree verify of that many (`decode.sweep_costs.representative_tree`) and v_tree.
+    `tree_budget` nodes also a tree verify of that many (`decode.step_costs.representative_tree`) and v_tree.
 
     Timed the way the decoder runs them: target is its `ModelRunner`, draft its `ModelDrafter` or a
     `PromptLookupDrafter`, whose step is one lookup of γ tokens divided by γ (one lookup per round).
@@ -175,7 +176,7 @@ def in_run_costs(stats: Sequence, target_only: dict) -> dict[str, float]:
 
 
 def hf_generate_on_torch_kernels(model, prompt: list[int], **kwargs) -> list[int]:
-    """`hf_generate` with the model's linear layers on torch's stock kernels for the call (`decode.kernels`)."""
+    """`hf_generate` with the model's linear layers on torch's stock kernels for the call (`decode.runtime.kernels`)."""
     with torch_kernels(model):
         return hf_generate(model, prompt, **kwargs)
 
@@ -235,8 +236,8 @@ def gguf_draft(draft, vocabulary: Path, folder: Path) -> Path:
 def llama_cpp_servers(mode: str, target: str, draft, gamma: int, folder: Path,
                       stack: contextlib.ExitStack) -> tuple[dict[str, LlamaServer] | None, str | None]:
     """({row: started LlamaServer}, None) for the llama.cpp rows, or (None, why not), by `mode` as
-    `decode.llamacpp.optional_rows` takes it: they run where llama-server is built, the draft is a layer draft and
-    the target has a GGUF. The servers stop when `stack` closes."""
+    `decode.serving.llamacpp.optional_rows` takes it: they run where llama-server is built, the draft is a layer draft
+    and the target has a GGUF. The servers stop when `stack` closes."""
 
     def start() -> dict[str, LlamaServer]:
         if draft is None or isinstance(draft.model, FeatureDraft):
@@ -341,8 +342,8 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     throughout; `decode` (cfg.decode) describes the decoder, `gamma` overrides its γ policy with a fixed γ; the rows
     of `decoder_rows` run beside it. `compare`: more decoders to run beside it by row name (their own decode
     settings, same drafter kind). `progress`: a bar over the prompts on stderr. `llama_cpp`: started llama.cpp
-    servers for the rows LLAMA_CPP_TARGET_ONLY and LLAMA_CPP_SPECULATIVE (`decode.llamacpp`), run interleaved with
-    the others on the same token ids. With `decode.compiled`, every draftops row runs compiled passes (compiled in
+    servers for the rows LLAMA_CPP_TARGET_ONLY and LLAMA_CPP_SPECULATIVE (`decode.serving.llamacpp`), run interleaved
+    with the others on the same token ids. With `decode.compiled`, every draftops row runs compiled passes (compiled in
     the untimed warm-up run) and a `plain_eager` row runs plain greedy decoding through the eager lean forward, so
     that what compiling gains and what speculation gains stay apart. `challenger`: a second draft (a
     `ResolvedModel`) run in the rows of `challenger_rows`, its step costs and its own acceptance reported beside the

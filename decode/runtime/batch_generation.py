@@ -3,7 +3,7 @@ the next prompt as soon as its sequence ends.
 
 `make distill` spends most of its time generating the target's responses to the traffic (`distill.responses`).
 transformers' `generate` runs a batch until its longest sequence ends, finished rows riding along, and grows its KV
-cache by concatenation at every step. Here every row of one preallocated cache (`decode.lean.KVCache`) holds one
+cache by concatenation at every step. Here every row of one preallocated cache (`decode.runtime.lean.KVCache`) holds one
 sequence at its own length (`LeanLlama.forward_ragged`); a row whose sequence ends is refilled at once with the next
 prompt (prefilled alone, its keys and values copied into the row). Each step records the top-k log-probs of every
 row's next-token distribution at temperature 1, the teacher `distill` trains on.
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from decode.lean import LeanLlama
+from decode.runtime.lean import LeanLlama
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def generate(model, jobs: Sequence[Job], *, max_new_tokens: int, stop_ids: Seque
 
     Jobs start in the order given (give them sorted by prompt length: rows of similar lengths waste less attention
     on the batch's longest row). `capture`: the layers whose input hidden states are recorded (a feature draft's,
-    `decode.feature_draft`); a job's last token is then fed once more, for its features alone. `on_done(index,
+    `decode.models.feature_draft`); a job's last token is then fed once more, for its features alone. `on_done(index,
     generated)` is called as each job ends, before the others have.
     """
     if not supports(model):

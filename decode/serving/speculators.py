@@ -2,11 +2,11 @@
 
 A folder holds `config.json` (an `Eagle3SpeculatorConfig`: the draft layer's Llama config, the target layers read, the
 draft vocabulary size and the verifier it was trained for) and `model.safetensors` with the draft's own weights under
-the names `decode.feature_draft.FeatureDraft` already uses. The token embeddings are the target's and are not written:
-vLLM shares the verifier's when a draft has none, and `speculators` reads them from the verifier. A reduced head also
-gets speculators' vocabulary maps: `d2t` [draft_vocab] int64 holds the offset `target_id - draft_row` (target id = row +
-d2t[row]) and `t2d` [target_vocab] bool marks the target ids the head covers; a full-vocabulary head has neither, as
-speculators saves it.
+the names `decode.models.feature_draft.FeatureDraft` already uses. The token embeddings are the target's and are not
+written: vLLM shares the verifier's when a draft has none, and `speculators` reads them from the verifier. A reduced
+head also gets speculators' vocabulary maps: `d2t` [draft_vocab] int64 holds the offset `target_id - draft_row` (target
+id = row + d2t[row]) and `t2d` [target_vocab] bool marks the target ids the head covers; a full-vocabulary head has
+neither, as speculators saves it.
 
 `norm_before_residual`, `norm_before_fc`, `fc_norm` and `norm_output` are written false (what `FeatureDraft`
 computes; vLLM reads a missing `norm_before_residual` as true), and a folder that sets any of them is refused on load.
@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from decode.feature_draft import FeatureDraft
+from decode.models.feature_draft import FeatureDraft
 from pipeline.files import swap_dir, temporary_sibling
 from pipeline.sources import is_speculators_dir
 

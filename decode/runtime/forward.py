@@ -1,7 +1,7 @@
 """How draftops runs a causal LM: the lean forward where the architecture allows, the transformers forward with a
 DynamicCache otherwise (also the reference), explicit positions into the KV cache, and the CPU kernels of its linear
-layers (`decode.kernels`). Both forwards also take token trees (a tree mask, per-node positions) and both caches are
-compacted to a tree round's accepted path (`compact`), so tree rounds run on either."""
+layers (`decode.runtime.kernels`). Both forwards also take token trees (a tree mask, per-node positions) and both
+caches are compacted to a tree round's accepted path (`compact`), so tree rounds run on either."""
 from __future__ import annotations
 
 import functools
@@ -11,62 +11,12 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
-from decode.feature_draft import target_features
-from decode.kernels import cpu_linear_of, use_cpu_linear
-from decode.lean import KVCache, LeanLlama, compiled_lean, use_compiled_passes
-from decode.speculators_format import load_speculators
-from pipeline.sources import (
-    HF_ASSISTANT_DIR,
-    ResolvedModel,
-    SourceError,
-    check_tokenizer_compat,
-    is_speculators_dir,
-    load_checkpoint,
-    locate,
-    resolve_model,
-)
+from decode.runtime.lean import KVCache, LeanLlama, compiled_lean, use_compiled_passes
 
 
-def load_model(source: str, *, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
-               cpu_linear: str = "auto") -> ResolvedModel:
-    """`pipeline.sources.resolve_model` with the model's linear layers on `cpu_linear` kernels, ready to decode
-    ("auto": measured once per machine and weight shape, `decode.kernels.use_cpu_linear`)."""
-    resolved = resolve_model(source, device=device, dtype=dtype)
-    use_cpu_linear(resolved.model, cpu_linear)
-    return resolved
-
-
-def load_draft(source: str, target: ResolvedModel, *, cpu_linear: str = "auto") -> ResolvedModel:
-    """A draft for `target`, on its device and in its dtype: a draft LM (`load_model`, its tokenizer checked against
-    the target's), or a feature draft in the speculators format (`decode.speculators_format`), which reads the
-    target's embeddings and features and so is built over the loaded target (its tokenizer is the target's)."""
-    local = locate(source)
-    if is_speculators_dir(local.path):
-        try:
-            draft = load_speculators(local.path, target.model)
-        except ValueError as exc:
-            raise SourceError(f"{source}: {exc}") from exc
-        use_cpu_linear(draft, cpu_linear)
-        return ResolvedModel(source, local.path, draft.eval(), target.tokenizer, local.fingerprint, None)
-    parameter = next(target.model.parameters())
-    draft = load_model(source, device=parameter.device, dtype=parameter.dtype, cpu_linear=cpu_linear)
-    check_tokenizer_compat(target.tokenizer, draft.tokenizer)
-    return draft
-
-
-def hf_assistant_model(draft: ResolvedModel) -> torch.nn.Module:
-    """The draft as transformers' assisted generation can use it: the model itself, or the full-vocabulary copy that a
-    reduced-vocabulary draft carries in `hf_assistant/`."""
-    if draft.token_ids is None:
-        return draft.model
-    copy_dir = draft.path / HF_ASSISTANT_DIR
-    if not (copy_dir / "config.json").exists():
-        raise SourceError(
-            f"{draft.source}: reduced-vocabulary draft without a full-vocabulary {HF_ASSISTANT_DIR}/ copy")
-    parameter = next(draft.model.parameters())
-    copy = load_checkpoint(copy_dir, dtype=parameter.dtype).to(parameter.device).eval()
-    return use_cpu_linear(copy, cpu_linear_of(draft.model))
-
+def target_features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) -> torch.Tensor:
+    """The draft's input from transformers' `output_hidden_states` (entry i is the state entering layer i)."""
+    return torch.cat([hidden_states[i] for i in layers], dim=-1)
 
 
 @functools.cache
@@ -97,7 +47,7 @@ def forward_logits(model, tokens: torch.Tensor, cache: DynamicCache, start: int,
 
 def forward_features(model, tokens: torch.Tensor, cache: DynamicCache, start: int,
                      layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`decode.lean.LeanLlama.forward_features` through the transformers forward (`output_hidden_states`)."""
+    """`decode.runtime.lean.LeanLlama.forward_features` through the transformers forward (`output_hidden_states`)."""
     positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)
     out = model(input_ids=tokens[None], position_ids=positions[None], use_cache=True, output_hidden_states=True,
                 **with_cache(model, cache))
@@ -106,8 +56,8 @@ def forward_features(model, tokens: torch.Tensor, cache: DynamicCache, start: in
 
 def forward_tree(model, tokens: torch.Tensor, cache: DynamicCache, positions: torch.Tensor,
                  tree_mask: torch.Tensor, layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`decode.lean.LeanLlama.forward_tree_features` through the transformers forward: appended to the cache, with a
-    4D mask (transformers uses a 4D mask as given) -> (logits [T, V], features of `layers` or None without)."""
+    """`decode.runtime.lean.LeanLlama.forward_tree_features` through the transformers forward: appended to the cache,
+    with a 4D mask (transformers uses a 4D mask as given) -> (logits [T, V], features of `layers` or None without)."""
     n, end = tokens.shape[0], cache.get_seq_length() + tokens.shape[0]
     visible = torch.ones(n, end, dtype=torch.bool, device=tokens.device)
     visible[:, end - tree_mask.shape[1] :] = tree_mask
@@ -139,11 +89,12 @@ def compact(cache, start: int, slots: list[int]) -> None:
 
 
 class ModelRunner:
-    """A causal LM as draftops runs it: `decode.lean.LeanLlama` where the architecture allows (the same function with
-    far less per-call overhead), else the transformers forward with a DynamicCache, which is also the reference."""
+    """A causal LM as draftops runs it: `decode.runtime.lean.LeanLlama` where the architecture allows (the same
+    function with far less per-call overhead), else the transformers forward with a DynamicCache, which is also the
+    reference."""
 
     def __init__(self, model, lean: bool = True, compiled: bool | None = None):
-        """compiled: True, the lean forward's passes through `torch.compile` (`decode.lean.use_compiled_passes`,
+        """compiled: True, the lean forward's passes through `torch.compile` (`decode.runtime.lean.use_compiled_passes`,
         after which every runner of `model` left at None is compiled too); False, the eager lean forward; None, as
         `model` is set (`decode.compiled`). It needs the lean forward."""
         if compiled:
@@ -174,7 +125,7 @@ class ModelRunner:
                      tree_mask: torch.Tensor) -> torch.Tensor:
         """Tokens [T] of a token tree into the cache from position `start` on (cropped there first), at `positions`,
         each seeing the cache before the last m slots and those of them its row of tree_mask [T, m] allows
-        (`decode.lean.LeanLlama.forward_tree`) -> logits [T, V]."""
+        (`decode.runtime.lean.LeanLlama.forward_tree`) -> logits [T, V]."""
         return self.forward_tree_features(tokens, cache, start, positions, tree_mask, ())[0]
 
     def forward_tree_features(self, tokens: torch.Tensor, cache, start: int, positions: torch.Tensor,

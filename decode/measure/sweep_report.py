@@ -385,8 +385,8 @@ def batch_markdown(report: dict) -> list[str]:
                                               f"{r['break_even_alpha']:.2f})" for r in rows)
                      + f" | {'B=' + str(stop) if stop else f'pays at every B ≤ {max(batches)}'} |")
     if batch.get("measured"):
-        lines += ["", "Decoded for real (`decode.batched`: B sequences of the traffic at this context, the target "
-                  "alone and speculative, decoding after the prefill timed once each):", "",
+        lines += ["", "Decoded for real (`decode.measure.batched`: B sequences of the traffic at this context, the "
+                  "target alone and speculative, decoding after the prefill timed once each):", "",
                   "| draft | B | γ | new tokens | measured | predicted | gap | acceptance | same output |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for m in batch["measured"]:

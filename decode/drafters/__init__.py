@@ -1,0 +1,1 @@
+"""What proposes draft tokens: a draft model, prompt lookup, suffix decoding, in chains and trees."""

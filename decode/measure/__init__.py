@@ -1,0 +1,1 @@
+"""Measuring decoders: eval, bench, the sweep and its report, quantized and batched comparisons."""

@@ -1,0 +1,86 @@
+"""What one generation did, round by round: tokens proposed and accepted per source, target calls, timings
+(`GenerationStats`); `decode.measure.intervals` aggregates them over prompts with intervals."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    """What happened while generating for one prompt.
+
+    `verified` counts draft tokens that met an accept/reject test (drafts after the first rejection never do), so
+    accepted / verified estimates the per-token acceptance α, while accepted / drafted is the draft's efficiency.
+    Per block position i: `drafted_at[i]` blocks drafted it, `verified_at[i]` tested it (all before it accepted),
+    `accepted_at[i]` accepted it; accepted_at[i] / verified_at[i] is the acceptance at position i given that
+    position i was reached. In a tree round (`decode.speculative.tree_round`) `drafted` counts the tree's nodes, a
+    position is drafted when the tree reaches that depth and verified when the walk tested candidates there, so
+    accepted / verified stays the per-position acceptance; `accepted_by_source` counts the accepted tokens by the tree
+    source that proposed them (chain rounds do not label theirs).
+    """
+
+    new_tokens: int = 0
+    drafted: int = 0
+    verified: int = 0
+    accepted: int = 0
+    accepted_at: list[int] = field(default_factory=list)
+    verified_at: list[int] = field(default_factory=list)
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
+    target_calls: int = 0
+    draft_calls: int = 0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+    stop_reason: str = ""
+
+    def record_block(self, n_drafted: int, n_accepted: int) -> None:
+        """A chain round: n_drafted drafts, the first n_accepted accepted (the next one, if any, was tested)."""
+        self.record_round(n_drafted, n_drafted, min(n_accepted + 1, n_drafted), n_accepted)
+
+    def record_round(self, drafted: int, depth: int, tested: int, accepted: int, sources: Sequence[str] = ()) -> None:
+        """One target call over `drafted` candidates `depth` positions deep, with tests at the first `tested`
+        positions and `accepted` tokens accepted (`sources`: the source of each, where known)."""
+        self.drafted += drafted
+        self.accepted += accepted
+        self.verified += tested
+        self.target_calls += 1
+        grow = depth - len(self.drafted_at)
+        if grow > 0:
+            for counts in (self.drafted_at, self.verified_at, self.accepted_at):
+                counts.extend([0] * grow)
+        for counts, n in ((self.drafted_at, depth), (self.verified_at, tested), (self.accepted_at, accepted)):
+            for i in range(n):
+                counts[i] += 1
+        for source in sources:
+            self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Per-token acceptance α̂ = accepted / verified (nan when nothing was verified)."""
+        return self.accepted / self.verified if self.verified else float("nan")
+
+    @property
+    def draft_efficiency(self) -> float:
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+    @property
+    def tau(self) -> float:
+        """Tokens per target call."""
+        return self.new_tokens / self.target_calls if self.target_calls else float("nan")
+
+    @property
+    def overhead_s(self) -> float:
+        return max(0.0, self.total_s - self.prefill_s - self.draft_s - self.verify_s)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else float("nan")
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        for name in ("acceptance_rate", "draft_efficiency", "tau", "overhead_s", "tokens_per_s"):
+            out[name] = getattr(self, name)
+        return out

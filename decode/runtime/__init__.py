@@ -1,0 +1,1 @@
+"""How draftops runs a model: the lean forward and its CPU kernels, caches, batched generation, timing."""
