@@ -1,0 +1,64 @@
+"""Tiny random-weight targets of every model family draftops supports, built from transformers' own configs.
+
+No downloads: each family's config class with small shapes, in float64 like `tests.decode.tiny`. `window`: the
+sliding-window size for the families that have one (Mistral, Gemma 2/3, Phi-3), None for their default-free variant.
+The same builders serve the lossless, lean-forward, draft and export tests of every family.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GPTNeoXConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def _config(family: str, vocab_size: int, context: int, window: int | None, init_range: float):
+    common = dict(SHAPE, vocab_size=vocab_size, max_position_embeddings=context, initializer_range=init_range)
+    if family == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=False)
+    if family == "llama3":  # llama3 rope scaling, tied head as in Llama-3.2
+        return LlamaConfig(**common, tie_word_embeddings=True, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    if family == "qwen2":  # q/k/v biases, tied embeddings
+        return Qwen2Config(**common, tie_word_embeddings=True)
+    if family == "qwen3":  # q/k norms
+        return Qwen3Config(**common, head_dim=16, tie_word_embeddings=False)
+    if family == "mistral":  # sliding window over every layer
+        return MistralConfig(**common, sliding_window=window, tie_word_embeddings=False)
+    if family == "gemma2":  # embedding scale, attention and final soft-capping, sliding and global layers, tied head
+        return Gemma2Config(**common, head_dim=16, sliding_window=window or 4096, query_pre_attn_scalar=16,
+                            attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+    if family == "gemma3":  # q/k norms, sliding and global layers with their own rope, tied head
+        return Gemma3TextConfig(**common, head_dim=16, sliding_window=window or 4096, query_pre_attn_scalar=16,
+                                sliding_window_pattern=2)
+    if family == "phi3":  # fused qkv and gate_up projections
+        return Phi3Config(**common, sliding_window=window, tie_word_embeddings=False)
+    if family == "gpt_neox":  # not supported: the refusal tests use it
+        return GPTNeoXConfig(**{k: v for k, v in common.items() if k not in ("num_key_value_heads",)})
+    raise ValueError(family)
+
+
+FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3")
+WINDOWED = ("mistral", "gemma2", "gemma3", "phi3")
+
+
+def tiny_family(family: str, seed: int = 0, *, vocab_size: int = 128, context: int = 512, window: int | None = None,
+                init_range: float = 0.3, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+    """A tiny random model of `family` (FAMILIES, or "gpt_neox"), eager attention, in `dtype`."""
+    torch.manual_seed(seed)
+    config = _config(family, vocab_size, context, window, init_range)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config)
+    return model.to(dtype).eval()
