@@ -84,7 +84,7 @@ bench: setup
 
 # The boundary map on the default pair: the registered champion, the draft-size family of `make distill-sizes` (each
 # optional), prompt lookup; with the draft-size and batch axes and the int8 target beside speculation, on a grid
-# smaller than `draftops sweep`'s defaults so that it stays near 20 minutes on 2 cores (docs/usage.md).
+# smaller than `draftops sweep`'s defaults so that it stays near 20 minutes on 2 cores (docs/guide.md).
 REGISTERED := models:/draftops-draft
 SWEEP_DRAFTS ?= $(REGISTERED)@champion?,$(REGISTERED)@layers-1?,$(REGISTERED)@layers-2?,$(REGISTERED)@layers-4?,$(REGISTERED)@layers-6?,prompt-lookup
 SWEEP_ARGS ?= --gammas 1,2,3,4,6 --contexts 128,512,2048 --max-new-tokens 32,128,256 --reps 6
