@@ -2,7 +2,7 @@
 
 A chain round ends at its first rejected draft, so the draft's second and third choices, often right where its first
 is wrong, are never tried; a tree offers them side by side (SpecInfer, Miao et al. 2023; EAGLE-2, Li et al. 2024).
-Verifying a few more tokens costs little on the CPUs draftops runs on (docs/trees.md).
+Verifying a few more tokens costs little on the CPUs draftops runs on (docs/concepts.md#token-trees).
 
 `TokenTree` holds the candidates: node i has a token, a parent (`ROOT` for the first level: the children of the
 pending token, the last of the sequence, which the target has not cached yet), a depth and the label of the source

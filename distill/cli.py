@@ -42,7 +42,8 @@ def suffix_index_command(args) -> int:
     print(f"draftops suffix-index: {len(index)} target responses to the {args.split} split of {traffic.path} "
           f"({index.num_tokens} tokens); index built in {seconds:.2f} s, {path.stat().st_size / 2**20:.1f} MiB on "
           f"disk, {index.nbytes / 2**20:.1f} MiB in memory; written to {path}\n"
-          f"use it with: decode.suffix=true decode.suffix_index={path} (and a tree budget, docs/trees.md)")
+          f"use it with: decode.suffix=true decode.suffix_index={path} (and a tree "
+          f"budget, docs/concepts.md#token-trees)")
     return 0
 
 

@@ -144,7 +144,8 @@ def make_drafter(kind: str, target, draft=None, *, draft_token_ids: torch.Tensor
     needed for "lookup"). `lookup_min_ngram` applies to "decoder" (None: no lookup; "lookup" alone matches n-grams of
     1-3 tokens unless it is set), `draft_min_confidence` to the draft model."""
     if kind == SUFFIX:
-        raise ValueError("the suffix drafter runs in tree rounds: set decode.tree_budget (docs/trees.md)")
+        raise ValueError("the suffix drafter runs in tree rounds: set decode.tree_budget "
+                         "(docs/concepts.md#token-trees)")
     if kind not in DRAFTER_KINDS:
         raise ValueError(f"drafter kind must be one of {DRAFTER_KINDS}, got {kind!r}")
     vocab_size, device = output_size(target), next(target.parameters()).device

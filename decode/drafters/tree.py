@@ -70,8 +70,8 @@ class ModelTree:
     level is expanded (one more draft forward) only from nodes that could still enter those `budget` (a child's
     cumulative probability never exceeds its parent's) and, with `min_confidence`, whose cumulative probability
     reaches it. Behind lookup's or suffix decoding's candidates the draft fills a few nodes level by level, where a
-    second forward rarely pays (docs/trees.md). Sampled rounds never rerank: which of the drawn trials to keep would
-    depend on the draws.
+    second forward rarely pays (docs/concepts.md#token-trees). Sampled rounds never rerank: which of the drawn trials
+    to keep would depend on the draws.
 
     How the draft computes its logits is two methods, `_root_logits` (after the sequence) and `_level_logits` (at a
     level's nodes, in one forward with a tree mask); `FeatureTree` overrides them for a feature draft.

@@ -95,7 +95,7 @@ def cpu_flags() -> set[str]:
 def amx_bf16_usable() -> bool:
     """Whether this CPU has AMX's bf16 tile units and Linux grants this process their state (torch asks for it; a
     VM may report the flag and still refuse): bf16 products of many rows then run on the tiles, several times faster
-    than fp32 ones (docs/cpu-runtime.md)."""
+    than fp32 ones (docs/concepts.md#the-cpu-runtime)."""
     return "amx_bf16" in cpu_flags() and bool(torch._C._cpu._init_amx())
 
 

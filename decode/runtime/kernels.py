@@ -3,7 +3,7 @@ where it beats torch's default MKL sgemm.
 
 oneDNN given a plain [out, in] weight reorders it on every call with more than one row, so a few-row product (a
 speculative verify) would cost several one-row ones; packed once, it costs little more than one. Which kernel is
-faster depends on the CPU, the weight's shape and the number of rows (docs/cpu-runtime.md has measurements), hence
+faster depends on the CPU, the weight's shape and the number of rows (docs/results.md#the-cpu-runtime), hence
 the `cpu_linear` setting: "onednn" or "torch" everywhere, or "auto" (the default): per weight shape and row count,
 the kernel measured faster on this machine (`AutoLinear`, `decode.runtime.kernel_choice`).
 `torch.nn.functional.linear` is the reference; `tests/decode/test_kernels.py` holds the parity tests.

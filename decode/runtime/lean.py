@@ -1,7 +1,7 @@
 """A lean forward for Llama-architecture models: the model's own modules, without transformers' generic machinery.
 
 Per call, transformers builds masks, cache objects, output dataclasses and keyword plumbing, a large share of a small
-draft's step (it runs γ times a round); docs/cpu-runtime.md has the measurement.
+draft's step (it runs γ times a round); docs/results.md#the-cpu-runtime has the measurement.
 `LeanLlama` calls the same embedding, norm, projection, rotary and MLP modules in the order `LlamaForCausalLM.forward`
 does (gpt-fast style: explicit positions into a preallocated KV cache), so it computes the same function; the
 transformers forward is the reference, and `tests/decode/test_lean.py` holds the parity test. `forward_tree` feeds a
@@ -18,7 +18,7 @@ compiled with the weights frozen into it, inductor's C++ GEMM templates on weigh
 so that one call runs the whole pass. Passes of more than `SHORT_PASS_TOKENS` tokens have a graph of their own, its
 GEMMs C++ templates on register blocks of at most `WIDE_PASS_BLOCK_ROWS` rows (`narrow_gemm_blocks`). Compiling
 takes minutes on a small CPU and is redone by every process (inductor's graph cache cannot store the packed weights),
-so it is opt-in (`decode.compiled`); docs/cpu-runtime.md has the measurement.
+so it is opt-in (`decode.compiled`); docs/results.md#the-cpu-runtime has the measurement.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from pydantic import Field, model_validator
 
 from pipeline.config.base import Section
 
-# `draftops sweep` on a 2-core AMD EPYC (docs/trees.md): what `tree_budget_schedule: auto` falls back to
+# `draftops sweep` on a 2-core AMD EPYC (docs/concepts.md#token-trees): what `tree_budget_schedule: auto` falls back to
 DEFAULT_TREE_BUDGET_SCHEDULE = [(320, 4), (1280, 8), (2048, 4)]
 AUTO = "auto"
 
@@ -29,7 +29,8 @@ class DecodeConfig(Section):
     tree_budget: int = Field(0, ge=0, description=(
         "Tree rounds: up to this many candidates per target call (prompt lookup's matches, suffix decoding's with "
         "suffix, then the draft model's tree) merged into one token tree and verified in one pass, gamma levels deep "
-        "at most (docs/trees.md). A budget > 0 replaces tree_budget_schedule. 0: tree_budget_schedule decides."))
+        "at most (docs/concepts.md#token-trees). A budget > 0 replaces tree_budget_schedule. 0: tree_budget_schedule "
+        "decides."))
     tree_budget_schedule: list[tuple[int, int]] | Literal["auto"] | None = Field(AUTO, description=(
         "Tree rounds with the node budget by sequence length: [[max_context, budget], ...] with increasing "
         "max_context (prompt + generated; the last budget beyond), instead of tree_budget (which stays 0). auto: the "
@@ -37,21 +38,22 @@ class DecodeConfig(Section):
         "target and draft, and cached) and the rank acceptance the draft's distill measured; trees without a draft "
         "model (prompt lookup, suffix decoding) from those costs and their rounds replayed on the suffix index's "
         "responses; without those (an older draft; no draft model and no suffix index) "
-        f"{[list(e) for e in DEFAULT_TREE_BUDGET_SCHEDULE]}, one 2-core CPU's (docs/trees.md). null with "
+        f"{[list(e) for e in DEFAULT_TREE_BUDGET_SCHEDULE]}, one 2-core CPU's (docs/concepts.md#token-trees). "
+        "null with "
         "tree_budget 0: chain rounds."))
     suffix: bool = Field(True, description=(
         "Tree rounds: suffix decoding's candidates join the tree after prompt lookup's, before the draft model's: "
         "continuations of the text's last tokens in the target's earlier outputs (the suffix index `make distill` "
         "ships beside the draft) and in the request itself (the request alone when the draft has no index). Tree "
-        "rounds only: chain rounds take prompt lookup and the draft model (docs/trees.md)."))
+        "rounds only: chain rounds take prompt lookup and the draft model (docs/concepts.md#token-trees)."))
     suffix_index: str | None = Field(None, description=(
         "With suffix: a suffix index file (`draftops suffix-index` builds one from the target's responses to a "
         "traffic file) instead of the one beside the draft. null: the draft's own."))
     compiled: bool = Field(False, description=(
         "Run the target's and the draft model's passes after the prompt (steps, verify blocks and trees of up to 16 "
         "tokens) through torch.compile: on a CPU, inductor's C++ GEMMs on weights packed once and each pass one call. "
-        "Faster steps, after minutes of compiling per model in every process (docs/cpu-runtime.md); prefills and "
-        "wider passes stay eager."))
+        "Faster steps, after minutes of compiling per model in every process (docs/concepts.md#the-cpu-runtime); "
+        "prefills and wider passes stay eager."))
     tree_branching: int = Field(4, ge=1, description=(
         "Tree rounds: nodes per level of the draft model's tree (each level keeps the best children of the last by "
         "cumulative draft probability) and prompt lookup's branches."))
@@ -60,7 +62,7 @@ class DecodeConfig(Section):
         "the budget's best of every candidate its beam found on any level (EAGLE-2's rerank: deep where the draft is "
         "sure, wide where it is not), a level expanded only from nodes that could still enter and whose cumulative "
         "probability reaches draft_min_confidence. false: each level's best children in turn, as sampled rounds and "
-        "rounds behind other sources grow it (docs/trees.md)."))
+        "rounds behind other sources grow it (docs/concepts.md#token-trees)."))
     max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0, description="0 is greedy.")
     top_k: int = Field(0, ge=0, description="0 disables top-k.")

@@ -46,7 +46,7 @@ class DistillConfig(Section):
         "The precision the target generates the training responses and top-k teacher in. auto: bfloat16 where the "
         "target is fp32 on a CPU with usable AMX-BF16 units (a generation batch's products run several times faster "
         "there), else the target's own. The held-out responses, and so α and τ, always come from the target as "
-        "loaded. docs/cpu-runtime.md."))
+        "loaded. docs/concepts.md#the-cpu-runtime."))
     teacher: Literal["topk", "online"] = Field(
         "topk", description="topk: cache the target's top-k log-probs while it generates; online: run the target "
         "on every training batch.")

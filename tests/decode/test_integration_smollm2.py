@@ -87,10 +87,10 @@ def tree_case(target):
 
 
 def test_greedy_with_token_trees_equals_target_only(target):
-    """Tree rounds as docs/trees.md measures them: prompt lookup's branches, suffix decoding's candidates and the
-    draft's tree (4 per level) under the sweep's budgets, one target pass a round. The suffix index holds the
-    target's greedy replies to half of the requests, so suffix candidates are accepted there and the draft's tree
-    works elsewhere. One held-out request of every category."""
+    """Tree rounds as docs/concepts.md#token-trees measures them: prompt lookup's branches, suffix decoding's
+    candidates and the draft's tree (4 per level) under the sweep's budgets, one target pass a round. The suffix index
+    holds the target's greedy replies to half of the requests, so suffix candidates are accepted there and the draft's
+    tree works elsewhere. One held-out request of every category."""
     draft, token_ids, eos, requests, prompts, references = tree_case(target)
     drafter = make_tree_drafter(DECODER, target.model, draft, budget_schedule=[[320, 4], [1280, 8], [2048, 4]],
                                 branching=4, draft_token_ids=token_ids, lookup_min_ngram=2, suffix=True,
