@@ -14,7 +14,7 @@ from decode.commands import decode_settings, error, load_target, load_target_and
 def _compared_decoders(args) -> dict:
     """bench's --compare "NAME key=value ...": the decode settings of each named decoder, the command's config with
     the command's overrides and then its own."""
-    from decode.measure.bench import reserved_rows
+    from decode.measure.bench_rows import reserved_rows
     from pipeline.config import load_config
 
     compared = {}
@@ -32,8 +32,10 @@ def bench_command(args) -> int:
     import mlflow
 
     from decode.drafters.lookup import PROMPT_LOOKUP
-    from decode.measure.bench import flat_metrics as bench_metrics
-    from decode.measure.bench import llama_cpp_servers, markdown, run_bench
+    from decode.measure.bench import run_bench
+    from decode.measure.bench_llamacpp import llama_cpp_servers
+    from decode.measure.bench_report import flat_metrics as bench_metrics
+    from decode.measure.bench_report import markdown
     from decode.serving.llamacpp import LlamaCppError
     from decode.serving.loading import load_draft
     from pipeline.metrics import DRAFT_FINGERPRINT_TAG, DRAFT_SOURCE_TAG, LATEST_BENCH_RUN_TAG, TARGET_FINGERPRINT_TAG

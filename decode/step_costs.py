@@ -26,6 +26,10 @@ from functools import partial
 
 import torch
 
+from decode.drafters.chain import output_size
+from decode.drafters.lookup import LookupThenModelDrafter, PromptLookupDrafter
+from decode.drafters.tree import ModelTree, TreeDrafter
+from decode.models.feature_draft import FeatureDraft, FeatureDrafter
 from decode.runtime.forward import ModelRunner, rollback
 from decode.runtime.lean import LeanLlama
 from decode.runtime.timing import timed
@@ -233,3 +237,84 @@ def measure_batch_costs(target_model, draft_models: Mapping[str, torch.nn.Module
 
 
 # --------------------------------------------------------------------------- the cost model
+
+
+# --------------------------------------------------------------------------- one decoder's step costs (bench)
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def costed_drafter(drafter, vocab_size: int):
+    """The chain drafter whose step `step_costs` charges for `drafter`: the model half of a lookup-first hybrid, the
+    model source of a token tree (its first), prompt lookup for a tree without one, else the drafter itself. For
+    trees `step_costs` also times the tree's own verify (`tree_budget`)."""
+    if isinstance(drafter, LookupThenModelDrafter):
+        return drafter.model
+    if isinstance(drafter, TreeDrafter):
+        models = [source.drafter for source in drafter.sources if isinstance(source, ModelTree)]
+        return models[0] if models else PromptLookupDrafter(vocab_size)
+    return drafter
+
+
+@torch.inference_mode()
+def step_costs(target: ModelRunner, draft, prompt: list[int], gamma: int, reps: int = 20,
+               tree_budget: int = 0) -> dict[str, float]:
+    """Median seconds of one cached target step, one draft step and one (γ+1)-token verify; c and v as ratios. With
+    `tree_budget` nodes also a tree verify of that many (`decode.step_costs.representative_tree`) and v_tree.
+
+    Timed the way the decoder runs them: target is its `ModelRunner`, draft its `ModelDrafter` or a
+    `PromptLookupDrafter`, whose step is one lookup of γ tokens divided by γ (one lookup per round).
+    """
+
+    def cost(forward, cache, device, n_tokens: int) -> float:
+        forward(torch.tensor(prompt, device=device), cache, 0, True)
+        tokens = torch.tensor(prompt[-1:] * n_tokens, device=device)
+        times = []
+        for _ in range(reps + 2):
+            _, seconds = timed(lambda: forward(tokens, cache, len(prompt), n_tokens == 1), device)
+            rollback(cache, len(prompt))
+            times.append(seconds)
+        return statistics.median(times[2:])
+
+    def target_cost(n_tokens: int) -> float:
+        return cost(target.forward, target.new_cache(), _device(target.model), n_tokens)
+
+    if isinstance(draft, PromptLookupDrafter):
+        lookups = [timed(lambda: draft.lookup(prompt, gamma), torch.device("cpu"))[1] for _ in range(reps + 2)]
+        draft_step = statistics.median(lookups[2:]) / gamma
+    elif isinstance(draft, FeatureDrafter):  # one step of the feature draft and its head, on stand-in features
+        draft_step = cost(feature_step(draft.model), draft.model.new_cache(), draft.device, 1)
+    else:  # the ModelDrafter the decoder runs: the draft's forward as the decoder calls it
+        draft_step = cost(draft.runner.forward, draft.runner.new_cache(), draft.device, 1)
+
+    def tree_cost(budget: int) -> float:
+        device = _device(target.model)
+        tree = representative_tree(budget, output_size(target.model))
+        tokens, positions, mask = tree.pass_inputs(prompt[-1], len(prompt), device)
+        cache = target.new_cache()
+        target.forward(torch.tensor(prompt, device=device), cache, 0, True)
+        times = [timed(lambda: target.forward_tree(tokens, cache, len(prompt), positions, mask), device)[1]
+                 for _ in range(reps + 2)]
+        return statistics.median(times[2:])
+
+    target_step, verify = target_cost(1), target_cost(gamma + 1)
+    costs = {"target_step_s": target_step, "draft_step_s": draft_step, "verify_s": verify,
+             "c": draft_step / target_step, "v": verify / target_step}
+    if tree_budget:
+        tree_verify = tree_cost(tree_budget)
+        costs.update(tree_budget=tree_budget, tree_verify_s=tree_verify, v_tree=tree_verify / target_step)
+    return costs
+
+
+def feature_step(draft: FeatureDraft) -> Callable:
+    """A feature draft's step in `step_costs`' forward signature: what a decoding step computes (the layer over the
+    token and a hidden state, then the head), with zeros for the hidden state (the cost does not depend on it)."""
+    def forward(tokens: torch.Tensor, cache, start: int, keep_last: bool) -> torch.Tensor:
+        hidden = torch.zeros(tokens.shape[0], draft.config.hidden_size, dtype=draft.fc.weight.dtype,
+                             device=tokens.device)
+        positions = torch.arange(start + 1, start + 1 + tokens.shape[0], device=tokens.device)
+        out = draft.step(hidden, tokens, cache, start, positions)
+        return draft.logits(out[-1:] if keep_last else out)
+    return forward

@@ -7,27 +7,25 @@ from types import SimpleNamespace
 
 import pytest
 
-import decode.measure.bench as bench
+import decode.measure.bench_llamacpp as bench_llamacpp
 import decode.serving.llamacpp as llamacpp
 from decode.drafters.chain import DECODER, DRAFT, LOOKUP, ModelDrafter, make_drafter
 from decode.drafters.lookup import LookupThenModelDrafter, PromptLookupDrafter
 from decode.drafters.tree import make_tree_drafter
-from decode.measure.bench import (
+from decode.measure.bench import in_run_costs, method_results
+from decode.measure.bench_llamacpp import (
     LLAMA_CPP_SPECULATIVE,
     LLAMA_CPP_TARGET_ONLY,
-    TARGET_ONLY,
-    TARGET_ONLY_TORCH,
-    costed_drafter,
     gguf_draft,
-    in_run_costs,
     llama_cpp_rows,
     llama_cpp_servers,
     llama_cpp_summary,
-    method_results,
 )
+from decode.measure.bench_rows import TARGET_ONLY, TARGET_ONLY_TORCH
 from decode.round_stats import GenerationStats
 from decode.runtime.forward import ModelRunner
 from decode.serving.llamacpp import Completion, LlamaCppError
+from decode.step_costs import costed_drafter, step_costs
 
 
 def test_in_run_costs_split_the_decoders_time_into_model_calls_and_bookkeeping():
@@ -143,10 +141,10 @@ def test_llama_cpp_servers_start_both_rows_on_a_draft_exported_once_per_fingerpr
         started.append((model, draft, draft_max))
         yield f"server {len(started)}"
 
-    monkeypatch.setattr(bench, "export_format", fake_export)
-    monkeypatch.setattr(bench, "draft_source", lambda source: f"located {source}")
+    monkeypatch.setattr(bench_llamacpp, "export_format", fake_export)
+    monkeypatch.setattr(bench_llamacpp, "draft_source", lambda source: f"located {source}")
     monkeypatch.setattr(llamacpp, "find_server", lambda: Path("llama-server"))
-    monkeypatch.setattr(bench, "LlamaServer", fake_server)
+    monkeypatch.setattr(bench_llamacpp, "LlamaServer", fake_server)
     target = tmp_path / "target.gguf"
     target.write_text("gguf")
     draft = SimpleNamespace(model=object(), path=tmp_path / "draft-checkpoint", fingerprint="f1")
@@ -191,9 +189,9 @@ class CountingRunner(ModelRunner):
 def test_step_costs_time_the_trees_own_verify_for_tree_rounds(target, close_draft):
     runner, prompt = CountingRunner(target), list(range(1, 11))
     drafter = costed_drafter(make_tree_drafter(DECODER, target, close_draft, budget=4), 128)
-    chain = bench.step_costs(runner, drafter, prompt, gamma=3, reps=2)
+    chain = step_costs(runner, drafter, prompt, gamma=3, reps=2)
     assert "v_tree" not in chain and not runner.tree_passes
-    costs = bench.step_costs(runner, drafter, prompt, gamma=3, reps=2, tree_budget=4)
+    costs = step_costs(runner, drafter, prompt, gamma=3, reps=2, tree_budget=4)
     assert costs["tree_budget"] == 4
     assert costs["v_tree"] == pytest.approx(costs["tree_verify_s"] / costs["target_step_s"])
     # 2 warm-up passes and 2 timed, each of the pending token and 4 nodes after the 10-token prompt: the root's two

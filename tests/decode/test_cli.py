@@ -4,7 +4,7 @@ import mlflow
 import pytest
 import torch
 
-from decode.measure.bench import markdown
+from decode.measure.bench_report import markdown
 from decode.models.layer_draft import full_vocab_copy
 from pipeline.cli import main
 from pipeline.sources import HF_ASSISTANT_DIR, save_checkpoint

@@ -1,0 +1,151 @@
+"""bench's report as markdown (bench.md) and as flat MLflow metrics."""
+
+from __future__ import annotations
+
+from decode.measure.bench_llamacpp import LLAMA_CPP_SPECULATIVE, LLAMA_CPP_TARGET_ONLY
+from decode.measure.bench_rows import TARGET_ONLY, TARGET_ONLY_TORCH
+from pipeline import metrics as M
+
+
+def markdown(report: dict) -> str:
+    s, baseline = report["settings"], report["baseline"]
+    lines = [
+        "# draftops bench",
+        "",
+        f"{report['n_prompts']} prompts, greedy, γ={s['gamma']}, max_new_tokens={s['max_new_tokens']}, "
+        f"device {s['device']}. Intervals: 95% bootstrap over prompts.",
+        "",
+        f"Speedups are against {baseline}, the faster target-only row (the denominator): target_only is HF "
+        + (f"generate on draftops' linear kernels (cpu_linear {s['cpu_linear']})" if s["device"] == "cpu"
+           else f"generate on {s['device']}")
+        + (", target_only_torch on torch's stock kernels." if TARGET_ONLY_TORCH in report["methods"] else "."),
+        "",
+        f"| method | new tokens | seconds | tokens/s | speedup vs {baseline} | same output as target_only |",
+        "|---|---:|---:|---|---|---:|",
+    ]
+    for name, r in report["methods"].items():
+        tps = r["tokens_per_s"]
+        speedup = r.get("speedup")
+        speedup_text = (f"{speedup['value']:.2f}x [{speedup['low']:.2f}, {speedup['high']:.2f}]" if speedup
+                        else "1 (denominator)")
+        lines.append(f"| {name} | {r['new_tokens']} | {r['seconds']:.2f} | {tps['value']:.1f} "
+                     f"[{tps['low']:.1f}, {tps['high']:.1f}] | {speedup_text} | "
+                     f"{r['same_output_as_target']}/{report['n_prompts']} |")
+    a, t, k, r = report["alpha"], report["tau"], report["costs"], report["in_run_costs"]
+    speculative = report["methods"]["speculative"]
+    time_s = report["speculative_time_s"]
+    lines += [
+        "",
+        f"- speculative / plain (the same forward without a draft): "
+        f"{speculative['tokens_per_s']['value'] / report['methods']['plain']['tokens_per_s']['value']:.2f}x",
+        *([f"- speculative (trees) / chain (the same decoder in chain rounds, paired over prompts): "
+           f"{report['trees_vs_chain']['value']:.2f}x [{report['trees_vs_chain']['low']:.2f}, "
+           f"{report['trees_vs_chain']['high']:.2f}]"] if report.get("trees_vs_chain") else []),
+        *[f"- {name} (--compare) / {against.removeprefix('vs_')}, paired over prompts: {r['value']:.2f}x "
+          f"[{r['low']:.2f}, {r['high']:.2f}]"
+          for name, ratios in report.get("compared", {}).items() for against, r in ratios.items()],
+        f"- acceptance of this decoder ({report['drafters']['speculative']}) α̂ = {a['value']:.3f} "
+        f"[{a['low']:.3f}, {a['high']:.3f}]; tokens per target call τ = {t['value']:.2f} "
+        f"[{t['low']:.2f}, {t['high']:.2f}]",
+        f"- step costs: target {k['target_step_s'] * 1e3:.2f} ms, draft {k['draft_step_s'] * 1e3:.2f} ms, "
+        f"verify of γ+1 tokens {k['verify_s'] * 1e3:.2f} ms -> c = {k['c']:.3f}, v = {k['v']:.3f}",
+        *([f"- tree verify of {k['tree_budget']} nodes (the first prompt's budget) {k['tree_verify_s'] * 1e3:.2f} ms "
+           f"-> v_tree = {k['v_tree']:.3f}; overhead-free bound τ/(d·c+v_tree) = {report['overhead_free_bound']:.2f}x "
+           f"with d = {r['drafts_per_round']:.2f} draft calls per round, the run's (costs isolated at the first "
+           "prompt's context; Leviathan's prediction is a chain's, not given for trees)"] if "v_tree" in k else
+          [f"- Leviathan's prediction (1−α^(γ+1))/((1−α)(γc+v)) = {report['predicted_speedup']:.2f}x; "
+           f"overhead-free bound τ/(γc+v) = {report['overhead_free_bound']:.2f}x (costs isolated at the first "
+           "prompt's context)"]),
+        f"- in-run costs (each call at its real context): one target step {r['target_step_s'] * 1e3:.2f} ms, "
+        f"c = {r['c']:.3f}, v = {r['v']:.3f}, {r['drafts_per_round']:.2f} drafts per round; overhead-free bound "
+        f"{r['overhead_free_bound']:.2f}x, reached {speculative['speedup']['value'] / r['overhead_free_bound']:.2f} "
+        f"of it (time in model calls {r['model_time_share']:.1%}); break-even acceptance at these costs "
+        f"{report['break_even_alpha']:.2f} (below it this draft makes decoding slower)",
+        f"- speculative time split: draft {time_s['draft_s']:.2f} s, verify {time_s['verify_s']:.2f} s, "
+        f"prefill {time_s['prefill_s']:.2f} s, overhead {time_s['overhead_s']:.2f} s",
+    ]
+    if report["alpha_draft"] is not None:
+        d = report["alpha_draft"]
+        lines.append(f"- acceptance of the draft model alone α̂ = {d['value']:.3f} [{d['low']:.3f}, {d['high']:.3f}]")
+        lines.append("- its acceptance by draft position (given the earlier ones accepted): " + ", ".join(
+            f"{a:.2f}" for a in report.get("alpha_draft_at_position") or []))
+    if report.get("challenger"):
+        ch = report["challenger"]
+        costs = ch["costs"]
+        lines.append(f"- challenger draft {ch['source']}: draft step {costs['draft_step_s'] * 1e3:.2f} ms, "
+                     f"c = {costs['c']:.3f}"
+                     + (f"; alone α̂ = {ch['alpha_draft']['value']:.3f} [{ch['alpha_draft']['low']:.3f}, "
+                        f"{ch['alpha_draft']['high']:.3f}], by draft position "
+                        + ", ".join(f"{a:.2f}" for a in ch["alpha_draft_at_position"])
+                        if ch["alpha_draft"] else "")
+                     + f"; its decoder over the draft's (paired over prompts): {ch['vs_draft']['value']:.2f}x "
+                       f"[{ch['vs_draft']['low']:.2f}, {ch['vs_draft']['high']:.2f}]")
+    if report.get("llama_cpp"):
+        ll = report["llama_cpp"]
+        speedup = ll["speedup_vs_llama_cpp_target_only"]
+        lines.append(f"- llama.cpp: speculative / its target alone {speedup['value']:.2f}x [{speedup['low']:.2f}, "
+                     f"{speedup['high']:.2f}], acceptance {ll['acceptance']:.3f} ({ll['accepted']} of "
+                     f"{ll['drafted']} drafted tokens), same output as its target alone "
+                     f"{ll['same_output_as_llama_cpp_target_only']}/{report['n_prompts']}")
+    if len(report["decoders"]) > 1:
+        lines += ["", "| decoder | drafter | α̂ | τ | accepted tokens by tree source |", "|---|---|---|---|---|"]
+        for name, d in report["decoders"].items():
+            a, t = d["acceptance_rate"], d["tau"]
+            sources = ", ".join(f"{source} {n}" for source, n in sorted(d["accepted_by_source"].items())) or "–"
+            lines.append(f"| {name} | {report['drafters'][name]} | {a['value']:.3f} [{a['low']:.3f}, "
+                         f"{a['high']:.3f}] | {t['value']:.2f} [{t['low']:.2f}, {t['high']:.2f}] | {sources} |")
+    if report["per_category"]:
+        lines += ["", "| category | prompts | α̂ | τ |", "|---|---:|---|---|"]
+        for name, c in report["per_category"].items():
+            lines.append(f"| {name} | {c['n_prompts']} | {c['acceptance_rate']['value']:.3f} "
+                         f"[{c['acceptance_rate']['low']:.3f}, {c['acceptance_rate']['high']:.3f}] | "
+                         f"{c['tau']['value']:.2f} |")
+    lines += [f"- note: {n}" for n in report["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def flat_metrics(report: dict) -> dict[str, float]:
+    """MLflow metrics under `pipeline.metrics` names: speedup vs the strongest target-only baseline, throughput (of
+    both target-only rows), c and v, live α and τ."""
+
+    methods, costs = report["methods"], report["costs"]
+    speculative = methods["speculative"]
+    out = {
+        M.SPEEDUP: speculative["speedup"]["value"],
+        M.SPEEDUP_LOW: speculative["speedup"]["low"],
+        M.SPEEDUP_HIGH: speculative["speedup"]["high"],
+        M.TOKENS_PER_S: speculative["tokens_per_s"]["value"],
+        M.TARGET_TOKENS_PER_S: methods[TARGET_ONLY]["tokens_per_s"]["value"],
+        M.COST_RATIO_C: costs["c"],
+        M.VERIFY_RATIO_V: costs["v"],
+        M.OVERHEAD_FREE_BOUND: report["overhead_free_bound"],
+        M.IN_RUN_COST_RATIO_C: report["in_run_costs"]["c"],
+        M.IN_RUN_VERIFY_RATIO_V: report["in_run_costs"]["v"],
+        M.IN_RUN_BOUND: report["in_run_costs"]["overhead_free_bound"],
+        M.BREAK_EVEN_ALPHA: report["break_even_alpha"],
+        M.ACCEPTANCE_DECODER: report["alpha"]["value"],
+        M.tau_at(report["settings"]["gamma"]): report["tau"]["value"],
+    }
+    if report["predicted_speedup"] is not None:  # chain rounds only
+        out[M.SPEEDUP_PREDICTED] = report["predicted_speedup"]
+    if "v_tree" in costs:
+        out[M.VERIFY_RATIO_V_TREE] = costs["v_tree"]
+    if report["alpha_draft"] is not None:
+        out[M.ACCEPTANCE_DRAFT] = report["alpha_draft"]["value"]
+    if TARGET_ONLY_TORCH in methods:
+        out[M.TARGET_TORCH_KERNELS_TOKENS_PER_S] = methods[TARGET_ONLY_TORCH]["tokens_per_s"]["value"]
+    if "hf_assisted" in methods:
+        out[M.SPEEDUP_HF_ASSISTED] = methods["hf_assisted"]["speedup"]["value"]
+    if report.get("trees_vs_chain"):
+        out[M.TREES_VS_CHAIN] = report["trees_vs_chain"]["value"]
+    for name in report["decoders"]:
+        if name != "speculative":
+            out[M.decoder_speedup(name)] = methods[name]["speedup"]["value"]
+    if report.get("llama_cpp"):
+        out[M.LLAMA_CPP_TOKENS_PER_S] = methods[LLAMA_CPP_TARGET_ONLY]["tokens_per_s"]["value"]
+        out[M.LLAMA_CPP_SPECULATIVE_TOKENS_PER_S] = methods[LLAMA_CPP_SPECULATIVE]["tokens_per_s"]["value"]
+        out[M.LLAMA_CPP_SPEEDUP] = report["llama_cpp"]["speedup_vs_llama_cpp_target_only"]["value"]
+        out[M.ACCEPTANCE_LLAMA_CPP] = report["llama_cpp"]["acceptance"]
+    for name, summary in report["per_category"].items():
+        out[M.per_category(M.ACCEPTANCE_DECODER, name)] = summary["acceptance_rate"]["value"]
+    return M.finite(out)
