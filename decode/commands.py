@@ -134,8 +134,7 @@ def decode_command(args) -> int:
     prompt = encode_prompt(Request("cli", "cli", tuple(messages)), target.tokenizer, cfg.traffic.max_prompt_tokens)
     try:
         decoder = build_decoder(target, draft, d, kind=LOOKUP if draft is None else DECODER, gamma=args.gamma)
-        result = decoder.generate(prompt, max_new_tokens=d.max_new_tokens, temperature=d.temperature, top_k=d.top_k,
-                                  top_p=d.top_p, seed=pick(args.seed, cfg.seed))
+        result = decoder.generate(prompt, seed=pick(args.seed, cfg.seed))
     except ValueError as exc:
         return error(exc)
     text = target.tokenizer.decode(result.token_ids, skip_special_tokens=True)

@@ -1,17 +1,22 @@
-"""The one place a decoder is built from `cfg.decode`: the decode CLI, eval, bench and its halves, the monitor's live
-measurement and the sweep all call `build_decoder`, so a config means the same decoder everywhere."""
+"""The one place decoders are built. `build_decoder` builds the decoder `cfg.decode` describes, sampling settings and
+length included: the decode CLI, eval, bench and its rows and the monitor's live measurement all call it, so a config
+means the same decoder everywhere. `model_decoder` builds one from a draft model (or a drafter) and explicit settings:
+the sweep's fixed-γ cells, and tests."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+
+import torch
 
 from decode.drafters.chain import DECODER, DRAFT, LOOKUP, SUFFIX, make_drafter
 from decode.drafters.suffix import SuffixIndex, load_suffix_index
 from decode.drafters.tree import make_tree_drafter
 from decode.runtime.lean import LeanLlama, use_compiled_passes
-from decode.speculative import GammaPolicy, SpeculativeDecoder
+from decode.speculative import GREEDY, GammaPolicy, Sampling, SpeculativeDecoder
 from decode.tree_budget_auto import BudgetChoice, ModelFreeTrees, auto_budget_schedule
 from pipeline.config import AUTO, DecodeConfig
-from pipeline.sources import eos_token_ids
+from pipeline.sources import eos_token_ids as target_eos_ids
 
 
 def gamma_policy(decode: DecodeConfig, gamma: int | None = None) -> GammaPolicy:
@@ -55,8 +60,41 @@ def build_decoder(target, draft, decode: DecodeConfig, *, kind: str = DECODER, g
         drafter = make_drafter(kind, target.model, draft_model, draft_token_ids=token_ids,
                                lookup_min_ngram=lookup_min_ngram, draft_min_confidence=decode.draft_min_confidence,
                                lean=lean)
-    return SpeculativeDecoder(target.model, drafter, gamma_policy(decode, gamma),
-                              eos_token_ids=eos_token_ids(target.model, target.tokenizer))
+    eos = target_eos_ids(target.model, target.tokenizer)
+    return SpeculativeDecoder(target.model, drafter, gamma_policy(decode, gamma), lean=lean, eos_token_ids=eos,
+                              sampling=sampling_of(decode))
+
+
+def sampling_of(decode: DecodeConfig) -> Sampling:
+    """The config's length and sampling settings, as a decoder's defaults."""
+    return Sampling(decode.max_new_tokens, decode.temperature, decode.top_k, decode.top_p)
+
+
+def model_decoder(target, draft, gamma: int | GammaPolicy = 5, *, draft_token_ids: torch.Tensor | None = None,
+                  lookup_min_ngram: int | None = None, draft_min_confidence: float | None = None,
+                  tree_budget: int = 0, tree_branching: int = 2, lean: bool = True,
+                  eos_token_ids: Sequence[int] | int | None = None, sampling: Sampling = GREEDY,
+                  stop_strings: Sequence[str] | None = None, tokenizer=None) -> SpeculativeDecoder:
+    """A decoder of the HF causal LM `target` with `draft`: a draft model (the "decoder" drafter of `make_drafter`,
+    or of `make_tree_drafter` with `tree_budget` > 0: prompt lookup first where `lookup_min_ngram` is set, the model
+    ending its block below `draft_min_confidence`) or a drafter as it is. eos_token_ids None: the target's generation
+    config's EOS ids; () never stops."""
+    if isinstance(draft, torch.nn.Module) and tree_budget:
+        draft = make_tree_drafter(DECODER, target, draft, budget=tree_budget, branching=tree_branching,
+                                  draft_token_ids=draft_token_ids, lookup_min_ngram=lookup_min_ngram,
+                                  draft_min_confidence=draft_min_confidence, lean=lean)
+    elif isinstance(draft, torch.nn.Module):
+        draft = make_drafter(DECODER, target, draft, draft_token_ids=draft_token_ids,
+                             lookup_min_ngram=lookup_min_ngram, draft_min_confidence=draft_min_confidence, lean=lean)
+    elif tree_budget or any(x is not None for x in (draft_token_ids, lookup_min_ngram, draft_min_confidence)):
+        raise ValueError("draft_token_ids, lookup_min_ngram, draft_min_confidence and tree_budget apply to draft "
+                         "models only")
+    if eos_token_ids is None:
+        eos_token_ids = target_eos_ids(target, tokenizer)
+    elif isinstance(eos_token_ids, int):
+        eos_token_ids = [eos_token_ids]
+    return SpeculativeDecoder(target, draft, gamma, eos_token_ids=eos_token_ids, sampling=sampling, lean=lean,
+                              stop_strings=stop_strings, tokenizer=tokenizer)
 
 
 def tree_budget_choice(decode: DecodeConfig, target, draft, kind: str = DECODER) -> BudgetChoice | None:

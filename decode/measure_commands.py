@@ -90,8 +90,11 @@ def _int_list(text: str) -> list[int]:
 def sweep_command(args) -> int:
     import mlflow
 
-    from decode.measure.sweep import llama_cpp_target_server, load_drafts, run_sweep
-    from decode.measure.sweep_report import figures, markdown, write_decode_config
+    from decode.measure.sweep import run_sweep
+    from decode.measure.sweep_axes import llama_cpp_target_server
+    from decode.measure.sweep_drafts import load_drafts
+    from decode.measure.sweep_figures import figures
+    from decode.measure.sweep_report import markdown, write_decode_config
     from decode.serving.llamacpp import LlamaCppError
     from pipeline import metrics as M
     from pipeline.tracking import log_figure, start_run
@@ -137,25 +140,7 @@ def sweep_command(args) -> int:
                            "measure_prompts": s["measure_prompts"],
                            "recommended_draft": report["recommendation"]["draft"],
                            "gamma_schedule": report["recommendation"]["gamma_schedule"]})
-        metrics = {M.SWEEP_GAP_MEAN_ABS: report["gap"]["mean_abs"], M.SWEEP_GAP_MEAN: report["gap"]["mean"]}
-        for b in report["best"]:
-            metrics[M.sweep_cell("best_speedup", b["context"], b["max_new_tokens"])] = b["predicted_speedup"]
-            metrics[M.sweep_cell("break_even_alpha", b["context"], b["max_new_tokens"])] = b["break_even_alpha"]
-        if quantization := report["quantization"]:
-            methods = quantization["methods"]
-            metrics.update({M.SWEEP_INT8_SPEEDUP: methods["int8_target_only"]["speedup"]["value"],
-                            M.SWEEP_SPECULATIVE_SPEEDUP: methods["speculative"]["speedup"]["value"],
-                            M.SWEEP_INT8_KL: quantization["int8_quality"]["kl"]["value"],
-                            M.SWEEP_INT8_AGREEMENT: quantization["int8_quality"]["agreement"]["value"]})
-        for row in (report["batch"] or {}).get("rows", []):
-            key = M.sweep_batch(row["batch"])
-            metrics[key] = max(metrics.get(key, 0.0), row["predicted_speedup"])
-        if sizes := report["draft_sizes"]:
-            metrics[M.SWEEP_RECOMMENDED_LAYERS] = sizes["recommended"]["layers"]
-            for row in sorted(sizes["rows"], key=lambda r: r["mean_predicted_speedup"]):  # the best of a size last
-                metrics[M.sweep_size("mean_predicted_speedup", row["layers"])] = row["mean_predicted_speedup"]
-                metrics[M.sweep_size("alpha", row["layers"])] = row["alpha"]["value"]
-                metrics[M.sweep_size("c", row["layers"])] = row["c"]
+        metrics = sweep_metrics(report)
         mlflow.log_metrics(M.finite(metrics))
         for name in ("sweep.json", "sweep.md", "decode_config.yaml"):
             mlflow.log_artifact(str(out / name), "sweep")
@@ -169,3 +154,30 @@ def sweep_command(args) -> int:
     else:
         print(markdown(report) + f"\nwritten to {out}; MLflow run {report['mlflow_run_id']}")
     return 0
+
+
+def sweep_metrics(report: dict) -> dict[str, float]:
+    """The sweep's MLflow metrics: the gap, the best speedup and break-even α per cell, the quantized target, the
+    batch axis and the draft-size axis."""
+    from pipeline import metrics as M
+
+    metrics = {M.SWEEP_GAP_MEAN_ABS: report["gap"]["mean_abs"], M.SWEEP_GAP_MEAN: report["gap"]["mean"]}
+    for b in report["best"]:
+        metrics[M.sweep_cell("best_speedup", b["context"], b["max_new_tokens"])] = b["predicted_speedup"]
+        metrics[M.sweep_cell("break_even_alpha", b["context"], b["max_new_tokens"])] = b["break_even_alpha"]
+    if quantization := report["quantization"]:
+        methods = quantization["methods"]
+        metrics.update({M.SWEEP_INT8_SPEEDUP: methods["int8_target_only"]["speedup"]["value"],
+                        M.SWEEP_SPECULATIVE_SPEEDUP: methods["speculative"]["speedup"]["value"],
+                        M.SWEEP_INT8_KL: quantization["int8_quality"]["kl"]["value"],
+                        M.SWEEP_INT8_AGREEMENT: quantization["int8_quality"]["agreement"]["value"]})
+    for row in (report["batch"] or {}).get("rows", []):
+        key = M.sweep_batch(row["batch"])
+        metrics[key] = max(metrics.get(key, 0.0), row["predicted_speedup"])
+    if sizes := report["draft_sizes"]:
+        metrics[M.SWEEP_RECOMMENDED_LAYERS] = sizes["recommended"]["layers"]
+        for row in sorted(sizes["rows"], key=lambda r: r["mean_predicted_speedup"]):  # the best of a size last
+            metrics[M.sweep_size("mean_predicted_speedup", row["layers"])] = row["mean_predicted_speedup"]
+            metrics[M.sweep_size("alpha", row["layers"])] = row["alpha"]["value"]
+            metrics[M.sweep_size("c", row["layers"])] = row["c"]
+    return metrics

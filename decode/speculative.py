@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import torch
 
-from decode.drafters.chain import DECODER, Drafter, make_drafter, model_context, output_size
-from decode.drafters.tree import TreeDrafter, make_tree_drafter
+from decode.drafters.chain import Drafter, model_context, output_size
+from decode.drafters.tree import TreeDrafter
 from decode.round_stats import GenerationStats
 from decode.runtime.forward import ModelRunner, compact, rollback
 from decode.sampling import Warp, sample
 from decode.tree import accept
-from pipeline.sources import eos_token_ids as model_eos_token_ids
 
 
 @dataclass(frozen=True)
@@ -229,37 +228,42 @@ def tree_round(target: ModelRunner, target_cache, drafter: TreeDrafter, draft_st
                  tuple(tree.sources[node] for node in verdict.path))
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """What a decoder generates unless `generate` is told otherwise: length and the warp of both models' logits."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+GREEDY = Sampling()
+
+
 class SpeculativeDecoder:
-    """Speculative decoding of `target` with `draft` (HF causal LMs sharing the target's token ids, or a drafter)."""
+    """Speculative decoding of `target` (an HF causal LM) with a drafter's proposals. `decode.factory` builds every
+    decoder: `build_decoder` from a config, `model_decoder` from a draft model or drafter and explicit settings."""
 
     def __init__(
         self,
         target,
-        draft,
+        drafter: Drafter | TreeDrafter,
         gamma: int | GammaPolicy = 5,
         *,
-        draft_token_ids: torch.Tensor | None = None,
-        lookup_min_ngram: int | None = None,
-        draft_min_confidence: float | None = None,
-        tree_budget: int = 0,
-        tree_branching: int = 2,
+        eos_token_ids: Sequence[int] = (),
+        sampling: Sampling = GREEDY,
         lean: bool = True,
-        eos_token_ids: Sequence[int] | int | None = None,
         stop_strings: Sequence[str] | None = None,
         tokenizer=None,
     ):
-        """draft: an HF causal LM, or a drafter (`decode.drafters.chain`, e.g.
-        `decode.drafters.lookup.PromptLookupDrafter`), or a `decode.drafters.tree.TreeDrafter` (tree rounds).
-
-        gamma: a fixed γ, or a `GammaPolicy` (schedule by context length, adaptive); in tree rounds, the deepest level.
-        lookup_min_ngram, draft_min_confidence: with a draft model, the "decoder" drafter of `make_drafter` (prompt
-        lookup first wherever an n-gram of at least this many tokens repeats; the model ends its block where it is
-        less sure than this).
-        tree_budget, tree_branching: with a draft model, tree rounds of at most this many candidates (0: chain
-        rounds) from the "decoder" drafter of `make_tree_drafter`.
-        lean: run the models through `ModelRunner`'s lean forward where possible (False: transformers').
-        eos_token_ids: ids that end generation; None: the target's generation config's EOS ids; () never stops.
+        """drafter: a chain drafter (`decode.drafters.chain`, e.g. `decode.drafters.lookup.PromptLookupDrafter`) or a
+        `decode.drafters.tree.TreeDrafter` (tree rounds). gamma: a fixed γ, or a `GammaPolicy` (schedule by context
+        length, adaptive); in tree rounds, the deepest level. eos_token_ids: ids that end generation (() never stops).
+        sampling: `generate`'s defaults. lean: run the target through `ModelRunner`'s lean forward where possible.
         """
+        if isinstance(drafter, torch.nn.Module):
+            raise TypeError("SpeculativeDecoder takes a drafter; decode.factory.model_decoder builds one from a model")
         self.gamma = gamma if isinstance(gamma, GammaPolicy) else GammaPolicy("fixed", gamma)
         if stop_strings and tokenizer is None:
             raise ValueError("stop_strings need a tokenizer")
@@ -267,27 +271,20 @@ class SpeculativeDecoder:
         self.device = next(target.parameters()).device
         self.vocab_size = output_size(target)
         self.target_runner = ModelRunner(target, lean)
-        if isinstance(draft, torch.nn.Module) and tree_budget:
-            draft = make_tree_drafter(DECODER, target, draft, budget=tree_budget, branching=tree_branching,
-                                      draft_token_ids=draft_token_ids, lookup_min_ngram=lookup_min_ngram,
-                                      draft_min_confidence=draft_min_confidence, lean=lean)
-        elif isinstance(draft, torch.nn.Module):
-            draft = make_drafter(DECODER, target, draft, draft_token_ids=draft_token_ids,
-                                 lookup_min_ngram=lookup_min_ngram, draft_min_confidence=draft_min_confidence,
-                                 lean=lean)
-        elif tree_budget or any(x is not None for x in (draft_token_ids, lookup_min_ngram, draft_min_confidence)):
-            raise ValueError("draft_token_ids, lookup_min_ngram, draft_min_confidence and tree_budget apply to draft "
-                             "models only")
-        self.drafter: Drafter | TreeDrafter = draft
-        if eos_token_ids is None:
-            eos_token_ids = model_eos_token_ids(target, tokenizer)
-        elif isinstance(eos_token_ids, int):
-            eos_token_ids = [eos_token_ids]
+        self.drafter: Drafter | TreeDrafter = drafter
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.sampling = sampling
         self.stop_strings = list(stop_strings or ())
         self.tokenizer = tokenizer
-        contexts = [c for c in (model_context(target), draft.context) if c]
+        contexts = [c for c in (model_context(target), drafter.context) if c]
         self.context = min(contexts) if contexts else None
+
+    @property
+    def settings(self) -> dict:
+        """What decides this decoder's output and speed: its drafter, rounds, γ policy, stop ids and sampling."""
+        return {"drafter": self.drafter.name, "rounds": "tree" if isinstance(self.drafter, TreeDrafter) else "chain",
+                **self.gamma.to_dict(), "eos_token_ids": sorted(self.eos_token_ids),
+                "stop_strings": self.stop_strings, **asdict(self.sampling)}
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -323,12 +320,18 @@ class SpeculativeDecoder:
     def generate(
         self,
         input_ids: Sequence[int] | torch.Tensor,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
         seed: int | None = None,
     ) -> GenerationResult:
+        """Generate for one prompt; each of max_new_tokens, temperature, top_k and top_p left None is the decoder's
+        own (`sampling`, from the config it was built from)."""
+        d = self.sampling
+        max_new_tokens = d.max_new_tokens if max_new_tokens is None else max_new_tokens
+        temperature, top_k, top_p = (d.temperature if temperature is None else temperature,
+                                     d.top_k if top_k is None else top_k, d.top_p if top_p is None else top_p)
         input_ids = torch.as_tensor(input_ids)
         if input_ids.ndim > 2 or (input_ids.ndim == 2 and input_ids.shape[0] != 1):
             raise ValueError(f"batch size 1 only: got input_ids of shape {tuple(input_ids.shape)}")

@@ -115,15 +115,19 @@ def measure_live(cfg: DraftopsConfig, target, draft, requests: list) -> Measurem
     `acceptance/draft` that eval reports too."""
 
     prompts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
-    decoder = build_decoder(target, draft, cfg.decode.chain_rounds(), kind=DRAFT)
+    decoder = live_decoder(cfg, target, draft)
     ids, acc, n = [], [], []
     for request, prompt in tqdm(zip(requests, prompts), total=len(requests), desc="monitor: live acceptance",
                                 unit="prompt", disable=None):
-        stats = decoder.generate(prompt, max_new_tokens=cfg.decode.max_new_tokens,
-                                 temperature=cfg.decode.temperature, top_k=cfg.decode.top_k,
-                                 top_p=cfg.decode.top_p, seed=cfg.seed).stats
+        stats = decoder.generate(prompt, seed=cfg.seed).stats
         if stats.verified:
             ids.append(request.id)
             acc.append(float(stats.accepted))
             n.append(float(stats.verified))
     return Measurement(ids, acc, n, prompt_token_counts(prompts))
+
+
+def live_decoder(cfg: DraftopsConfig, target, draft):
+    """The decoder the monitor measures the draft's own acceptance with: the draft alone in chain rounds, as eval's
+    draft row (`decode.measure.evaluate.eval_decoders`), the config's sampling and length."""
+    return build_decoder(target, draft, cfg.decode.chain_rounds(), kind=DRAFT)

@@ -16,9 +16,9 @@ import torch
 import yaml
 
 from decode.drafters.tree import make_tree_drafter
+from decode.factory import model_decoder
 from decode.runtime.forward import ModelRunner, greedy_decode
 from decode.runtime.lean import use_compiled_passes
-from decode.speculative import SpeculativeDecoder
 from tests.decode.test_feature_draft import make_feature_draft
 from tests.decode.test_lossless import T1, check_first_two
 from tests.decode.tiny import greedy_reference, perturbed_copy, tiny_llama
@@ -42,7 +42,7 @@ def test_greedy_decoding_on_cuda_is_the_targets_own(rounds):
     draft = perturbed_copy(target, seed=11, noise=0.05)
     options = {"chain": {}, "lookup-first chain": {"lookup_min_ngram": 1}, "tree": {"tree_budget": 6},
                "tree with lookup": {"tree_budget": 6, "lookup_min_ngram": 1}}[rounds]
-    decoder = SpeculativeDecoder(on_gpu(target), on_gpu(draft), 4, **options)
+    decoder = model_decoder(on_gpu(target), on_gpu(draft), 4, **options)
     for prompt in PROMPTS:
         result = decoder.generate(prompt, max_new_tokens=40)
         assert result.token_ids == greedy_reference(target, prompt, 40)
@@ -58,7 +58,7 @@ def test_a_feature_draft_on_cuda_decodes_the_targets_own_tokens(tree):
     draft = make_feature_draft(target, token_ids=torch.arange(0, 40, 2))
     target.to(CUDA), draft.to(CUDA)  # in place: the draft shares the target's embeddings
     drafter = make_tree_drafter("draft", target, draft, budget=6, branching=3) if tree else draft
-    decoder = SpeculativeDecoder(target, drafter, 3, eos_token_ids=())
+    decoder = model_decoder(target, drafter, 3, eos_token_ids=())
     runner = ModelRunner(target)
     for prompt in ([1, 5, 9, 3], [1, 7], [1]):
         assert decoder.generate(prompt, max_new_tokens=20).token_ids == greedy_decode(runner, prompt, 20)
@@ -70,11 +70,11 @@ def test_compiled_passes_on_cuda_decode_what_the_eager_ones_do():
     draft, float32, chains and trees."""
     target, draft = on_gpu(tiny_llama(2), torch.float32), on_gpu(tiny_llama(3), torch.float32)
     prompt = PROMPTS[0]
-    expected = [SpeculativeDecoder(target, draft, 4, tree_budget=budget).generate(prompt, max_new_tokens=30).token_ids
+    expected = [model_decoder(target, draft, 4, tree_budget=budget).generate(prompt, max_new_tokens=30).token_ids
                 for budget in (0, 3)]
     use_compiled_passes(target)
     use_compiled_passes(draft)
-    compiled = [SpeculativeDecoder(target, draft, 4, tree_budget=budget) for budget in (0, 3)]
+    compiled = [model_decoder(target, draft, 4, tree_budget=budget) for budget in (0, 3)]
     assert [d.generate(prompt, max_new_tokens=30).token_ids for d in compiled] == expected
 
 
@@ -95,7 +95,7 @@ def test_bfloat16_on_cuda_decodes_what_one_token_steps_give_up_to_near_ties():
     runner = ModelRunner(target)
     identical = 0
     for budget in (0, 6):
-        decoder = SpeculativeDecoder(target, draft, 4, tree_budget=budget)
+        decoder = model_decoder(target, draft, 4, tree_budget=budget)
         for prompt in PROMPTS:
             ours, steps = decoder.generate(prompt, max_new_tokens=40).token_ids, greedy_decode(runner, prompt, 40)
             if ours == steps:
@@ -114,7 +114,7 @@ def test_sampling_on_cuda_keeps_the_targets_distribution(tree):
     the exact distribution from the same float64 target on the CPU."""
     target = tiny_llama(10, vocab_size=16, init_range=0.15)
     draft = perturbed_copy(target, seed=11, noise=0.15)
-    decoder = SpeculativeDecoder(on_gpu(target), on_gpu(draft), 2, tree_budget=6 if tree else 0, tree_branching=3)
+    decoder = model_decoder(on_gpu(target), on_gpu(draft), 2, tree_budget=6 if tree else 0, tree_branching=3)
     stats = check_first_two(target, decoder, [3], T1)
     assert sum(s.accepted for s in stats) > 500
 

@@ -33,12 +33,10 @@ def evaluate(target, draft, prompts: Sequence[list[int]], categories: Sequence[s
     is a terminal.
     """
     warp = dict(temperature=decode.temperature, top_k=decode.top_k, top_p=decode.top_p)
-    decoders = {DRAFT: build_decoder(target, draft, decode.chain_rounds(), kind=DRAFT, gamma=gamma)}
-    if decode.lookup_min_ngram is not None or decode.tree_rounds:
-        decoders[DECODER] = build_decoder(target, draft, decode, kind=DECODER, gamma=gamma)
+    decoders = eval_decoders(target, draft, decode, gamma)
     results = {
         kind: [
-            d.generate(p, max_new_tokens=decode.max_new_tokens, seed=seed + i, **warp)
+            d.generate(p, seed=seed + i)
             for i, p in enumerate(tqdm(prompts, desc=f"eval: decoding ({kind})", unit="prompt", disable=None))
         ]
         for kind, d in decoders.items()
@@ -79,6 +77,15 @@ def evaluate(target, draft, prompts: Sequence[list[int]], categories: Sequence[s
             "measured": summaries[DRAFT]["tau"]["value"],
         },
     }
+
+
+def eval_decoders(target, draft, decode: DecodeConfig, gamma: int | None = None) -> dict:
+    """eval's decoders by drafter kind: the draft model alone in chain rounds (its own α) and, when the configured
+    decoder also copies from the text or runs token trees, that decoder."""
+    decoders = {DRAFT: build_decoder(target, draft, decode.chain_rounds(), kind=DRAFT, gamma=gamma)}
+    if decode.lookup_min_ngram is not None or decode.tree_rounds:
+        decoders[DECODER] = build_decoder(target, draft, decode, kind=DECODER, gamma=gamma)
+    return decoders
 
 
 def mean_by_index(rows: Sequence[Sequence[float]], min_count: int = 3) -> list[float]:

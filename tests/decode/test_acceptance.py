@@ -9,9 +9,9 @@ from decode.acceptance import (
     expected_tokens,
     expected_tokens_from_positions,
 )
+from decode.factory import model_decoder
 from decode.measure.intervals import acceptance_ci, ratio_ci
 from decode.sampling import to_target_vocab, warp_logits
-from decode.speculative import SpeculativeDecoder
 
 SEQUENCES = [[5, 9, 17, 33, 2, 64, 7], [1, 2, 3], [100, 101, 7, 8, 9, 10, 11, 12, 13]]
 STARTS = [3, 1, 9]  # the last sequence has an empty response
@@ -64,7 +64,7 @@ def test_live_acceptance_agrees_with_analytic(target, close_draft):
     """α̂ = accepted / verified from sampling at temperature 1 vs mean Σ min(p, q) over the text it generated."""
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 128, (int(n),), generator=generator).tolist() for n in torch.randint(3, 9, (40,))]
-    decoder = SpeculativeDecoder(target, close_draft, 3)
+    decoder = model_decoder(target, close_draft, 3)
     results = [decoder.generate(p, max_new_tokens=24, temperature=1.0, seed=i) for i, p in enumerate(prompts)]
     live = acceptance_ci([r.stats.accepted for r in results], [r.stats.verified for r in results])
 

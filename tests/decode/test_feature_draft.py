@@ -8,10 +8,10 @@ import torch
 from decode.acceptance import analytic_acceptance
 from decode.drafters.suffix import SuffixIndex
 from decode.drafters.tree import FeatureTree, make_tree_drafter
+from decode.factory import model_decoder
 from decode.models.feature_draft import FeatureDraft, FeatureDrafter, default_feature_layers, window_start
 from decode.runtime.forward import ModelRunner, greedy_decode, target_features
 from decode.sampling import Warp
-from decode.speculative import SpeculativeDecoder
 from decode.step_costs import FeatureRounds, measure_costs
 from decode.tree import ROOT, TokenTree
 from tests.conftest import make_tiny_model
@@ -117,7 +117,7 @@ def test_the_window_starts_as_many_indices_before_the_first_scored_one_as_there_
 def test_greedy_decoding_with_a_feature_draft_equals_the_target_alone(target, lookup, reduced):
     token_ids = torch.arange(0, VOCAB, 2) if reduced else None
     draft = make_feature_draft(target, token_ids=token_ids)
-    decoder = SpeculativeDecoder(target, draft, gamma=3, lookup_min_ngram=lookup, eos_token_ids=())
+    decoder = model_decoder(target, draft, gamma=3, lookup_min_ngram=lookup, eos_token_ids=())
     runner = ModelRunner(target)
     for prompt in ([1, 5, 9, 3], [1, 7], [1]):
         result = decoder.generate(prompt, max_new_tokens=20)
@@ -128,7 +128,7 @@ def test_greedy_decoding_with_a_feature_draft_equals_the_target_alone(target, lo
 def test_sampling_with_a_feature_draft_keeps_the_targets_distribution():
     target = make_tiny_model(12, seed=4, layers=3, hidden=32)
     draft = make_feature_draft(target, seed=2, token_ids=torch.tensor([0, 2, 3, 5, 7, 8, 11]))
-    stats = check_first_two(target, SpeculativeDecoder(target, draft, gamma=2, eos_token_ids=()), [1, 4, 6])
+    stats = check_first_two(target, model_decoder(target, draft, gamma=2, eos_token_ids=()), [1, 4, 6])
     assert sum(s.accepted for s in stats) > 0  # the draft's proposals were tested, some accepted
 
 
@@ -220,7 +220,7 @@ def test_greedy_decoding_with_a_feature_draft_tree_equals_the_target_alone(targe
                 make_tree_drafter("decoder", target, draft, budget_schedule=[[8, 3], [64, 8]], branching=2,
                                   lookup_min_ngram=1, suffix=True, suffix_index=index)]
     for drafter in drafters:
-        decoder = SpeculativeDecoder(target, drafter, 4, eos_token_ids=())
+        decoder = model_decoder(target, drafter, 4, eos_token_ids=())
         for prompt in ([1, 5, 9, 3], [1, 7], [1]):
             result = decoder.generate(prompt, max_new_tokens=20)
             assert result.token_ids == greedy_decode(runner, prompt, 20)
@@ -231,7 +231,7 @@ def test_greedy_decoding_with_a_feature_draft_tree_equals_the_target_alone(targe
 def test_sampling_with_a_feature_draft_tree_keeps_the_targets_distribution():
     target = make_tiny_model(12, seed=4, layers=3, hidden=32)
     draft = make_feature_draft(target, seed=2, token_ids=torch.tensor([0, 2, 3, 5, 7, 8, 11]))
-    decoder = SpeculativeDecoder(target, make_tree_drafter("decoder", target, draft, budget=5, branching=2,
+    decoder = model_decoder(target, make_tree_drafter("decoder", target, draft, budget=5, branching=2,
                                                            lookup_min_ngram=1), 2, eos_token_ids=())
     stats = check_first_two(target, decoder, [1, 4, 6, 4])
     assert sum(s.accepted_by_source.get("draft", 0) for s in stats) > 0  # the draft's siblings were accepted

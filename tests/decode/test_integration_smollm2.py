@@ -7,12 +7,12 @@ import torch
 from decode.drafters.chain import DECODER
 from decode.drafters.suffix import SuffixIndex
 from decode.drafters.tree import make_tree_drafter
+from decode.factory import model_decoder
 from decode.models.feature_draft import feature_draft_from_target
 from decode.models.layer_draft import draft_from_target_layers, reduce_vocabulary
 from decode.runtime.forward import ModelRunner, greedy_decode
 from decode.runtime.lean import compiled_lean, use_compiled_passes
 from decode.serving.loading import load_model
-from decode.speculative import SpeculativeDecoder
 from pipeline.sources import eos_token_ids
 from pipeline.traffic import DEFAULT_TRAFFIC, encode_prompts, first_per_category, load_traffic
 
@@ -39,7 +39,7 @@ def test_greedy_equals_target_only_on_shipped_heldout_traffic(target):
     token_ids = torch.arange(8192)
     reduce_vocabulary(draft, token_ids, target.model.get_output_embeddings().weight.detach())
     eos = eos_token_ids(target.model, target.tokenizer)
-    decoder = SpeculativeDecoder(target.model, draft, gamma=4, draft_token_ids=token_ids, eos_token_ids=eos)
+    decoder = model_decoder(target.model, draft, gamma=4, draft_token_ids=token_ids, eos_token_ids=eos)
     traffic = load_traffic(DEFAULT_TRAFFIC)
     heldout = traffic.split("heldout")
     requests = first_per_category(heldout, 2) + [r for r in heldout if len(r.messages) > 1]
@@ -63,7 +63,7 @@ def test_greedy_with_a_feature_draft_equals_target_only(target, trees):
     if trees:
         draft = make_tree_drafter(DECODER, target.model, draft, budget_schedule=[[320, 4], [1280, 8], [2048, 4]],
                                   branching=4, lookup_min_ngram=3)
-    decoder = SpeculativeDecoder(target.model, draft, gamma=3, lookup_min_ngram=None if trees else 3,
+    decoder = model_decoder(target.model, draft, gamma=3, lookup_min_ngram=None if trees else 3,
                                  eos_token_ids=eos)
     requests = first_per_category(load_traffic(DEFAULT_TRAFFIC).split("heldout"), 1)
     prompts, _ = encode_prompts(requests, target.tokenizer, max_prompt_tokens=384)
@@ -95,7 +95,7 @@ def test_greedy_with_token_trees_equals_target_only(target):
     drafter = make_tree_drafter(DECODER, target.model, draft, budget_schedule=[[320, 4], [1280, 8], [2048, 4]],
                                 branching=4, draft_token_ids=token_ids, lookup_min_ngram=2, suffix=True,
                                 suffix_index=SuffixIndex(references[: len(references) // 2]))
-    decoder = SpeculativeDecoder(target.model, drafter, gamma=5, eos_token_ids=eos)
+    decoder = model_decoder(target.model, drafter, gamma=5, eos_token_ids=eos)
     accepted = {}
     for request, prompt, reference in zip(requests, prompts, references):
         result = decoder.generate(prompt, max_new_tokens=32)
@@ -117,8 +117,8 @@ def test_greedy_through_compiled_passes_equals_target_only():
     drafter = make_tree_drafter(DECODER, target.model, draft, budget_schedule=[[2048, 3]], branching=4,
                                 draft_token_ids=token_ids, lookup_min_ngram=2, suffix=True,
                                 suffix_index=SuffixIndex(references[: len(references) // 2]))
-    decoder = SpeculativeDecoder(target.model, drafter, gamma=5, eos_token_ids=eos)
-    chains = SpeculativeDecoder(target.model, draft, gamma=5, draft_token_ids=token_ids, eos_token_ids=eos)
+    decoder = model_decoder(target.model, drafter, gamma=5, eos_token_ids=eos)
+    chains = model_decoder(target.model, draft, gamma=5, draft_token_ids=token_ids, eos_token_ids=eos)
     assert decoder.target_runner.lean is compiled_lean(target.model)
     runner = ModelRunner(target.model)
     for request, prompt, reference in zip(requests, prompts, references):

@@ -9,6 +9,7 @@ import torch._inductor.freezing
 from torch._dynamo.utils import counters
 from transformers import DynamicCache
 
+from decode.factory import model_decoder
 from decode.runtime.forward import ModelRunner, forward_logits, greedy_decode, rollback
 from decode.runtime.lean import (
     COMPILED_MAX_TOKENS,
@@ -20,7 +21,6 @@ from decode.runtime.lean import (
     use_compiled_passes,
     wide_pass_options,
 )
-from decode.speculative import SpeculativeDecoder
 from tests.decode.tiny import greedy_reference, tiny_llama
 
 
@@ -82,8 +82,8 @@ def test_a_batch_gives_each_sequences_own_logits():
 
 def test_decoder_output_is_the_same_with_and_without_it(target, close_draft):
     prompt = [5, 9, 2, 77, 3]
-    lean = SpeculativeDecoder(target, close_draft, 4)
-    plain = SpeculativeDecoder(target, close_draft, 4, lean=False)
+    lean = model_decoder(target, close_draft, 4)
+    plain = model_decoder(target, close_draft, 4, lean=False)
     assert lean.drafter.runner.lean is not None and lean.target_runner.lean is not None
     assert plain.drafter.runner.lean is None and plain.target_runner.lean is None
     a, b = lean.generate(prompt, max_new_tokens=40), plain.generate(prompt, max_new_tokens=40)
@@ -165,11 +165,11 @@ def test_the_compiled_forward_decodes_what_the_eager_one_does():
     inductor's C++ GEMMs) gives the eager decoder's tokens."""
     target, draft = tiny_llama(2).to(torch.float32), tiny_llama(3).to(torch.float32)
     prompt = [5, 9, 2, 77, 3, 9, 2, 77]
-    eager = [SpeculativeDecoder(target, draft, 4, tree_budget=budget) for budget in (0, 3)]
+    eager = [model_decoder(target, draft, 4, tree_budget=budget) for budget in (0, 3)]
     expected = [d.generate(prompt, max_new_tokens=30).token_ids for d in eager]
     use_compiled_passes(target)
     use_compiled_passes(draft)
-    compiled = [SpeculativeDecoder(target, draft, 4, tree_budget=budget) for budget in (0, 3)]
+    compiled = [model_decoder(target, draft, 4, tree_budget=budget) for budget in (0, 3)]
     assert compiled[0].target_runner.lean is compiled_lean(target) and eager[0].target_runner.lean.compiled is None
     assert [d.generate(prompt, max_new_tokens=30).token_ids for d in compiled] == expected
 

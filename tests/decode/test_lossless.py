@@ -10,8 +10,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from decode.factory import model_decoder
 from decode.sampling import warp_logits
-from decode.speculative import SpeculativeDecoder
 from tests.decode.tiny import perturbed_copy, tiny_llama
 
 VOCAB = 16
@@ -73,7 +73,7 @@ def target():
 
 
 def run_case(target, draft, warp: dict, token_ids=None, gamma: int = 2) -> float:
-    stats = check_first_two(target, SpeculativeDecoder(target, draft, gamma, draft_token_ids=token_ids), PROMPT, warp)
+    stats = check_first_two(target, model_decoder(target, draft, gamma, draft_token_ids=token_ids), PROMPT, warp)
     return sum(s.accepted for s in stats) / sum(s.verified for s in stats)
 
 

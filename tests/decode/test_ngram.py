@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from decode.drafters.lookup import PromptLookupDrafter
+from decode.factory import model_decoder
 from decode.sampling import Warp
-from decode.speculative import GammaPolicy, SpeculativeDecoder
+from decode.speculative import GammaPolicy
 from tests.decode.test_lossless import check_first_two
 from tests.decode.tiny import greedy_reference, tiny_llama
 
@@ -37,7 +38,7 @@ def repetitive_prompt(seed: int) -> list[int]:
 @pytest.mark.parametrize("gamma", [1, 3, 6])
 def test_greedy_equals_target_only_greedy(target, gamma):
     drafter = PromptLookupDrafter.for_model(target)
-    decoder = SpeculativeDecoder(target, drafter, gamma)
+    decoder = model_decoder(target, drafter, gamma)
     accepted = 0
     for seed in range(4):
         prompt = repetitive_prompt(seed)
@@ -51,7 +52,7 @@ def test_greedy_equals_target_only_greedy(target, gamma):
 
 def test_gamma_schedule_with_lookup_stays_lossless(target):
     prompt = repetitive_prompt(0)
-    decoder = SpeculativeDecoder(target, PromptLookupDrafter.for_model(target),
+    decoder = model_decoder(target, PromptLookupDrafter.for_model(target),
                                  GammaPolicy.scheduled([(20, 1), (40, 4)]))
     result = decoder.generate(prompt, max_new_tokens=30)
     assert result.token_ids == greedy_reference(target, prompt, 30)
@@ -64,12 +65,12 @@ PROMPT = [3, 5, 3, 5, 3]  # the first block proposes "5 3": both draft positions
 
 def test_lossless_when_sampling():
     target = tiny_llama(10, vocab_size=VOCAB, init_range=0.15)
-    stats = check_first_two(target, SpeculativeDecoder(target, PromptLookupDrafter.for_model(target), 2), PROMPT)
+    stats = check_first_two(target, model_decoder(target, PromptLookupDrafter.for_model(target), 2), PROMPT)
     assert 0 < sum(s.accepted for s in stats) < sum(s.verified for s in stats)  # acceptances and rejections
 
 
 def test_lookup_then_model_is_lossless_and_uses_both(target, close_draft):
-    decoder = SpeculativeDecoder(target, close_draft, 3, lookup_min_ngram=2)
+    decoder = model_decoder(target, close_draft, 3, lookup_min_ngram=2)
     model_calls = lookup_accepted = 0
     for seed in range(4):
         prompt = repetitive_prompt(seed)
@@ -79,11 +80,11 @@ def test_lookup_then_model_is_lossless_and_uses_both(target, close_draft):
         lookup_accepted += result.stats.accepted
     assert model_calls > 0 and lookup_accepted > 0
     with pytest.raises(ValueError, match="apply to draft models only"):
-        SpeculativeDecoder(target, PromptLookupDrafter.for_model(target), 2, lookup_min_ngram=2)
+        model_decoder(target, PromptLookupDrafter.for_model(target), 2, lookup_min_ngram=2)
 
 
 def test_lookup_then_model_is_lossless_when_sampling():
     target = tiny_llama(10, vocab_size=VOCAB, init_range=0.15)
     draft = tiny_llama(11, vocab_size=VOCAB, init_range=0.15)
     # "7" never occurred before: the first block is the model's; the second may be a lookup
-    check_first_two(target, SpeculativeDecoder(target, draft, 2, lookup_min_ngram=1), PROMPT + [7])
+    check_first_two(target, model_decoder(target, draft, 2, lookup_min_ngram=1), PROMPT + [7])

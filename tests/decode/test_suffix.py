@@ -15,8 +15,8 @@ from decode.drafters.suffix import (
     SuffixSearch,
     load_suffix_index,
 )
+from decode.factory import model_decoder
 from decode.sampling import Warp
-from decode.speculative import SpeculativeDecoder
 from pipeline.sources import SUFFIX_INDEX_FILE
 from tests.decode.test_lossless import check_first_two
 from tests.decode.tiny import greedy_reference, tiny_llama
@@ -160,7 +160,7 @@ def test_greedy_equals_target_only_greedy(target):
     prompts = [torch.randint(0, 128, (6,)).tolist() for _ in range(6)]
     outputs = [greedy_reference(target, p, 24) for p in prompts]
     index = SuffixIndex([p + o for p, o in zip(prompts[:4], outputs[:4])])
-    decoder = SpeculativeDecoder(target, SuffixDrafter.for_model(target, index), 5)
+    decoder = model_decoder(target, SuffixDrafter.for_model(target, index), 5)
     accepted = 0
     for prompt, output in zip(prompts[2:], outputs[2:]):
         result = decoder.generate(prompt, max_new_tokens=24)
@@ -179,5 +179,5 @@ def test_lossless_when_sampling():
     target = tiny_llama(10, vocab_size=VOCAB, init_range=0.15)
     drafter = SuffixDrafter.for_model(target, SuffixIndex(INDEX))
     assert drafter.propose(drafter.start(PROMPT), PROMPT, 2, Warp(temperature=1.0), None)[0].tolist() == [9, 11]
-    stats = check_first_two(target, SpeculativeDecoder(target, drafter, 2), PROMPT)
+    stats = check_first_two(target, model_decoder(target, drafter, 2), PROMPT)
     assert 0 < sum(s.accepted for s in stats) < sum(s.verified for s in stats)

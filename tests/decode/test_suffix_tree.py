@@ -6,8 +6,7 @@ import torch
 from decode.drafters.suffix import SuffixDrafter, SuffixIndex
 from decode.drafters.tree import TreeDrafter, make_tree_drafter
 from decode.drafters.tree_sources import SuffixTree
-from decode.factory import build_decoder
-from decode.speculative import SpeculativeDecoder
+from decode.factory import build_decoder, model_decoder
 from decode.tree import ROOT, TokenTree
 from pipeline.config import DecodeConfig
 from pipeline.sources import SUFFIX_INDEX_FILE, ResolvedModel
@@ -67,7 +66,7 @@ def decode_all(target, drafter, greedy_case, gamma: int) -> dict[str, int]:
     """Decode the last four prompts, asserting target-greedy output; returns the accepted tokens by source."""
     prompts, outputs, _ = greedy_case
     by_source: dict[str, int] = {}
-    decoder = SpeculativeDecoder(target, drafter, gamma)
+    decoder = model_decoder(target, drafter, gamma)
     for prompt, output in zip(prompts[2:], outputs[2:]):
         result = decoder.generate(prompt, max_new_tokens=24)
         assert result.token_ids == output

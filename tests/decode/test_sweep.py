@@ -16,10 +16,11 @@ from decode.acceptance import (
     walk,
 )
 from decode.drafters.lookup import PromptLookupDrafter
-from decode.measure.sweep import at_context, lookup_block, spread
+from decode.factory import model_decoder
+from decode.measure.sweep_acceptance import at_context, lookup_block, spread
 from decode.measure.sweep_model import cell_break_even_alpha, predict_batches, predicted_seconds
 from decode.runtime.forward import ModelRunner, greedy_decode
-from decode.speculative import GammaPolicy, SpeculativeDecoder, scheduled_gamma
+from decode.speculative import GammaPolicy, scheduled_gamma
 from pipeline.cli import main
 from pipeline.config import load_config
 from pipeline.sources import save_checkpoint
@@ -41,7 +42,7 @@ def test_scheduled_gamma():
 
 def test_gamma_schedule_in_the_decoder(target, close_draft):
     prompt = prompt_of(0)
-    decoder = SpeculativeDecoder(target, close_draft, GammaPolicy.scheduled([(len(prompt) + 10, 1), (500, 3)]))
+    decoder = model_decoder(target, close_draft, GammaPolicy.scheduled([(len(prompt) + 10, 1), (500, 3)]))
     stats = decoder.generate(prompt, max_new_tokens=30).stats
     assert decoder.generate(prompt, max_new_tokens=30).token_ids == greedy_reference(target, prompt, 30)
     assert len(stats.drafted_at) == 3  # γ=1 early, γ=3 later, never 5
@@ -73,7 +74,7 @@ def test_walk_gives_the_decoders_exact_counts(target, close_draft, gamma):
         for draft, block in ((close_draft, greedy_block(matches.per_position[0])),
                              (PromptLookupDrafter.for_model(target), None)):
             block = block or lookup_block(draft, prompt, response)
-            stats = SpeculativeDecoder(target, draft, gamma).generate(prompt, max_new_tokens=n).stats
+            stats = model_decoder(target, draft, gamma).generate(prompt, max_new_tokens=n).stats
             w = walk(block, n, gamma)
             assert (w.calls, w.drafted, w.verified, w.accepted) == (
                 stats.target_calls, stats.drafted, stats.verified, stats.accepted)
@@ -328,7 +329,7 @@ def test_batch_axis_charges_each_round_its_verify_at_that_batch_size():
 
 
 def test_greedy_responses_are_decoded_once_per_target_prompts_and_length(monkeypatch):
-    import decode.measure.sweep as sweep
+    import decode.measure.sweep_acceptance as sweep
     from tests.decode.tiny import tiny_llama
 
     model = tiny_llama(3)

@@ -11,11 +11,10 @@ from transformers import DynamicCache
 from decode.drafters.chain import DRAFT, LOOKUP, ModelDrafter
 from decode.drafters.tree import ModelTree, ModelTreeState, TreeDrafter, make_tree_drafter
 from decode.drafters.tree_sources import LookupTree, lookup_matches
-from decode.factory import build_decoder
+from decode.factory import build_decoder, model_decoder
 from decode.round_stats import GenerationStats
 from decode.runtime.forward import ModelRunner, compact, forward_logits, rollback
 from decode.sampling import Warp
-from decode.speculative import SpeculativeDecoder
 from decode.tree import ROOT, TokenTree, accept_greedy, accept_sampled
 from pipeline.config import DecodeConfig
 from pipeline.sources import ResolvedModel
@@ -291,7 +290,7 @@ def test_reranked_draft_trees_give_target_greedy_output(target, close_draft, ran
                 make_tree_drafter("draft", target, reduced_draft[0], budget=budget, branching=branching,
                                   draft_token_ids=token_ids)]
     for drafter in drafters:
-        result = SpeculativeDecoder(target, drafter, gamma).generate(prompt, max_new_tokens=40)
+        result = model_decoder(target, drafter, gamma).generate(prompt, max_new_tokens=40)
         assert result.token_ids == expected
         assert result.stats.accepted_by_source.get(DRAFT, 0) == result.stats.accepted
 
@@ -301,7 +300,7 @@ def test_tree_rounds_give_target_greedy_output(target, close_draft, random_draft
     prompt = [5, 9, 2, 77, 3, 5, 9]
     expected = greedy_reference(target, prompt, 40)
     for draft in (close_draft, random_draft):
-        decoder = SpeculativeDecoder(target, draft, gamma, tree_budget=budget, tree_branching=branching,
+        decoder = model_decoder(target, draft, gamma, tree_budget=budget, tree_branching=branching,
                                      lookup_min_ngram=1)
         result = decoder.generate(prompt, max_new_tokens=40)
         assert result.token_ids == expected
@@ -314,7 +313,7 @@ def test_tree_rounds_with_a_reduced_vocabulary_draft_and_without_the_lean_forwar
     prompt = [5, 9, 2, 77, 3]
     expected = greedy_reference(target, prompt, 30)
     for lean in (True, False):
-        decoder = SpeculativeDecoder(target, draft, 4, draft_token_ids=token_ids, tree_budget=6, lean=lean)
+        decoder = model_decoder(target, draft, 4, draft_token_ids=token_ids, tree_budget=6, lean=lean)
         assert decoder.generate(prompt, max_new_tokens=30).token_ids == expected
 
 
@@ -322,13 +321,13 @@ def test_tree_rounds_in_float32():
     target = tiny_llama(0).float()
     draft = perturbed_copy(target, seed=2, noise=0.03).float()
     prompt = [5, 9, 2, 77, 3]
-    decoder = SpeculativeDecoder(target, draft, 5, tree_budget=10, tree_branching=2)
+    decoder = model_decoder(target, draft, 5, tree_budget=10, tree_branching=2)
     assert decoder.generate(prompt, max_new_tokens=40).token_ids == greedy_reference(target, prompt, 40)
 
 
 def test_a_lookup_tree_alone(target):
     prompt = [5, 9, 2, 5, 9, 7, 5]
-    decoder = SpeculativeDecoder(target, make_tree_drafter("lookup", target, budget=6), 3)
+    decoder = model_decoder(target, make_tree_drafter("lookup", target, budget=6), 3)
     result = decoder.generate(prompt, max_new_tokens=30)
     assert result.token_ids == greedy_reference(target, prompt, 30)
     assert result.stats.draft_calls == 0 and set(result.stats.accepted_by_source) <= {"lookup"}

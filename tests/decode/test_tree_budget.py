@@ -9,9 +9,8 @@ import torch
 
 from decode.acceptance import analytic_acceptance, draft_rank
 from decode.drafters.tree import TreeDrafter, make_tree_drafter
-from decode.factory import build_decoder
+from decode.factory import build_decoder, model_decoder
 from decode.runtime.forward import ModelRunner, greedy_decode
-from decode.speculative import SpeculativeDecoder
 from decode.step_costs import measure_costs, representative_tree
 from decode.tree import ROOT
 from decode.tree_budget import (
@@ -202,7 +201,7 @@ def test_decoding_with_a_budget_schedule_stays_target_greedy(target, close_draft
         return tree, calls
 
     drafter.grow = spy
-    result = SpeculativeDecoder(target, drafter, 4).generate(prompt, max_new_tokens=40)
+    result = model_decoder(target, drafter, 4).generate(prompt, max_new_tokens=40)
     assert result.token_ids == greedy_reference(target, prompt, 40)
     assert all(nodes <= 2 for length, nodes in rounds if length <= bound)
     assert max(nodes for length, nodes in rounds if length > bound) > 2

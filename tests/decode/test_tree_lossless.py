@@ -17,6 +17,7 @@ import torch
 
 from decode.drafters.suffix import SuffixIndex
 from decode.drafters.tree import make_tree_drafter, without_replacement
+from decode.factory import model_decoder
 from decode.sampling import Warp, sample
 from decode.speculative import SpeculativeDecoder
 from decode.tree import ROOT, TokenTree, accept_sampled
@@ -124,14 +125,14 @@ def run_case(target, decoder: SpeculativeDecoder, prompt: list[int], warp: dict)
 
 
 def test_tree_decoding_is_lossless_with_a_close_draft(target):
-    decoder = SpeculativeDecoder(target, perturbed_copy(target, seed=11, noise=0.15), 2, tree_budget=6,
+    decoder = model_decoder(target, perturbed_copy(target, seed=11, noise=0.15), 2, tree_budget=6,
                                  tree_branching=3)
     assert run_case(target, decoder, [3], dict(temperature=1.0, top_k=0, top_p=1.0))["draft"] > 500
 
 
 def test_tree_decoding_is_lossless_with_lookup_and_draft_in_one_tree(target):
     prompt = [3, 7, 3, 9, 3]  # "3" occurred twice before: lookup offers 9 and 7, the draft samples beside them
-    decoder = SpeculativeDecoder(target, perturbed_copy(target, seed=11, noise=0.15), 2, tree_budget=6,
+    decoder = model_decoder(target, perturbed_copy(target, seed=11, noise=0.15), 2, tree_budget=6,
                                  tree_branching=2, lookup_min_ngram=1)
     accepted = run_case(target, decoder, prompt, dict(temperature=1.0, top_k=0, top_p=0.8))
     assert accepted.get("lookup", 0) > 50 and accepted.get("draft", 0) > 50
@@ -141,7 +142,7 @@ def test_tree_decoding_is_lossless_with_a_reduced_vocabulary_draft(target):
     token_ids = torch.arange(0, VOCAB, 2)
     draft = tiny_llama(13, vocab_size=VOCAB, draft_vocab=len(token_ids), init_range=0.15)
     drafter = make_tree_drafter("draft", target, draft, budget=5, branching=2, draft_token_ids=token_ids)
-    decoder = SpeculativeDecoder(target, drafter, 2)
+    decoder = model_decoder(target, drafter, 2)
     run_case(target, decoder, [3], dict(temperature=0.7, top_k=6, top_p=1.0))
 
 
@@ -151,6 +152,6 @@ def test_tree_decoding_is_lossless_with_suffix_candidates_beside_sampled_draft_s
     index = SuffixIndex([[3, 5, 7, 14, 12], [3, 5, 7, 14, 12], [3, 5, 7, 13]])
     drafter = make_tree_drafter("decoder", target, perturbed_copy(target, seed=11, noise=0.15), budget=6, branching=2,
                                 suffix=True, suffix_index=index)
-    accepted = run_case(target, SpeculativeDecoder(target, drafter, 2), [3, 5, 7],
+    accepted = run_case(target, model_decoder(target, drafter, 2), [3, 5, 7],
                         dict(temperature=1.0, top_k=0, top_p=1.0))
     assert accepted.get("suffix", 0) > 300 and accepted.get("draft", 0) > 50
