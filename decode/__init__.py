@@ -1,2 +1,14 @@
-"""Lossless speculative decoding: drafters, the decoder and its factory (`decode.factory.build_decoder`), the runtime
-that runs the models, statistics, analytic acceptance, and the eval, bench and sweep commands."""
+"""Lossless speculative decoding, by concern (the import-linter contract in pyproject.toml keeps this order):
+
+- `decode.runtime`: how a model runs (the lean forward and its compiled passes, KV caches, CPU kernels, batched
+  generation, timing);
+- `decode.sampling`: the warp of the logits and the rejection sampler's draws;
+- `decode.models`: the drafts draftops trains (a layer subset of the target, the EAGLE-3 feature draft);
+- the algorithm, here: `speculative` (one round, the decoder), `tree` (token trees and their walk), `drafters/`
+  (draft model, prompt lookup, suffix decoding, in chains and trees), `acceptance`, `tree_budget` and
+  `tree_budget_auto`, `step_costs` (the one step-cost timer), and `factory`, where every decoder is built;
+- `decode.serving`: drafts in and out of serving formats, llama.cpp's server;
+- `decode.measure`: eval, bench, the sweep and its report;
+- `commands`, `measure_commands`, `cli`: the `draftops decode | eval | bench | sweep | export | llama-cpp | models`
+  commands.
+"""

@@ -1,5 +1,6 @@
-"""The sweep's cost model: step costs measured through the decoder's own functions, and the predicted time of a
-request from them.
+"""Step costs measured through the decoder's own functions: the one step-cost timer of bench (`step_costs`: one
+decoder's c and v), the sweep (`measure_costs`, `measure_batch_costs`) and the auto tree budget; the timing primitives
+are `decode.runtime.timing`'s, and the prediction from these costs is `decode.measure.sweep_model`'s.
 
 Measured with the KV cache filled to each context length L: the target's prefill, greedy step t(L) and verify round
 of n = 2..γmax+1 tokens (v(n) = verify / t); per draft its prefill and one round of γ proposals for every γ
@@ -11,11 +12,6 @@ The batch axis (`measure_batch_costs`, `predict_batches`): B sequences at one co
 of a batch, as a serving engine decodes them: the target's step of B × 1 tokens, its verify of B × n, each draft
 model's step of B × 1. As B grows the target turns from memory-bound to compute-bound, verifying n tokens costs more
 than one step, and the gain shrinks; the batch where the best γ stops paying is reported per draft.
-
-Predicted time of a request (prompt of L tokens, G new tokens), with costs at the mean context L + G/2:
-    target alone:  P_t(L) + (G − 1) t
-    speculative:   P_t(L) + P_d(L) + Σ over rounds (draft round + verify of d+1 tokens), d = tokens drafted that round
-The rounds come from `decode.acceptance.walk` over the traffic (`decode.measure.sweep.acceptance_table`).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from distill.batches import collate, global_batch_indices, micro_batch
 from distill.checkpoints import latest_checkpoint, load_training_state, save_best, save_training_state
-from distill.evaluation import cached_eval, feature_eval
+from distill.heldout_eval import cached_eval, feature_eval
 from distill.onpolicy import draft_continuations
 from distill.responses import ResponseSet
 from distill.step import draft_module, feature_loss_step, loss_step

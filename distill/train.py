@@ -25,9 +25,9 @@ from decode.models.layer_draft import frequent_token_ids
 from decode.serving.loading import load_model
 from decode.tree_budget import TREE_BUDGETS, rank_acceptance
 from distill.checkpoints import job_key, load_best, point_latest
-from distill.evaluation import exact_eval, feature_eval
 from distill.export import export_draft, log_and_register
 from distill.features import cached_features
+from distill.heldout_eval import exact_eval, feature_eval
 from distill.init import init_draft
 from distill.loop import NonFiniteLoss, Timings, TrainingData, train_loop
 from distill.responses import cached_responses, generation_model

@@ -16,9 +16,8 @@ import json
 import os
 import platform
 import re
-import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,11 +30,6 @@ from pipeline.files import write_text_atomic
 # batch. A product of n rows runs the kernel picked at the largest of these that is <= n
 # (`decode.runtime.kernels.AutoLinear`).
 ROWS = (1, 2, 4, 6, 8, 64)
-WARMUP = 1  # an untimed turn first: oneDNN creates its primitive, pages are touched
-REPS = 31  # timed turns at most ...
-MIN_REPS = 3  # ... and at least, however long they take
-BUDGET_S = 0.15  # seconds of timed turns per (shape, rows) after which the measurement stops at MIN_REPS or beyond
-
 Shape = tuple[int, int]  # a linear layer's weight: (out_features, in_features)
 
 
@@ -51,25 +45,6 @@ class Timing:
     def pick(self) -> str:
         """The faster kernel ("torch" on a tie: it needs no packed copy of the weight)."""
         return "onednn" if self.onednn_ms < self.torch_ms else "torch"
-
-
-def interleaved_minimums(calls: Sequence[Callable[[], object]], *, reps: int = REPS, min_reps: int = MIN_REPS,
-                        budget_s: float = BUDGET_S, clock: Callable[[], float] = time.perf_counter) -> list[float]:
-    """Fastest seconds of each call, timed in turns (a, b, a, b, ...) so that load on the machine hits them alike:
-    WARMUP untimed turns, then `reps` timed ones, or fewer (not under `min_reps`) once `budget_s` has passed."""
-    for _ in range(WARMUP):
-        for call in calls:
-            call()
-    times: list[list[float]] = [[] for _ in calls]
-    start = clock()
-    for turn in range(reps):
-        if turn >= min_reps and clock() - start > budget_s:
-            break
-        for call, seconds in zip(calls, times):
-            begin = clock()
-            call()
-            seconds.append(clock() - begin)
-    return [min(seconds) for seconds in times]
 
 
 def cpu_model_name() -> str:

@@ -32,10 +32,10 @@ from decode.runtime.kernel_choice import (
     Shape,
     Timing,
     cache_file,
-    interleaved_minimums,
     machine_key,
     shape_timings,
 )
+from decode.runtime.timing import interleaved_minimums
 
 PACK_ROWS_HINT = 8  # oneDNN picks the packed layout for this many rows; measured the same for hints 4-64
 # layer -> (weak reference to the weight it was packed from, that weight's version, packed weight). Kept outside the
@@ -110,7 +110,7 @@ class AutoLinear(OneDNNLinear):
 
 def measure_linear(shape: Shape) -> list[Timing]:
     """`F.linear` against `onednn_linear` on packed weights, for a random fp32 weight of `shape` at each of ROWS rows:
-    the fastest of interleaved calls (`decode.runtime.kernel_choice.interleaved_minimums`), each call on the next of
+    the fastest of interleaved calls (`decode.runtime.timing.interleaved_minimums`), each call on the next of
     enough copies of the weight to exceed STREAM_BYTES, so that the weight comes from memory as it does in decoding."""
     out_features, in_features = shape
     copies = max(1, min(MAX_COPIES, -(-STREAM_BYTES // (4 * out_features * in_features))))

@@ -12,11 +12,11 @@ from decode.runtime.kernel_choice import (
     ROWS,
     Timing,
     cache_file,
-    interleaved_minimums,
     machine_key,
     read_cache,
     shape_timings,
 )
+from decode.runtime.timing import interleaved_minimums
 
 
 class FakeClock:

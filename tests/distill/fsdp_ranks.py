@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from distill.evaluation import cached_eval
+from distill.heldout_eval import cached_eval
 from distill.loop import trainable_parameters
 from distill.step import ResponseLogits, loss_step
 from tests.distill.fsdp_step import SETTINGS, heldout_and_batches, tiny_draft

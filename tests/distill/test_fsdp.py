@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distill.evaluation import cached_eval
+from distill.heldout_eval import cached_eval
 from distill.loop import trainable_parameters
 from distill.step import ResponseLogits, loss_step
 from tests.distill.fsdp_step import SETTINGS, heldout_and_batches, tiny_draft
