@@ -8,7 +8,10 @@ draft pairs the target's features at position i with token i+1 and sits at posit
 i+2. Beyond the verified tokens the draft feeds its own output hidden state as the next index's features.
 
 The parameter names follow `speculators`' Eagle3 layout (`fc`, `layers.0.*` with `hidden_norm`, `norm`, `lm_head`),
-so the export (`distill.export`) is a rename-free copy. The token embeddings are the target's, shared and frozen.
+so the export (`distill.export`) is a rename-free copy. The token embeddings are the target's, shared and frozen, and
+read as their plain rows (a Gemma target's embedding scale is its own forward's, which vLLM and `speculators` do not
+apply to a draft either; the layer's input norm makes it moot). The layer is a Llama layer whatever the target's family
+(`decode.models.architectures.draft_layer_config`), as speculators and vLLM build EAGLE-3 drafts.
 
 `FeatureDraft.step` is the one computation: decoding calls it with a KV cache and explicit positions; training
 (`FeatureDraft.unroll`) calls it K times over a whole sequence with "training-time test" masks (EAGLE-3, HASS): step
@@ -17,7 +20,6 @@ what decoding j tokens past a verified prefix sees. `tests/decode/test_feature_d
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +32,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from decode.models.architectures import PROJECTIONS, draft_layer_config, llama_layer_weights, norm_gain
 from decode.runtime.lean import KVCache
 from decode.sampling import Warp, confident, draft_token
 
@@ -46,18 +49,20 @@ def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
 
 
 class FeatureDraft(nn.Module):
-    """The EAGLE-3 draft head over a Llama-architecture target (see the module docstring)."""
+    """The EAGLE-3 draft head over a target of any supported family (see the module docstring)."""
 
     def __init__(self, target_config, embed_tokens: nn.Embedding, *, feature_layers: tuple[int, ...] | None = None,
                  token_ids: torch.Tensor | None = None):
-        """target_config: the target's config (the layer copies its shapes); embed_tokens: the target's embeddings
-        (shared, not trained, not saved); token_ids: the target ids of a reduced head's rows (None: full vocab)."""
+        """target_config: the target's config (the Llama layer takes its shapes, `draft_layer_config`), or a saved
+        draft's layer config; embed_tokens: the target's embeddings (shared, not trained, not saved); token_ids: the
+        target ids of a reduced head's rows (None: full vocab)."""
         super().__init__()
-        config = copy.deepcopy(target_config.get_text_config(decoder=True))
-        config.num_hidden_layers = 1
+        config = draft_layer_config(target_config)
         hidden = config.hidden_size
         self.config = config
-        self.feature_layers = tuple(feature_layers or default_feature_layers(target_config.num_hidden_layers))
+        self.target_architectures = list(getattr(target_config, "architectures", None) or [])
+        layers = target_config.get_text_config(decoder=True).num_hidden_layers
+        self.feature_layers = tuple(feature_layers or default_feature_layers(layers))
         self.embed_tokens = embed_tokens.requires_grad_(False)
         self.fc = nn.Linear(len(self.feature_layers) * hidden, hidden, bias=False)
         layer = LlamaDecoderLayer(config, 0)
@@ -101,7 +106,8 @@ class FeatureDraft(nn.Module):
         """q, k, v [B, heads, T, d] of hidden [B, T, H] paired with `tokens` [B, T] at `positions` [B, T]; and the
         residual the layer adds its attention output to."""
         layer, (b, n) = self.layer, tokens.shape
-        x = torch.cat([layer.input_layernorm(self.embed_tokens(tokens)), layer.hidden_norm(hidden)], dim=-1)
+        embedded = F.embedding(tokens, self.embed_tokens.weight)  # plain rows: no family's embedding scale
+        x = torch.cat([layer.input_layernorm(embedded), layer.hidden_norm(hidden)], dim=-1)
         attention = layer.self_attn
         q = attention.q_proj(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
         k = attention.k_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -187,28 +193,28 @@ def window_start(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
 
 def feature_draft_from_target(target, token_ids: torch.Tensor | None = None,
                               feature_layers: tuple[int, ...] | None = None) -> FeatureDraft:
-    """A feature draft that starts from the target's own weights: the decoder layer is the target's last layer (the
-    features half of q/k/v from it, the embedding half from layer 0, which reads embeddings), `fc` passes the
-    highest captured state through, and the final norm and head rows are the target's."""
+    """A feature draft that starts from the target's own weights, of any supported family (read as a Llama layer's,
+    `decode.models.architectures.llama_layer_weights`): the decoder layer is the target's last layer (the features
+    half of q/k/v from it, the embedding half from layer 0, which reads embeddings), `fc` passes the highest captured
+    state through, and the final norm and head rows are the target's."""
     draft = FeatureDraft(target.config, target.get_input_embeddings(), feature_layers=feature_layers,
                          token_ids=token_ids).to(device=target.device, dtype=target.dtype)
-    first, last, layer = target.model.layers[0], target.model.layers[-1], draft.layer
-    hidden = draft.config.hidden_size
+    config, layer, hidden = target.config, draft.layer, draft.config.hidden_size
+    first, last = (llama_layer_weights(target.model.layers[i], config) for i in (0, -1))
     with torch.no_grad():
-        for name in ("q_proj", "k_proj", "v_proj"):
-            fused = getattr(layer.self_attn, name)
-            fused.weight.copy_(torch.cat([getattr(first.self_attn, name).weight,
-                                          getattr(last.self_attn, name).weight], dim=1))
-            if fused.bias is not None:
-                fused.bias.copy_(getattr(last.self_attn, name).bias)
-        layer.self_attn.o_proj.load_state_dict(last.self_attn.o_proj.state_dict())
-        layer.mlp.load_state_dict(last.mlp.state_dict())
-        layer.input_layernorm.load_state_dict(first.input_layernorm.state_dict())
-        layer.hidden_norm.load_state_dict(last.input_layernorm.state_dict())
-        layer.post_attention_layernorm.load_state_dict(last.post_attention_layernorm.state_dict())
+        for name, path in PROJECTIONS.items():  # q/k/v read [embeddings of layer 0's input; features of the last's]
+            linear = layer.get_submodule(path)
+            reads_both = name in ("q", "k", "v")
+            linear.weight.copy_(torch.cat([first.weights[name], last.weights[name]], 1) if reads_both
+                                else last.weights[name])
+            if linear.bias is not None:
+                linear.bias.copy_(last.biases.get(name, torch.zeros_like(linear.bias)))
+        layer.input_layernorm.weight.copy_(first.input_norm)
+        layer.hidden_norm.weight.copy_(last.input_norm)
+        layer.post_attention_layernorm.weight.copy_(last.mlp_norm)
         draft.fc.weight.zero_()
         draft.fc.weight[:, -hidden:] = torch.eye(hidden)
-        draft.norm.load_state_dict(target.model.norm.state_dict())
+        draft.norm.weight.copy_(norm_gain(target.model.norm, config.get_text_config(decoder=True).model_type))
         head = target.get_output_embeddings().weight
         draft.lm_head.weight.copy_(head if token_ids is None else head[token_ids.to(head.device)])
     return draft

@@ -57,7 +57,7 @@ def save_speculators(draft: FeatureDraft, path, *, verifier_name_or_path: str,
     # speculators writes the layer config as transformers' diff; the shapes a reader needs are spelled out
     layer = config.to_diff_dict() | {"model_type": "llama", "num_hidden_layers": 1, "tie_word_embeddings": False,
                                      "hidden_size": config.hidden_size, "vocab_size": config.vocab_size}
-    architectures = verifier_architectures if verifier_architectures is not None else config.architectures or []
+    architectures = verifier_architectures if verifier_architectures is not None else draft.target_architectures
     speculator = {
         "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
         "transformer_layer_config": layer, "draft_vocab_size": rows, "target_hidden_size": config.hidden_size,
@@ -117,6 +117,8 @@ def load_speculators(path, target) -> FeatureDraft:
         raise ValueError(f"{path}: draft_vocab_size {saved.get('draft_vocab_size')}, d2t and t2d disagree")
     embed = target.get_input_embeddings()
     draft = FeatureDraft(config, embed, feature_layers=layers, token_ids=token_ids)
+    verifier = saved.get("speculators_config", {}).get("verifier", {})
+    draft.target_architectures = list(verifier.get("architectures") or [])
     missing, unexpected = draft.load_state_dict(tensors, strict=False)
     if set(missing) - {SHARED} or unexpected:
         raise ValueError(f"{path}: weights missing {sorted(set(missing) - {SHARED})}, unexpected {unexpected}")
