@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from decode.models.architectures import head_logits
 from decode.models.feature_draft import FEATURES, FeatureDraft, window_start
 from decode.runtime.forward import target_features
 from distill.losses import TopKTeacher, distillation_loss
@@ -15,7 +16,9 @@ from pipeline.config import DistillConfig
 
 class ResponseLogits(torch.nn.Module):
     """The draft's logits at the masked (response) positions only, [N, V_draft]: the head and the loss skip prompt
-    and padding positions. The module accelerate wraps (DDP), so gradient sync still sees every parameter."""
+    and padding positions. They are the logits the draft decodes with: its family's head step
+    (`decode.models.architectures.head_logits`: Gemma 2's final soft-capping included) on its last hidden states. The
+    module accelerate wraps (DDP), so gradient sync still sees every parameter."""
 
     def __init__(self, draft):
         super().__init__()
@@ -23,7 +26,7 @@ class ResponseLogits(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask, loss_mask):
         hidden = self.draft.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return self.draft.lm_head(hidden[loss_mask])
+        return head_logits(self.draft, hidden[loss_mask])
 
 
 def response_teacher(batch: dict, target, device) -> torch.Tensor | TopKTeacher:
