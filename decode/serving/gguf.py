@@ -89,7 +89,9 @@ def write_llama_gguf(state: dict[str, torch.Tensor], config, vocabulary: Path, o
     if dtype not in GGUF_DTYPES:
         raise GGUFExportError(f"unknown GGUF dtype {dtype!r}: choose one of {', '.join(GGUF_DTYPES)}")
     if config.model_type != "llama":
-        raise GGUFExportError(f"model type {config.model_type!r}: only Llama checkpoints are exported to GGUF")
+        raise GGUFExportError(f"model type {config.model_type!r}: only Llama checkpoints are exported to GGUF (another "
+                              "family: export --format hf and convert that with llama.cpp's convert_hf_to_gguf.py, "
+                              "as its target's GGUF was)")
     fields = vocabulary_fields(vocabulary)
     tokens = next((value for key, value, _ in fields if key == "tokenizer.ggml.tokens"), None)
     if tokens is None or len(tokens) != config.vocab_size:
