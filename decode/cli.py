@@ -120,8 +120,9 @@ def _add_export(subparsers) -> None:
         description="Write a distilled draft without draftops' own files, checked (config vocab_size = embedding "
                     "rows = lm_head rows = the target's), beside --out and swapped in. A layer draft exports as hf, "
                     "vllm (its full-vocabulary copy: vLLM needs the target's vocabulary size) or gguf (llama.cpp's "
-                    "--model-draft, with the vocabulary of the target's GGUF), a feature draft as vllm or speculators "
-                    "(its Eagle3 folder). Prints the command lines to serve it.")
+                    "--model-draft, with the vocabulary of the target's GGUF), a feature draft as vllm, speculators "
+                    "(its Eagle3 folder) or gguf (llama.cpp's --spec-type draft-eagle3, written by llama.cpp's own "
+                    "converter from the `draftops llama-cpp build` source). Prints the command lines to serve it.")
     export.add_argument("source", help="the draft: a folder (outputs/distill/latest) or models:/NAME@ALIAS")
     export.add_argument("--format", required=True, choices=["hf", "vllm", "speculators", "gguf"])
     export.add_argument("--gguf-dtype", default="f16", choices=["f16", "f32"],

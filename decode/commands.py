@@ -214,6 +214,7 @@ def eval_command(args) -> int:
 
 def export_command(args) -> int:
     from decode.serving.export import (
+        FEATURES,
         GGUF,
         ExportError,
         draft_source,
@@ -223,6 +224,7 @@ def export_command(args) -> int:
         target_gguf,
     )
     from pipeline.config import load_config
+    from pipeline.sources import SourceError, locate
 
     cfg = load_config(args.config, args.overrides)
     if any(is_registry_uri(source or "") for source in (args.source, args.target)):
@@ -232,11 +234,12 @@ def export_command(args) -> int:
     try:
         draft = draft_source(args.source)
         target = args.target or draft.target or cfg.target
+        gguf = args.format == GGUF
         out = export_format(draft, args.format, Path(args.out), force=args.force,
                             target_vocab_size=folder_vocab_size(target),
-                            vocabulary=target_gguf(target) if args.format == GGUF else None,
-                            gguf_dtype=args.gguf_dtype)
-    except ExportError as exc:
+                            vocabulary=target_gguf(target) if gguf else None, gguf_dtype=args.gguf_dtype,
+                            target_dir=locate(target).path if gguf and draft.family == FEATURES else None)
+    except (ExportError, SourceError) as exc:
         return error(exc)
     print(f"exported the {draft.family} draft {draft.source} as {args.format} to {out}")
     print("\n".join(serving_commands(draft.family, args.format, out, target, args.gamma or draft.gamma

@@ -26,6 +26,9 @@ config, and a full-vocabulary `hf_assistant/` copy inside. This module writes on
   vocabulary copy's weights under the `tokenizer.*` metadata of the target's own GGUF (the default target's, or
   `--target FILE.gguf`), which llama.cpp compares token by token before it speculates. It is read back through
   transformers' GGUF loader and must give the copy's logits (`check_gguf_file`); `decode.serving.llamacpp` runs it.
+  A feature draft: `draft-eagle3-<dtype>.gguf` for `--spec-type draft-eagle3`, written from its speculators folder by
+  llama.cpp's own converter with the target's Hugging Face folder beside it, and read back against the folder
+  (`decode.serving.eagle3_gguf`).
 
 SGLang (docs, "Speculative Decoding", advanced_features/speculative_decoding.md): a separate small draft model runs with
 `--speculative-algorithm STANDALONE --speculative-draft-model-path DIR`, an EAGLE-3 head with `--speculative-algorithm
@@ -50,6 +53,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from decode.models.layer_draft import full_vocab_copy
+from decode.serving.eagle3_gguf import check_eagle3_gguf, write_eagle3_gguf
 from decode.serving.gguf import GGUF_DTYPES, GGUFExportError, write_llama_gguf
 from decode.serving.speculators import WEIGHTS_FILE
 from pipeline.files import swap_dir, temporary_sibling
@@ -69,7 +73,7 @@ from pipeline.sources import (
 HF, VLLM, SPECULATORS, GGUF = "hf", "vllm", "speculators", "gguf"
 FORMATS = (HF, VLLM, SPECULATORS, GGUF)
 LAYERS, FEATURES = "layers", "features"  # the draft families, as `pipeline.sources.checkpoint_info` names them
-FORMATS_OF = {LAYERS: (HF, VLLM, GGUF), FEATURES: (VLLM, SPECULATORS)}
+FORMATS_OF = {LAYERS: (HF, VLLM, GGUF), FEATURES: (VLLM, SPECULATORS, GGUF)}
 GGUF_CHECK_TOKENS = 32  # positions whose logits the GGUF read back must reproduce
 # read by draftops alone: never exported
 DRAFTOPS_FILES = (DRAFT_VOCAB_FILE, SUFFIX_INDEX_FILE, TREE_ACCEPTANCE_FILE, CONFIG_FILE)
@@ -234,13 +238,25 @@ def _write_gguf(draft: DraftSource, tmp: Path, vocabulary: Path, dtype: str) -> 
     check_gguf_file(gguf_file, model, dtype)
 
 
+def _write_eagle3(draft: DraftSource, tmp: Path, target_dir: Path, dtype: str) -> None:
+    """The feature draft's speculators folder as `draft-eagle3-<dtype>.gguf` in `tmp`, checked against the folder."""
+    gguf_file = tmp / f"draft-eagle3-{dtype}.gguf"
+    try:
+        write_eagle3_gguf(draft.path, target_dir, gguf_file, dtype=dtype)
+        check_eagle3_gguf(gguf_file, draft.path, dtype)
+    except GGUFExportError as exc:
+        raise ExportError(f"{draft.source}: {exc}") from exc
+
+
 def export_format(draft: DraftSource, fmt: str, out: Path, *, force: bool = False,
                   target_vocab_size: int | None = None, vocabulary: Path | None = None,
-                  gguf_dtype: str = "f16") -> Path:
+                  gguf_dtype: str = "f16", target_dir: Path | None = None) -> Path:
     """Write `draft` in format `fmt` (one of FORMATS) to `out`, checked (`check_hf_folder`,
-    `check_speculators_folder`, against `target_vocab_size` when given; `check_gguf_file`), beside `out` and swapped
-    in. The GGUF format needs `vocabulary`, the target's GGUF (`target_gguf`). ExportError for a format the draft's
-    family has not, an `out` that is not empty (unless `force`), or one that holds the draft."""
+    `check_speculators_folder`, against `target_vocab_size` when given; `check_gguf_file`, `check_eagle3_gguf`),
+    beside `out` and swapped in. The GGUF format needs `vocabulary`, the target's GGUF (`target_gguf`), for a layer
+    draft, and `target_dir`, the target's Hugging Face folder (tokenizer and config), for a feature draft.
+    ExportError for a format the draft's family has not, an `out` that is not empty (unless `force`), or one that
+    holds the draft."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}: choose one of {', '.join(FORMATS)}")
     if fmt not in FORMATS_OF[draft.family]:
@@ -254,12 +270,16 @@ def export_format(draft: DraftSource, fmt: str, out: Path, *, force: bool = Fals
         raise ExportError(f"{out} holds the draft itself ({draft.path}): choose another --out")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ExportError(f"{out} exists and is not empty (--force replaces it)")
-    if fmt == GGUF and (vocabulary is None or gguf_dtype not in GGUF_DTYPES):
-        raise ExportError(f"the GGUF format needs the target's GGUF and a dtype in {', '.join(GGUF_DTYPES)}")
+    needs, given = ("the target's Hugging Face folder", target_dir) if draft.family == FEATURES else (
+        "the target's GGUF", vocabulary)
+    if fmt == GGUF and (given is None or gguf_dtype not in GGUF_DTYPES):
+        raise ExportError(f"the GGUF format needs {needs} and a dtype in {', '.join(GGUF_DTYPES)}")
     tmp = temporary_sibling(out)
     tmp.mkdir()
     try:
-        if draft.family == FEATURES:
+        if draft.family == FEATURES and fmt == GGUF:
+            _write_eagle3(draft, tmp, target_dir, gguf_dtype)
+        elif draft.family == FEATURES:
             _copy_files(draft.path, tmp)
             check_speculators_folder(tmp, target_vocab_size)
         elif fmt == GGUF:
@@ -287,10 +307,12 @@ def serving_commands(family: str, fmt: str, out: Path, target: str, gamma: int) 
     folder = str(Path(out).resolve())
     if fmt == GGUF:
         drafts = sorted(Path(folder).glob("*.gguf"))
+        kind = "draft-simple" if family == LAYERS else "draft-eagle3"
         return ["Serve it with llama.cpp (`draftops llama-cpp build` builds llama-server on this machine):",
                 f"  llama-server -m {shlex.quote(str(target_gguf(target)))} -md {shlex.quote(str(drafts[0]))} "
-                f"--spec-type draft-simple --spec-draft-n-max {gamma} --spec-draft-n-min 0 --metrics",
-                "  (`draftops bench` runs llama.cpp's target alone and with this draft beside draftops' rows)"]
+                f"--spec-type {kind} --spec-draft-n-max {gamma} --spec-draft-n-min 0 --metrics",
+                *(["  (`draftops bench` runs llama.cpp's target alone and with this draft beside draftops' rows)"]
+                  if family == LAYERS else [])]
     method, algorithm = ("draft_model", "STANDALONE") if family == LAYERS else ("eagle3", "EAGLE3")
     spec = json.dumps({"model": folder, "method": method, "num_speculative_tokens": gamma})
     lines = ["Serve it (commands from the vLLM and SGLang docs, not tested on this CPU machine):",

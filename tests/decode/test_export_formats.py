@@ -141,8 +141,8 @@ def test_formats_a_draft_has_not_and_unknown_formats_are_refused(drafts, tmp_pat
     layer, feature = draft_source(str(drafts["root"] / "job/draft")), draft_source(str(drafts["root"] / "feature"))
     with pytest.raises(ExportError, match="is a layer draft: it exports as hf, vllm or gguf, not speculators"):
         export_format(layer, "speculators", tmp_path / "a")
-    with pytest.raises(ExportError, match=r"is a feature draft \(speculators Eagle3 folder\): it exports as vllm or "
-                                          r"speculators, not hf"):
+    with pytest.raises(ExportError, match=r"is a feature draft \(speculators Eagle3 folder\): it exports as vllm, "
+                                          r"speculators or gguf, not hf"):
         export_format(feature, "hf", tmp_path / "b")
     with pytest.raises(ExportError, match="unknown format 'onnx': choose one of hf, vllm, speculators, gguf"):
         export_format(layer, "onnx", tmp_path / "c")
