@@ -15,7 +15,12 @@ class TrafficConfig(Section):
     path: str = Field("default", description=(
         "Traffic JSONL file, or a glob of rotated logs (.gz too); 'default' is the traffic shipped with draftops."))
     heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Share of request ids held out (by hash).")
-    max_prompt_tokens: int = Field(512, ge=8, description="Prompts longer than this keep their last tokens.")
+    max_prompt_tokens: int = Field(512, ge=8, description=(
+        "Prompts longer than this keep their last tokens; a conversation is cut to 32 characters per token of this "
+        "budget before it is tokenized, so one huge request costs no more memory than the budget."))
+    max_line_bytes: int = Field(64 << 20, ge=1024, description=(
+        "A traffic line longer than this (bytes) is malformed, read in pieces and never held whole: with the cut "
+        "above, what bounds the memory one request can take."))
     skip_malformed: bool = Field(False, description="Skip and count malformed lines instead of failing.")
     since: str | float | None = Field(None, description=(
         "Keep requests logged at or after this time (ISO-8601, or epoch seconds/milliseconds); null: no bound."))
