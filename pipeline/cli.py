@@ -105,10 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Exit codes: 0 done, 2 a one-line error (bad input, config, source, registry, traffic, an
+    unreachable or failing tracking store), 75 the registered model is busy (another process holds its lock); the
+    monitor's own (3 DRIFT) are in `monitor.decision`."""
     from pipeline.config import ConfigError
+    from pipeline.locks import EXIT_BUSY, ModelBusy
     from pipeline.registry import RegistryError
     from pipeline.sources import SourceError, TokenizerMismatch
-    from pipeline.tracking import TrackingUnavailable
+    from pipeline.tracking import TrackingUnavailable, store_error_line
     from pipeline.traffic import TrafficError
 
     parser = build_parser()
@@ -123,6 +127,15 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except (ConfigError, RegistryError, SourceError, TokenizerMismatch, TrackingUnavailable, TrafficError) as exc:
         print(f"draftops: error: {exc}", file=sys.stderr)
+        return 2
+    except ModelBusy as exc:
+        print(f"draftops: {exc}", file=sys.stderr)
+        return EXIT_BUSY
+    except Exception as exc:
+        line = store_error_line(exc)
+        if line is None:
+            raise
+        print(f"draftops: error: {line}", file=sys.stderr)
         return 2
 
 
