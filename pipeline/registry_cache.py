@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from pipeline import draftops_home, registry
@@ -121,9 +122,10 @@ def damage(folder: Path) -> str | None:
     return None
 
 
-def registry_checkpoint(source: str) -> Path:
+def registry_checkpoint(source: str, is_checkpoint: Callable[[Path], bool]) -> Path:
     """The local copy of a registered version's checkpoint (downloaded once, keyed by store and location, checked
-    every time); RegistryError saying why when it cannot be had."""
+    every time): the shallowest folder of the download that `is_checkpoint` accepts. RegistryError saying why when it
+    cannot be had."""
     version = registry.find_version(source)
     key = hashlib.sha256(f"{registry.store_uri()}|{version.artifact_uri}".encode()).hexdigest()[:12]
     out = draftops_home() / "models" / "registry" / f"{version.name}-v{version.version}-{key}"
@@ -135,7 +137,7 @@ def registry_checkpoint(source: str) -> Path:
         log.warning("%s: the local copy in %s is damaged (%s): downloading it again", source, out, reason)
     tmp = temporary_sibling(out)  # two processes resolving the same version each download into their own
     try:
-        checkpoint = _download_checked(source, version, tmp)
+        checkpoint = _download_checked(source, version, tmp, is_checkpoint)
         write_manifest(checkpoint)
         swap_dir(checkpoint, out)
     except OSError as exc:  # a full disk while writing the copy, its manifest or the swap
@@ -145,7 +147,8 @@ def registry_checkpoint(source: str) -> Path:
     return out
 
 
-def _download_checked(source: str, version: RegisteredVersion, tmp: Path) -> Path:
+def _download_checked(source: str, version: RegisteredVersion, tmp: Path,
+                      is_checkpoint: Callable[[Path], bool]) -> Path:
     """Download into `tmp` until the copy matches the registry's listing (twice at most); the checkpoint folder."""
     sizes = listed_sizes(version)
     problems: list[str] = []
@@ -163,10 +166,7 @@ def _download_checked(source: str, version: RegisteredVersion, tmp: Path) -> Pat
     else:
         raise RegistryError(f"{source}: version {version.version}'s download stays incomplete: "
                             f"{'; '.join(problems[:3])}")
-    from pipeline.sources import is_speculators_dir
-
-    found = sorted(p.parent for p in root.rglob("config.json")
-                   if (p.parent / "tokenizer_config.json").exists() or is_speculators_dir(p.parent))
+    found = sorted(p.parent for p in root.rglob("config.json") if is_checkpoint(p.parent))
     if not found:
         raise RegistryError(f"{source}: version {version.version} at {version.artifact_uri} holds no HF checkpoint "
                             "or speculators export")

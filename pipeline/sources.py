@@ -25,6 +25,7 @@ from pipeline import draftops_home, registry
 from pipeline.config import save_config
 from pipeline.files import write_text_atomic
 from pipeline.gguf_source import GGUFError, file_identity, gguf_checkpoint
+from pipeline.registry_cache import registry_checkpoint
 
 if TYPE_CHECKING:
     import torch
@@ -151,10 +152,8 @@ def is_speculators_dir(path) -> bool:
 
 def _registry_checkpoint(source: str) -> Path:
     """A registered version's files, downloaded once and checked every time (`pipeline.registry_cache`)."""
-    from pipeline.registry_cache import registry_checkpoint
-
     try:
-        return registry_checkpoint(source)
+        return registry_checkpoint(source, lambda d: (d / "tokenizer_config.json").exists() or is_speculators_dir(d))
     except registry.RegistryError as exc:
         raise SourceError(str(exc)) from None
 

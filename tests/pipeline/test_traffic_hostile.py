@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from pipeline.traffic import (
     TrafficError,
+    TruncationWarning,
     cut_messages,
     encode_prompts,
     load_traffic,
@@ -74,8 +75,9 @@ def test_a_huge_conversation_keeps_its_end_and_its_identity(tmp_path, tiny_token
     path = write(tmp_path / "t.jsonl", [line])
     whole, kept = load_traffic(path).requests[0], load_traffic(path, max_prompt_chars=prompt_char_bound(16)).requests[0]
     assert kept.id == whole.id and kept.cut > 0 and kept.messages[0]["content"].endswith("hello world")
-    (full_ids,), _ = encode_prompts([whole], tiny_tokenizer, 16)
-    (cut_ids,), truncated = encode_prompts([kept], tiny_tokenizer, 16)
+    with pytest.warns(TruncationWarning):
+        (full_ids,), _ = encode_prompts([whole], tiny_tokenizer, 16)
+        (cut_ids,), truncated = encode_prompts([kept], tiny_tokenizer, 16)
     assert cut_ids == full_ids and truncated == 1  # the same last 16 tokens, and counted as truncated
 
 
