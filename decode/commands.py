@@ -46,7 +46,9 @@ def decode_settings(cfg, args):
     """cfg.decode with the command line's sampling and length options applied (--gamma is passed to the factory)."""
     update = {name: getattr(args, name) for name in ("max_new_tokens", "temperature", "top_k", "top_p")
               if getattr(args, name, None) is not None}
-    return cfg.decode.model_copy(update=update)
+    from pipeline.config import validated_update
+
+    return validated_update(cfg.decode, update, prefix="decode.")  # the schema's checks, as key=value gets them
 
 
 def selected_requests(cfg, args):
@@ -73,7 +75,10 @@ def models_info(args) -> int:
     """`draftops models info SOURCE [--kernels]`: the checkpoint's facts; with --kernels also the CPU linear kernels
     `cpu_linear: auto` picks for its weight shapes on this machine."""
     from pipeline.sources import checkpoint_info, locate
+    from pipeline.tracking import check_tracking
 
+    if is_registry_uri(args.source):
+        check_tracking()  # the store MLFLOW_TRACKING_URI names answers now, or the command fails at once, naming it
     info = checkpoint_info(locate(args.source))
     if args.kernels:
         return models_info_kernels(args, info)

@@ -62,9 +62,25 @@ def save_training_state(accelerator, checkpoints: Path, step: int, state: dict, 
     accelerator.wait_for_everyone()
 
 
-def load_training_state(accelerator, checkpoint: Path) -> dict:
+class UnsafeCheckpoint(ValueError):
+    """A checkpoint to resume from that is not entirely the job's own files."""
+
+
+def check_own_checkpoint(checkpoint: Path, job_dir: Path) -> None:
+    """Refuse a checkpoint that is, or holds, a link or a file outside the job's folder: accelerate loads the
+    scheduler's and RNG states with `weights_only=False`, a pickle that can run code, so only files this job wrote
+    are ever loaded."""
+    root = job_dir.resolve()
+    for path in [checkpoint, *checkpoint.rglob("*")]:
+        if path.is_symlink() or not path.resolve().is_relative_to(root):
+            raise UnsafeCheckpoint(f"{path}: not resuming from it: a resumable checkpoint is loaded only from the "
+                                   f"job's own folder {root} (no links), as its states are pickles")
+
+
+def load_training_state(accelerator, checkpoint: Path, job_dir: Path) -> dict:
     """Restores what `save_training_state` wrote (model, optimizer, registered scheduler, RNG states) and returns
-    our step/best/history."""
+    our step/best/history; only from the job's own folder (`check_own_checkpoint`)."""
+    check_own_checkpoint(checkpoint, job_dir)
     accelerator.load_state(str(checkpoint))
     return json.loads((checkpoint / STATE_FILE).read_text())
 

@@ -147,7 +147,8 @@ def log_and_register(cfg: DraftopsConfig, result, *, target_fingerprint: str, ta
         version, alias = registry.register(
             result.export_dir, cfg.tracking.registered_model, tags=tags, job=result.job_dir.name,
             description=describe_draft(cfg, result, info, target_fingerprint=target_fingerprint,
-                                       target_source=target_source), alias=alias)
+                                       target_source=target_source), alias=alias,
+            lock_timeout=cfg.tracking.lock_timeout)
         client = MlflowClient()
         client.update_run(run.info.run_id, name=f"draft-v{version.version}-{cfg.distill.loss}")
         client.set_tag(run.info.run_id, "mlflow.note.content",

@@ -127,7 +127,7 @@ def train_loop(cfg: DraftopsConfig, accelerator, target, tokenizer, draft, data:
     state = {"step": 0, "history": [], "evals": [], "best": None}
     last = latest_checkpoint(checkpoints) if d.resume else None
     if last is not None:
-        state = load_training_state(accelerator, last)
+        state = load_training_state(accelerator, last, job_dir)
         accelerator.print(f"draftops distill: resuming from {last} (step {state['step']} of {total_steps})")
 
     bar = tqdm(total=total_steps, initial=state["step"], desc="distill", unit="step",

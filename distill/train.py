@@ -24,7 +24,7 @@ from decode.models.feature_draft import FEATURES, default_feature_layers
 from decode.models.layer_draft import frequent_token_ids
 from decode.serving.loading import load_model
 from decode.tree_budget import TREE_BUDGETS, rank_acceptance
-from distill.checkpoints import job_key, load_best, point_latest
+from distill.checkpoints import UnsafeCheckpoint, job_key, load_best, point_latest
 from distill.export import export_draft, log_and_register
 from distill.features import cached_features
 from distill.heldout_eval import exact_eval, feature_eval
@@ -34,6 +34,7 @@ from distill.responses import cached_responses, generation_model
 from distill.step import draft_module
 from pipeline.config import DraftopsConfig, load_config
 from pipeline.files import write_text_atomic
+from pipeline.locks import EXIT_BUSY, ModelBusy
 from pipeline.metrics import size_alias
 from pipeline.registry import set_alias, version_uri
 from pipeline.sources import HF_ASSISTANT_DIR
@@ -152,7 +153,7 @@ def register_once(cfg: DraftopsConfig, result: DistillResult, target, alias: str
     family's `layers-N`) is pointed at its version either way."""
     if result.version is not None:
         if alias is not None:
-            set_alias(cfg.tracking.registered_model, alias, result.version)
+            set_alias(cfg.tracking.registered_model, alias, result.version, lock_timeout=cfg.tracking.lock_timeout)
             result.alias = alias
         return result
     result.run_id, result.version, result.alias = log_and_register(
@@ -321,9 +322,12 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLoss as exc:
         print(f"draftops distill: error: {exc}", file=sys.stderr)
         return 3
-    except (TrackingUnavailable, NothingToRegister) as exc:
+    except (TrackingUnavailable, NothingToRegister, UnsafeCheckpoint) as exc:
         print(f"draftops distill: error: {exc}", file=sys.stderr)
         return 2
+    except ModelBusy as exc:  # registration waited tracking.lock_timeout for a check; the draft is kept
+        print(f"draftops distill: {exc}", file=sys.stderr)
+        return EXIT_BUSY
     return 0
 
 

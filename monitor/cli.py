@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -41,19 +42,38 @@ def check_command(args) -> int:
     except (RegistryError, TrackingUnavailable) as exc:
         print(f"draftops: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    except Exception as exc:
-        logging.getLogger("draftops.monitor").exception("monitor check failed")
+    except Exception as exc:  # one line here; the traceback goes to a file and to the check's FAILED run
+        where = _save_traceback(cfg, exc)
         log_failed_check(cfg, exc)
-        print(f"draftops: error: monitor check failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        first = (str(exc).strip().splitlines() or [""])[0][:500]
+        print(f"draftops: error: monitor check failed: {type(exc).__name__}: {first} (traceback: {where})",
+              file=sys.stderr)
         return EXIT_ERROR
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.summary())
     return report.exit_code
 
 
+def _save_traceback(cfg, exc: BaseException) -> str:
+    """Write the failed check's traceback to `<monitor.state_dir>/check-error.txt`; where it went."""
+    import traceback
+
+    path = Path(cfg.monitor.state_dir) / "check-error.txt"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(traceback.format_exception(exc)))
+    except OSError:
+        logging.getLogger("draftops.monitor").exception("monitor check failed")
+        return "stderr"
+    return str(path)
+
+
 def serve_command(args) -> int:
     from monitor.service import serve
+    from pipeline.config import load_config
+    from pipeline.tracking import check_tracking
 
     _setup_logging()
+    check_tracking(load_config(args.config))  # a service that cannot track its checks does not start
     return serve(args.config, run_now=args.run_now)
 
 
@@ -64,7 +84,11 @@ def simulate_command(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     m = cfg.monitor
-    pairs = _read_pairs(args.pairs) if args.pairs else None
+    try:
+        pairs = _read_pairs(args.pairs) if args.pairs else None
+    except ValueError as exc:
+        print(f"draftops: error: --pairs {args.pairs}: {exc}", file=sys.stderr)
+        return 2
     if args.server:
         return _simulate_server(cfg, pairs, args)
     result = simulate_checks(args.n or m.heldout_requests, m.level, m.margin, drops=m.simulate_drops,
@@ -100,19 +124,40 @@ def _simulate_server(cfg, windows, args) -> int:
 
 
 def _read_pairs(path: str) -> list[tuple[float, float]]:
-    """Per-prompt (accepted, drafted): a JSON list of pairs, or an object with 'accepted' and 'drafted' lists."""
-    data = json.loads(Path(path).read_text())
+    """Per-prompt (accepted, drafted): a JSON list of pairs, or an object with 'accepted' and 'drafted' lists of one
+    length; at least two pairs of finite numbers, 0 <= accepted <= drafted. ValueError saying what is wrong."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"cannot be read: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"not a JSON file: {exc}") from None
     if isinstance(data, dict):
-        return list(zip(data["accepted"], data["drafted"]))
-    return [tuple(p) for p in data]
+        if not isinstance(data.get("accepted"), list) or not isinstance(data.get("drafted"), list):
+            raise ValueError("an object needs 'accepted' and 'drafted' lists")
+        if len(data["accepted"]) != len(data["drafted"]):
+            raise ValueError("'accepted' and 'drafted' differ in length")
+        data = list(zip(data["accepted"], data["drafted"]))
+    if not isinstance(data, list) or len(data) < 2:
+        raise ValueError("needs a list of at least two [accepted, drafted] pairs")
+    pairs = []
+    for i, pair in enumerate(data):
+        if (not isinstance(pair, (list, tuple)) or len(pair) != 2
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in pair)
+                or not 0 <= pair[0] <= pair[1]):
+            raise ValueError(f"pair {i} is {pair!r}: needs two finite numbers, 0 <= accepted <= drafted")
+        pairs.append((float(pair[0]), float(pair[1])))
+    return pairs
 
 
 def rollback_command(args) -> int:
     from monitor.check import rollback
     from monitor.service import EXIT_BUSY
     from pipeline.config import load_config
+    from pipeline.tracking import check_tracking
 
     cfg = load_config(args.config, args.overrides)
+    check_tracking(cfg)  # an operator's command during an outage fails at once, naming the server
     try:
         version = rollback(cfg, to_version=args.to_version)
     except ModelBusy as exc:
@@ -155,11 +200,11 @@ def target_finetune_command(args) -> int:
 def report_command(args) -> int:
     from monitor.report import build_report
     from pipeline.config import load_config
-    from pipeline.tracking import tracking_uri as default_tracking_uri
+    from pipeline.tracking import check_tracking
 
     cfg = load_config(args.config, args.overrides)
     text = build_report(args.model or cfg.tracking.registered_model, fmt=args.format,
-                        tracking_uri=default_tracking_uri(cfg), checks=args.checks)
+                        tracking_uri=check_tracking(cfg), checks=args.checks)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text)

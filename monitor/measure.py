@@ -21,7 +21,7 @@ from decode.factory import build_decoder
 from distill.responses import cached_responses
 from monitor.stats import PromptAcceptance
 from pipeline.config import DraftopsConfig
-from pipeline.traffic import chronological, encode_prompts, load_traffic
+from pipeline.traffic import chronological, encode_prompts, load_configured_traffic
 
 
 @dataclass
@@ -83,8 +83,7 @@ def heldout_by_recency(cfg: DraftopsConfig) -> list:
     """All held-out requests, oldest first (by the instant they were logged, then log order); the last N are the most
     recent."""
 
-    traffic = load_traffic(cfg.traffic.path, skip_malformed=cfg.traffic.skip_malformed,
-                           since=cfg.traffic.since, until=cfg.traffic.until)
+    traffic = load_configured_traffic(cfg.traffic)
     return chronological(traffic.split("heldout", cfg.traffic.heldout_fraction))
 
 

@@ -37,8 +37,11 @@ server) has no acceptance and is not kept either. Changing the URL or the model 
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -59,6 +62,7 @@ PER_POSITION = "spec_decode_num_accepted_tokens_per_pos_total"
 STATE_FILE = "server_metrics.json"
 # the text format prometheus_client's parser reads; asked for so that a server able to answer in OpenMetrics does not
 ACCEPT = "text/plain; version=0.0.4"
+MAX_SCRAPE_BYTES = 64 << 20  # a vLLM page with many label sets is a few MiB
 
 
 class ServerMetricsError(RuntimeError):
@@ -155,22 +159,53 @@ def parse_spec_counters(text: str, model_name: str | None = None) -> SpecCounter
 
 
 def scrape(url: str, timeout: float = 10.0) -> str:
-    """The text a metrics endpoint answers; a ServerMetricsError that says why when it does not."""
+    """The text a metrics endpoint answers, whole within `timeout` seconds (an overall deadline: an endpoint that
+    trickles its answer is cut off, never waited on); a ServerMetricsError that says why when it does not. The
+    request runs in a daemon thread, so that not even a server that sends its headers slowly outlasts the deadline."""
+    result: dict[str, object] = {}
+    worker = threading.Thread(target=lambda: result.update(_fetch(url, timeout)), daemon=True, name="scrape")
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive() or not result:
+        raise ServerMetricsError(f"{url}: no complete answer within {timeout:g} s (monitor.server_timeout)")
+    if "error" in result:
+        raise ServerMetricsError(str(result["error"]))
+    return str(result["text"])
+
+
+def _fetch(url: str, timeout: float) -> dict[str, object]:
+    """{"text": ...} or {"error": ...}; reads in pieces, each given the time left, and stops at the deadline."""
+    deadline = time.monotonic() + timeout
     request = urllib.request.Request(url, headers={"Accept": ACCEPT})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.read().decode("utf-8")
+            sock = getattr(getattr(response.fp, "raw", None), "_sock", None)
+            body = bytearray()
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                if sock is not None:
+                    sock.settimeout(left)
+                chunk = response.read1(1 << 16)
+                if not chunk:
+                    return {"text": body.decode("utf-8")}
+                body += chunk
+                if len(body) > MAX_SCRAPE_BYTES:
+                    return {"error": f"{url}: the answer exceeds {MAX_SCRAPE_BYTES >> 20} MiB: not a metrics page"}
     except urllib.error.HTTPError as exc:
         hint = " (llama-server serves /metrics only with --metrics)" if exc.code in (404, 501) else ""
-        raise ServerMetricsError(f"{url}: HTTP {exc.code} {exc.reason}{hint}") from None
+        return {"error": f"{url}: HTTP {exc.code} {exc.reason}{hint}"}
     except urllib.error.URLError as exc:
         if isinstance(exc.reason, TimeoutError):
-            raise ServerMetricsError(f"{url}: no answer within {timeout:g} s") from None
-        raise ServerMetricsError(f"{url}: server unreachable: {exc.reason}") from None
+            return {"error": f"{url}: no complete answer within {timeout:g} s (monitor.server_timeout)"}
+        return {"error": f"{url}: server unreachable: {exc.reason}"}
     except TimeoutError:
-        raise ServerMetricsError(f"{url}: no answer within {timeout:g} s") from None
+        return {"error": f"{url}: no complete answer within {timeout:g} s (monitor.server_timeout)"}
     except UnicodeDecodeError as exc:
-        raise ServerMetricsError(f"{url}: the answer is not UTF-8 text: {exc}") from None
+        return {"error": f"{url}: the answer is not UTF-8 text: {exc}"}
+    except (OSError, ValueError, http.client.HTTPException) as exc:  # a reset connection, a malformed answer
+        return {"error": f"{url}: {type(exc).__name__}: {exc}"}
 
 
 def window_between(previous: SpecCounters | None, current: SpecCounters) -> tuple[SpecCounters | None, bool]:

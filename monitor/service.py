@@ -27,6 +27,7 @@ from apscheduler.triggers.cron import CronTrigger
 from apscheduler.util import ref_to_obj
 
 from monitor.decision import EXIT_ERROR
+from pipeline import locks
 from pipeline import metrics as M
 from pipeline.config import DraftopsConfig, load_config
 from pipeline.locks import ModelBusy, model_lock
@@ -37,7 +38,7 @@ log = logging.getLogger("draftops.monitor")
 JOB_ID = "draftops-monitor-check"
 SCHEDULED_JOB = "monitor.service:run_scheduled_check"
 DEFAULT_CHECK = "monitor.check:scheduled_check"  # callable(cfg) -> exit code, run under the lock
-EXIT_BUSY = 75  # EX_TEMPFAIL: another check or retrain holds the lock; try again later
+EXIT_BUSY = locks.EXIT_BUSY  # another check or retrain holds the lock; try again later
 
 
 def state_dir(cfg: DraftopsConfig) -> Path:

@@ -29,11 +29,12 @@ def traffic_stats(args) -> int:
     from transformers import AutoTokenizer
 
     from pipeline.sources import locate
-    from pipeline.traffic import encode_prompts, load_traffic
+    from pipeline.traffic import encode_prompts, load_traffic, prompt_char_bound
 
-    traffic = load_traffic(args.file, skip_malformed=args.skip_malformed, since=args.since, until=args.until)
+    traffic = load_traffic(args.file, skip_malformed=args.skip_malformed, since=args.since, until=args.until,
+                           max_prompt_chars=prompt_char_bound(args.max_tokens))
     tokenizer = AutoTokenizer.from_pretrained(locate(args.tokenizer).path)
-    ids, truncated = encode_prompts(traffic.requests, tokenizer, max_prompt_tokens=10**9)
+    ids, truncated = encode_prompts(traffic.requests, tokenizer, max_prompt_tokens=args.max_tokens)
     lengths = np.array([len(x) for x in ids])
     payload = {
         "file": str(traffic.path),
@@ -42,6 +43,7 @@ def traffic_stats(args) -> int:
         "train": len(traffic.split("train", args.heldout_fraction)),
         "heldout": len(traffic.split("heldout", args.heldout_fraction)),
         "prompt_tokens": {f"p{q}": int(np.percentile(lengths, q)) for q in (5, 25, 50, 75, 95, 100)},
+        f"longer_than_{args.max_tokens}_tokens": truncated,
         "malformed": len(traffic.malformed),
         "duplicates": traffic.duplicates,
         "outside_window": traffic.outside_window,
@@ -64,6 +66,13 @@ def config_show(args) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be a positive integer")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="draftops",
@@ -76,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--tokenizer", default="smollm2-135m-instruct", help="model source whose tokenizer counts")
     stats.add_argument("--heldout-fraction", type=float, default=0.1)
     stats.add_argument("--skip-malformed", action="store_true", help="skip and count bad lines instead of failing")
+    stats.add_argument("--max-tokens", type=_positive_int, default=32768,
+                       help="count a prompt's tokens up to this many (longer ones are counted as this many and "
+                            "reported; what bounds the memory a huge request takes)")
     stats.add_argument("--since", help="only requests logged at or after this time (ISO-8601 or epoch s/ms)")
     stats.add_argument("--until", help="only requests logged before this time")
     stats.add_argument("--json", action="store_true")
@@ -93,10 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Exit codes: 0 done, 2 a one-line error (bad input, config, source, registry, traffic, an
+    unreachable or failing tracking store), 75 the registered model is busy (another process holds its lock); the
+    monitor's own (3 DRIFT) are in `monitor.decision`."""
     from pipeline.config import ConfigError
+    from pipeline.locks import EXIT_BUSY, ModelBusy
     from pipeline.registry import RegistryError
     from pipeline.sources import SourceError, TokenizerMismatch
-    from pipeline.tracking import TrackingUnavailable
+    from pipeline.tracking import TrackingUnavailable, store_error_line
     from pipeline.traffic import TrafficError
 
     parser = build_parser()
@@ -111,6 +127,15 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except (ConfigError, RegistryError, SourceError, TokenizerMismatch, TrackingUnavailable, TrafficError) as exc:
         print(f"draftops: error: {exc}", file=sys.stderr)
+        return 2
+    except ModelBusy as exc:
+        print(f"draftops: {exc}", file=sys.stderr)
+        return EXIT_BUSY
+    except Exception as exc:
+        line = store_error_line(exc)
+        if line is None:
+            raise
+        print(f"draftops: error: {line}", file=sys.stderr)
         return 2
 
 

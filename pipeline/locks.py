@@ -1,10 +1,14 @@
 """One lock per registered model, shared by every process that changes the model (a check with its retraining and
-promotion, a rollback, a registration), whatever its working directory."""
+promotion, a rollback, a registration), whatever its working directory.
+
+No process waits for it without a bound: a check and a rollback give up at once (or after `monitor.lock_timeout`), a
+registration or an alias move after `tracking.lock_timeout`, each with one line naming the lock file."""
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import logging
+import re
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,12 +18,24 @@ from filelock import FileLock, Timeout
 from pipeline import draftops_home
 
 LOCKS_DIR = ".draftops-locks"
+EXIT_BUSY = 75  # EX_TEMPFAIL: the exit code of a command that found the model busy; try again later
+DEFAULT_WAIT = 1800.0  # `tracking.lock_timeout`: seconds a registration waits for a check (with its retraining)
 log = logging.getLogger(__name__)
 _locks: dict[str, FileLock] = {}  # one lock object per path: reentrant within a thread (a check that registers)
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
 class ModelBusy(RuntimeError):
     """Another process holds the lock of a registered model (a check, a retrain, a promotion, a rollback)."""
+
+
+def lock_file_name(name: str) -> str:
+    """The lock's file name for registered model `name`: the name itself when it is a plain file name, else a safe
+    spelling of it with a hash (a name such as `../../x` never reaches outside the lock folder)."""
+    if _PLAIN_NAME.fullmatch(name) and ".." not in name:
+        return f"{name}.lock"
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")[:60] or "model"
+    return f"{safe}-{hashlib.sha256(name.encode()).hexdigest()[:12]}.lock"
 
 
 def lock_path(name: str, uri: str) -> Path:
@@ -33,13 +49,16 @@ def lock_path(name: str, uri: str) -> Path:
         base = Path(parsed.path).resolve() / LOCKS_DIR
     else:
         base = draftops_home() / "locks" / hashlib.sha256(uri.encode()).hexdigest()[:12]
-    return base / f"{name}.lock"
+    return base / lock_file_name(name)
 
 
 @contextlib.contextmanager
-def model_lock(name: str, uri: str, *, timeout: float | None = 0.0) -> Iterator[Path]:
-    """Hold the lock of registered model `name`; wait up to `timeout` seconds (None: as long as it takes), else raise
-    `ModelBusy`. Check, retrain, promotion, rollback and registration all take it."""
+def model_lock(name: str, uri: str, *, timeout: float = 0.0, then: str = "") -> Iterator[Path]:
+    """Hold the lock of registered model `name`; wait up to `timeout` seconds (never without a bound), else raise
+    `ModelBusy` with one line (ending with `then`, what the caller can do instead). Check, retrain, promotion,
+    rollback and registration all take it."""
+    if timeout is None or timeout < 0:
+        raise ValueError(f"model_lock needs a finite timeout, not {timeout!r}")
     path = lock_path(name, uri)
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = _locks.setdefault(str(path), FileLock(path))
@@ -47,13 +66,13 @@ def model_lock(name: str, uri: str, *, timeout: float | None = 0.0) -> Iterator[
         lock.acquire(timeout=0)
     except Timeout:
         if timeout == 0:
-            raise ModelBusy(f"registered model '{name}' is busy: another process holds {path}") from None
-        log.info("waiting for %s (registered model '%s' is busy)", path, name)
+            raise ModelBusy(f"registered model '{name}' is busy: another process holds {path}{then}") from None
+        log.info("waiting up to %g s for %s (registered model '%s' is busy)", timeout, path, name)
         try:
-            lock.acquire(timeout=-1 if timeout is None else timeout)
+            lock.acquire(timeout=timeout)
         except Timeout:
             raise ModelBusy(f"registered model '{name}' stayed busy for {timeout:g} s: another process holds "
-                            f"{path}") from None
+                            f"{path}{then}") from None
     try:
         yield path
     finally:

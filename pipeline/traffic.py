@@ -14,20 +14,30 @@ request logged again under the same id with the same messages (a client's retry,
 once and counted in `Traffic.duplicates`; the same id with other messages is a malformed line. A path may be a glob
 of rotated logs (`logs/requests-*.jsonl`, `.gz` files read as gzip), read in the sorted order of the file names; the
 times, not the files, decide which requests are the most recent (`chronological`).
+
+Reading is total: every non-blank line yields a request or a `file:line: reason` error (raised, or skipped and counted
+with `skip_malformed`), whatever it holds: JSON nested past the parser's depth, lone UTF-16 surrogates (a tokenizer
+cannot encode them), bytes that are not UTF-8, or a line longer than `max_line_bytes` (read in pieces, never held
+whole). A prompt is cut to a bound of characters derived from the token budget (`prompt_char_bound`) before it is
+tokenized, so that one huge request costs memory in proportion to the configuration, not to its size.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import gzip
 import hashlib
 import json
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
+from pipeline.prompts import TruncationWarning as TruncationWarning  # re-exported: callers import them from here
+from pipeline.prompts import cut_messages, prompt_char_bound
+from pipeline.prompts import encode_prompt as encode_prompt
+from pipeline.prompts import encode_prompts as encode_prompts
 from pipeline.serving_logs import (
     BODY_KEYS,
     ID_KEYS,
@@ -44,14 +54,15 @@ Split = Literal["train", "heldout", "all"]
 Instant = str | int | float | datetime
 _GLOB_CHARACTERS = "*?["
 _EPOCH = datetime.fromtimestamp(0, timezone.utc)
+DEFAULT_MAX_LINE_BYTES = 64 << 20  # `traffic.max_line_bytes`
+_SKIP_CHUNK = 1 << 20
+# What reading one line may raise on hostile content (a ValueError covers JSON, UTF-8 and the checks here; the JSON
+# reader raises RecursionError past its depth): a bad line, never a crash.
+_LINE_ERRORS = (ValueError, TypeError, OverflowError, RecursionError)
 
 
 class TrafficError(ValueError):
     """A traffic file or line that cannot be read; the message starts with `file:line:`."""
-
-
-class TruncationWarning(UserWarning):
-    """A prompt longer than the configured context was cut; callers count these."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +73,7 @@ class Request:
     ts: str | None = None  # the time as logged
     line: int = 0
     instant: datetime | None = None  # the time parsed, in UTC
+    cut: int = 0  # characters dropped from the start of the conversation when read (`max_prompt_chars`)
 
 
 @dataclass
@@ -159,14 +171,18 @@ def _messages_of(record: dict) -> list[dict]:
 
 
 def parse_line(text: str, line: int = 0) -> Request:
-    record = json.loads(text)
+    """One log line as a request; ValueError (with the reason) for anything else, whatever the line holds."""
+    try:
+        record = json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested deeper than the reader allows") from None
     if not isinstance(record, dict):
         raise ValueError("a line must be a JSON object")
     body = request_body(record)
     messages = tuple(_messages_of(body))
     id_key, request_id = envelope_field(record, body, ID_KEYS)
     if request_id is None:  # content hash: stable however the log grows
-        request_id = "sha-" + hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()[:16]
+        request_id = "sha-" + _digest(messages)
     elif isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
         raise ValueError(f"'{id_key}' must be a string or an integer")
     _, category = envelope_field(record, body, ("category",))
@@ -178,58 +194,137 @@ def parse_line(text: str, line: int = 0) -> Request:
         instant = None if ts is None else parse_instant(ts)
     except ValueError as exc:
         raise ValueError(f"'{time_key}': {exc}") from None
-    return Request(str(request_id), category, messages, None if ts is None else str(ts), line, instant)
+    request = Request(str(request_id), category, messages, None if ts is None else str(ts), line, instant)
+    _check_encodable(request)
+    return request
 
 
-def _raw_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """Numbered raw lines; bytes, so that a bad byte is reported with its line. `.gz` files are decompressed."""
+def _digest(messages: tuple[dict, ...]) -> str:
+    return hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _check_encodable(request: Request) -> None:
+    """Every string kept is valid Unicode: JSON's `\\ud800` escapes decode to lone surrogates, which no tokenizer
+    (and no UTF-8 file) takes."""
+    pending: list[object] = [request.id, request.category, request.ts, *request.messages]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, dict):
+            pending.extend(value.keys())
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"a lone UTF-16 surrogate {value[exc.start]!r} (not text) at character "
+                                 f"{exc.start} of {value[:40]!r}") from None
+
+
+def _raw_lines(path: Path, max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:
+    """Numbered raw lines, as bytes so that a bad byte is reported with its line; None for a line longer than
+    `max_line_bytes`, whose rest is read in pieces and dropped. `.gz` files are decompressed."""
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rb") as f:
-            yield from enumerate(f, start=1)
+            line_no = 0
+            while True:
+                raw = f.readline(max_line_bytes + 1)
+                if not raw:
+                    return
+                line_no += 1
+                if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+                    while (rest := f.readline(_SKIP_CHUNK)) and not rest.endswith(b"\n"):
+                        pass
+                    raw = None
+                yield line_no, raw
     except (OSError, EOFError) as exc:  # a truncated or corrupt gzip file
         raise TrafficError(f"{path}: cannot be read: {exc}") from None
 
 
-def load_traffic(path: str | Path = "default", *, skip_malformed: bool = False, since: Instant | None = None,
-                 until: Instant | None = None) -> Traffic:
-    """Read and validate a traffic log (a file or a glob). A bad line fails as `file:line: reason`, or is skipped and
-    counted. With `since` / `until` (any time `pipeline.serving_logs.parse_instant` reads, or a datetime), only the
-    requests logged at or after `since` and before `until` are kept, and a request without a time is malformed."""
-    path = resolve_traffic_path(path)
-    start, end = _window_bound("since", since), _window_bound("until", until)
-    traffic = Traffic(path, [], files=traffic_files(path))
-    first_seen: dict[str, tuple[tuple[dict, ...], str]] = {}  # id -> (messages, "file:line")
-    for file in traffic.files:
-        for line_no, raw in _raw_lines(file):
-            if not raw.strip():
+class _Reader:
+    """One pass over a traffic log: requests kept, retries and lines outside the window counted, bad lines raised or
+    recorded."""
+
+    def __init__(self, traffic: Traffic, skip_malformed: bool, window: tuple[datetime | None, datetime | None],
+                 max_prompt_chars: int | None):
+        self.traffic, self.skip_malformed, self.window = traffic, skip_malformed, window
+        self.max_prompt_chars = max_prompt_chars
+        self.first_seen: dict[str, tuple[str, str]] = {}  # id -> (digest of its messages, "file:line")
+
+    def read(self, file: Path, max_line_bytes: int) -> None:
+        for line_no, raw in _raw_lines(file, max_line_bytes):
+            if raw is not None and not raw.strip():
                 continue
             try:
-                request = parse_line(raw.decode("utf-8"), line_no)  # UnicodeDecodeError is a ValueError
-                earlier = first_seen.get(request.id)
-                if earlier is not None and earlier[0] != request.messages:
-                    raise ValueError(f"duplicate id {request.id!r} with other messages than at {earlier[1]}")
-                if request.instant is None and (start, end) != (None, None):
-                    raise ValueError("no time, but the traffic is read between `since` and `until`")
-            except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-                reason = f"{file}:{line_no}: {exc}"
-                if not skip_malformed:
-                    raise TrafficError(reason + " (use traffic.skip_malformed=true to skip such lines)") from None
-                traffic.malformed.append(reason)
+                if raw is None:
+                    raise ValueError(f"a line longer than traffic.max_line_bytes={max_line_bytes}")
+                request, digest = self._request(raw, line_no)
+            except _LINE_ERRORS as exc:
+                self._malformed(f"{file}:{line_no}: {exc}")
                 continue
-            if earlier is not None:
-                traffic.duplicates += 1
-                continue
-            first_seen[request.id] = (request.messages, f"{file}:{line_no}")
-            if request.instant is not None and ((start is not None and request.instant < start)
-                                                or (end is not None and request.instant >= end)):
-                traffic.outside_window += 1
+            earlier = self.first_seen.get(request.id)
+            if earlier is not None and earlier[0] != digest:
+                self._malformed(f"{file}:{line_no}: duplicate id {request.id!r} with other messages than at "
+                                f"{earlier[1]}")
+            elif request.instant is None and self.window != (None, None):
+                self._malformed(f"{file}:{line_no}: no time, but the traffic is read between `since` and `until`")
+            elif earlier is not None:
+                self.traffic.duplicates += 1
             else:
-                traffic.requests.append(request)
+                self.first_seen[request.id] = (digest, f"{file}:{line_no}")
+                self._keep(request)
+
+    def _request(self, raw: bytes, line_no: int) -> tuple[Request, str]:
+        request = parse_line(raw.decode("utf-8"), line_no)  # UnicodeDecodeError is a ValueError
+        digest = _digest(request.messages)
+        if self.max_prompt_chars is not None:
+            messages, cut = cut_messages(request.messages, self.max_prompt_chars)
+            if cut:
+                request = dataclasses.replace(request, messages=messages, cut=cut)
+        return request, digest
+
+    def _keep(self, request: Request) -> None:
+        start, end = self.window
+        if request.instant is not None and ((start is not None and request.instant < start)
+                                            or (end is not None and request.instant >= end)):
+            self.traffic.outside_window += 1
+        else:
+            self.traffic.requests.append(request)
+
+    def _malformed(self, reason: str) -> None:
+        if not self.skip_malformed:
+            raise TrafficError(reason + " (use traffic.skip_malformed=true to skip such lines)")
+        self.traffic.malformed.append(reason)
+
+
+def load_traffic(path: str | Path = "default", *, skip_malformed: bool = False, since: Instant | None = None,
+                 until: Instant | None = None, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+                 max_prompt_chars: int | None = None) -> Traffic:
+    """Read and validate a traffic log (a file or a glob). A bad line fails as `file:line: reason`, or is skipped and
+    counted. With `since` / `until` (any time `pipeline.serving_logs.parse_instant` reads, or a datetime), only the
+    requests logged at or after `since` and before `until` are kept, and a request without a time is malformed.
+    With `max_prompt_chars`, each request keeps only the last that many characters of its conversation (its id and
+    retry detection still see all of it)."""
+    path = resolve_traffic_path(path)
+    window = (_window_bound("since", since), _window_bound("until", until))
+    traffic = Traffic(path, [], files=traffic_files(path))
+    reader = _Reader(traffic, skip_malformed, window, max_prompt_chars)
+    for file in traffic.files:
+        reader.read(file, max_line_bytes)
     if not traffic.requests:
         outside = f" ({traffic.outside_window} outside since={since}, until={until})" if traffic.outside_window else ""
         raise TrafficError(f"{path}: no valid requests{outside}")
     return traffic
+
+
+def load_configured_traffic(traffic_cfg, path: str | Path | None = None) -> Traffic:
+    """`load_traffic` with the `traffic:` section's settings (a `pipeline.config.TrafficConfig`), prompts kept to
+    what `max_prompt_tokens` can use."""
+    return load_traffic(traffic_cfg.path if path is None else path, skip_malformed=traffic_cfg.skip_malformed,
+                        since=traffic_cfg.since, until=traffic_cfg.until, max_line_bytes=traffic_cfg.max_line_bytes,
+                        max_prompt_chars=prompt_char_bound(traffic_cfg.max_prompt_tokens))
 
 
 def _window_bound(name: str, value: Instant | None) -> datetime | None:
@@ -237,26 +332,3 @@ def _window_bound(name: str, value: Instant | None) -> datetime | None:
         return None if value is None else parse_instant(value)
     except ValueError as exc:
         raise TrafficError(f"traffic.{name}: {exc}") from None
-
-
-def encode_prompt(request: Request, tokenizer, max_prompt_tokens: int) -> list[int]:
-    """Chat template with the generation prompt; an over-long prompt keeps its last tokens (with a warning)."""
-    text = tokenizer.apply_chat_template(list(request.messages), add_generation_prompt=True, tokenize=False)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(ids) > max_prompt_tokens:
-        warnings.warn(f"request {request.id}: prompt of {len(ids)} tokens truncated to its last {max_prompt_tokens}",
-                      TruncationWarning, stacklevel=2)
-        ids = ids[-max_prompt_tokens:]
-    return ids
-
-
-def encode_prompts(requests: list[Request], tokenizer, max_prompt_tokens: int) -> tuple[list[list[int]], int]:
-    """Encode many prompts; returns the ids and how many were truncated (reported once, not per request)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", TruncationWarning)
-        encoded = [encode_prompt(r, tokenizer, max_prompt_tokens) for r in requests]
-    truncated = sum(issubclass(w.category, TruncationWarning) for w in caught)
-    if truncated:
-        warnings.warn(f"{truncated} of {len(requests)} prompts were longer than {max_prompt_tokens} tokens "
-                      "and were truncated", TruncationWarning, stacklevel=2)
-    return encoded, truncated

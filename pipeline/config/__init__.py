@@ -14,6 +14,7 @@ from pipeline.config.loading import (
     parse_overrides,
     reference_markdown,
     save_config,
+    validated_update,
 )
 from pipeline.config.monitor import MonitorConfig, TargetUpdateConfig
 from pipeline.config.run import DraftopsConfig, TrackingConfig, TrafficConfig
@@ -22,4 +23,5 @@ __all__ = [
     "AUTO", "DEFAULT_CONFIG_PATH", "DEFAULT_TREE_BUDGET_SCHEDULE", "REPO_CONFIGS", "ConfigError", "DecodeConfig",
     "DistillConfig", "DraftopsConfig", "LossName", "MonitorConfig", "Section", "TargetUpdateConfig", "TrackingConfig",
     "TrafficConfig", "iter_fields", "load_config", "parse_overrides", "reference_markdown", "save_config",
+    "validated_update",
 ]

@@ -10,5 +10,6 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # no setting is infinite or NaN: `decode.temperature=inf` is an error, not a decoder that samples nothing
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 

@@ -47,7 +47,11 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"command line: override '{item}' is not of the form key=value")
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except (yaml.YAMLError, RecursionError) as exc:
+            raise ConfigError(f"command line: {key.strip()}: not a YAML value: {str(exc).splitlines()[0]}") from None
+        _set_dotted(tree, key.strip(), value)
     return tree
 
 
@@ -68,8 +72,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not path.exists():
             raise ConfigError(f"{path}: config file not found")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not a text file (byte {exc.start} is not UTF-8)") from None
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+        except (yaml.YAMLError, RecursionError) as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of keys")
@@ -81,6 +89,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         return DraftopsConfig.model_validate(_merge(data, parse_overrides(overrides)))
     except ValidationError as exc:
         raise ConfigError(_format_errors(exc, "command line")) from None
+
+
+def validated_update(section: Section, update: dict[str, Any], prefix: str = "",
+                     origin: str = "command line") -> Section:
+    """`section` with `update` applied and validated by the schema, as a `key=value` override is: a command's own
+    options (`draftops decode --temperature`) never bypass the config's checks. `prefix` names the section in errors
+    (`decode.`)."""
+    try:
+        return type(section).model_validate({**section.model_dump(), **update})
+    except ValidationError as exc:
+        lines = []
+        for e in exc.errors():
+            key = prefix + ".".join(str(p) for p in e["loc"])
+            lines.append(f"{origin}: {key}: {e['msg']} (got {e.get('input')!r})")
+        raise ConfigError("\n".join(lines)) from None
 
 
 def save_config(cfg: DraftopsConfig, path: str | Path) -> Path:

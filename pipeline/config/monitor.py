@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from pipeline.config.base import Section
 
@@ -33,8 +33,9 @@ class MonitorConfig(Section):
         "vocabulary rows both heads share are kept); config, distill.init as configured."))
     promote_margin: float = Field(0.01, ge=0.0, lt=1.0, description=(
         "A challenger must beat the champion's acceptance by this much (paired test on the same held-out prompts)."))
-    schedule: str = Field("0 2 * * *", description="Crontab expression of the scheduled check (default nightly 02:00).")
-    timezone: str = Field("UTC", description="Time zone of the schedule.")
+    schedule: str = Field("0 2 * * *", description=(
+        "Crontab expression of the scheduled check (default nightly 02:00); checked when the config is loaded."))
+    timezone: str = Field("UTC", description="IANA time zone of the schedule (e.g. Europe/Paris).")
     misfire_grace_time: int = Field(3600, ge=1, description=(
         "Seconds after its time a missed check (service down) still runs, once, when the service comes back."))
     state_dir: str = Field("outputs/monitor", description=(
@@ -54,7 +55,32 @@ class MonitorConfig(Section):
     server_recent_windows: int = Field(3, ge=2, description=(
         "Latest windows compared with the server baseline (permutation test over windows, at monitor.level and "
         "monitor.margin); `draftops monitor simulate --server` shows its false-alarm rate and power."))
-    server_timeout: float = Field(10.0, gt=0.0, description="Seconds to wait for the metrics endpoint.")
+    server_timeout: float = Field(10.0, gt=0.0, description=(
+        "Seconds the whole scrape of the metrics endpoint may take (connecting, headers and body): an endpoint "
+        "that answers slowly is cut off at this deadline and the check goes on without it."))
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_timezone(cls, name: str) -> str:
+        import zoneinfo
+
+        try:
+            zoneinfo.ZoneInfo(name)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"unknown time zone {name!r} (an IANA name such as UTC or Europe/Paris)") from None
+        return name
+
+    @field_validator("schedule")
+    @classmethod
+    def _valid_schedule(cls, expression: str) -> str:
+        from apscheduler.triggers.cron import CronTrigger
+
+        try:
+            CronTrigger.from_crontab(expression, timezone="UTC")
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{expression!r} is not a crontab expression (minute hour day month weekday, e.g. "
+                             f"'0 2 * * *'): {exc}") from None
+        return expression
 
 
 class TargetUpdateConfig(Section):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from pipeline.config.base import Section
 from pipeline.config.decode import DecodeConfig
@@ -15,7 +15,12 @@ class TrafficConfig(Section):
     path: str = Field("default", description=(
         "Traffic JSONL file, or a glob of rotated logs (.gz too); 'default' is the traffic shipped with draftops."))
     heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Share of request ids held out (by hash).")
-    max_prompt_tokens: int = Field(512, ge=8, description="Prompts longer than this keep their last tokens.")
+    max_prompt_tokens: int = Field(512, ge=8, description=(
+        "Prompts longer than this keep their last tokens; a conversation is cut to 32 characters per token of this "
+        "budget before it is tokenized, so one huge request costs no more memory than the budget."))
+    max_line_bytes: int = Field(64 << 20, ge=1024, description=(
+        "A traffic line longer than this (bytes) is malformed, read in pieces and never held whole: with the cut "
+        "above, what bounds the memory one request can take."))
     skip_malformed: bool = Field(False, description="Skip and count malformed lines instead of failing.")
     since: str | float | None = Field(None, description=(
         "Keep requests logged at or after this time (ISO-8601, or epoch seconds/milliseconds); null: no bound."))
@@ -24,8 +29,29 @@ class TrafficConfig(Section):
 
 class TrackingConfig(Section):
     uri: str | None = Field(None, description="MLflow tracking URI; else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db.")
-    registered_model: str = Field("draftops-draft", description="Registered model that holds the draft versions.")
+    registered_model: str = Field("draftops-draft", description=(
+        "Registered model that holds the draft versions (no '/', '\\', '@', ':' or '..': it names URIs and the "
+        "model's lock file)."))
     system_metrics: bool = Field(True, description="Log CPU/GPU/memory usage with every run.")
+    http_timeout: int = Field(10, ge=1, description=(
+        "Seconds one request to a tracking server may take (MLFLOW_HTTP_REQUEST_TIMEOUT, unless set in the "
+        "environment)."))
+    http_retries: int = Field(2, ge=0, description=(
+        "Retries of a failed request to a tracking server (MLFLOW_HTTP_REQUEST_MAX_RETRIES, unless set in the "
+        "environment; MLflow's own default retries for minutes)."))
+    lock_timeout: float = Field(1800.0, ge=0.0, description=(
+        "Seconds a registration (or an alias move) waits for the registered model's lock, held by a check with its "
+        "retraining, before it gives up with one line; the draft stays in its job folder for `draftops distill "
+        "--register-only`."))
+
+    @field_validator("registered_model")
+    @classmethod
+    def _usable_name(cls, name: str) -> str:
+        bad = [c for c in ("/", "\\", "@", ":", "..") if c in name]
+        if not name.strip() or bad or any(ord(c) < 32 for c in name):
+            raise ValueError(f"{name!r} is not a usable registered model name"
+                             + (f" (it holds {' and '.join(repr(b) for b in bad)})" if bad else ""))
+        return name
 
 
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from monitor.service import EXIT_BUSY, JOB_ID, MonitorService, jobstore_path, run_scheduled_check
-from pipeline.config import load_config
+from pipeline.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 MARKER = "tests.monitor.jobs:append_marker"
@@ -187,12 +187,10 @@ def test_serve_stops_cleanly_on_sigterm(tmp_path):
 
 
 @pytest.mark.parametrize("schedule", ["not a cron", "61 2 * * *"])
-def test_bad_schedule_fails_at_start(tmp_path, schedule):
+def test_bad_schedule_fails_when_the_config_is_loaded(tmp_path, schedule):
     cfg = write_config(tmp_path, schedule=schedule)
-    service = MonitorService(cfg)
-    with pytest.raises(ValueError):
-        service.start()
-    service.stop()
+    with pytest.raises(ConfigError, match="monitor.schedule: .*not a crontab expression"):
+        MonitorService(cfg)
 
 
 def test_serve_without_a_config_uses_the_default_config(tmp_path, monkeypatch):
