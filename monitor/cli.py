@@ -1,5 +1,5 @@
-"""`draftops monitor check | serve | simulate | rollback | demo` and `draftops target finetune` (a rehearsed target
-update).
+"""`draftops monitor check | serve | simulate | rollback | deploy | demo` and `draftops target finetune` (a rehearsed
+target update).
 
 Command handlers import the modules their command runs when they run: the one documented exception to imports at the
 top, so that building `draftops`' parser loads neither torch, transformers nor mlflow (tests/test_layout.py)."""
@@ -109,6 +109,7 @@ def _read_pairs(path: str) -> list[tuple[float, float]]:
 
 def rollback_command(args) -> int:
     from monitor.check import rollback
+    from monitor.deploy import DeployError, ensure_deployed
     from monitor.service import EXIT_BUSY
     from pipeline.config import load_config
 
@@ -119,7 +120,36 @@ def rollback_command(args) -> int:
         print(f"draftops: {exc}; not rolling back (try again when it is free)", file=sys.stderr)
         return EXIT_BUSY
     print(f"{cfg.tracking.registered_model}@{M.CHAMPION} -> version {version}")
+    if cfg.monitor.deploy.enabled:  # the rolled-back champion deployed too (its kept folder when there is one)
+        try:
+            result = ensure_deployed(cfg)
+        except DeployError as exc:
+            print(f"draftops: error: {exc}", file=sys.stderr)
+            return 2
+        print(result.summary())
+        return 0 if result.reloaded or result.action == "none" else 2
     return 0
+
+
+def deploy_command(args) -> int:
+    from monitor.deploy import DeployError, ensure_deployed, rollback_deployment
+    from monitor.service import EXIT_BUSY, check_lock
+    from pipeline.config import load_config
+
+    _setup_logging()
+    cfg = load_config(args.config, args.overrides)
+    try:
+        with check_lock(cfg):
+            result = (rollback_deployment(cfg, "rolled back by hand") if args.rollback
+                      else ensure_deployed(cfg, force=args.force))
+    except ModelBusy as exc:
+        print(f"draftops: {exc}; not deploying (try again when it is free)", file=sys.stderr)
+        return EXIT_BUSY
+    except (DeployError, RegistryError) as exc:
+        print(f"draftops: error: {exc}", file=sys.stderr)
+        return 2
+    print(result.summary())
+    return 0 if result.reloaded or result.action == "none" else 2
 
 
 def demo_command(args) -> int:
@@ -180,7 +210,8 @@ def add_commands(subparsers) -> None:
         return parser
 
     check = with_config(actions.add_parser(
-        "check", help="measure the champion now; exit 0 OK, 3 DRIFT, 2 error, 75 another check running"))
+        "check", help="measure the champion now; exit 0 OK, 3 DRIFT, 4 DEPLOY_MISMATCH (the engine does not show the "
+                      "deployed draft's acceptance), 2 error, 75 another check running"))
     check.add_argument("--json", action="store_true")
     check.set_defaults(handler=check_command)
 
@@ -212,6 +243,14 @@ def add_commands(subparsers) -> None:
     rollback = with_config(actions.add_parser("rollback", help="move the champion alias back to the previous one"))
     rollback.add_argument("--to-version", help="a specific version instead of the previous champion")
     rollback.set_defaults(handler=rollback_command)
+
+    deploy = with_config(actions.add_parser(
+        "deploy", help="export the champion into monitor.deploy.dir, switch `current` to it and reload the engine "
+                       "(nothing when it is deployed); exit 0 done, 2 failed, 75 busy"))
+    deploy.add_argument("--force", action="store_true", help="export and reload again even where it is deployed")
+    deploy.add_argument("--rollback", action="store_true",
+                        help="switch `current` back to the previous deployment instead (the registry is unchanged)")
+    deploy.set_defaults(handler=deploy_command)
 
     target = subparsers.add_parser("target", help="target model updates (to rehearse a target change)")
     actions = target.add_subparsers(dest="action", required=True)

@@ -6,6 +6,7 @@ from typing import Literal
 from pydantic import Field
 
 from pipeline.config.base import Section
+from pipeline.config.deploy import DeployConfig
 
 
 class MonitorConfig(Section):
@@ -55,6 +56,7 @@ class MonitorConfig(Section):
         "Latest windows compared with the server baseline (permutation test over windows, at monitor.level and "
         "monitor.margin); `draftops monitor simulate --server` shows its false-alarm rate and power."))
     server_timeout: float = Field(10.0, gt=0.0, description="Seconds to wait for the metrics endpoint.")
+    deploy: DeployConfig = DeployConfig()
 
 
 class TargetUpdateConfig(Section):
