@@ -221,7 +221,8 @@ class DeployResult:
 
     def summary(self) -> str:
         if self.deployment is None or self.action == "none":
-            return "deploy: " + ("; ".join(self.notes) or "nothing to do")
+            return "deploy: " + ("; ".join(self.notes) or (f"version {self.deployment.version} is deployed" if
+                                                           self.deployment else "nothing to do"))
         d = self.deployment
         line = (f"deploy ({self.action}): version {d.version} as {d.format} at {d.folder}"
                 f"{f' (previous: version {self.previous.version})' if self.previous else ''}; "
@@ -296,7 +297,7 @@ def ensure_deployed(cfg: DraftopsConfig, *, force: bool = False) -> DeployResult
     if not force and current is not None and current.version == champion and current.format == \
             cfg.monitor.deploy.format and current.model == name:
         if state.get("folder") == current.folder.name and state.get("reloaded"):
-            return DeployResult("none", current, notes=[f"version {champion} is deployed"])
+            return DeployResult("none", current)
         with FileLock(str(root / ".deploy.lock")):
             result = DeployResult("reload", current, linked(root, PREVIOUS))
             state = {**state, "version": champion, "folder": current.folder.name, "format": current.format,

@@ -34,7 +34,7 @@ def deploy_before(cfg: DraftopsConfig) -> list[DeployResult]:
     if not cfg.monitor.deploy.enabled:
         return []
     result = _safely("deploy of the champion", lambda: ensure_deployed(cfg))
-    return [] if result.action == "none" and result.deployment is not None else [result]
+    return [] if result.action == "none" and not result.notes else [result]
 
 
 def deploy_after(cfg: DraftopsConfig, report) -> None:
