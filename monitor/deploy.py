@@ -36,6 +36,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from decode.serving.export import ExportError, draft_source, export_format, folder_vocab_size, target_gguf
 from pipeline import metrics as M
 from pipeline import registry
 from pipeline.config import DraftopsConfig
@@ -152,8 +153,6 @@ def _new_folder(root: Path, version: str) -> Path:
 
 def export_version(cfg: DraftopsConfig, version: str, folder: Path) -> Deployment:
     """Export registered `version` into `folder` in the configured format, then write its manifest (last)."""
-    from decode.serving.export import ExportError, draft_source, export_format, folder_vocab_size, target_gguf
-
     d, name = cfg.monitor.deploy, cfg.tracking.registered_model
     uri = registry.version_uri(name, version)
     setup_mlflow(cfg)
