@@ -153,13 +153,19 @@ def deploy_command(args) -> int:
 
 
 def demo_command(args) -> int:
+    from decode.serving.llamacpp import LlamaCppError
     from monitor.demo import run_demo
+    from monitor.serve_demo import run_serve_demo
     from pipeline.config import load_config
 
     cfg = load_config(args.config, args.overrides)
     try:
+        if args.serve:
+            _setup_logging()
+            return 0 if run_serve_demo(cfg, args.out, rehearse_mismatch=args.rehearse_mismatch,
+                                       speed=not args.no_speed, per_window=args.window_requests).ok else 1
         return 0 if run_demo(cfg, args.out).ok else 1
-    except ValueError as exc:
+    except (ValueError, LlamaCppError) as exc:
         print(f"draftops: error: {exc}", file=sys.stderr)
         return 2
 
@@ -238,6 +244,15 @@ def add_commands(subparsers) -> None:
         "demo", help="drift demo: distill a champion, check, update the target, check (DRIFT), retrain, promote, "
                      "check (`make drift-demo`)"))
     demo.add_argument("--out", default="outputs/drift-demo", help="folder for its configs, drafts, target, state")
+    demo.add_argument("--serve", action="store_true",
+                      help="through a running llama-server (`make serve-demo`, configs/serve_demo.yaml): deploy to it, "
+                           "read its counters, roll the target update out to it, redeploy, check the recovery")
+    demo.add_argument("--rehearse-mismatch", action="store_true",
+                      help="--serve: also restart the engine with the old draft's file after a deploy "
+                           "(DEPLOY_MISMATCH expected)")
+    demo.add_argument("--no-speed", action="store_true", help="--serve: skip llama.cpp with/without the draft")
+    demo.add_argument("--window-requests", type=int, default=6,
+                      help="--serve: replayed requests per engine-check window")
     demo.set_defaults(handler=demo_command)
 
     rollback = with_config(actions.add_parser("rollback", help="move the champion alias back to the previous one"))

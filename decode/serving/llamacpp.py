@@ -167,11 +167,12 @@ class Completion:
 class LlamaServer:
     """`llama-server` on a loopback port (free, or `port`) for the GGUF `model`, with the GGUF `draft` proposing up to
     `draft_max` tokens a round when given (llama.cpp's draft-simple speculation; a round stops early where the draft's
-    own probability is below `draft_p_min`), one slot, `threads` threads, metrics on."""
+    own probability is below `draft_p_min`), one slot, `threads` threads, metrics on; `extra_args` are appended."""
 
     def __init__(self, model: Path, *, draft: Path | None = None, draft_max: int = 5, threads: int | None = None,
                  context: int = 4096, binary: Path | None = None, log: Path | None = None,
-                 startup_timeout: float = 120.0, port: int | None = None, draft_p_min: float = 0.0):
+                 startup_timeout: float = 120.0, port: int | None = None, draft_p_min: float = 0.0,
+                 extra_args: tuple[str, ...] = ()):
         binary = binary or find_server()
         if binary is None:
             raise LlamaCppError(f"no {SERVER}: build it with `draftops llama-cpp build` (make llama-cpp) or set "
@@ -182,6 +183,7 @@ class LlamaServer:
         if draft is not None:
             self.command += ["-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max),
                              "--spec-draft-n-min", "0", "--spec-draft-p-min", f"{draft_p_min:g}"]
+        self.command += list(extra_args)
         self.log = Path(log) if log else None
         self.startup_timeout = startup_timeout
         self.process: subprocess.Popen | None = None
