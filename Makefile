@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 CONFIG ?= configs/default.yaml
 ARGS ?=
 
-.PHONY: setup lint test test-integration test-faults test-browser test-llamacpp test-cuda llama-cpp distill distill-sizes bench monitor drift-demo sweep ui report clean
+.PHONY: setup lint test test-integration test-faults test-browser test-llamacpp test-cuda llama-cpp distill distill-sizes bench monitor drift-demo serve-demo sweep ui report clean
 
 setup: .venv/.installed
 
@@ -47,8 +47,9 @@ test-faults: setup
 llama-cpp: setup
 	.venv/bin/draftops llama-cpp build
 
-# The exported GGUF draft in llama.cpp itself: speculative greedy = llama.cpp's target alone, and the monitor reading a
-# live llama-server's counters. Kept out of .ci/run, whose time the build would take.
+# The exported GGUF draft in llama.cpp itself: speculative greedy = llama.cpp's target alone, the monitor reading a
+# live llama-server's counters, and a shortened serve-demo (deploy, drift, redeploy, a wrong deployment caught). Kept
+# out of .ci/run, whose time the build would take.
 test-llamacpp: llama-cpp
 	$(call PYTEST,-m llamacpp)
 
@@ -101,6 +102,14 @@ monitor: setup
 DEMO_CONFIG ?= configs/drift_demo.yaml
 drift-demo: setup
 	.venv/bin/draftops monitor demo --config $(DEMO_CONFIG) --out outputs/drift-demo $(ARGS)
+
+# The loop through a running engine (after `make llama-cpp`; docs/deploy.md): llama-server serves the target with the
+# champion's GGUF draft; checks read its counters; the target update is rolled out to it (DRIFT), the challenger
+# distilled, promoted and deployed (the server restarted with it), its recovery checked; then llama.cpp with and
+# without the draft. Everything under outputs/serve-demo; its own registered model (draftops-serve-demo).
+SERVE_DEMO_CONFIG ?= configs/serve_demo.yaml
+serve-demo: llama-cpp
+	.venv/bin/draftops monitor demo --serve --config $(SERVE_DEMO_CONFIG) --out outputs/serve-demo $(ARGS)
 
 ui: setup
 	@echo "MLflow UI: http://127.0.0.1:5000  (store: $${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db})"

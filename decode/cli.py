@@ -125,7 +125,7 @@ def _add_export(subparsers) -> None:
                     "converter from the `draftops llama-cpp build` source). Prints the command lines to serve it.")
     export.add_argument("source", help="the draft: a folder (outputs/distill/latest) or models:/NAME@ALIAS")
     export.add_argument("--format", required=True, choices=["hf", "vllm", "speculators", "gguf"])
-    export.add_argument("--gguf-dtype", default="f16", choices=["f16", "f32"],
+    export.add_argument("--gguf-dtype", default="f16", choices=["f16", "f32", "q8_0"],
                         help="gguf: the matrices' type (norms stay f32)")
     export.add_argument("--out", required=True, help="folder to write (must be empty or absent unless --force)")
     export.add_argument("--force", action="store_true", help="replace a non-empty --out")

@@ -1,5 +1,5 @@
-"""`draftops monitor check | serve | simulate | rollback | demo` and `draftops target finetune` (a rehearsed target
-update).
+"""`draftops monitor check | serve | simulate | rollback | deploy | demo` and `draftops target finetune` (a rehearsed
+target update).
 
 Command handlers import the modules their command runs when they run: the one documented exception to imports at the
 top, so that building `draftops`' parser loads neither torch, transformers nor mlflow (tests/test_layout.py)."""
@@ -152,6 +152,7 @@ def _read_pairs(path: str) -> list[tuple[float, float]]:
 
 def rollback_command(args) -> int:
     from monitor.check import rollback
+    from monitor.deploy import DeployError, ensure_deployed
     from monitor.service import EXIT_BUSY
     from pipeline.config import load_config
     from pipeline.tracking import check_tracking
@@ -164,17 +165,52 @@ def rollback_command(args) -> int:
         print(f"draftops: {exc}; not rolling back (try again when it is free)", file=sys.stderr)
         return EXIT_BUSY
     print(f"{cfg.tracking.registered_model}@{M.CHAMPION} -> version {version}")
+    if cfg.monitor.deploy.enabled:  # the rolled-back champion deployed too (its kept folder when there is one)
+        try:
+            result = ensure_deployed(cfg)
+        except DeployError as exc:
+            print(f"draftops: error: {exc}", file=sys.stderr)
+            return 2
+        print(result.summary())
+        return 0 if result.reloaded or result.action == "none" else 2
     return 0
 
 
+def deploy_command(args) -> int:
+    from monitor.deploy import DeployError, ensure_deployed, rollback_deployment
+    from monitor.service import EXIT_BUSY, check_lock
+    from pipeline.config import load_config
+
+    _setup_logging()
+    cfg = load_config(args.config, args.overrides)
+    try:
+        with check_lock(cfg):
+            result = (rollback_deployment(cfg, "rolled back by hand") if args.rollback
+                      else ensure_deployed(cfg, force=args.force))
+    except ModelBusy as exc:
+        print(f"draftops: {exc}; not deploying (try again when it is free)", file=sys.stderr)
+        return EXIT_BUSY
+    except (DeployError, RegistryError) as exc:
+        print(f"draftops: error: {exc}", file=sys.stderr)
+        return 2
+    print(result.summary())
+    return 0 if result.reloaded or result.action == "none" else 2
+
+
 def demo_command(args) -> int:
+    from decode.serving.llamacpp import LlamaCppError
     from monitor.demo import run_demo
+    from monitor.serve_demo import run_serve_demo
     from pipeline.config import load_config
 
     cfg = load_config(args.config, args.overrides)
     try:
+        if args.serve:
+            _setup_logging()
+            return 0 if run_serve_demo(cfg, args.out, rehearse_mismatch=args.rehearse_mismatch,
+                                       speed=not args.no_speed, per_window=args.window_requests).ok else 1
         return 0 if run_demo(cfg, args.out).ok else 1
-    except ValueError as exc:
+    except (ValueError, LlamaCppError) as exc:
         print(f"draftops: error: {exc}", file=sys.stderr)
         return 2
 
@@ -225,7 +261,8 @@ def add_commands(subparsers) -> None:
         return parser
 
     check = with_config(actions.add_parser(
-        "check", help="measure the champion now; exit 0 OK, 3 DRIFT, 2 error, 75 another check running"))
+        "check", help="measure the champion now; exit 0 OK, 3 DRIFT, 4 DEPLOY_MISMATCH (the engine does not show the "
+                      "deployed draft's acceptance), 2 error, 75 another check running"))
     check.add_argument("--json", action="store_true")
     check.set_defaults(handler=check_command)
 
@@ -252,11 +289,28 @@ def add_commands(subparsers) -> None:
         "demo", help="drift demo: distill a champion, check, update the target, check (DRIFT), retrain, promote, "
                      "check (`make drift-demo`)"))
     demo.add_argument("--out", default="outputs/drift-demo", help="folder for its configs, drafts, target, state")
+    demo.add_argument("--serve", action="store_true",
+                      help="through a running llama-server (`make serve-demo`, configs/serve_demo.yaml): deploy to it, "
+                           "read its counters, roll the target update out to it, redeploy, check the recovery")
+    demo.add_argument("--rehearse-mismatch", action="store_true",
+                      help="--serve: also restart the engine with the old draft's file after a deploy "
+                           "(DEPLOY_MISMATCH expected)")
+    demo.add_argument("--no-speed", action="store_true", help="--serve: skip llama.cpp with/without the draft")
+    demo.add_argument("--window-requests", type=int, default=6,
+                      help="--serve: replayed requests per engine-check window")
     demo.set_defaults(handler=demo_command)
 
     rollback = with_config(actions.add_parser("rollback", help="move the champion alias back to the previous one"))
     rollback.add_argument("--to-version", help="a specific version instead of the previous champion")
     rollback.set_defaults(handler=rollback_command)
+
+    deploy = with_config(actions.add_parser(
+        "deploy", help="export the champion into monitor.deploy.dir, switch `current` to it and reload the engine "
+                       "(nothing when it is deployed); exit 0 done, 2 failed, 75 busy"))
+    deploy.add_argument("--force", action="store_true", help="export and reload again even where it is deployed")
+    deploy.add_argument("--rollback", action="store_true",
+                        help="switch `current` back to the previous deployment instead (the registry is unchanged)")
+    deploy.set_defaults(handler=deploy_command)
 
     target = subparsers.add_parser("target", help="target model updates (to rehearse a target change)")
     actions = target.add_subparsers(dest="action", required=True)

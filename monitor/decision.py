@@ -7,6 +7,11 @@ the target (fingerprint differs from the champion's tag), the traffic (token dri
 with neither, a drop that only the serving engine saw is "server_acceptance_dropped" (the offline measurement on
 held-out traffic did not see it), any other "unexplained". A measurement that is not a finite number (NaN weights, an
 overflow) is an ERROR, never OK: the check cannot tell whether the champion pays.
+
+DEPLOY_MISMATCH is the post-deploy check's outcome (monitor.engine_check): the serving engine's acceptance after a
+deploy is clearly below what the deployed draft measured offline, so the engine does not run the draft that was
+measured (a wrong or stale file, a misaligned vocabulary, an engine not reloaded). It outranks OK and DRIFT (no
+retraining can fix an engine that does not run the draft); an ERROR outranks it.
 """
 
 from __future__ import annotations
@@ -15,15 +20,17 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 
+from monitor.engine_stats import ENGINE_VS_OFFLINE
 from monitor.stats import AcceptanceCheck, DropTest, PromptAcceptance, TrafficDrift, paired_drop_test
 
-EXIT_OK, EXIT_ERROR, EXIT_DRIFT = 0, 2, 3
+EXIT_OK, EXIT_ERROR, EXIT_DRIFT, EXIT_DEPLOY_MISMATCH = 0, 2, 3, 4
 
 
 class Status(str, Enum):
     OK = "OK"
     DRIFT = "DRIFT"
     ERROR = "ERROR"
+    DEPLOY_MISMATCH = "DEPLOY_MISMATCH"
 
 
 class Cause(str, Enum):
@@ -43,7 +50,8 @@ class Decision:
 
     @property
     def exit_code(self) -> int:
-        return {Status.OK: EXIT_OK, Status.DRIFT: EXIT_DRIFT, Status.ERROR: EXIT_ERROR}[self.status]
+        return {Status.OK: EXIT_OK, Status.DRIFT: EXIT_DRIFT, Status.ERROR: EXIT_ERROR,
+                Status.DEPLOY_MISMATCH: EXIT_DEPLOY_MISMATCH}[self.status]
 
     def to_dict(self) -> dict:
         return {"status": self.status.value, "cause": self.cause and self.cause.value,
@@ -94,9 +102,11 @@ def decide(
         reasons.append(f"{acceptance_source} acceptance {current_acceptance:.3f} below break-even {break_even:.3f}")
     server_only = server is not None and server.alarm and not reasons
     if server is not None and server.alarm:
-        reasons.append(f"server windows ({server.n_current_prompts} recent vs {server.n_baseline_prompts} baseline): "
-                       f"acceptance {server.baseline_acceptance:.3f} -> {server.current_acceptance:.3f}, drop "
-                       f"{server.drop:.3f} > margin {server.margin:.3f} (p={server.p_value:.2g})")
+        against = (f"the champion's offline figure on {server.n_baseline_prompts} prompts"
+                   if server.method == ENGINE_VS_OFFLINE else f"{server.n_baseline_prompts} baseline")
+        reasons.append(f"server windows ({server.n_current_prompts} recent vs {against}): acceptance "
+                       f"{server.baseline_acceptance:.3f} -> {server.current_acceptance:.3f}, drop {server.drop:.3f} > "
+                       f"margin {server.margin:.3f} (p={server.p_value:.2g})")
 
     notes: list[str] = []
     if champion_target_fingerprint is None:

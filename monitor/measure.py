@@ -4,6 +4,10 @@ Analytic: the target's greedy response to each prompt (cached per target fingerp
 distill.responses), then one teacher-forced pass of both models; prompt i contributes the sum of
 alpha_t = sum_x min(p_t, q_t) over its response tokens (acc) and their number (n). Live: real
 speculative decoding; prompt i contributes accepted and verified draft tokens.
+
+The analytic measurement also keeps, per prompt, the accepted and drafted tokens a serving engine would count for that
+response at decode.gamma (`monitor.engine_stats.engine_rounds`): what the post-deploy check compares an engine's
+counters with.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from decode.acceptance import analytic_acceptance
 from decode.drafters.chain import DRAFT
 from decode.factory import build_decoder
 from distill.responses import cached_responses
+from monitor.engine_stats import engine_rounds
 from monitor.stats import PromptAcceptance
 from pipeline.config import DraftopsConfig
 from pipeline.traffic import chronological, encode_prompts, load_configured_traffic
@@ -32,10 +37,17 @@ class Measurement:
     acc: list[float]
     n: list[float]
     token_counts: dict[int, int] = field(default_factory=dict)
+    engine_acc: list[float] = field(default_factory=list)  # per prompt, as an engine counts (empty: not measured)
+    engine_n: list[float] = field(default_factory=list)
 
     @property
     def values(self) -> PromptAcceptance:
         return PromptAcceptance.of(self.acc, self.n)
+
+    @property
+    def engine_values(self) -> PromptAcceptance | None:
+        """Per-prompt (accepted, drafted) as a serving engine counts them, when measured."""
+        return PromptAcceptance.of(self.engine_acc, self.engine_n) if self.engine_n else None
 
     @property
     def acceptance(self) -> float:
@@ -45,17 +57,20 @@ class Measurement:
         """The given requests' values, in that order (token counts are kept whole)."""
         index = {r: i for i, r in enumerate(self.request_ids)}
         rows = [index[r] for r in request_ids]
+        engine = ([self.engine_acc[i] for i in rows], [self.engine_n[i] for i in rows]) if self.engine_n else ([], [])
         return Measurement(list(request_ids), [self.acc[i] for i in rows], [self.n[i] for i in rows],
-                           self.token_counts)
+                           self.token_counts, *engine)
 
     def to_dict(self) -> dict:
+        engine = {"engine_acc": self.engine_acc, "engine_n": self.engine_n} if self.engine_n else {}
         return {"request_ids": self.request_ids, "acc": self.acc, "n": self.n,
-                "token_counts": {str(k): v for k, v in self.token_counts.items()}}
+                "token_counts": {str(k): v for k, v in self.token_counts.items()}, **engine}
 
     @classmethod
     def from_dict(cls, data: dict) -> Measurement:
         return cls(list(data["request_ids"]), [float(x) for x in data["acc"]], [float(x) for x in data["n"]],
-                   {int(k): int(v) for k, v in data.get("token_counts", {}).items()})
+                   {int(k): int(v) for k, v in data.get("token_counts", {}).items()},
+                   [float(x) for x in data.get("engine_acc", [])], [float(x) for x in data.get("engine_n", [])])
 
 
 @dataclass
@@ -104,8 +119,10 @@ def measure_analytic(cfg: DraftopsConfig, target, draft, requests: list) -> Meas
         target.model, draft.model, sequences, [len(p) for p in prompts], temperature=cfg.decode.temperature,
         top_k=cfg.decode.top_k, top_p=cfg.decode.top_p, draft_token_ids=draft.token_ids)
     keep = [i for i, n in enumerate(result.counts) if n > 0]  # an empty response drafts nothing
+    engine = [engine_rounds(result.per_position[i], cfg.decode.gamma, cfg.decode.max_new_tokens) for i in keep]
     return Measurement([requests[i].id for i in keep], [result.sums[i] for i in keep],
-                       [float(result.counts[i]) for i in keep], prompt_token_counts(prompts))
+                       [float(result.counts[i]) for i in keep], prompt_token_counts(prompts),
+                       [a for a, _ in engine], [n for _, n in engine])
 
 
 def measure_live(cfg: DraftopsConfig, target, draft, requests: list) -> Measurement:

@@ -34,6 +34,7 @@ MLflow stores hold: never rename one):
 | `*_TAG` | `draftops.*`, `gamma`, `loss_kind` | run and version tags: stage, git sha, lineage, linked runs |
 | `MONITOR_*_TAG` | `draftops.monitor.*` | a monitor run's decision, cause, champion and challenger |
 | `BASELINE_RUN_TAG`, `PROMOTED_AT_TAG`, `ROLLED_BACK_AT_TAG` | `draftops.monitor.*` | version tags the monitor sets |
+| `DEPLOY_*_TAG` | `draftops.deploy.*` | a deployed version's folder, format, time, deploy run; what a deploy run did |
 | `CHAMPION`, `CHALLENGER`, `PREVIOUS_CHAMPION` | `champion`, ... | the registered model's aliases |
 | `size_alias(n)` | `layers-N` | the newest draft of N layers from `draftops distill --sizes` |
 """
@@ -161,6 +162,19 @@ MONITOR_ERROR_TAG = "draftops.monitor.error"
 # model-version tags the monitor sets when it moves the champion alias
 PROMOTED_AT_TAG = "draftops.monitor.promoted_at"
 ROLLED_BACK_AT_TAG = "draftops.monitor.rolled_back_at"
+
+# deployments (monitor.deploy): tags of the deployed model version, and of the deploy run
+DEPLOY_FOLDER_TAG = "draftops.deploy.folder"
+DEPLOY_FORMAT_TAG = "draftops.deploy.format"
+DEPLOYED_AT_TAG = "draftops.deploy.deployed_at"
+DEPLOY_RUN_TAG = "draftops.deploy.run_id"
+DEPLOY_VERSION_TAG = "draftops.deploy.version"  # on a deploy run: the version it deployed
+DEPLOY_ACTION_TAG = "draftops.deploy.action"  # on a deploy run: deploy, rollback (after a mismatch), reload
+# the engine check (monitor.engine_check): the engine's acceptance over its windows vs the draft's offline figure
+ENGINE_ACCEPTANCE = "monitor/engine/acceptance"
+ENGINE_EXPECTED = "monitor/engine/expected"
+ENGINE_MISMATCH = "monitor/engine/mismatch"
+MONITOR_DEPLOY_MISMATCH = "monitor/deploy_mismatch"
 
 # aliases of the registered model (stages are deprecated in MLflow 3)
 CHAMPION = "champion"  # what serves

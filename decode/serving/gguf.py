@@ -6,7 +6,9 @@ from the target's GGUF instead of being rebuilt from a tokenizer. The weights ar
 checkpoint (`decode.serving.export`: a reduced head's dropped rows are zero), named as llama.cpp names a Llama, with
 the query and key projections permuted from Hugging Face's rotary layout (the two halves of each head rotate
 together) to GGUF's (adjacent pairs rotate together), as llama.cpp's own `convert_hf_to_gguf.py` does
-(`LlamaModel.permute`). Norms stay float32 (llama.cpp's kernels take them so); matrices are float16 or float32.
+(`LlamaModel.permute`). Norms stay float32 (llama.cpp's kernels take them so); matrices are float16, float32 or Q8_0
+(blocks of 32 weights sharing one float16 scale, quantized by the gguf package as llama.cpp's `llama-quantize` does;
+a matrix whose rows are not a multiple of 32 stays float16).
 
 The architecture keys are written from the checkpoint's config, with the rotary base read where transformers 5 keeps
 it (`rope_parameters`) as well as where older configs had it (`rope_theta`): a GGUF without the right
@@ -20,7 +22,8 @@ import gguf
 import numpy as np
 import torch
 
-GGUF_DTYPES = {"f16": (np.float16, gguf.LlamaFileType.MOSTLY_F16), "f32": (np.float32, gguf.LlamaFileType.ALL_F32)}
+GGUF_DTYPES = {"f16": (np.float16, gguf.LlamaFileType.MOSTLY_F16), "f32": (np.float32, gguf.LlamaFileType.ALL_F32),
+               "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0)}
 
 GLOBAL_TENSORS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                   "lm_head.weight": "output.weight"}
@@ -81,6 +84,21 @@ def _tensors(state: dict[str, torch.Tensor], layers: int, heads: int, kv_heads: 
         yield ours, weight
 
 
+def _add_tensor(writer, name: str, array: np.ndarray, matrix_dtype) -> None:
+    """A norm as float32; a matrix as `matrix_dtype`, a numpy dtype or a quantization type (then float16 where its
+    rows do not split into the type's blocks)."""
+    if array.ndim == 1:
+        writer.add_tensor(name, array.astype(np.float32))
+    elif isinstance(matrix_dtype, gguf.GGMLQuantizationType):
+        block = gguf.GGML_QUANT_SIZES[matrix_dtype][0]
+        if array.shape[-1] % block:
+            writer.add_tensor(name, array.astype(np.float16))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(array, matrix_dtype), raw_dtype=matrix_dtype)
+    else:
+        writer.add_tensor(name, array.astype(matrix_dtype))
+
+
 def write_llama_gguf(state: dict[str, torch.Tensor], config, vocabulary: Path, out: Path, *,
                      dtype: str = "f16", name: str = "draftops draft") -> Path:
     """Write the Llama checkpoint (`state`, `config`) to the GGUF file `out` with the `tokenizer.*` metadata of the
@@ -119,8 +137,7 @@ def write_llama_gguf(state: dict[str, torch.Tensor], config, vocabulary: Path, o
         writer.add_key_value(key, value, types[0], types[1] if len(types) > 1 else None)
     tied = bool(config.tie_word_embeddings) or "lm_head.weight" not in state
     for tensor_name, weight in _tensors(state, config.num_hidden_layers, heads, kv_heads, tied):
-        array = weight.numpy()
-        writer.add_tensor(tensor_name, array.astype(np.float32 if array.ndim == 1 else matrix_dtype))
+        _add_tensor(writer, tensor_name, weight.numpy(), matrix_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

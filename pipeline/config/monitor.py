@@ -6,6 +6,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from pipeline.config.base import Section
+from pipeline.config.deploy import DeployConfig
 
 
 class MonitorConfig(Section):
@@ -58,6 +59,7 @@ class MonitorConfig(Section):
     server_timeout: float = Field(10.0, gt=0.0, description=(
         "Seconds the whole scrape of the metrics endpoint may take (connecting, headers and body): an endpoint "
         "that answers slowly is cut off at this deadline and the check goes on without it."))
+    deploy: DeployConfig = DeployConfig()
 
     @field_validator("timezone")
     @classmethod

@@ -94,6 +94,22 @@ def test_f16_keeps_norms_in_f32_and_the_logits_within_rounding(tmp_path):
     assert 0 < float((want - got).abs().max()) < 1e-2 * float(want.abs().max())
 
 
+@torch.no_grad()
+def test_q8_0_quantizes_matrices_in_blocks_of_32_and_stays_close(tmp_path):
+    model = tiny_draft(128, tied=True, seed=2)
+    vocabulary = vocabulary_gguf(tmp_path / "vocab.gguf", [f"t{i}" for i in range(128)])
+    out = write_llama_gguf(model.state_dict(), model.config, vocabulary, tmp_path / "d.gguf", dtype="q8_0")
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(out).tensors}
+    assert types["blk.0.attn_q.weight"] == types["token_embd.weight"] == gguf.GGMLQuantizationType.Q8_0
+    assert types["output_norm.weight"] == gguf.GGMLQuantizationType.F32
+    assert fields(out)["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q8_0
+    back = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="d.gguf", dtype=torch.float32).eval()
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for weight in (p for p in model.parameters() if p.ndim == 2):  # each row's blocks of 32 rounded as Q8_0 rounds
+        weight.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(weight.numpy(), q8), q8)))
+    torch.testing.assert_close(back(IDS).logits, model(IDS).logits, atol=1e-4, rtol=1e-4)
+
+
 def test_refusals(tmp_path):
     model = tiny_draft(128, tied=False)
     vocabulary = vocabulary_gguf(tmp_path / "vocab.gguf", [f"t{i}" for i in range(100)])

@@ -1,0 +1,115 @@
+"""What the deploy tests share: tiny registered drafts, a reload command that records its calls, and a fake engine (a
+Prometheus endpoint on 127.0.0.1 whose llama-server counters advance at a set acceptance on every scrape)."""
+from __future__ import annotations
+
+import http.server
+import sys
+import threading
+from pathlib import Path
+
+import mlflow
+import yaml
+
+from distill.export import export_draft
+from pipeline import metrics as M
+from pipeline import registry
+from pipeline.config import load_config
+from tests.conftest import make_tiny_model, make_tokenizer
+
+NAME = "draftops-draft"
+RECORDER = """import os, sys
+if os.path.exists(sys.argv[1] + ".fail"):
+    sys.exit("engine refused the reload")
+with open(sys.argv[1], "a") as f:
+    f.write(" ".join(sys.argv[2:]) + "\\n")
+"""
+
+
+def register_tiny_draft(root: Path, seed: int, fingerprint: str = "fp-A") -> str:
+    """A tiny layer draft exported as distill does and registered; returns its version."""
+    tokenizer = make_tokenizer()
+    cfg = load_config(None, ["decode.gamma=3", "device=cpu"])
+    folder = export_draft(make_tiny_model(len(tokenizer), seed=seed), tokenizer, root / f"draft-{seed}",
+                          token_ids=None, cfg=cfg)
+    mlflow.set_experiment("draftops-distill")
+    with mlflow.start_run():
+        version, _ = registry.register(folder, NAME, tags={M.TARGET_FINGERPRINT_TAG: fingerprint},
+                                       description="tiny test draft")
+    return str(version.version)
+
+
+def recorder(root: Path) -> tuple[list[str], Path]:
+    """(a reload command, the file it appends its arguments to)."""
+    script, calls = root / "reload.py", root / "reloads.txt"
+    script.write_text(RECORDER)
+    return [sys.executable, str(script), str(calls), "{version}", "{path}", "{file}", "{current}"], calls
+
+
+def calls_of(path: Path) -> list[list[str]]:
+    return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def write_config(root: Path, mlflow_uri: str, traffic: Path, **deploy) -> Path:
+    command, _ = recorder(root)
+    path = root / "cfg.yaml"
+    path.write_text(yaml.safe_dump({
+        "device": "cpu", "traffic": {"path": str(traffic), "heldout_fraction": 0.5},
+        "tracking": {"uri": mlflow_uri, "system_metrics": False},
+        "monitor": {"heldout_requests": 30, "state_dir": str(root / "state"), "n_bootstrap": 300,
+                    "deploy": {"enabled": True, "dir": str(root / "deploy"), "format": "hf",
+                               "reload_command": command, **deploy}}}))
+    return path
+
+
+def llamacpp_text(drafts: float, draft_tokens: float, accepted: float) -> str:
+    return "".join(f"# TYPE llamacpp:{name} counter\nllamacpp:{name} {value:g}\n" for name, value in (
+        ("spec_decode_num_drafts_total", drafts), ("spec_decode_num_draft_tokens_total", draft_tokens),
+        ("spec_decode_num_accepted_tokens_total", accepted), ("tokens_predicted_total", accepted + drafts)))
+
+
+class FakeEngine(http.server.BaseHTTPRequestHandler):
+    """GET /metrics: llama-server's counters, `window` more draft tokens at `acceptance` each time (a few points of
+    seeded noise per window); POST /reload: recorded."""
+
+    def do_GET(self):
+        engine = self.server
+        if self.path != "/metrics":
+            self.send_error(404)
+            return
+        jitter = ((engine.scrapes * 7919) % 11 - 5) / 250  # -0.02 .. +0.02, deterministic
+        engine.scrapes += 1
+        engine.draft_tokens += engine.window
+        engine.accepted += round(engine.window * min(max(engine.acceptance + jitter, 0.0), 1.0))
+        engine.drafts += engine.window / 3
+        self._answer(llamacpp_text(engine.drafts, engine.draft_tokens, engine.accepted).encode())
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.server.reloads.append(body.decode())
+        self._answer(b"{}")
+
+    def _answer(self, body: bytes):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def start_engine(acceptance: float, window: int = 600) -> http.server.ThreadingHTTPServer:
+    engine = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeEngine)
+    engine.acceptance, engine.window, engine.scrapes = acceptance, window, 0
+    engine.drafts = engine.draft_tokens = engine.accepted = 0.0
+    engine.reloads = []
+    engine.thread = threading.Thread(target=engine.serve_forever, daemon=True)
+    engine.thread.start()
+    return engine
+
+
+def stop_engine(engine) -> None:
+    engine.shutdown()
+    engine.server_close()
+    engine.thread.join()
