@@ -4,6 +4,8 @@ means the same decoder everywhere. `model_decoder` builds one from a draft model
 the sweep's fixed-γ cells, and tests."""
 from __future__ import annotations
 
+import sys
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -42,7 +44,7 @@ def build_decoder(target, draft, decode: DecodeConfig, *, kind: str = DECODER, g
     """
     draft_model, token_ids = (None, None) if draft is None else (draft.model, draft.token_ids)
     if decode.compiled and lean:  # before the tree budget's costs are timed: they are the compiled passes'
-        use_compiled_passes(target.model)
+        compile_where_supported(target.model)
         if hasattr(draft_model, "config") and LeanLlama.supports(draft_model):  # a layer draft (a feature one: eager)
             use_compiled_passes(draft_model)
     lookup_min_ngram = decode.lookup_min_ngram if kind in (DECODER, LOOKUP) else None
@@ -95,6 +97,25 @@ def model_decoder(target, draft, gamma: int | GammaPolicy = 5, *, draft_token_id
         eos_token_ids = [eos_token_ids]
     return SpeculativeDecoder(target, draft, gamma, eos_token_ids=eos_token_ids, sampling=sampling, lean=lean,
                               stop_strings=stop_strings, tokenizer=tokenizer)
+
+
+_TOLD_EAGER: weakref.WeakSet = weakref.WeakSet()
+
+
+def compile_where_supported(model) -> bool:
+    """`decode.compiled` for `model`: its passes compiled where the lean forward runs its architecture
+    (`decode.runtime.lean.use_compiled_passes`), else run eagerly through transformers' forward, said once per model
+    on stderr. Returns whether they are compiled."""
+    if LeanLlama.supports(model):
+        use_compiled_passes(model)
+        return True
+    if model not in _TOLD_EAGER:
+        _TOLD_EAGER.add(model)
+        print(f"draftops: decode.compiled does not apply to this {model.config.model_type} model (the compiled "
+              "passes are the lean forward's, which does not run it): its passes run eagerly through transformers' "
+              "forward",
+              file=sys.stderr, flush=True)
+    return False
 
 
 def tree_budget_choice(decode: DecodeConfig, target, draft, kind: str = DECODER) -> BudgetChoice | None:

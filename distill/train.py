@@ -37,7 +37,7 @@ from pipeline.files import write_text_atomic
 from pipeline.locks import EXIT_BUSY, ModelBusy
 from pipeline.metrics import size_alias
 from pipeline.registry import set_alias, version_uri
-from pipeline.sources import HF_ASSISTANT_DIR
+from pipeline.sources import HF_ASSISTANT_DIR, SourceError
 from pipeline.tracking import TrackingUnavailable, check_tracking, tracking_uri
 from pipeline.traffic import encode_prompts, load_traffic
 
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLoss as exc:
         print(f"draftops distill: error: {exc}", file=sys.stderr)
         return 3
-    except (TrackingUnavailable, NothingToRegister, UnsafeCheckpoint) as exc:
+    except (TrackingUnavailable, NothingToRegister, UnsafeCheckpoint, SourceError) as exc:
         print(f"draftops distill: error: {exc}", file=sys.stderr)
         return 2
     except ModelBusy as exc:  # registration waited tracking.lock_timeout for a check; the draft is kept

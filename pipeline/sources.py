@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline import draftops_home, registry
+from pipeline.architectures import architecture_problem
 from pipeline.config import save_config
 from pipeline.files import write_text_atomic
 from pipeline.gguf_source import GGUFError, file_identity, gguf_checkpoint
@@ -271,6 +272,9 @@ def resolve_model(
     from transformers import AutoTokenizer
 
     local = locate(source)
+    problem = architecture_problem(json.loads((local.path / "config.json").read_text()))
+    if problem:  # before any weights are loaded, or any text generated with them
+        raise SourceError(f"{source}: {problem}")
     device = pick_device(device) if isinstance(device, str) else device
     dtype = pick_dtype(dtype, device) if isinstance(dtype, str) else dtype
     model = load_checkpoint(local.path, dtype=dtype).to(device).eval()

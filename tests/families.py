@@ -6,6 +6,8 @@ The same builders serve the lossless, lean-forward, draft and export tests of ev
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -23,8 +25,9 @@ SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_att
              bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
-def _config(family: str, vocab_size: int, context: int, window: int | None, init_range: float):
-    common = dict(SHAPE, vocab_size=vocab_size, max_position_embeddings=context, initializer_range=init_range)
+def _config(family: str, vocab_size: int, context: int, window: int | None, init_range: float, layers: int):
+    common = dict(SHAPE, vocab_size=vocab_size, max_position_embeddings=context, initializer_range=init_range,
+                  num_hidden_layers=layers)
     if family == "llama":
         return LlamaConfig(**common, tie_word_embeddings=False)
     if family == "llama3":  # llama3 rope scaling, tied head as in Llama-3.2
@@ -55,10 +58,33 @@ WINDOWED = ("mistral", "gemma2", "gemma3", "phi3")
 
 
 def tiny_family(family: str, seed: int = 0, *, vocab_size: int = 128, context: int = 512, window: int | None = None,
-                init_range: float = 0.3, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
-    """A tiny random model of `family` (FAMILIES, or "gpt_neox"), eager attention, in `dtype`."""
+                init_range: float = 0.3, dtype: torch.dtype = torch.float64, layers: int = 4) -> torch.nn.Module:
+    """A tiny random model of `family` (FAMILIES, or "gpt_neox") of `layers` decoder layers (Gemma's alternate
+    sliding and global), eager attention, in `dtype`."""
     torch.manual_seed(seed)
-    config = _config(family, vocab_size, context, window, init_range)
+    config = _config(family, vocab_size, context, window, init_range, layers)
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config)
+    if family in ("gemma2", "gemma3"):
+        _gemma_context_matters(model)
     return model.to(dtype).eval()
+
+
+@torch.no_grad()
+def _gemma_context_matters(model) -> None:
+    """Gemma scales its embeddings by sqrt(hidden) and ties its head to them: at random init the token's own embedding
+    swamps the residual stream, and the greedy next token repeats the last one whatever the context (so a wrong
+    window or mask would go unseen). Embeddings scaled back by sqrt(hidden), the final norm's gain raised so that the
+    tied head's logits keep the other families' spread: the next token depends on the context."""
+    model.model.embed_tokens.weight.mul_(model.config.hidden_size ** -0.5)
+    model.model.norm.weight.add_(7.0)
+
+
+@torch.no_grad()
+def perturbed(model: torch.nn.Module, seed: int, noise: float) -> torch.nn.Module:
+    """A draft close to `model`, of its family: the same weights plus relative Gaussian noise."""
+    draft = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    for param in draft.parameters():
+        param.add_(noise * param.std() * torch.randn(param.shape, generator=generator, dtype=param.dtype))
+    return draft

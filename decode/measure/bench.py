@@ -50,6 +50,7 @@ from decode.measure.intervals import aggregate_stats, paired_speedup, ratio_ci
 from decode.models.feature_draft import FeatureDraft
 from decode.runtime.forward import ModelRunner, greedy_decode
 from decode.runtime.kernels import cpu_linear_of, torch_kernels
+from decode.runtime.lean import compiled_lean
 from decode.runtime.timing import run_interleaved
 from decode.serving.llamacpp import Completion, LlamaServer
 from decode.serving.loading import hf_assistant_model
@@ -238,7 +239,10 @@ def target_only_methods(target, decoder, decode: DecodeConfig) -> tuple[dict[str
         methods[TARGET_ONLY_TORCH] = lambda p: hf_generate_on_torch_kernels(target.model, p, **common)
     methods["plain"] = lambda p: greedy_decode(decoder.target_runner, p, max_new_tokens, eos)
     notes = []
-    if decode.compiled:
+    if decode.compiled and compiled_lean(target.model) is None:  # no lean forward for it: every row runs eager
+        notes.append(f"decode.compiled does not apply to this {target.model.config.model_type} target: every row "
+                     "runs its passes eagerly, through transformers' forward")
+    elif decode.compiled:
         eager_runner = ModelRunner(target.model, compiled=False)
         methods[PLAIN_EAGER] = lambda p: greedy_decode(eager_runner, p, max_new_tokens, eos)
         notes.append(f"decode.compiled: plain and the speculative rows run the target's and the draft's passes "

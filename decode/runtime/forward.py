@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from decode.runtime.lean import KVCache, LeanLlama, compiled_lean, use_compiled_passes
+from decode.runtime.masks import tree_attention_mask
 
 
 def target_features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) -> torch.Tensor:
@@ -57,15 +58,23 @@ def forward_features(model, tokens: torch.Tensor, cache: DynamicCache, start: in
 def forward_tree(model, tokens: torch.Tensor, cache: DynamicCache, positions: torch.Tensor,
                  tree_mask: torch.Tensor, layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`decode.runtime.lean.LeanLlama.forward_tree_features` through the transformers forward: appended to the cache,
-    with a 4D mask (transformers uses a 4D mask as given) -> (logits [T, V], features of `layers` or None without)."""
-    n, end = tokens.shape[0], cache.get_seq_length() + tokens.shape[0]
-    visible = torch.ones(n, end, dtype=torch.bool, device=tokens.device)
-    visible[:, end - tree_mask.shape[1] :] = tree_mask
+    with a 4D mask per layer type (`decode.runtime.masks`; transformers uses a 4D mask as given) -> (logits [T, V],
+    features of `layers` or None without)."""
     dtype = model.get_input_embeddings().weight.dtype
-    mask = torch.zeros(n, end, dtype=dtype, device=tokens.device).masked_fill_(~visible, torch.finfo(dtype).min)
-    out = model(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask[None, None],
+    mask = tree_attention_mask(model.config, full_layers(cache).get_seq_length(), positions, tree_mask, dtype)
+    out = model(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask,
                 use_cache=True, output_hidden_states=bool(layers), **with_cache(model, cache))
     return out.logits[0], target_features(out.hidden_states, layers)[0] if layers else None
+
+
+def full_layers(cache: DynamicCache) -> DynamicCache:
+    """`cache`, checked to hold every position of every layer, as `ModelRunner.new_cache` makes it: a sliding-window
+    layer of transformers' own (a DynamicCache built from the config) drops the positions past its window, so a round
+    can neither be rolled back nor its tree path compacted there."""
+    if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
+        raise ValueError("draftops' tree rounds need a cache of full layers (ModelRunner.new_cache): this one has "
+                         "sliding-window layers, which drop the positions a rollback or a tree's path needs")
+    return cache
 
 
 def rollback(cache: DynamicCache, length: int) -> None:
@@ -83,7 +92,7 @@ def compact(cache, start: int, slots: list[int]) -> None:
         cache.compact(start, slots)
         return
     index = torch.tensor(slots, dtype=torch.long)
-    for layer in cache.layers:
+    for layer in full_layers(cache).layers:
         layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys[:, :, index.to(layer.keys.device)]], 2)
         layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, index.to(layer.values.device)]], 2)
 
@@ -106,7 +115,10 @@ class ModelRunner:
         self.lean = shared or (LeanLlama(model) if lean and LeanLlama.supports(model) else None)
 
     def new_cache(self):
-        return self.lean.new_cache() if self.lean is not None else DynamicCache(config=self.model.config)
+        """A KV cache for this runner's forward. The transformers forward's keeps every position of every layer (a
+        DynamicCache of full layers, not the config's sliding-window ones): rounds roll back and compact it on any
+        layer, and a sliding-window layer's masks show it its window alone (`decode.runtime.masks`)."""
+        return self.lean.new_cache() if self.lean is not None else DynamicCache()
 
     def forward(self, tokens: torch.Tensor, cache, start: int, keep_last: bool) -> torch.Tensor:
         if self.lean is not None:
