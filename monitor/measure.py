@@ -28,6 +28,10 @@ from monitor.stats import PromptAcceptance
 from pipeline.config import DraftopsConfig
 from pipeline.traffic import chronological, encode_prompts, load_configured_traffic
 
+# Padded tokens per teacher-forced pass of the analytic measurement: with the prompts cut to traffic.max_prompt_tokens,
+# what bounds its logits (this many rows of the vocabulary per model) whatever the traffic holds.
+ACCEPTANCE_BATCH_TOKENS = 1024
+
 
 @dataclass
 class Measurement:
@@ -115,14 +119,32 @@ def measure_analytic(cfg: DraftopsConfig, target, draft, requests: list) -> Meas
         max_new_tokens=cfg.decode.max_new_tokens, temperature=cfg.distill.generation_temperature,
         batch_size=cfg.distill.generation_batch_size, seed=cfg.seed, topk=1, progress=sys.stderr.isatty())
     sequences = [p + r for p, r in zip(prompts, responses.response_ids)]
-    result = analytic_acceptance(
-        target.model, draft.model, sequences, [len(p) for p in prompts], temperature=cfg.decode.temperature,
-        top_k=cfg.decode.top_k, top_p=cfg.decode.top_p, draft_token_ids=draft.token_ids)
-    keep = [i for i, n in enumerate(result.counts) if n > 0]  # an empty response drafts nothing
-    engine = [engine_rounds(result.per_position[i], cfg.decode.gamma, cfg.decode.max_new_tokens) for i in keep]
-    return Measurement([requests[i].id for i in keep], [result.sums[i] for i in keep],
-                       [float(result.counts[i]) for i in keep], prompt_token_counts(prompts),
+    per_position: list[list[float]] = [[] for _ in sequences]
+    for group in length_batches([len(s) for s in sequences], ACCEPTANCE_BATCH_TOKENS):
+        result = analytic_acceptance(
+            target.model, draft.model, [sequences[i] for i in group], [len(prompts[i]) for i in group],
+            temperature=cfg.decode.temperature, top_k=cfg.decode.top_k, top_p=cfg.decode.top_p,
+            draft_token_ids=draft.token_ids, batch_size=len(group))
+        for i, alphas in zip(group, result.per_position):
+            per_position[i] = alphas
+    keep = [i for i, alphas in enumerate(per_position) if alphas]  # an empty response drafts nothing
+    engine = [engine_rounds(per_position[i], cfg.decode.gamma, cfg.decode.max_new_tokens) for i in keep]
+    return Measurement([requests[i].id for i in keep], [float(sum(per_position[i])) for i in keep],
+                       [float(len(per_position[i])) for i in keep], prompt_token_counts(prompts),
                        [a for a, _ in engine], [n for _, n in engine])
+
+
+def length_batches(lengths: list[int], budget: int, most: int = 8) -> list[list[int]]:
+    """Indices in batches of similar length, each at most `most` sequences and `budget` padded tokens (a longer
+    sequence alone): a teacher-forced pass holds logits for every padded position of its batch, so one long prompt
+    among short ones would cost the batch's size times its length in vocabulary-wide rows."""
+    batches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if batches and len(batches[-1]) < most and (len(batches[-1]) + 1) * lengths[i] <= budget:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
 
 
 def measure_live(cfg: DraftopsConfig, target, draft, requests: list) -> Measurement:

@@ -184,3 +184,13 @@ def test_a_crashing_check_prints_one_line_and_keeps_its_traceback(three_versions
         "draftops: error: monitor check failed: RuntimeError: boom: a bug the check did not expect (traceback: "
         f"{traceback_file})")
     assert "Traceback" not in out.stderr and "Traceback" in traceback_file.read_text()
+
+
+def test_a_long_prompt_is_measured_in_a_batch_of_its_own():
+    """The analytic measurement holds logits for every padded position of a batch: one prompt cut to 512 tokens
+    among short ones would multiply the batch's memory by its length."""
+    from monitor.measure import length_batches
+
+    assert length_batches([20, 30, 520, 25], budget=1024) == [[0, 3, 1], [2]]
+    assert length_batches([2000, 10], budget=1024) == [[1], [0]]  # longer than the budget: alone
+    assert length_batches([10] * 20, budget=1024) == [list(range(8)), list(range(8, 16)), list(range(16, 20))]
