@@ -343,6 +343,7 @@ def log_deployment(cfg: DraftopsConfig, result: DeployResult) -> str | None:
 
     d = result.deployment
     tags = {M.MONITOR_DECISION_TAG: "DEPLOY", M.DEPLOY_ACTION_TAG: result.action, M.DEPLOY_VERSION_TAG: d.version,
+            M.MONITOR_CHAMPION_VERSION_TAG: d.version,
             M.DEPLOY_FOLDER_TAG: str(d.folder), M.DEPLOY_FORMAT_TAG: d.format,
             M.REGISTERED_MODEL_TAG: cfg.tracking.registered_model}
     with start_run(cfg, "monitor", run_name=result.action, tags=tags) as run:

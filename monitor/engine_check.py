@@ -4,8 +4,8 @@ The check reads the engine's speculative-decoding counters (`monitor.server_metr
 windows of `check_window_seconds` (a window with fewer than `min_window_draft_tokens` draft tokens is extended, up to
 three times its length), then compares the engine's acceptance over those windows with the offline figure of the
 version the engine should serve: its baseline's per-prompt accepted and drafted tokens as an engine counts them at
-decode.gamma (`monitor.engine_stats`), by `engine_vs_offline_test` at monitor.level with margin
-`monitor.deploy.mismatch_margin`.
+decode.gamma (`monitor.engine_stats`), by `engine_vs_offline_test` at monitor.level, tolerating a shortfall of
+`monitor.deploy.mismatch_tolerance` of the offline figure.
 
 When it runs (`monitor.deploy.engine_check`): `after_deploy`, the first check after a deploy (deploy.json says the
 check is pending): the post-deploy check. Clearly below -> DEPLOY_MISMATCH (the engine does not run the measured
@@ -152,12 +152,12 @@ def _offline(name: str, version: str, measurement: Measurement | None = None) ->
     return None if stored is None else Baseline.from_dict(stored).measurement
 
 
-def _against(offline: Measurement | None, check: EngineCheck, margin: float, level: float) -> DropTest | None:
+def _against(offline: Measurement | None, check: EngineCheck, tolerance: float, level: float) -> DropTest | None:
     values = offline.engine_values if offline is not None else None
     if values is None or len(values) < 2 or len(check.windows) < 2:
         return None
     return engine_vs_offline_test(values.acc, values.n, [w.accepted for w in check.windows],
-                                  [w.draft_tokens for w in check.windows], margin, level)
+                                  [w.draft_tokens for w in check.windows], tolerance, level)
 
 
 def compare(cfg: DraftopsConfig, check: EngineCheck, champion_version: str,
@@ -167,9 +167,9 @@ def compare(cfg: DraftopsConfig, check: EngineCheck, champion_version: str,
     if check.error:
         return check
     name, m = cfg.tracking.registered_model, cfg.monitor
-    margin = m.deploy.mismatch_margin
+    tolerance = m.deploy.mismatch_tolerance
     own = _offline(name, check.version, champion_measurement if check.version == champion_version else None)
-    check.test = _against(own, check, margin, m.level)
+    check.test = _against(own, check, tolerance, m.level)
     if own is not None and own.engine_values is not None:
         check.expected = own.engine_values.acceptance
     if check.test is None:
@@ -180,7 +180,7 @@ def compare(cfg: DraftopsConfig, check: EngineCheck, champion_version: str,
         if check.post_deploy:
             check.notes.append("the post-deploy check stays pending: the next check tries again")
     if check.post_deploy and check.previous_version:
-        check.pre_drift = _against(_offline(name, check.previous_version), check, margin, m.level)
+        check.pre_drift = _against(_offline(name, check.previous_version), check, tolerance, m.level)
     return check
 
 

@@ -13,10 +13,13 @@ is the expectation over rounds (one pass over start positions), under the usual 
 accepted with its teacher-forced α.
 
 The test. The offline side is per prompt (acc_i, n_i), the engine side per window between two scrapes (acc_j, n_j):
-two independent samples of different units, each a ratio estimator. drop = A_offline − A_engine; its variance is the
-sum of each side's linearized variance (the delta method of `monitor.stats`), and since the engine side has only a few
-windows the one-sided p-value and interval use Student's t with Welch–Satterthwaite degrees of freedom instead of the
-normal. `tests/monitor/test_deploy_check.py` simulates its false-alarm rate at the level.
+two independent samples of different units, each a ratio estimator. The tolerance is relative: H0 is "the engine
+keeps at least (1 − tolerance) of the offline figure", A_engine ≥ (1 − t)·A_offline, since an engine's own precision
+costs a draft that is almost always accepted more than one that rarely is (a flipped near-tie ends a whole round).
+The statistic (1 − t)·A_offline − A_engine has the sum of each side's linearized variance (the delta method of
+`monitor.stats`); with only a few engine windows, the one-sided p-value and interval use Student's t with
+Welch–Satterthwaite degrees of freedom instead of the normal. The DropTest reports drop = A_offline − A_engine with
+margin t·A_offline. `tests/monitor/test_deploy_check.py` simulates its false-alarm rate at the level.
 """
 from __future__ import annotations
 
@@ -69,10 +72,10 @@ def _linearized(acc: np.ndarray, n: np.ndarray) -> tuple[float, np.ndarray]:
 
 
 def engine_vs_offline_test(offline_acc: Sequence[float], offline_n: Sequence[float], window_acc: Sequence[float],
-                           window_n: Sequence[float], margin: float, level: float) -> DropTest:
-    """One-sided test of H0: A_offline − A_engine <= margin (module docstring): `alarm` when the engine's windows read
-    clearly less than the offline prompts measured. The DropTest's baseline is the offline side (its prompts), the
-    current one the engine (its windows)."""
+                           window_n: Sequence[float], tolerance: float, level: float) -> DropTest:
+    """One-sided test of H0: A_engine >= (1 − tolerance)·A_offline (module docstring): `alarm` when the engine's
+    windows read clearly less than the offline prompts measured. The DropTest's baseline is the offline side (its
+    prompts), the current one the engine (its windows), its margin tolerance·A_offline."""
     acc0, n0 = np.asarray(offline_acc, dtype=np.float64), np.asarray(offline_n, dtype=np.float64)
     acc1, n1 = np.asarray(window_acc, dtype=np.float64), np.asarray(window_n, dtype=np.float64)
     if acc0.size < 2 or acc1.size < 2:
@@ -80,10 +83,11 @@ def engine_vs_offline_test(offline_acc: Sequence[float], offline_n: Sequence[flo
                          f"{acc1.size}")
     if n0.sum() <= 0 or n1.sum() <= 0:
         raise ValueError("engine check: no draft tokens on one side")
+    keep = 1.0 - tolerance
     a0, u0 = _linearized(acc0, n0)
     a1, u1 = _linearized(acc1, n1)
-    drop = a0 - a1
-    v0, v1 = u0.var(ddof=1) / u0.size, u1.var(ddof=1) / u1.size
+    drop, margin = a0 - a1, tolerance * a0
+    v0, v1 = keep ** 2 * u0.var(ddof=1) / u0.size, u1.var(ddof=1) / u1.size
     se = float(np.sqrt(v0 + v1))
     if se <= 0.0:
         p_value, low, high = (0.0 if drop > margin else 1.0), drop, drop

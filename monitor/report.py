@@ -123,7 +123,7 @@ def monitor_checks(client, name: str | None = None, limit: int = 10) -> list[Che
 
 def monitor_history_figure(checks: list[CheckRow]):
     """Acceptance at each check against its baseline, the drift threshold (baseline − margin) and break-even;
-    DRIFT checks in red, and a vertical line where retraining promoted a new champion."""
+    DRIFT checks in red, DEPLOY_MISMATCH in purple, and a vertical line where retraining promoted a new champion."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,7 +134,7 @@ def monitor_history_figure(checks: list[CheckRow]):
     measured = [c for c in checks if c.acceptance_now is not None]
     times = [c.time for c in measured]
     ax.plot(times, [c.acceptance_now for c in measured], color="tab:blue", linewidth=1, zorder=1)
-    colors = {"OK": "tab:green", "DRIFT": "tab:red"}
+    colors = {"OK": "tab:green", "DRIFT": "tab:red", "DEPLOY_MISMATCH": "tab:purple"}
     for decision, color in colors.items():
         picked = [c for c in measured if c.decision == decision]
         ax.scatter([c.time for c in picked], [c.acceptance_now for c in picked], color=color, zorder=2,

@@ -40,6 +40,7 @@ from monitor.engine_speed import measure_speed, settings_for, speed_table
 from monitor.measure import heldout_by_recency
 from monitor.service import check_lock
 from monitor.target_update import run_finetune
+from pipeline import metrics as M
 from pipeline import registry
 from pipeline.config import DraftopsConfig, save_config
 from pipeline.sources import locate
@@ -123,10 +124,11 @@ def _distilled(cfg: DraftopsConfig) -> str:
 
 def run_serve_demo(cfg: DraftopsConfig, out: str | Path = DEFAULT_OUT, *, champion: Callable[[DraftopsConfig], str]
                    | None = None, retrain: Callable[[DraftopsConfig], str] | None = None,
-                   rehearse_mismatch: bool = False, speed: bool = True, per_window: int = 6, echo=print
-                   ) -> ServeDemoResult:
+                   rehearse_mismatch: bool = False, speed: bool = True, per_window: int = 6,
+                   threads: int | None = None, echo=print) -> ServeDemoResult:
     """The phases of the module docstring. `champion(cfg)` and `retrain(cfg)` make and register a draft (default:
-    distill; a test passes cheaper ones); returns the result whose `checks` the summary prints."""
+    distill; a test passes cheaper ones); `threads`: llama-server's (default: every core). Returns the result whose
+    `checks` the summary prints."""
     name = cfg.tracking.registered_model
     if name == PRODUCTION_MODEL:
         raise ValueError(f"the demo starts its registered model afresh: give it a name of its own, not "
@@ -153,7 +155,8 @@ def run_serve_demo(cfg: DraftopsConfig, out: str | Path = DEFAULT_OUT, *, champi
     version = phase(f"distill a champion against the original target ({original.target})",
                     lambda: (champion or _distilled)(original))
     result.champion_before = version
-    with ServedEngine(served_target, draft_max=original.decode.gamma, log_dir=out / "engine") as engine:
+    with ServedEngine(served_target, draft_max=original.decode.gamma, threads=threads,
+                      log_dir=out / "engine") as engine:
         original, updated = engine_configs(original, updated, engine, out)
         save_config(original, out / "config-original-target.yaml")
         save_config(updated, out / "config-updated-target.yaml")
@@ -249,7 +252,8 @@ def _summary(result: ServeDemoResult, cfg: DraftopsConfig, seconds: float, echo)
             echo("  " + line)
     for title, passed in result.checks:
         echo(f"  [{'x' if passed else ' '}] {title}")
-    with start_run(cfg, "monitor", run_name="serve-demo"):
+    with start_run(cfg, "monitor", run_name="serve-demo", tags={
+            M.MONITOR_DECISION_TAG: "SERVE-DEMO", M.REGISTERED_MODEL_TAG: cfg.tracking.registered_model}):
         for label, values in result.windows.items():
             for step, value in enumerate(values):
                 mlflow.log_metric(f"serve_demo/window_acceptance/{label.replace(',', '').replace(' ', '_')}", value,

@@ -38,8 +38,9 @@ class DeployConfig(Section):
     check_window_seconds: float = Field(60.0, gt=0.0, description="Length of one engine-check window (seconds).")
     min_window_draft_tokens: int = Field(50, ge=1, description=(
         "A window with fewer draft tokens (little traffic) is read again, up to 3 times its length."))
-    mismatch_margin: float = Field(0.05, ge=0.0, lt=1.0, description=(
-        "Tolerated shortfall (absolute) of the engine's acceptance below the draft's offline figure: engines "
-        "quantize and round differently; a wrong or stale draft costs far more."))
+    mismatch_tolerance: float = Field(0.25, ge=0.0, lt=1.0, description=(
+        "Tolerated shortfall of the engine's acceptance, as a share of the draft's offline figure (0.25: the engine "
+        "may count down to 75% of it): engines compute in their own precision, and near-tied tokens flip; a wrong "
+        "or stale draft loses far more."))
     rollback_on_mismatch: bool = Field(False, description=(
         "On DEPLOY_MISMATCH, switch `current` back to the previous deployment and run the reload action again."))
