@@ -10,8 +10,9 @@ import copy
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
-from decode.runtime.forward import ModelRunner, compact, rollback
+from decode.runtime.forward import ModelRunner, compact, greedy_decode, rollback
 from decode.runtime.lean import LeanDecoder, compiled_lean, use_compiled_passes
 from decode.runtime.lean_families import FAMILIES
 from decode.speculative import SpeculativeDecoder
@@ -20,13 +21,27 @@ from tests.decode.tiny import greedy_reference
 from tests.families import tiny_family
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
-# (family, sliding window): Mistral's window of 16 on texts longer than 16, and without one
-CASES = [("qwen2", None), ("qwen3", None), ("mistral", 16), ("mistral", None), ("phi3", 16), ("phi3", None)]
+# (family, sliding window) on texts longer than the window: Mistral's and Phi-3's on every layer, Qwen2's and Qwen3's
+# on the layers from `max_window_layers` (2) on, as `config.layer_types` marks them; and each without a window
+CASES = [("qwen2", None), ("qwen2", 16), ("qwen3", None), ("qwen3", 16), ("mistral", 16), ("mistral", None),
+         ("phi3", 16), ("phi3", None)]
 IDS = [f"{family}-window{window}" for family, window in CASES]
 
 
+def build(family: str, window: int | None = None, seed: int = 0, dtype: torch.dtype = torch.float64):
+    """`tests.families.tiny_family`, where Qwen2/3 take a window on their last two layers (their configs' way)."""
+    if window is None or family not in ("qwen2", "qwen3"):
+        return tiny_family(family, seed, window=window, dtype=dtype)
+    config = tiny_family(family).config
+    config = type(config)(**(config.to_dict() | dict(use_sliding_window=True, sliding_window=window,
+                                                    max_window_layers=2, layer_types=None)))
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).to(dtype).eval()
+
+
 def reference(family: str, window: int | None, seed: int = 0) -> torch.nn.Module:
-    model = tiny_family(family, seed, window=window)
+    model = build(family, window, seed)
     model.set_attn_implementation("sdpa")
     return model
 
@@ -69,8 +84,7 @@ def test_prefill_and_cached_continuations_give_transformers_logits(family, windo
         rollback(cache, position)
     assert position > 40
     if window is not None:  # the window is in force: without it, the same weights give other logits past it
-        unwindowed = tiny_family(family, window=None)
-        unwindowed.set_attn_implementation("sdpa")
+        unwindowed = reference(family, None)
         difference = (full_logits(unwindowed, tokens) - expected).abs().amax(-1)
         assert difference[:window].max() < 1e-10 and difference[window:].min() > 1e-3
 
@@ -128,7 +142,7 @@ def test_a_batch_and_a_ragged_batch_give_each_sequences_logits(family, window):
 @pytest.mark.parametrize("family,window", [case for case in CASES if case != ("phi3", None)],
                          ids=[i for i in IDS if i != "phi3-windowNone"])
 def test_speculative_decoding_on_the_lean_forward_gives_the_targets_greedy_tokens(family, window):
-    target = tiny_family(family, window=window)  # eager attention, as loaded: the reference's own greedy tokens
+    target = build(family, window)  # eager attention, as loaded: the reference's own greedy tokens
     draft = close_copy(target, seed=5)
     prompt = [5, 9, 2, 77, 3, 9, 2, 77, 14, 60, 8, 1]
     expected = greedy_reference(target, prompt, 40)
@@ -155,18 +169,19 @@ def test_a_family_the_lean_forward_does_not_run_says_so_once_per_model(capsys):
 
 
 @torch.inference_mode()
-def test_compiled_passes_of_a_qwen2_and_a_windowed_mistral_decode_what_the_eager_ones_do():
-    """Greedy speculative decoding, trees and chains, with the target's and the draft's passes compiled (float32:
-    inductor's C++ GEMMs) gives the eager decoder's tokens; Mistral's window (8) is passed well within the text."""
-    for family, window in (("qwen2", None), ("mistral", 8)):
-        target = tiny_family(family, window=window, dtype=torch.float32)
-        draft = close_copy(target, seed=3)
-        prompt = [5, 9, 2, 77, 3, 9, 2, 77]
-        expected = [SpeculativeDecoder(target, draft, 4, tree_budget=budget).generate(prompt, max_new_tokens=24)
-                    .token_ids for budget in (0, 3)]
-        use_compiled_passes(target)
-        use_compiled_passes(draft)
-        compiled = [SpeculativeDecoder(target, draft, 4, tree_budget=budget) for budget in (0, 3)]
-        assert compiled[0].target_runner.lean is compiled_lean(target)
-        assert [d.generate(prompt, max_new_tokens=24).token_ids for d in compiled] == expected
-        assert compiled_lean(target).compiled is not None  # the graphs were built, not abandoned for the eager forward
+def test_compiled_passes_of_a_qwen2_with_windowed_layers_decode_what_the_eager_ones_do():
+    """Greedy speculative decoding, trees and chains, with the target's passes compiled (float32: inductor's C++
+    GEMMs) gives the eager decoder's tokens: q/k/v biases, a tied head, and a window of 8 on two of the four layers,
+    passed well within the text. (The draft stays eager: compiling is minutes on a small CPU.)"""
+    target = build("qwen2", 8, dtype=torch.float32)
+    draft = close_copy(target, seed=3)
+    prompt = [5, 9, 2, 77, 3, 9, 2, 77]
+    expected = [SpeculativeDecoder(target, draft, 4, tree_budget=budget).generate(prompt, max_new_tokens=24).token_ids
+                for budget in (0, 3)]
+    plain = greedy_decode(ModelRunner(target), prompt, 24)  # one-token steps
+    use_compiled_passes(target)
+    compiled = [SpeculativeDecoder(target, draft, 4, tree_budget=budget) for budget in (0, 3)]
+    assert compiled[0].target_runner.lean is compiled_lean(target)
+    assert [d.generate(prompt, max_new_tokens=24).token_ids for d in compiled] == expected
+    assert greedy_decode(ModelRunner(target), prompt, 24) == plain == expected[0]
+    assert compiled_lean(target).compiled.built == {"step", "short", "wide"}  # built, not abandoned for eager
