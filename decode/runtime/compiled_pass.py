@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from decode.runtime.lean_families import window_masks
+from decode.runtime.lean_families import rotations, soft_capped, window_masks
 
 if TYPE_CHECKING:
     from decode.runtime.lean import LeanDecoder
@@ -179,18 +179,17 @@ class CompiledPass(torch.nn.Module):
         lean, inner = self.lean[0], self.model.model
         b, n = tokens.shape
         x = inner.embed_tokens(tokens)
-        cos, sin = inner.rotary_emb(x, positions[None])
+        rotation = rotations(self.model, lean.layers, x, positions[None])
         shape, count = (b, n, lean.heads, lean.kv_heads), len(self.layers)
         masks = window_masks(lean.layers, mask, positions, start, end)
         for i, layer in enumerate(self.layers):
             projected = F.linear(layer.input_norm(x), self.stacked[i], self.stacked_bias[i]).split(layer.qkv.sizes, -1)
-            q, k, v = layer.heads(*projected, shape, lambda q, k: lean.rotate(q, k, cos, sin))
+            q, k, v = layer.heads(*projected, shape, lean.rotate, rotation[layer.rotation])
             keys[i][:, :, start:end], values[i][:, :, start:end] = k, v
-            out = F.scaled_dot_product_attention(q, keys[i][:, :, :end], values[i][:, :, :end],
-                                                 attn_mask=masks[layer.window], scale=layer.scaling, enable_gqa=True)
-            x = x + F.linear(out.transpose(1, 2).reshape(b, n, -1), layer.o_proj.weight, layer.o_proj.bias)
-            h = layer.post_norm(x)
+            out = layer.attend(q, keys[i][:, :, :end], values[i][:, :, :end], masks[layer.window])
+            x = layer.add_attention(x, F.linear(out, layer.o_proj.weight, layer.o_proj.bias))
+            h = layer.mlp_norm(x)
             gate, up = F.linear(h, self.stacked[count + i], self.stacked_bias[count + i]).split(layer.gate_up.sizes, -1)
-            x = x + F.linear(layer.act(gate) * up, layer.down_proj.weight, layer.down_proj.bias)
+            x = layer.add_mlp(x, F.linear(layer.act(gate) * up, layer.down_proj.weight, layer.down_proj.bias))
         head = self.model.lm_head
-        return F.linear(inner.norm(x), head.weight, head.bias)
+        return soft_capped(F.linear(inner.norm(x), head.weight, head.bias), self.model.config)

@@ -22,10 +22,17 @@ passes, batches and feature captures stay eager. Compiling takes minutes on a sm
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from decode.runtime.compiled_pass import COMPILED_MAX_TOKENS, CompiledPass, CompileUnavailable
-from decode.runtime.lean_families import FAMILY_NAMES, lean_layers, rotary_function, supports, window_masks
+from decode.runtime.lean_families import (
+    FAMILY_NAMES,
+    lean_layers,
+    rotary_function,
+    rotations,
+    soft_capped,
+    supports,
+    window_masks,
+)
 
 COMPILED_ATTRIBUTE = "_draftops_compiled"  # where a model keeps its compiled forward (`use_compiled_passes`)
 
@@ -229,27 +236,25 @@ class LeanDecoder:
         ragged = positions.dim() == 2
         rows = torch.arange(b, device=tokens.device)[:, None] if ragged else None
         x = self.inner.embed_tokens(tokens)
-        cos, sin = self.inner.rotary_emb(x, positions if ragged else positions[None])
+        rotation = rotations(self.model, self.layers, x, positions if ragged else positions[None])
         shape = (b, n, self.heads, self.kv_heads)
-        rotate = lambda q, k: self.rotate(q, k, cos, sin)  # noqa: E731
         masks = window_masks(self.layers, mask, positions, start, end)
         captured = {}
         for i, layer in enumerate(self.layers):
             if i in capture:
                 captured[i] = x
-            q, k, v = layer.heads(*layer.qkv(layer.input_norm(x)), shape, rotate)
+            q, k, v = layer.heads(*layer.qkv(layer.input_norm(x)), shape, self.rotate, rotation[layer.rotation])
             if ragged:  # [B, T, heads, dim] into each row's own slots
                 keys[i][rows, :, positions], values[i][rows, :, positions] = k.transpose(1, 2), v.transpose(1, 2)
             else:
                 keys[i][:, :, start:end], values[i][:, :, start:end] = k, v
-            out = F.scaled_dot_product_attention(q, keys[i][:, :, :end], values[i][:, :, :end],
-                                                 attn_mask=masks[layer.window], scale=layer.scaling, enable_gqa=True)
-            x = x + layer.o_proj(out.transpose(1, 2).reshape(b, n, -1))
-            gate, up = layer.gate_up(layer.post_norm(x))
-            x = x + layer.down_proj(layer.act(gate) * up)
+            out = layer.attend(q, keys[i][:, :, :end], values[i][:, :, :end], masks[layer.window])
+            x = layer.add_attention(x, layer.o_proj(out))
+            gate, up = layer.gate_up(layer.mlp_norm(x))
+            x = layer.add_mlp(x, layer.down_proj(layer.act(gate) * up))
         x = self.inner.norm(x[:, -1:] if keep_last else x)
         features = torch.cat([captured[i] for i in capture], -1) if capture else None
-        return self.model.lm_head(x), features
+        return soft_capped(self.model.lm_head(x), self.model.config), features
 
 
 LeanLlama = LeanDecoder  # its name while it ran Llama models only
