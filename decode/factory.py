@@ -4,8 +4,6 @@ means the same decoder everywhere. `model_decoder` builds one from a draft model
 the sweep's fixed-γ cells, and tests."""
 from __future__ import annotations
 
-import sys
-import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,6 +13,7 @@ from decode.drafters.chain import DECODER, DRAFT, LOOKUP, SUFFIX, make_drafter
 from decode.drafters.suffix import SuffixIndex, load_suffix_index
 from decode.drafters.tree import make_tree_drafter
 from decode.runtime.lean import LeanDecoder, use_compiled_passes
+from decode.runtime.lean_families import notice_fallback
 from decode.speculative import GREEDY, GammaPolicy, Sampling, SpeculativeDecoder
 from decode.tree_budget_auto import BudgetChoice, ModelFreeTrees, auto_budget_schedule
 from pipeline.config import AUTO, DecodeConfig
@@ -99,22 +98,14 @@ def model_decoder(target, draft, gamma: int | GammaPolicy = 5, *, draft_token_id
                               stop_strings=stop_strings, tokenizer=tokenizer)
 
 
-_TOLD_EAGER: weakref.WeakSet = weakref.WeakSet()
-
-
 def compile_where_supported(model) -> bool:
     """`decode.compiled` for `model`: its passes compiled where the lean forward runs its architecture
     (`decode.runtime.lean.use_compiled_passes`), else run eagerly through transformers' forward, said once per model
-    on stderr. Returns whether they are compiled."""
+    on stderr (`decode.runtime.lean_families.notice_fallback`). Returns whether they are compiled."""
     if LeanDecoder.supports(model):
         use_compiled_passes(model)
         return True
-    if model not in _TOLD_EAGER:
-        _TOLD_EAGER.add(model)
-        print(f"draftops: decode.compiled does not apply to this {model.config.model_type} model (the compiled "
-              "passes are the lean forward's, which does not run it): its passes run eagerly through transformers' "
-              "forward",
-              file=sys.stderr, flush=True)
+    notice_fallback(model, compiled=True)
     return False
 
 

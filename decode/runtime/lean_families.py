@@ -61,15 +61,17 @@ def supports(model) -> bool:
             and getattr(config, "_attn_implementation", "sdpa") in ("sdpa", "eager"))
 
 
-def notice_fallback(model) -> None:
+def notice_fallback(model, compiled: bool = False) -> None:
     """One line on stderr, once per model, that `model` runs on the transformers forward (where `supports` says no):
-    the same tokens, with transformers' per-call cost."""
+    the same tokens, with transformers' per-call cost; `compiled`: and that `decode.compiled` was asked for but does
+    not apply (the compiled passes are the lean forward's)."""
     if model.__dict__.get(FALLBACK_ATTRIBUTE):
         return
     model.__dict__[FALLBACK_ATTRIBUTE] = True
-    print(f"draftops: notice: this {model.config.model_type} model runs on the transformers forward (the same tokens, "
-          f"more time per call): the lean forward runs {FAMILY_NAMES} models in eval mode, attention eager or sdpa",
-          file=sys.stderr, flush=True)
+    extra = "; decode.compiled does not apply to it" if compiled else ""
+    print(f"draftops: notice: this {model.config.model_type} model runs on the transformers forward, not the lean one "
+          f"(the same tokens, more time per call{extra}): the lean forward runs {FAMILY_NAMES} models in eval mode, "
+          "attention eager or sdpa", file=sys.stderr, flush=True)
 
 
 class FusedLinear:
