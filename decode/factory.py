@@ -4,8 +4,6 @@ means the same decoder everywhere. `model_decoder` builds one from a draft model
 the sweep's fixed-γ cells, and tests."""
 from __future__ import annotations
 
-import sys
-import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,7 +12,8 @@ import torch
 from decode.drafters.chain import DECODER, DRAFT, LOOKUP, SUFFIX, make_drafter
 from decode.drafters.suffix import SuffixIndex, load_suffix_index
 from decode.drafters.tree import make_tree_drafter
-from decode.runtime.lean import LeanLlama, use_compiled_passes
+from decode.runtime.lean import LeanDecoder, use_compiled_passes
+from decode.runtime.lean_families import notice_fallback
 from decode.speculative import GREEDY, GammaPolicy, Sampling, SpeculativeDecoder
 from decode.tree_budget_auto import BudgetChoice, ModelFreeTrees, auto_budget_schedule
 from pipeline.config import AUTO, DecodeConfig
@@ -45,7 +44,7 @@ def build_decoder(target, draft, decode: DecodeConfig, *, kind: str = DECODER, g
     draft_model, token_ids = (None, None) if draft is None else (draft.model, draft.token_ids)
     if decode.compiled and lean:  # before the tree budget's costs are timed: they are the compiled passes'
         compile_where_supported(target.model)
-        if hasattr(draft_model, "config") and LeanLlama.supports(draft_model):  # a layer draft (a feature one: eager)
+        if hasattr(draft_model, "config") and LeanDecoder.supports(draft_model):  # a layer draft (a feature one: eager)
             use_compiled_passes(draft_model)
     lookup_min_ngram = decode.lookup_min_ngram if kind in (DECODER, LOOKUP) else None
     suffix = (decode.suffix and kind in (DECODER, LOOKUP)) or kind == SUFFIX
@@ -99,22 +98,14 @@ def model_decoder(target, draft, gamma: int | GammaPolicy = 5, *, draft_token_id
                               stop_strings=stop_strings, tokenizer=tokenizer)
 
 
-_TOLD_EAGER: weakref.WeakSet = weakref.WeakSet()
-
-
 def compile_where_supported(model) -> bool:
     """`decode.compiled` for `model`: its passes compiled where the lean forward runs its architecture
     (`decode.runtime.lean.use_compiled_passes`), else run eagerly through transformers' forward, said once per model
-    on stderr. Returns whether they are compiled."""
-    if LeanLlama.supports(model):
+    on stderr (`decode.runtime.lean_families.notice_fallback`). Returns whether they are compiled."""
+    if LeanDecoder.supports(model):
         use_compiled_passes(model)
         return True
-    if model not in _TOLD_EAGER:
-        _TOLD_EAGER.add(model)
-        print(f"draftops: decode.compiled does not apply to this {model.config.model_type} model (the compiled "
-              "passes are the lean forward's, which does not run it): its passes run eagerly through transformers' "
-              "forward",
-              file=sys.stderr, flush=True)
+    notice_fallback(model, compiled=True)
     return False
 
 

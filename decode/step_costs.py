@@ -27,7 +27,8 @@ from decode.drafters.lookup import LookupThenModelDrafter, PromptLookupDrafter
 from decode.drafters.tree import ModelTree, TreeDrafter
 from decode.models.feature_draft import FeatureDraft, FeatureDrafter
 from decode.runtime.forward import ModelRunner, rollback
-from decode.runtime.lean import LeanLlama
+from decode.runtime.lean import LeanDecoder
+from decode.runtime.lean_families import FAMILY_NAMES
 from decode.runtime.timing import timed
 from decode.speculative import Warp, check_drafts
 from decode.tree import ROOT, TokenTree, accept
@@ -183,18 +184,18 @@ def measure_costs(target_model, proposers: Mapping[str, object], tokens: list[in
 def measure_batch_costs(target_model, draft_models: Mapping[str, torch.nn.Module], tokens: list[int], context: int,
                         batches: Sequence[int], widths: Sequence[int], reps: int = 10) -> dict:
     """Median seconds of a batch of B sequences, each `context` tokens long (`tokens[:context]`), for every B in
-    `batches`, through `decode.runtime.lean.LeanLlama.forward_batch` (the decoder's own forward, batched): the target's
-    step (B × 1 tokens, last logits, argmax), its verify of B × n tokens for every n in `widths` (every logit, argmax),
-    and each draft model's step (B × 1). v_B(n) = verify / step and c_B = draft step / target step are medians of
-    per-repetition ratios, every quantity timed once a repetition (`measure_costs`). Draft models the lean forward
-    does not run (a feature draft) are left out and named under "skipped"."""
-    if not LeanLlama.supports(target_model):
-        raise ValueError("the batch axis runs the lean forward: it needs a Llama-architecture target")
+    `batches`, through `decode.runtime.lean.LeanDecoder.forward_batch` (the decoder's own forward, batched): the
+    target's step (B × 1 tokens, last logits, argmax), its verify of B × n tokens for every n in `widths` (every
+    logit, argmax), and each draft model's step (B × 1). v_B(n) = verify / step and c_B = draft step / target step
+    are medians of per-repetition ratios, every quantity timed once a repetition (`measure_costs`). Draft models the
+    lean forward does not run (a feature draft) are left out and named under "skipped"."""
+    if not LeanDecoder.supports(target_model):
+        raise ValueError(f"the batch axis runs the lean forward: it needs a {FAMILY_NAMES} target")
     device = next(target_model.parameters()).device
     models = {"target": target_model}
     skipped = []
     for name, model in draft_models.items():
-        if LeanLlama.supports(model):
+        if LeanDecoder.supports(model):
             models[name] = model
         else:
             skipped.append(name)
@@ -202,7 +203,7 @@ def measure_batch_costs(target_model, draft_models: Mapping[str, torch.nn.Module
     fed = torch.tensor(tokens[context : context + max(widths, default=1)], device=device)
     timers: dict[tuple[str, int], tuple[Callable, Callable]] = {}
     for name, model in models.items():
-        lean = LeanLlama(model)
+        lean = LeanDecoder(model)
         single = lean.new_cache()
         lean.forward_logits(prefix, single, 0, True)
         for b in batches:

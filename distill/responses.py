@@ -26,6 +26,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from decode.drafters.suffix import SuffixIndex
 from decode.runtime import batch_generation
 from decode.runtime.kernel_choice import amx_bf16_usable
+from decode.runtime.lean_families import notice_fallback
 from pipeline import draftops_home
 from pipeline.files import recover_dir, swap_dir, temporary_sibling
 from pipeline.sources import eos_token_ids
@@ -115,13 +116,15 @@ def generate_rounds(model, tokenizer, prompts: list[list[int]], rounds: list[tup
     complete. A response ends with its first EOS token (kept: the draft must learn to propose it too) or after
     max_new_tokens.
 
-    Llama-architecture models run through continuous batching on the lean forward (`decode.runtime.batch_generation`:
-    rows refilled as sequences end, each prompt prefilled once for all rounds, samples independent of batching); other
-    models through transformers' `generate`, a batch of similar lengths at a time. `capture`: the target layers whose
+    Models the lean forward runs (`decode.runtime.lean_families`) go through continuous batching on it
+    (`decode.runtime.batch_generation`: rows refilled as sequences end, each prompt prefilled once for all rounds,
+    samples independent of batching); other models through transformers' `generate`, a batch of similar lengths at a
+    time, with a one-line notice. `capture`: the target layers whose
     input hidden states a feature draft reads, recorded as the lean engine generates (`ResponseSet.features`; not by
     transformers' `generate`, whose sets come without them).
     """
     if not batch_generation.supports(model):
+        notice_fallback(model)
         out = []
         for r, (temperature, seed) in enumerate(rounds):
             out.append(hf_generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,

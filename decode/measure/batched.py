@@ -4,9 +4,10 @@
 (`decode.step_costs.measure_batch_costs`); these decode a batch for real, to check that prediction
 (`decode.measure.sweep.measure_batches`). Both run the lean forward of a batch. Every sequence of a batch takes its own
 rounds: it accepts as many drafted tokens as match the target's greedy tokens, so the sequences go on at different
-lengths (`decode.runtime.lean.LeanLlama.forward_ragged`), and the batch runs until every sequence has its tokens (static
-batching: a finished sequence rides along). Greedy and lossless: each sequence gets what `batched_greedy` gives it.
-The single-sequence decoder (`decode.speculative`) stays the one draftops decodes with; this is its batched check.
+lengths (`decode.runtime.lean.LeanDecoder.forward_ragged`), and the batch runs until every sequence has its tokens
+(static batching: a finished sequence rides along). Greedy and lossless: each sequence gets what `batched_greedy`
+gives it. The single-sequence decoder (`decode.speculative`) stays the one draftops decodes with; this is its batched
+check.
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ from collections.abc import Sequence
 
 import torch
 
-from decode.runtime.lean import LeanLlama
+from decode.runtime.lean import LeanDecoder
+from decode.runtime.lean_families import FAMILY_NAMES
 from decode.runtime.timing import timed
 
 
-def _lean(model) -> LeanLlama:
-    if not LeanLlama.supports(model):
-        raise ValueError("batched decoding runs the lean forward: it needs Llama-architecture models in eval mode")
-    return LeanLlama(model)
+def _lean(model) -> LeanDecoder:
+    if not LeanDecoder.supports(model):
+        raise ValueError(f"batched decoding runs the lean forward: it needs {FAMILY_NAMES} models in eval mode")
+    return LeanDecoder(model)
 
 
 @torch.inference_mode()

@@ -4,7 +4,7 @@ the next prompt as soon as its sequence ends.
 `make distill` spends most of its time generating the target's responses to the traffic (`distill.responses`).
 transformers' `generate` runs a batch until its longest sequence ends, finished rows riding along, and grows its KV
 cache by concatenation at every step. Here every row of one preallocated cache (`decode.runtime.lean.KVCache`) holds one
-sequence at its own length (`LeanLlama.forward_ragged`); a row whose sequence ends is refilled at once with the next
+sequence at its own length (`LeanDecoder.forward_ragged`); a row whose sequence ends is refilled at once with the next
 prompt (prefilled alone, its keys and values copied into the row). Each step records the top-k log-probs of every
 row's next-token distribution at temperature 1, the teacher `distill` trains on.
 
@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from decode.runtime.lean import LeanLlama
+from decode.runtime.lean import LeanDecoder
+from decode.runtime.lean_families import FAMILY_NAMES
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class Generated:
 
 def supports(model) -> bool:
     """Whether `generate` runs this model (the lean forward's architectures)."""
-    return LeanLlama.supports(model)
+    return LeanDecoder.supports(model)
 
 
 def _uniform(job: Job, step: int) -> float:
@@ -88,10 +89,10 @@ def generate(model, jobs: Sequence[Job], *, max_new_tokens: int, stop_ids: Seque
     generated)` is called as each job ends, before the others have.
     """
     if not supports(model):
-        raise ValueError("continuous batching runs the lean forward: it needs a Llama-architecture model in eval mode")
+        raise ValueError(f"continuous batching runs the lean forward: it needs a {FAMILY_NAMES} model in eval mode")
     if not jobs:
         return []
-    lean = LeanLlama(model)
+    lean = LeanDecoder(model)
     device = next(model.parameters()).device
     rows = [_Row() for _ in range(min(batch_size, len(jobs)))]
     cache = lean.new_cache(len(rows))

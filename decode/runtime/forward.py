@@ -11,7 +11,8 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
-from decode.runtime.lean import KVCache, LeanLlama, compiled_lean, use_compiled_passes
+from decode.runtime.lean import KVCache, LeanDecoder, compiled_lean, use_compiled_passes
+from decode.runtime.lean_families import notice_fallback
 from decode.runtime.masks import tree_attention_mask
 
 
@@ -48,7 +49,7 @@ def forward_logits(model, tokens: torch.Tensor, cache: DynamicCache, start: int,
 
 def forward_features(model, tokens: torch.Tensor, cache: DynamicCache, start: int,
                      layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`decode.runtime.lean.LeanLlama.forward_features` through the transformers forward (`output_hidden_states`)."""
+    """`decode.runtime.lean.LeanDecoder.forward_features` through the transformers forward (`output_hidden_states`)."""
     positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)
     out = model(input_ids=tokens[None], position_ids=positions[None], use_cache=True, output_hidden_states=True,
                 **with_cache(model, cache))
@@ -57,7 +58,7 @@ def forward_features(model, tokens: torch.Tensor, cache: DynamicCache, start: in
 
 def forward_tree(model, tokens: torch.Tensor, cache: DynamicCache, positions: torch.Tensor,
                  tree_mask: torch.Tensor, layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`decode.runtime.lean.LeanLlama.forward_tree_features` through the transformers forward: appended to the cache,
+    """`decode.runtime.lean.LeanDecoder.forward_tree_features` through the transformers forward: appended to the cache,
     with a 4D mask per layer type (`decode.runtime.masks`; transformers uses a 4D mask as given) -> (logits [T, V],
     features of `layers` or None without)."""
     dtype = model.get_input_embeddings().weight.dtype
@@ -98,9 +99,9 @@ def compact(cache, start: int, slots: list[int]) -> None:
 
 
 class ModelRunner:
-    """A causal LM as draftops runs it: `decode.runtime.lean.LeanLlama` where the architecture allows (the same
+    """A causal LM as draftops runs it: `decode.runtime.lean.LeanDecoder` where the architecture allows (the same
     function with far less per-call overhead), else the transformers forward with a DynamicCache, which is also the
-    reference."""
+    reference (a one-line notice says so, once per model: `decode.runtime.lean_families.notice_fallback`)."""
 
     def __init__(self, model, lean: bool = True, compiled: bool | None = None):
         """compiled: True, the lean forward's passes through `torch.compile` (`decode.runtime.lean.use_compiled_passes`,
@@ -112,7 +113,9 @@ class ModelRunner:
             use_compiled_passes(model)
         self.model = model
         shared = compiled_lean(model) if lean and compiled is not False else None
-        self.lean = shared or (LeanLlama(model) if lean and LeanLlama.supports(model) else None)
+        self.lean = shared or (LeanDecoder(model) if lean and LeanDecoder.supports(model) else None)
+        if lean and self.lean is None:
+            notice_fallback(model)
 
     def new_cache(self):
         """A KV cache for this runner's forward. The transformers forward's keeps every position of every layer (a
@@ -137,7 +140,7 @@ class ModelRunner:
                      tree_mask: torch.Tensor) -> torch.Tensor:
         """Tokens [T] of a token tree into the cache from position `start` on (cropped there first), at `positions`,
         each seeing the cache before the last m slots and those of them its row of tree_mask [T, m] allows
-        (`decode.runtime.lean.LeanLlama.forward_tree`) -> logits [T, V]."""
+        (`decode.runtime.lean.LeanDecoder.forward_tree`) -> logits [T, V]."""
         return self.forward_tree_features(tokens, cache, start, positions, tree_mask, ())[0]
 
     def forward_tree_features(self, tokens: torch.Tensor, cache, start: int, positions: torch.Tensor,

@@ -1,7 +1,8 @@
-"""Every supported family decodes losslessly through the transformers forward: tiny random-weight models of each
-(`tests.families`), chains and token trees, greedy against the family's own target-only greedy (transformers, no
-cache, full forward) and sampled against its exact distribution (chi-square, `tests.decode.test_lossless`).
-Sliding windows are exercised with windows shorter than the text and the tree."""
+"""Every supported family decodes losslessly, through the lean forward (`decode.runtime.lean_families`) and through
+the transformers forward: tiny random-weight models of each (`tests.families`), chains and token trees, greedy
+against the family's own target-only greedy (transformers, no cache, full forward) and sampled against its exact
+distribution (chi-square, `tests.decode.test_lossless`). Sliding windows are exercised with windows shorter than the
+text and the tree."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from decode.drafters.chain import LOOKUP
 from decode.factory import build_decoder, model_decoder
 from decode.measure.bench import run_bench
-from decode.runtime.lean import LeanLlama
+from decode.runtime.lean import LeanDecoder
+from decode.runtime.lean_families import FAMILY_NAMES
 from decode.serving.loading import load_draft, load_model
 from decode.speculative import SpeculativeDecoder
 from pipeline.architectures import supported_families
@@ -35,21 +37,24 @@ def resolved(model) -> ResolvedModel:
     return ResolvedModel("tiny", None, model, None, "", None)
 
 
-def decoders(target, draft) -> dict[str, SpeculativeDecoder]:
+def decoders(target, draft, lean: bool = True) -> dict[str, SpeculativeDecoder]:
     """The default decoder (token trees: prompt lookup, suffix decoding, the draft), a deep tree of the draft alone,
     and chain rounds."""
     default = DecodeConfig()
-    return {"default": build_decoder(resolved(target), resolved(draft), default),
-            "deep_tree": model_decoder(target, draft, 6, tree_budget=12, tree_branching=2),
-            "chain": build_decoder(resolved(target), resolved(draft), default.chain_rounds())}
+    return {"default": build_decoder(resolved(target), resolved(draft), default, lean=lean),
+            "deep_tree": model_decoder(target, draft, 6, tree_budget=12, tree_branching=2, lean=lean),
+            "chain": build_decoder(resolved(target), resolved(draft), default.chain_rounds(), lean=lean)}
 
 
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "transformers"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_output_is_the_targets(family):
-    # a window of 4 (where the family has one) is shorter than the text and than the deep tree
+def test_greedy_output_is_the_targets(family, lean):
+    # a window of 4 (where the family has one) is shorter than the text and than the deep tree; through the lean
+    # forward (`decode.runtime.lean_families`: every family here) and through transformers'
     target = tiny_family(family, window=4 if family in WINDOWED else None)
     reference = greedy_reference(target, PROMPT, NEW_TOKENS)
-    for name, decoder in decoders(target, perturbed(target, seed=1, noise=0.05)).items():
+    for name, decoder in decoders(target, perturbed(target, seed=1, noise=0.05), lean).items():
+        assert (decoder.target_runner.lean is not None) == lean
         result = decoder.generate(PROMPT, max_new_tokens=NEW_TOKENS)
         assert result.token_ids == reference, name
         assert result.stats.accepted > 0, name
@@ -59,15 +64,17 @@ VOCAB = 16
 SAMPLES = 300  # a tree pass blind to the window fails at chi-square 140 (p < 1e-20) here
 
 
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "transformers"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_sampling_is_the_targets_distribution(family):
+def test_sampling_is_the_targets_distribution(family, lean):
     # two layers (Gemma's: one sliding, one global); a window of 2 cuts the second token's view of the prompt
     shape = dict(vocab_size=VOCAB, init_range=0.15, window=2 if family in WINDOWED else None, layers=2)
     target = tiny_family(family, 10, **shape)
-    tree = model_decoder(target, perturbed(target, seed=11, noise=0.15), 2, tree_budget=6, tree_branching=3)
+    tree = model_decoder(target, perturbed(target, seed=11, noise=0.15), 2, tree_budget=6, tree_branching=3,
+                         lean=lean)
     check_first_two(target, tree, [3, 7], T1, samples=SAMPLES)
     other = tiny_family(family, 12, **shape)  # an unrelated draft of the family
-    check_first_two(target, model_decoder(target, other, 2), [3, 7], T1, samples=SAMPLES)
+    check_first_two(target, model_decoder(target, other, 2, lean=lean), [3, 7], T1, samples=SAMPLES)
 
 
 # --------------------------------------------------------------------------- checkpoints: the CLI, bench, refusals
@@ -119,7 +126,7 @@ def test_bench_rows_are_the_targets_output(family, tmp_path):
                for i, text in enumerate((TEXT, "hello world how is the story"))]
     # `make bench` compiles the passes: where the lean forward does not run the family, it falls back to the eager
     # forward (where it does, compiling takes minutes: eager here, the lean tests check the compiled passes)
-    fallback = not LeanLlama.supports(target.model)
+    fallback = not LeanDecoder.supports(target.model)
     report = run_bench(target, draft, prompts, ["tiny"] * 2, DecodeConfig(max_new_tokens=8, compiled=fallback),
                        progress=False)
     assert all(row["same_output_as_target"] == 2 for row in report["methods"].values()), report["methods"]
@@ -127,13 +134,16 @@ def test_bench_rows_are_the_targets_output(family, tmp_path):
 
 
 def test_compiled_passes_fall_back_to_the_eager_forward(capsys):
-    target = resolved(tiny_family("phi3", window=16))
+    """Every supported family runs on the lean forward, compiled too: a model it does not run (GPT-NeoX, which the CLI
+    refuses, built here directly) decodes through transformers' forward, said once per model."""
+    target = resolved(tiny_family("gpt_neox"))
     decoder = build_decoder(target, resolved(perturbed(target.model, 1, 0.05)), DecodeConfig(compiled=True))
     assert decoder.generate(PROMPT, max_new_tokens=8).token_ids == greedy_reference(target.model, PROMPT, 8)
     build_decoder(target, None, DecodeConfig(compiled=True), kind=LOOKUP)  # said once per model
     assert capsys.readouterr().err.splitlines() == [
-        "draftops: decode.compiled does not apply to this phi3 model (the compiled passes are the lean forward's, "
-        "which does not run it): its passes run eagerly through transformers' forward"]
+        f"draftops: notice: this gpt_neox model runs on the transformers forward, not the lean one (the same tokens, "
+        f"more time per call{extra}): the lean forward runs {FAMILY_NAMES} models in eval mode, attention eager or sdpa"
+        for extra in ("; decode.compiled does not apply to it", "")]  # the target's, then the draft's
 
 
 def test_an_unsupported_architecture_is_refused_before_loading(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""decode.runtime.lean.LeanLlama against its reference, the transformers forward with a DynamicCache."""
+"""decode.runtime.lean.LeanDecoder against its reference, the transformers forward with a DynamicCache."""
 from __future__ import annotations
 
 import copy
@@ -10,17 +10,15 @@ from torch._dynamo.utils import counters
 from transformers import DynamicCache
 
 from decode.factory import model_decoder
-from decode.runtime.forward import ModelRunner, forward_logits, greedy_decode, rollback
-from decode.runtime.lean import (
+from decode.runtime.compiled_pass import (
     COMPILED_MAX_TOKENS,
     SHORT_PASS_TOKENS,
-    LeanLlama,
     compile_options,
-    compiled_lean,
     narrow_gemm_blocks,
-    use_compiled_passes,
     wide_pass_options,
 )
+from decode.runtime.forward import ModelRunner, forward_logits, greedy_decode, rollback
+from decode.runtime.lean import LeanDecoder, compiled_lean, use_compiled_passes
 from tests.decode.tiny import greedy_reference, tiny_llama
 
 
@@ -29,8 +27,8 @@ from tests.decode.tiny import greedy_reference, tiny_llama
 @torch.inference_mode()
 def test_same_logits_as_the_transformers_forward_through_blocks_and_rollbacks(draft_vocab, compiled):
     model = tiny_llama(5, draft_vocab=draft_vocab)
-    lean = LeanLlama(model, compiled=compiled)
-    assert LeanLlama.supports(model)
+    lean = LeanDecoder(model, compiled=compiled)
+    assert LeanDecoder.supports(model)
     tokens = torch.randint(0, 128, (300,), generator=torch.Generator().manual_seed(0))
     ref_cache, cache = DynamicCache(config=model.config), lean.new_cache()
     position = 0
@@ -54,7 +52,7 @@ def test_same_logits_as_the_transformers_forward_through_blocks_and_rollbacks(dr
 @torch.inference_mode()
 def test_a_batch_gives_each_sequences_own_logits():
     model = tiny_llama(5)
-    lean = LeanLlama(model)
+    lean = LeanDecoder(model)
     tokens = torch.randint(0, 128, (3, 30), generator=torch.Generator().manual_seed(1))
     alone = []
     for row in tokens:  # each sequence on its own: a prefill of 24 tokens, a step, then a 5-token verify block
@@ -97,9 +95,9 @@ def test_decoder_output_is_the_same_with_and_without_it(target, close_draft):
 def test_other_architectures_and_training_mode_keep_the_transformers_forward():
     model = tiny_llama(6)
     model.train()
-    assert not LeanLlama.supports(model)
+    assert not LeanDecoder.supports(model)
     model.config.model_type = "gpt2"
-    assert not LeanLlama.supports(model.eval())
+    assert not LeanDecoder.supports(model.eval())
 
 
 @torch.inference_mode()
@@ -182,7 +180,7 @@ def test_models_of_one_architecture_each_run_their_own_weights_compiled():
     tokens = torch.arange(1, 20)
     for model in models:
         logits = []
-        for lean in (LeanLlama(model, compiled=True), LeanLlama(model)):
+        for lean in (LeanDecoder(model, compiled=True), LeanDecoder(model)):
             cache = lean.new_cache()
             lean.forward_logits(tokens[:10], cache, 0, True)
             logits.append(torch.cat([lean.forward_logits(tokens[10:11], cache, 10, False),
@@ -193,7 +191,7 @@ def test_models_of_one_architecture_each_run_their_own_weights_compiled():
 @torch.inference_mode()
 def test_where_a_graph_cannot_be_built_the_eager_forward_runs_instead(capsys):
     model = tiny_llama(4).to(torch.float32)
-    compiled, eager = LeanLlama(model, compiled=True), LeanLlama(model)
+    compiled, eager = LeanDecoder(model, compiled=True), LeanDecoder(model)
 
     def no_compiler(*args):
         raise torch._inductor.exc.InductorError(RuntimeError("C++ compile error: g++ not found"), "")

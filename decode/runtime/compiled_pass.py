@@ -1,0 +1,195 @@
+"""The lean forward's passes through `torch.compile` (`decode.compiled`): `CompiledPass` and inductor's options.
+
+A step of a small model on a CPU is mostly per-call cost and weight reads: on a CPU the graph is compiled with the
+weights frozen into it, inductor's C++ GEMM templates on weights it packs once, and a C++ wrapper, so that one call
+runs the whole pass. Passes of more than `SHORT_PASS_TOKENS` tokens have a graph of their own, its GEMMs C++ templates
+on register blocks of at most `WIDE_PASS_BLOCK_ROWS` rows (`narrow_gemm_blocks`). Compiling takes minutes on a small
+CPU and is redone by every process (inductor's graph cache cannot store the packed weights), so it is opt-in;
+docs/results.md#the-cpu-runtime has the measurement. The function compiled is `decode.runtime.lean.LeanDecoder`'s, on
+the layers `decode.runtime.lean_families` reads off each family.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import sys
+import types
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from decode.runtime.lean_families import rotations, soft_capped, window_masks
+
+if TYPE_CHECKING:
+    from decode.runtime.lean import LeanDecoder
+
+# what a graph that cannot be built raises (inductor wraps its own errors in the second)
+COMPILE_ERRORS = (torch._dynamo.exc.BackendCompilerFailed, torch._inductor.exc.InductorError)
+COMPILED_MAX_TOKENS = 16  # the widest pass run compiled
+SHORT_PASS_TOKENS = 4  # passes of 2-4 tokens share a graph, wider ones have their own
+WIDE_PASS_BLOCK_ROWS = 4  # the wide graph's GEMM micro-kernels take this many rows at a time (`narrow_gemm_blocks`)
+
+
+def compile_options(device: torch.device) -> dict:
+    """inductor's options for a compiled pass on `device`. On a CPU: weights frozen into the graph as constants, GEMMs
+    from inductor's C++ templates on weights packed once (autotuned against ATen), and the wrapper in C++."""
+    if device.type != "cpu":
+        return {}
+    return {"freezing": True, "cpp_wrapper": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+            "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}  # no tables on stderr
+
+
+def wide_pass_options(options: dict) -> dict:
+    """`compile_options` for the graph of passes wider than `SHORT_PASS_TOKENS`: on a CPU, inductor's C++ GEMM
+    templates only (`narrow_gemm_blocks` makes them fit these widths); autotuning against ATen's packed products picked
+    kernels slower in the whole pass than in isolation. Where no template fits a product, inductor runs ATen's."""
+    return {**options, "max_autotune_gemm_backends": "CPP"} if options else options
+
+
+@contextlib.contextmanager
+def narrow_gemm_blocks(rows: int) -> Iterator[None]:
+    """For the duration, inductor's fp32 AVX-512 GEMM micro-kernels take at most `rows` rows at a time (a wider
+    product loops over them). Its default register block of 8 rows by 48 columns needs 24 accumulators, which g++
+    spills to the stack after every FMA; blocks of up to 4 rows stay in registers. Leaves inductor as it is where its
+    internals differ from torch 2.13's."""
+    narrowed = _narrowed_micro_gemms(rows)
+    if narrowed is None:
+        yield
+        return
+    tables = narrowed[0]
+    saved = {kind: list(configs) for kind, configs in tables.items()}
+    for kind, configs in narrowed[1].items():
+        tables[kind][:] = configs
+    try:
+        yield
+    finally:
+        for kind, configs in saved.items():
+            tables[kind][:] = configs
+
+
+@functools.cache
+def _narrowed_micro_gemms(rows: int) -> tuple[dict, dict] | None:
+    """(inductor's micro-GEMM table, the same with fp32 AVX-512 register blocks of at most `rows` rows), or None."""
+    try:
+        import torch._inductor.compile_fx  # noqa: F401  (inductor first: its codegen modules import each other)
+        from torch._inductor.codegen import cpp_micro_gemm
+        from torch._inductor.codegen.cpp_utils import GemmBlocking
+
+        tables = cpp_micro_gemm.micro_gemm_configs
+        return tables, {kind: [dataclasses.replace(c, register_blocking=GemmBlocking(
+            min(rows, c.register_blocking.block_m), *c.register_blocking[1:]))
+            if c.vec_isa_cls is cpp_micro_gemm.VecAVX512 and c.input_dtype == c.input2_dtype == torch.float32
+            else c for c in configs] for kind, configs in tables.items()}
+    except (ImportError, AttributeError, TypeError):
+        return None
+
+
+def own_method(function, instance):
+    """`function` bound to `instance` through a copy of its code object: dynamo keeps graphs, and their guards, per
+    code object."""
+    code = function.__code__.replace()
+    return types.MethodType(types.FunctionType(code, function.__globals__, function.__name__, function.__defaults__,
+                                               function.__closure__), instance)
+
+
+class CompileUnavailable(RuntimeError):
+    """`CompiledPass` could not build its graph on this machine."""
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+
+class CompiledPass(torch.nn.Module):
+    """`LeanDecoder._layers` of one sequence, every logit, as a module for `torch.compile`: the products are plain
+    `F.linear` on the weights (q, k, v and gate, up on the eager forward's stacked weights), which inductor compiles
+    itself, where the eager forward calls draftops' packed kernels that it cannot trace. Freezing makes the weights
+    constants of the graph, so a model whose weights change afterwards needs a new `LeanDecoder`.
+
+    One module per model: graphs are built on first use, one for steps (one token, no mask), one for passes of 2 to
+    `SHORT_PASS_TOKENS` tokens and one for wider passes up to `COMPILED_MAX_TOKENS` (a block or a tree under a mask;
+    the number of tokens and the context length are dynamic). The step and short graphs' GEMMs are autotuned (C++
+    template against ATen) at the width they are first called with; the wide graph's are C++ templates on narrower
+    register blocks (`wide_pass_options`, `narrow_gemm_blocks`): kernels picked for 2 rows are not the fastest for 8."""
+
+    WIDTHS = {"step": "one-token steps", "short": f"passes of 2-{SHORT_PASS_TOKENS} tokens",
+              "wide": f"passes of {SHORT_PASS_TOKENS + 1}-{COMPILED_MAX_TOKENS} tokens"}
+
+    def __init__(self, lean: LeanDecoder):
+        super().__init__()
+        self.lean = [lean]  # in a list: not a submodule (its model's modules are registered below)
+        self.model = lean.model
+        self.layers = torch.nn.ModuleList(lean.layers)  # the model's own modules, as the family's layers hold them
+        # the eager forward's stacked (or the model's fused) weights: every layer's q|k|v, then every layer's gate|up
+        stacked = [layer.qkv.current() for layer in lean.layers] + [layer.gate_up.current() for layer in lean.layers]
+        self.stacked = torch.nn.ParameterList([torch.nn.Parameter(layer.weight, requires_grad=False)
+                                               for layer in stacked])
+        self.stacked_bias = [layer.bias for layer in stacked]
+        # applied around each call, not passed to torch.compile: dynamo reads `freezing` itself, outside the options
+        # torch.compile hands inductor, and without it the weights are graph inputs that no GEMM template packs
+        self.options = compile_options(next(lean.model.parameters()).device)
+        self.wide_options = wide_pass_options(self.options)
+        # graphs of code objects of this module's own, so that no guard on its modules is needed to tell its graphs
+        # from another model's: those guards (every weight, norm and layer attribute) would be checked on every call,
+        # and the weights are frozen into the graphs anyway
+        unguarded = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        self.graphs = torch.compile(own_method(CompiledPass._pass, self), dynamic=True, options=unguarded)
+        self.wide_graphs = torch.compile(own_method(CompiledPass._wide_pass, self), dynamic=True, options=unguarded)
+        self.built: set[str] = set()  # the `WIDTHS` whose graph was built
+
+    def forward(self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], start: int,
+                end: int, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """tokens [1, T] at `positions` [T] into slots start..end-1 (the buffers hold more than `end`) -> logits
+        [1, T, V]."""
+        for buffer in (*keys, *values):  # only the capacity varies: sizes that equal the number of tokens fed (the
+            if not hasattr(buffer, "_dynamo_static_indices"):  # kv heads, say) would otherwise be tied to it
+                for dim in (0, 1, 3):
+                    torch._dynamo.mark_static(buffer, dim)
+        n = tokens.shape[1]
+        width = "step" if n == 1 else "short" if n <= SHORT_PASS_TOKENS else "wide"
+        wide = width == "wide"
+        graphs, options = (self.wide_graphs, self.wide_options) if wide else (self.graphs, self.options)
+        if width not in self.built:
+            config = self.model.config
+            log(f"draftops: compiling the {config.num_hidden_layers}-layer {config.model_type} model's "
+                f"{self.WIDTHS[width]} (decode.compiled: minutes on a small CPU, once per process)")
+        try:  # the options on every call: a graph dynamo rebuilds is built as the first was. Floats (norm epsilons,
+            # the attention scale) are constants of the graph: traced as symbols, dynamo would restart its analysis
+            with (torch._inductor.config.patch(options), torch._dynamo.config.patch(specialize_float=True),
+                  narrow_gemm_blocks(WIDE_PASS_BLOCK_ROWS) if wide else contextlib.nullcontext()):
+                logits = graphs(tokens, keys, values, start, end, positions, mask)
+        except COMPILE_ERRORS as exc:  # a machine inductor cannot build on (no C++ compiler, say): nothing lost
+            log(f"draftops: compiling failed, the eager forward runs instead: {str(exc).splitlines()[0]}")
+            raise CompileUnavailable from exc
+        self.built.add(width)
+        return logits
+
+    def _wide_pass(self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], start: int,
+                   end: int, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """`_pass` under a code object of its own: dynamo keeps graphs per code object, and the 2-4-token graph,
+        dynamic in the number of tokens, would otherwise run the wide passes on kernels autotuned for 2 rows."""
+        return self._pass(tokens, keys, values, start, end, positions, mask)
+
+    def _pass(self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], start: int, end: int,
+              positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        lean, inner = self.lean[0], self.model.model
+        b, n = tokens.shape
+        x = inner.embed_tokens(tokens)
+        rotation = rotations(self.model, lean.layers, x, positions[None])
+        shape, count = (b, n, lean.heads, lean.kv_heads), len(self.layers)
+        masks = window_masks(lean.layers, mask, positions, start, end)
+        for i, layer in enumerate(self.layers):
+            projected = F.linear(layer.input_norm(x), self.stacked[i], self.stacked_bias[i]).split(layer.qkv.sizes, -1)
+            q, k, v = layer.heads(*projected, shape, lean.rotate, rotation[layer.rotation])
+            keys[i][:, :, start:end], values[i][:, :, start:end] = k, v
+            out = layer.attend(q, keys[i][:, :, :end], values[i][:, :, :end], masks[layer.window])
+            x = layer.add_attention(x, F.linear(out, layer.o_proj.weight, layer.o_proj.bias))
+            h = layer.mlp_norm(x)
+            gate, up = F.linear(h, self.stacked[count + i], self.stacked_bias[count + i]).split(layer.gate_up.sizes, -1)
+            x = layer.add_mlp(x, F.linear(layer.act(gate) * up, layer.down_proj.weight, layer.down_proj.bias))
+        head = self.model.lm_head
+        return soft_capped(F.linear(inner.norm(x), head.weight, head.bias), self.model.config)
