@@ -6,6 +6,7 @@ merges and validates. The names below are the package's public API.
 from pipeline.config.base import ConfigError, Section
 from pipeline.config.decode import AUTO, DEFAULT_TREE_BUDGET_SCHEDULE, DecodeConfig
 from pipeline.config.distill import DistillConfig, LossName
+from pipeline.config.engine import ResponsesConfig
 from pipeline.config.loading import (
     DEFAULT_CONFIG_PATH,
     REPO_CONFIGS,
@@ -20,6 +21,7 @@ from pipeline.config.run import DraftopsConfig, TrackingConfig, TrafficConfig
 
 __all__ = [
     "AUTO", "DEFAULT_CONFIG_PATH", "DEFAULT_TREE_BUDGET_SCHEDULE", "REPO_CONFIGS", "ConfigError", "DecodeConfig",
-    "DistillConfig", "DraftopsConfig", "LossName", "MonitorConfig", "Section", "TargetUpdateConfig", "TrackingConfig",
+    "DistillConfig", "DraftopsConfig", "LossName", "MonitorConfig", "ResponsesConfig", "Section", "TargetUpdateConfig",
+    "TrackingConfig",
     "TrafficConfig", "iter_fields", "load_config", "parse_overrides", "reference_markdown", "save_config",
 ]
