@@ -50,7 +50,7 @@ def suffix_index_command(args) -> int:
 
 
 def engine_serve_command(args) -> int:
-    from decode.llamacpp import LlamaCppError
+    from decode.serving.llamacpp import LlamaCppError
     from distill.data_generation.serve import loopback_ports, serve
     from pipeline.config import load_config
 

@@ -1,10 +1,11 @@
 """llama-server replicas on this machine, serving the target's GGUF to `distill.responses.engine: openai`.
 
-`draftops engine serve --config configs/engine_llamacpp.yaml` starts one llama-server (`decode.llamacpp.LlamaServer`,
-the build `make llama-cpp` makes) per loopback URL of the config's `distill.responses.servers`, each with
-`distill.responses.concurrency` slots, so that the config and the servers agree; `--replicas N` starts N on
-consecutive ports from `--port` instead and prints the servers override to use. They run until interrupted, or, with
-a command after `--`, until that command ends (`make distill-engine` runs distill that way).
+`draftops engine serve --config configs/engine_llamacpp.yaml` starts one llama-server
+(`decode.serving.llamacpp.LlamaServer`, the build `make llama-cpp` makes) per loopback URL of the config's
+`distill.responses.servers`, each with `distill.responses.concurrency` slots, so that the config and the servers
+agree; `--replicas N` starts N on consecutive ports from `--port` instead and prints the servers override to use.
+They run until interrupted, or, with a command after `--`, until that command ends (`make distill-engine` runs
+distill that way).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from urllib.parse import urlparse
 
-from decode.llamacpp import LlamaServer, served_target
+from decode.serving.llamacpp import LlamaServer, served_target
 
 LOOPBACK = ("127.0.0.1", "localhost")
 

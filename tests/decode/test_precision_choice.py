@@ -1,10 +1,10 @@
-"""The measured choice of the generation dtype (`decode.precision_choice`): gated on bf16 units, decided by the step's
-products, cached per CPU and row count."""
+"""The measured choice of the generation dtype (`decode.runtime.precision_choice`): gated on bf16 units, decided by
+the step's products, cached per CPU and row count."""
 from __future__ import annotations
 
 import torch
 
-from decode import kernel_choice, precision_choice
+from decode.runtime import kernel_choice, precision_choice
 from tests.conftest import make_tiny_model
 
 

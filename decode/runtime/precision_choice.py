@@ -1,5 +1,5 @@
 """Whether the target generates its training responses faster in bfloat16 on this CPU: measured once per CPU and
-generation batch, cached like `cpu_linear: auto` (`decode.kernel_choice`).
+generation batch, cached like `cpu_linear: auto` (`decode.runtime.kernel_choice`).
 
 A CPU with bf16 units (AVX512_BF16, as on AMD Zen 4 and Intel Cooper Lake and later; or AMX-BF16, where Linux grants
 this process its tile state) may multiply bf16 matrices several times faster than fp32 ones, and a generation step's
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from decode.kernel_choice import (
+from decode.runtime.kernel_choice import (
     BusyMachineWarning,
     Shape,
     amx_bf16_usable,
@@ -33,7 +33,7 @@ from decode.kernel_choice import (
     machine_busy,
     machine_key,
 )
-from decode.kernels import MAX_COPIES, STREAM_BYTES, linear_shapes, onednn_linear, pack_weight
+from decode.runtime.kernels import MAX_COPIES, STREAM_BYTES, linear_shapes, onednn_linear, pack_weight
 from pipeline import draftops_home
 from pipeline.files import write_text_atomic
 
