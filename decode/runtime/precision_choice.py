@@ -29,11 +29,11 @@ from decode.runtime.kernel_choice import (
     Shape,
     amx_bf16_usable,
     cpu_flags,
-    interleaved_minimums,
     machine_busy,
     machine_key,
 )
 from decode.runtime.kernels import MAX_COPIES, STREAM_BYTES, linear_shapes, onednn_linear, pack_weight
+from decode.runtime.timing import interleaved_minimums
 from pipeline import draftops_home
 from pipeline.files import write_text_atomic
 
