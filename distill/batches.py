@@ -61,10 +61,11 @@ def collate(responses: ResponseSet, indices: list[int], *, pad_id: int, token_id
         attention_mask[row, :end] = 1
         loss_mask[row, start - 1:end - 1] = True
         next_tokens[row, start - 1:end - 1] = torch.tensor(responses.response_ids[i])
-        if with_teacher:
+        if with_teacher:  # a cache of fewer than topk columns (a server's smaller k) leaves the rest to the tail
             lp, ids = responses.teacher_rows(i)
-            values[row, start - 1:end - 1] = lp[:, :topk]
-            columns[row, start - 1:end - 1] = ids[:, :topk]
+            kept = min(topk, lp.shape[1])
+            values[row, start - 1:end - 1, :kept] = lp[:, :kept]
+            columns[row, start - 1:end - 1, :kept] = ids[:, :kept]
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
              "labels": to_student_columns(next_tokens, token_ids)}
     if with_teacher:

@@ -4,8 +4,10 @@ Command handlers import the modules their command runs when they run: the one do
 top, so that building `draftops`' parser loads neither torch, transformers nor mlflow (tests/test_layout.py)."""
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
+from pathlib import Path
 
 
 def distill_command(args) -> int:
@@ -47,6 +49,29 @@ def suffix_index_command(args) -> int:
     return 0
 
 
+def engine_serve_command(args) -> int:
+    from decode.serving.llamacpp import LlamaCppError
+    from distill.data_generation.serve import loopback_ports, serve
+    from pipeline.config import load_config
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:
+        cfg = load_config(args.config, [])
+        if args.replicas:
+            ports = list(range(args.port, args.port + args.replicas))
+        else:
+            ports = loopback_ports(cfg.distill.responses.servers)
+            if not ports:
+                raise ValueError(f"{args.config or 'the default config'} names no distill.responses.servers: give "
+                                 "--replicas N, or a config such as configs/engine_llamacpp.yaml")
+        return serve(cfg.target, ports, slots=args.slots or cfg.distill.responses.concurrency,
+                     slot_context=args.slot_context, threads=args.threads, log_dir=args.log_dir, command=command,
+                     model=args.model)
+    except (LlamaCppError, ValueError, OSError) as exc:
+        print(f"draftops: error: {exc}", file=sys.stderr)
+        return 2
+
+
 def add_commands(subparsers) -> None:
     parser = subparsers.add_parser(
         "distill", help="train a draft from the target's own responses and logits, export and register it",
@@ -83,3 +108,26 @@ def add_commands(subparsers) -> None:
     index.add_argument("--limit", type=int, default=None, help="the first N requests of the split")
     index.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. device=cpu")
     index.set_defaults(handler=suffix_index_command)
+
+    engine = subparsers.add_parser(
+        "engine", help="inference servers that generate distill's training data (docs/engines.md)").add_subparsers(
+        dest="action", required=True)
+    serve = engine.add_parser(
+        "serve", help="start llama-server replicas of the target on this machine",
+        description="Start one llama-server (make llama-cpp builds it) with the target's GGUF per loopback URL of "
+                    "the config's distill.responses.servers (or --replicas N on consecutive ports), each with "
+                    "distill.responses.concurrency slots. They run until interrupted, or until the command after "
+                    "`--` ends: draftops engine serve --config configs/engine_llamacpp.yaml -- draftops distill "
+                    "--config configs/engine_llamacpp.yaml")
+    serve.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
+    serve.add_argument("--replicas", type=int, default=None, help="start N servers on ports --port, --port + 1, ...")
+    serve.add_argument("--port", type=int, default=8081, help="the first port with --replicas (default 8081)")
+    serve.add_argument("--slots", type=int, default=None,
+                       help="parallel sequences per server (default: distill.responses.concurrency)")
+    serve.add_argument("--slot-context", type=int, default=1024,
+                       help="KV cache tokens per slot: the longest prompt + response (default 1024)")
+    serve.add_argument("--threads", type=int, default=None, help="threads per server (default: CPUs / replicas)")
+    serve.add_argument("--model", default=None, help="a GGUF to serve instead of the target's (e.g. a quantized one)")
+    serve.add_argument("--log-dir", type=Path, default=Path("outputs/engine"), help="server logs (outputs/engine)")
+    serve.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...: run it while the servers are up")
+    serve.set_defaults(handler=engine_serve_command)

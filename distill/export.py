@@ -124,7 +124,8 @@ def log_and_register(cfg: DraftopsConfig, result, *, target_fingerprint: str, ta
     info = checkpoint_info(locate(str(result.export_dir)))
     figures = version_figures(cfg, result, info)
     lineage = {metrics.TARGET_FINGERPRINT_TAG: target_fingerprint, metrics.TARGET_SOURCE_TAG: target_source,
-               metrics.DATA_FINGERPRINT_TAG: result.data_fingerprint}
+               metrics.DATA_FINGERPRINT_TAG: result.data_fingerprint,
+               **({metrics.TEACHER_TAG: result.teacher} if result.teacher else {})}
     with start_run(cfg, "distill", tags=lineage) as run:
         mlflow.log_params(flat_params(cfg))
         for h in result.history:

@@ -47,12 +47,14 @@ class Timings:
 @dataclass
 class TrainingData:
     """The loop's input: cached target responses to train on and to evaluate on, the draft vocabulary (None: the
-    target's) and the fingerprint of the training data (part of the job key)."""
+    target's), the fingerprint of the training data (part of the job key) and what generated the training
+    responses and their teacher (`builtin float32`, `engine llamacpp model.gguf (Q8_0, ...)`: a lineage tag)."""
 
     train: ResponseSet
     heldout: ResponseSet
     token_ids: torch.Tensor | None
     fingerprint: str
+    teacher: str = "builtin"
 
 
 def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:

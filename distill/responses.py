@@ -25,14 +25,15 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from decode.drafters.suffix import SuffixIndex
 from decode.runtime import batch_generation
-from decode.runtime.kernel_choice import amx_bf16_usable
 from decode.runtime.lean_families import notice_fallback
+from decode.runtime.precision_choice import generation_dtype
 from pipeline import draftops_home
 from pipeline.files import recover_dir, swap_dir, temporary_sibling
 from pipeline.sources import eos_token_ids
 from pipeline.traffic import encode_prompts
 
 TOPK_FILE = "teacher_topk.safetensors"
+ENGINE_FILE = "engine.json"  # in an entry made by inference servers (`distill.data_generation`): which engine
 log = logging.getLogger(__name__)
 
 
@@ -156,17 +157,14 @@ def generate_rounds(model, tokenizer, prompts: list[list[int]], rounds: list[tup
     return out
 
 
-def generation_model(model, dtype: str):
+def generation_model(model, dtype: str, batch_size: int = 64):
     """The model that generates the training responses for `distill.generation_dtype` = `dtype`: `model` itself, or
     a copy of it in bfloat16. Training data need not be bit-identical to what the target decodes in fp32; the draft
-    is measured against the target as loaded. "auto" takes bfloat16 for an fp32 model on a CPU whose AMX-BF16 units
-    this process may use (`decode.runtime.kernel_choice.amx_bf16_usable`)."""
+    is measured against the target as loaded. "auto" takes bfloat16 for an fp32 model on a CPU with bf16 units
+    (AVX512_BF16 or AMX-BF16) where a step of `batch_size` rows measures faster in it
+    (`decode.runtime.precision_choice.generation_dtype`, cached per CPU)."""
     parameter = next(model.parameters())
-    if dtype == "auto":
-        amx = parameter.device.type == "cpu" and parameter.dtype == torch.float32 and amx_bf16_usable()
-        wanted = torch.bfloat16 if amx else parameter.dtype
-    else:
-        wanted = getattr(torch, dtype)
+    wanted = generation_dtype(model, batch_size) if dtype == "auto" else getattr(torch, dtype)
     return model if wanted == parameter.dtype else copy.deepcopy(model).to(wanted)
 
 
@@ -279,6 +277,8 @@ def cached_responses(model, tokenizer, target_fingerprint: str, requests: list, 
     precision = {} if dtype == torch.float32 else {"dtype": str(dtype).removeprefix("torch.")}
     key = prompts_hash(prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, **precision)
     path = response_cache_dir(target_fingerprint, key)
+    if (path / ENGINE_FILE).exists():  # the key differs from any engine's; checked all the same
+        raise DamagedCache(f"{path}: made by an inference server ({ENGINE_FILE}), not by this target")
     parts: list[ResponseSet | None] = [None] * samples
     for sample in range(samples):
         part_dir = recover_dir(path / f"sample-{sample}")

@@ -133,6 +133,7 @@ GIT_SHA_TAG = "draftops.git_sha"
 TARGET_SOURCE_TAG = "draftops.target_source"
 TARGET_FINGERPRINT_TAG = "draftops.target_fingerprint"  # the target a draft was distilled for, or a run measured
 DATA_FINGERPRINT_TAG = "draftops.data_fingerprint"
+TEACHER_TAG = "draftops.teacher"  # what generated the training responses and their top-k: builtin or an engine
 VERSION_SOURCE_TAG = "draftops.source"  # the stage that made a model version: "distill"
 GAMMA_TAG = "gamma"  # the draft length γ a version's τ figure was measured at
 LOSS_KIND_TAG = "loss_kind"

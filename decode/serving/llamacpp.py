@@ -176,22 +176,23 @@ class Completion:
 
 
 class LlamaServer:
-    """`llama-server` on a loopback port (free, or `port`) for the GGUF `model`, with the GGUF `draft` proposing up to
-    `draft_max` tokens a round when given (llama.cpp's `spec_type` speculation: draft-simple for a draft model,
-    draft-eagle3 for an EAGLE-3 draft; a round stops early where the draft's own probability is below `draft_p_min`),
-    one slot, `threads` threads, metrics on; `extra_args` are appended."""
+    """`llama-server` on a loopback port (`port`, else a free one) for the GGUF `model`, with the GGUF `draft`
+    proposing up to `draft_max` tokens a round when given (llama.cpp's `spec_type` speculation: draft-simple for a
+    draft model, draft-eagle3 for an EAGLE-3 draft; a round stops early where the draft's own probability is below
+    `draft_p_min`), `slots` parallel sequences sharing `context` tokens of KV cache, `threads` threads, metrics on;
+    `extra_args` are appended."""
 
     def __init__(self, model: Path, *, draft: Path | None = None, draft_max: int = 5, threads: int | None = None,
                  context: int = 4096, binary: Path | None = None, log: Path | None = None,
-                 startup_timeout: float = 120.0, spec_type: str = "draft-simple", port: int | None = None,
-                 draft_p_min: float = 0.0, extra_args: tuple[str, ...] = ()):
+                 startup_timeout: float = 120.0, spec_type: str = "draft-simple", slots: int = 1,
+                 port: int | None = None, draft_p_min: float = 0.0, extra_args: tuple[str, ...] = ()):
         binary = binary or find_server()
         if binary is None:
             raise LlamaCppError(f"no {SERVER}: build it with `draftops llama-cpp build` (make llama-cpp) or set "
                                 f"${LLAMA_CPP_ENV}")
         self.port = port or free_port()
         self.command = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-c",
-                        str(context), "-np", "1", "-t", str(threads or os.cpu_count() or 1), "--metrics"]
+                        str(context), "-np", str(slots), "-t", str(threads or os.cpu_count() or 1), "--metrics"]
         if draft is not None:
             self.command += ["-md", str(draft), "--spec-type", spec_type, "--spec-draft-n-max", str(draft_max),
                              "--spec-draft-n-min", "0", "--spec-draft-p-min", f"{draft_p_min:g}"]

@@ -7,6 +7,7 @@ from pipeline.config.base import ConfigError, Section
 from pipeline.config.decode import AUTO, DEFAULT_TREE_BUDGET_SCHEDULE, DecodeConfig
 from pipeline.config.deploy import DeployConfig
 from pipeline.config.distill import DistillConfig, LossName
+from pipeline.config.engine import ResponsesConfig
 from pipeline.config.loading import (
     DEFAULT_CONFIG_PATH,
     REPO_CONFIGS,
@@ -22,7 +23,7 @@ from pipeline.config.run import DraftopsConfig, TrackingConfig, TrafficConfig
 
 __all__ = [
     "AUTO", "DEFAULT_CONFIG_PATH", "DEFAULT_TREE_BUDGET_SCHEDULE", "REPO_CONFIGS", "ConfigError", "DecodeConfig",
-    "DeployConfig", "DistillConfig", "DraftopsConfig", "LossName", "MonitorConfig", "Section", "TargetUpdateConfig",
-    "TrackingConfig", "TrafficConfig", "iter_fields", "load_config", "parse_overrides", "reference_markdown",
-    "save_config", "validated_update",
+    "DeployConfig", "DistillConfig", "DraftopsConfig", "LossName", "MonitorConfig", "ResponsesConfig", "Section",
+    "TargetUpdateConfig", "TrackingConfig", "TrafficConfig", "iter_fields", "load_config", "parse_overrides",
+    "reference_markdown", "save_config", "validated_update",
 ]

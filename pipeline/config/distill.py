@@ -6,6 +6,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from pipeline.config.base import Section
+from pipeline.config.engine import ResponsesConfig
 
 # the objectives `distill.losses.distillation_loss` computes; "ce": hard labels only (the baseline)
 LossName = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "argmax_ce", "ce"]
@@ -43,10 +44,13 @@ class DistillConfig(Section):
     generation_temperature: float = Field(0.8, gt=0.0, description="Temperature of the sampled responses.")
     generation_batch_size: int = Field(64, ge=1)
     generation_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description=(
-        "The precision the target generates the training responses and top-k teacher in. auto: bfloat16 where the "
-        "target is fp32 on a CPU with usable AMX-BF16 units (a generation batch's products run several times faster "
-        "there), else the target's own. The held-out responses, and so α and τ, always come from the target as "
-        "loaded. docs/concepts.md#the-cpu-runtime."))
+        "The precision the target generates the training responses and top-k teacher in. auto: bfloat16 for an fp32 "
+        "target on a CPU with bf16 units (AVX512_BF16 or AMX-BF16) where a measurement of its products at the "
+        "generation batch, cached per CPU, finds it faster; else the target's own. The held-out responses, and so "
+        "α and τ, always come from the target as loaded. docs/concepts.md#the-cpu-runtime."))
+    responses: ResponsesConfig = Field(ResponsesConfig(), description=(
+        "Where the training responses and their top-k teacher come from: the built-in generator or inference "
+        "servers (docs/engines.md)."))
     teacher: Literal["topk", "online"] = Field(
         "topk", description="topk: cache the target's top-k log-probs while it generates; online: run the target "
         "on every training batch.")

@@ -1,6 +1,5 @@
 import torch
 
-import distill.responses
 from distill.responses import cached_responses, generate_responses, generation_model, hf_generate, teacher_forced_topk
 from pipeline.traffic import Request
 from tests.conftest import make_tiny_model, make_tokenizer
@@ -92,17 +91,23 @@ def test_a_damaged_cache_entry_is_generated_again(isolated_home):
 
 
 def test_generation_model_is_the_target_or_its_bfloat16_copy(monkeypatch):
-    """`distill.generation_dtype`: auto takes bfloat16 only for an fp32 target on a CPU with usable AMX-BF16."""
+    """`distill.generation_dtype`: auto takes bfloat16 where the measurement (`decode.runtime.precision_choice`)
+    picks it."""
+    import decode.runtime.precision_choice as choice
+
     model, _ = setup()
     assert generation_model(model, "float32") is model
     copy = generation_model(model, "bfloat16")
     assert copy is not model and next(copy.parameters()).dtype == torch.bfloat16
     assert next(model.parameters()).dtype == torch.float32  # the target itself is left as it was
     torch.testing.assert_close(copy.lm_head.weight.float(), model.lm_head.weight, atol=1e-2, rtol=1e-2)
-    monkeypatch.setattr(distill.responses, "amx_bf16_usable", lambda: False)
+    monkeypatch.setattr(choice, "bf16_units", lambda: [])
     assert generation_model(model, "auto") is model
-    monkeypatch.setattr(distill.responses, "amx_bf16_usable", lambda: True)
+    monkeypatch.setattr(choice, "bf16_units", lambda: ["avx512_bf16"])
+    monkeypatch.setattr(choice, "step_costs", lambda model, rows: (2.0, 1.0))
     assert next(generation_model(model, "auto").parameters()).dtype == torch.bfloat16
+    monkeypatch.setattr(choice, "step_costs", lambda model, rows: (1.0, 2.0))
+    assert generation_model(model, "auto") is model  # bf16 units, but bf16 measured slower
     assert generation_model(copy, "auto") is copy  # already bfloat16: nothing to gain
 
 
