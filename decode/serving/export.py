@@ -57,6 +57,7 @@ from decode.serving.eagle3_gguf import check_eagle3_gguf, write_eagle3_gguf
 from decode.serving.gguf import GGUF_DTYPES, GGUFExportError, write_llama_gguf
 from decode.serving.speculators import WEIGHTS_FILE
 from pipeline.files import swap_dir, temporary_sibling
+from pipeline.registry_cache import MANIFEST as REGISTRY_MANIFEST
 from pipeline.sources import (
     CONFIG_FILE,
     DRAFT_VOCAB_FILE,
@@ -76,7 +77,9 @@ LAYERS, FEATURES = "layers", "features"  # the draft families, as `pipeline.sour
 FORMATS_OF = {LAYERS: (HF, VLLM, GGUF), FEATURES: (VLLM, SPECULATORS, GGUF)}
 GGUF_CHECK_TOKENS = 32  # positions whose logits the GGUF read back must reproduce
 # read by draftops alone: never exported
-DRAFTOPS_FILES = (DRAFT_VOCAB_FILE, SUFFIX_INDEX_FILE, TREE_ACCEPTANCE_FILE, CONFIG_FILE)
+# draftops' own files in a draft's folder, never exported: its vocabulary map, suffix index, tree acceptance, config,
+# and the manifest of a registered version's download (`pipeline.registry_cache`)
+DRAFTOPS_FILES = (DRAFT_VOCAB_FILE, SUFFIX_INDEX_FILE, TREE_ACCEPTANCE_FILE, CONFIG_FILE, REGISTRY_MANIFEST)
 
 
 class ExportError(ValueError):
