@@ -132,7 +132,9 @@ class CompiledPass(torch.nn.Module):
         # applied around each call, not passed to torch.compile: dynamo reads `freezing` itself, outside the options
         # torch.compile hands inductor, and without it the weights are graph inputs that no GEMM template packs
         self.options = compile_options(next(lean.model.parameters()).device)
-        self.wide_options = wide_pass_options(self.options)
+        # a soft-capped attention (Gemma 2) is batched products of its own, which no C++ template takes: ATen's
+        self.wide_options = (self.options if any(layer.softcap is not None for layer in lean.layers)
+                             else wide_pass_options(self.options))
         # graphs of code objects of this module's own, so that no guard on its modules is needed to tell its graphs
         # from another model's: those guards (every weight, norm and layer attribute) would be checked on every call,
         # and the weights are frozen into the graphs anyway
