@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from contextlib import ExitStack
 from pathlib import Path
 from urllib.parse import urlparse
@@ -67,7 +68,7 @@ def serve(target: str, ports: list[int], *, slots: int, slot_context: int = 1024
         signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
         try:
             while not stop:
-                signal.pause() if hasattr(signal, "pause") else __import__("time").sleep(1)
+                time.sleep(0.5)
         except KeyboardInterrupt:
             pass
         print("draftops engine: stopping the servers", file=sys.stderr)
