@@ -83,7 +83,7 @@ class EngineCheck:
                  + (f"{self.acceptance:.3f} over {len(self.windows)} windows ({per_window})" if self.windows
                     else "not read")]
         for name, test in ((f"version {self.version} offline", self.test),
-                           (f"pre-drift (version {self.previous_version} offline)", self.pre_drift)):
+                           (f"the previous deployment (version {self.previous_version}) offline", self.pre_drift)):
             if test is not None:
                 lines.append(f"    vs {name} {test.baseline_acceptance:.3f}: drop {test.drop:+.3f} "
                              f"[{test.ci_low:+.3f}, {test.ci_high:+.3f}], p={test.p_value:.3g}"
@@ -92,8 +92,8 @@ class EngineCheck:
             lines.append("    deployed draft " + ("NOT what the engine runs: DEPLOY_MISMATCH" if self.mismatch
                                                   else "confirmed in the engine")
                          + ("" if self.recovered is None else
-                            f"; acceptance {'recovered' if self.recovered else 'not recovered'} to the pre-drift "
-                            "figure"))
+                            f"; acceptance {'recovered' if self.recovered else 'not recovered'} to the previous "
+                            "deployment's figure (after a drift: the pre-drift one)"))
         return "\n".join(lines)
 
 

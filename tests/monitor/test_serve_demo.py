@@ -9,7 +9,8 @@ challenger one copied from the updated target (each agrees with its own target, 
 update and comes back with the redeploy, fast and unmistakably); 16 held-out prompts of 32 tokens, 15 LoRA steps on
 16 prompts, 3 windows of 2 requests per check; llama-server on one thread (on a shared machine two spin-wait for
 each other).
-Measured: 54.8 min on a 2-core AMD EPYC under load 9-11 (3 requests a window, two threads), 2026-12-04."""
+Measured on a 2-core AMD EPYC shared with other jobs: 7.1 min (load 3-6), 2026-12-05; an earlier run with 3 requests a
+window and two llama-server threads took 54.8 min under load 9-11."""
 from __future__ import annotations
 
 import json
