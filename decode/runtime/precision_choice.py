@@ -11,7 +11,8 @@ the machine only adds time). bf16 is picked when the model's whole step (each sh
 is faster. A CPU without bf16 units is not measured: fp32.
 
 The timings are cached as JSON under `$DRAFTOPS_HOME/generation_dtype/`, one file per machine key and row count;
-timings taken on a busy machine are used for this process and not cached (`machine_busy`).
+timings taken on a busy machine are cached too, with a warning (`machine_busy`): the pick decides the training data,
+so it must not change between a killed job and its re-run.
 """
 from __future__ import annotations
 
@@ -87,8 +88,9 @@ def read_cache(path: Path, key: dict) -> dict[Shape, tuple[float, float]]:
 
 
 def shape_timings(shapes: list[Shape], rows: int) -> dict[Shape, tuple[float, float]]:
-    """(fp32 ms, bf16 ms) per shape at `rows`: from this machine's cache file, measuring (and adding) those it lacks,
-    unless the machine is busy (then they serve this process only)."""
+    """(fp32 ms, bf16 ms) per shape at `rows`: from this machine's cache file, measuring (and adding) those it lacks.
+    Cached even when timed on a busy machine (with a warning): unlike a kernel pick, the precision decides the
+    training data, and a killed job's re-run must generate it as the first run did."""
     key = machine_key()
     path = cache_file(key, rows)
     cached = read_cache(path, key)
@@ -96,13 +98,13 @@ def shape_timings(shapes: list[Shape], rows: int) -> dict[Shape, tuple[float, fl
     if missing:
         cached.update({shape: measure_shape(shape, rows) for shape in missing})
         busy = machine_busy()
-        if busy:
-            warnings.warn(f"generation_dtype auto: timed on a busy machine ({busy}); the pick is used now and not "
-                          "cached", BusyMachineWarning, stacklevel=2)
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(path, json.dumps({"key": key, "rows": rows, "shapes": {
-                f"{o}x{i}": list(t) for (o, i), t in sorted(cached.items())}}, indent=1))
+        if busy:  # cached all the same: the precision decides the training data, so a re-run must pick the same one
+            warnings.warn(f"generation_dtype auto: timed on a busy machine ({busy}); cached in {path} all the same "
+                          "(a killed job's re-run must generate in the same precision): delete it to time again",
+                          BusyMachineWarning, stacklevel=2)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps({"key": key, "rows": rows, "shapes": {
+            f"{o}x{i}": list(t) for (o, i), t in sorted(cached.items())}}, indent=1))
     return {shape: cached[shape] for shape in shapes}
 
 
