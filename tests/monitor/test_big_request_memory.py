@@ -90,13 +90,24 @@ def measure(work: Path, big: bool = True, cpu_linear: str = "torch") -> dict:
         "monitor": {"heldout_requests": 6, "n_bootstrap": 200, "state_dir": str(work / "state")}}))
     start = time.monotonic()
     with open(work / "out.txt", "w") as out, open(work / "err.txt", "w") as err:
-        child = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "monitor", "check", "--config", str(config)],
-                                 cwd=work, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out, stderr=err)
-        _, status, usage = os.wait4(child.pid, 0)  # this child's own peak, not every child's so far
-        child.returncode = os.waitstatus_to_exitcode(status)
+        # a small launcher starts the check: a child forked straight from this (possibly large) process would
+        # inherit its resident size as the starting point of its peak
+        peak = work / "peak.txt"
+        check = [sys.executable, "-m", "pipeline.cli", "monitor", "check", "--config", str(config)]
+        child = subprocess.run([sys.executable, "-c", LAUNCHER, str(peak), *check], cwd=work,
+                               env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out, stderr=err)
     return {"exit": child.returncode, "stdout": (work / "out.txt").read_text(),
             "stderr": (work / "err.txt").read_text()[-3000:], "seconds": round(time.monotonic() - start, 1),
-            "traffic_bytes": traffic.stat().st_size, "max_rss_bytes": usage.ru_maxrss * 1024}  # ru_maxrss: KiB
+            "traffic_bytes": traffic.stat().st_size,
+            "max_rss_bytes": int(peak.read_text()) * 1024}  # ru_maxrss: KiB
+
+
+# runs argv[2:] and writes that child's own peak resident size (KiB) to argv[1]
+LAUNCHER = ("import os, subprocess, sys\n"
+            "child = subprocess.Popen(sys.argv[2:])\n"
+            "_, status, usage = os.wait4(child.pid, 0)\n"
+            "open(sys.argv[1], 'w').write(str(usage.ru_maxrss))\n"
+            "sys.exit(os.waitstatus_to_exitcode(status))\n")
 
 
 @pytest.mark.integration
