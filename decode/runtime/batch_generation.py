@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from decode.runtime.lean import LeanDecoder
+from decode.runtime.lean import LeanDecoder, attention_dtype
 from decode.runtime.lean_families import FAMILY_NAMES
 
 
@@ -92,7 +92,7 @@ def generate(model, jobs: Sequence[Job], *, max_new_tokens: int, stop_ids: Seque
         raise ValueError(f"continuous batching runs the lean forward: it needs a {FAMILY_NAMES} model in eval mode")
     if not jobs:
         return []
-    lean = LeanDecoder(model)
+    lean = LeanDecoder(model, cache_dtype=attention_dtype(model))
     device = next(model.parameters()).device
     rows = [_Row() for _ in range(min(batch_size, len(jobs)))]
     cache = lean.new_cache(len(rows))

@@ -93,3 +93,28 @@ def test_captured_features_are_the_teacher_forced_hidden_states_at_every_positio
     for i, g in enumerate(out):
         assert g.features.dtype == torch.float16 and g.features.shape == (len(sequences[i]), 2 * 64)
         torch.testing.assert_close(g.features, forced[offsets[i] : offsets[i + 1]], atol=1e-3, rtol=1e-3)
+
+
+def test_a_bf16_model_keeps_its_keys_and_values_and_attends_in_fp32_on_a_cpu(model):
+    """bf16 projections, fp32 attention (`decode.runtime.lean.attention_dtype`): torch's bf16 CPU attention costs
+    more than the bf16 products save. Rows refilled as they end still equal one sequence at a time in that mix."""
+    import copy
+
+    from decode.runtime.lean import LeanDecoder, attention_dtype
+
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    assert attention_dtype(half) == torch.float32 and attention_dtype(model) == model.dtype  # its own otherwise
+    lean = LeanDecoder(half, cache_dtype=attention_dtype(half))
+    expected = []
+    for prompt in PROMPTS:
+        cache, tokens = lean.new_cache(), list(prompt)
+        assert cache.keys[0].dtype == torch.float32
+        with torch.inference_mode():
+            logits = lean.forward_logits(torch.tensor(tokens), cache, 0, keep_last=True)
+            for _ in range(6):
+                tokens.append(int(logits[-1].argmax()))
+                logits = lean.forward_logits(torch.tensor(tokens[-1:]), cache, len(tokens) - 1, keep_last=True)
+        assert logits.dtype == torch.bfloat16  # the head still runs in the model's precision
+        expected.append(tokens[len(prompt):] + [int(logits[-1].argmax())])
+    out = generate(half, [Job(p) for p in PROMPTS], max_new_tokens=7, stop_ids=[], batch_size=2, topk=4)
+    assert [g.tokens for g in out] == expected
