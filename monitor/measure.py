@@ -8,6 +8,11 @@ speculative decoding; prompt i contributes accepted and verified draft tokens.
 The analytic measurement also keeps, per prompt, the accepted and drafted tokens a serving engine would count for that
 response at decode.gamma (`monitor.engine_stats.engine_rounds`): what the post-deploy check compares an engine's
 counters with.
+
+Both run on torch's own linear kernels (`decode.runtime.kernels.torch_kernels`), whatever `cpu_linear` says: oneDNN's
+packed weights sit beside the originals, once for the batched generator's stacked projections and once for the
+teacher-forced pass's own, and a check keeps the target's weights about three times over (2.2 GiB for SmolLM2-135M
+instead of 1.6; docs/reliability.md). A check is bounded by memory, not by these few passes' speed.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from tqdm.auto import tqdm
 from decode.acceptance import analytic_acceptance
 from decode.drafters.chain import DRAFT
 from decode.factory import build_decoder
+from decode.runtime.kernels import torch_kernels
 from distill.responses import cached_responses
 from monitor.engine_stats import engine_rounds
 from monitor.stats import PromptAcceptance
@@ -111,7 +117,13 @@ def prompt_token_counts(prompts: list[list[int]]) -> dict[int, int]:
 
 
 def measure_analytic(cfg: DraftopsConfig, target, draft, requests: list) -> Measurement:
-    """Analytic per-prompt acceptance of `draft` (a ResolvedModel) against `target` on `requests`."""
+    """Analytic per-prompt acceptance of `draft` (a ResolvedModel) against `target` on `requests`, on torch's
+    kernels (the module's docstring says why)."""
+    with torch_kernels(target.model), torch_kernels(draft.model):
+        return _measure_analytic(cfg, target, draft, requests)
+
+
+def _measure_analytic(cfg: DraftopsConfig, target, draft, requests: list) -> Measurement:
 
     prompts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
     responses, _, _ = cached_responses(
