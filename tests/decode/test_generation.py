@@ -1,9 +1,12 @@
+import copy
+
 import pytest
 import torch
 from scipy.stats import chisquare
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from decode.runtime.batch_generation import Job, generate
+from decode.runtime.lean import LeanDecoder, attention_dtype
 from tests.decode.tiny import greedy_reference, tiny_llama
 
 PROMPTS = [[1, 10, 11, 12], [1, 20, 21], [1, 30, 31, 32, 33, 34], [1, 5], [1, 6, 7, 8]]
@@ -98,10 +101,6 @@ def test_captured_features_are_the_teacher_forced_hidden_states_at_every_positio
 def test_a_bf16_model_keeps_its_keys_and_values_and_attends_in_fp32_on_a_cpu(model):
     """bf16 projections, fp32 attention (`decode.runtime.lean.attention_dtype`): torch's bf16 CPU attention costs
     more than the bf16 products save. Rows refilled as they end still equal one sequence at a time in that mix."""
-    import copy
-
-    from decode.runtime.lean import LeanDecoder, attention_dtype
-
     half = copy.deepcopy(model).to(torch.bfloat16)
     assert attention_dtype(half) == torch.float32 and attention_dtype(model) == model.dtype  # its own otherwise
     lean = LeanDecoder(half, cache_dtype=attention_dtype(half))
