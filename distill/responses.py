@@ -25,6 +25,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from decode.drafters.suffix import SuffixIndex
 from decode.runtime import batch_generation
+from decode.runtime.kernels import use_cpu_linear
 from decode.runtime.lean_families import notice_fallback
 from decode.runtime.precision_choice import generation_dtype
 from pipeline import draftops_home
@@ -165,7 +166,11 @@ def generation_model(model, dtype: str, batch_size: int = 64):
     (`decode.runtime.precision_choice.generation_dtype`, cached per CPU)."""
     parameter = next(model.parameters())
     wanted = generation_dtype(model, batch_size) if dtype == "auto" else getattr(torch, dtype)
-    return model if wanted == parameter.dtype else copy.deepcopy(model).to(wanted)
+    if wanted == parameter.dtype:
+        return model
+    copied = copy.deepcopy(model).to(wanted)
+    # a bf16 copy on a CPU runs oneDNN on weights packed once (`decode.runtime.kernels.OneDNNLinear`)
+    return use_cpu_linear(copied, "onednn") if wanted == torch.bfloat16 and parameter.device.type == "cpu" else copied
 
 
 def generate_responses(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,

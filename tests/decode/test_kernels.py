@@ -18,6 +18,7 @@ from decode.runtime.kernels import (
     cpu_linear_of,
     linear_shapes,
     onednn_linear,
+    pack_weight,
     torch_kernels,
     use_cpu_linear,
 )
@@ -35,6 +36,15 @@ def test_onednn_linear_matches_reference(rows, bias):
     x, weight = torch.randn(3, rows, 96), torch.randn(200, 96)
     b = torch.randn(200) if bias else None
     torch.testing.assert_close(onednn_linear(x, weight, b), F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_a_packed_bfloat16_weight_gives_the_plain_bfloat16_product(rows):
+    torch.manual_seed(rows)
+    x, weight, bias = torch.randn(rows, 96).bfloat16(), torch.randn(200, 96).bfloat16(), torch.randn(200).bfloat16()
+    out = onednn_linear(x, weight, bias, pack_weight(weight))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), F.linear(x, weight, bias).float(), rtol=1e-2, atol=1e-2)
 
 
 def test_model_outputs_unchanged_and_training_takes_the_reference_path():
@@ -67,8 +77,6 @@ def test_unknown_kind_is_refused():
 
 @pytest.mark.parametrize("rows", [1, 2, 6, 300])
 def test_packed_weight_matches_reference(rows):
-    from decode.runtime.kernels import pack_weight
-
     torch.manual_seed(rows)
     x, weight, bias = torch.randn(rows, 96), torch.randn(200, 96), torch.randn(200)
     torch.testing.assert_close(onednn_linear(x, weight, bias, pack_weight(weight)), F.linear(x, weight, bias),

@@ -1,5 +1,6 @@
 import torch
 
+from decode.runtime.kernels import cpu_linear_of
 from distill.responses import cached_responses, generate_responses, generation_model, hf_generate, teacher_forced_topk
 from pipeline.traffic import Request
 from tests.conftest import make_tiny_model, make_tokenizer
@@ -99,6 +100,7 @@ def test_generation_model_is_the_target_or_its_bfloat16_copy(monkeypatch):
     assert generation_model(model, "float32") is model
     copy = generation_model(model, "bfloat16")
     assert copy is not model and next(copy.parameters()).dtype == torch.bfloat16
+    assert cpu_linear_of(copy) == "onednn"  # its products on weights packed once
     assert next(model.parameters()).dtype == torch.float32  # the target itself is left as it was
     torch.testing.assert_close(copy.lm_head.weight.float(), model.lm_head.weight, atol=1e-2, rtol=1e-2)
     monkeypatch.setattr(choice, "bf16_units", lambda: [])
