@@ -128,6 +128,8 @@ def log_and_register(cfg: DraftopsConfig, result, *, target_fingerprint: str, ta
                **({metrics.TEACHER_TAG: result.teacher} if result.teacher else {})}
     with start_run(cfg, "distill", tags=lineage) as run:
         mlflow.log_params(flat_params(cfg))
+        if result.mixed_precision:  # what `distill.mixed_precision` (auto) resolved to
+            mlflow.log_param("distill.mixed_precision_used", result.mixed_precision)
         for h in result.history:
             mlflow.log_metrics({metrics.TRAIN_LOSS: h["loss"], metrics.TRAIN_LR: h["lr"],
                                 metrics.TRAIN_GRAD_NORM: h["grad_norm"]}, step=h["step"])

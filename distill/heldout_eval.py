@@ -11,6 +11,7 @@ import random
 import torch
 
 from decode.acceptance import analytic_acceptance, draft_rank, simulated_tau, token_mean
+from decode.measure.intervals import ratio_ci
 from decode.sampling import to_student_columns
 from distill.batches import collate
 from distill.responses import ResponseSet
@@ -70,8 +71,16 @@ def exact_eval(target, draft, responses: ResponseSet, token_ids: torch.Tensor | 
     greedy = analytic_acceptance(target, draft, seqs, starts, temperature=0.0, draft_token_ids=token_ids,
                                  greedy_ranks=with_ranks)
     sampled = analytic_acceptance(target, draft, seqs, starts, temperature=1.0, draft_token_ids=token_ids)
-    summary = summarize_acceptance(greedy.per_position, sampled.per_position, gamma)
+    summary = {**summarize_acceptance(greedy.per_position, sampled.per_position, gamma),
+               **alpha_interval(greedy.per_position, "alpha_t0"), **alpha_interval(sampled.per_position, "alpha_t1")}
     return {**summary, "ranks": greedy.ranks} if with_ranks else summary
+
+
+def alpha_interval(per_response: list[list[float]], name: str) -> dict:
+    """`{name}_low`, `{name}_high`: the 95% interval of the token mean over the responses by a bootstrap over
+    held-out prompts (one response each), the noise against which two drafts' α are compared."""
+    ci = ratio_ci([sum(row) for row in per_response], [len(row) for row in per_response])
+    return {f"{name}_low": ci.low, f"{name}_high": ci.high}
 
 
 @torch.no_grad()

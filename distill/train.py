@@ -31,8 +31,9 @@ from distill.features import cached_features
 from distill.heldout_eval import exact_eval, feature_eval
 from distill.init import init_draft
 from distill.loop import NonFiniteLoss, Timings, TrainingData, train_loop
+from distill.precision import fp32_attention, mixed_precision_choice
 from distill.responses import cached_responses, generation_model
-from distill.step import draft_module
+from distill.step import ResponseLogits, draft_module
 from pipeline.config import DraftopsConfig, load_config
 from pipeline.files import write_text_atomic
 from pipeline.locks import EXIT_BUSY, ModelBusy
@@ -59,17 +60,36 @@ class DistillResult:
     version: str | None = None
     alias: str | None = None
     teacher: str = ""  # what generated the training responses and their top-k (`TrainingData.teacher`)
+    mixed_precision: str = ""  # what the draft trained in ("no", "bf16", "fp16"): `distill.mixed_precision` resolved
 
 
-def make_accelerator(cfg: DraftopsConfig) -> Accelerator:
-    """CPU (gloo) when asked, or when "auto" finds no accelerator; mixed precision only where it is available."""
+def on_cpu(cfg: DraftopsConfig) -> bool:
+    """Whether the job runs on the CPU: asked for, or "auto" finding no accelerator."""
+    return cfg.device == "cpu" or (cfg.device == "auto" and not torch.accelerator.is_available())
+
+
+def make_accelerator(cfg: DraftopsConfig, mixed: str) -> Accelerator:
+    """CPU (gloo) when `on_cpu`; `mixed` precision ("no", "bf16", "fp16": `distill.precision` resolves "auto") only
+    where it is available."""
     # cpu=True also when "auto" finds no accelerator: under torchrun that is what makes the ranks form a gloo group.
-    cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.accelerator.is_available())
-    mixed = cfg.distill.mixed_precision
+    cpu = on_cpu(cfg)
     usable = {"no": True, "fp16": not cpu, "bf16": is_bf16_available()}[mixed]
     if not usable:
         print(f"draftops distill: mixed_precision={mixed} is not available here; training in full precision")
     return Accelerator(cpu=cpu, mixed_precision=mixed if usable else "no")
+
+
+def training_precision(cfg: DraftopsConfig, state: PartialState, draft, data: TrainingData) -> str:
+    """`distill.mixed_precision`, "auto" resolved by timing a step of this draft on this CPU (`distill.precision`;
+    the main process measures first, the others read its cache). A feature draft trains in full precision on auto."""
+    d = cfg.distill
+    if d.mixed_precision != "auto" or d.family == FEATURES:
+        return "no" if d.mixed_precision == "auto" else d.mixed_precision
+    lengths = [len(p) + len(r) for p, r in zip(data.train.prompt_ids, data.train.response_ids)]
+    with state.main_process_first():
+        return mixed_precision_choice("auto", ResponseLogits(draft), draft.lm_head.out_features,
+                                      device=state.device, rows=d.batch_size,
+                                      mean_length=sum(lengths) / len(lengths))
 
 
 def distributed_as(accelerator: Accelerator) -> str:
@@ -78,7 +98,7 @@ def distributed_as(accelerator: Accelerator) -> str:
     return "" if kind == DistributedType.NO else f", distributed as {kind.value}"
 
 
-def prepare_data(cfg: DraftopsConfig, accelerator, target, timings: Timings) -> TrainingData:
+def prepare_data(cfg: DraftopsConfig, state: PartialState, target, timings: Timings) -> TrainingData:
     """Target responses on the train split (+ held-out ones for evaluation), cached; the draft vocabulary from them."""
     d = cfg.distill
     traffic = load_traffic(cfg.traffic.path, skip_malformed=cfg.traffic.skip_malformed,
@@ -92,8 +112,8 @@ def prepare_data(cfg: DraftopsConfig, accelerator, target, timings: Timings) -> 
                          f"(got {len(train_requests)} and {len(heldout_requests)})")
     common = dict(max_new_tokens=d.max_new_tokens, temperature=d.generation_temperature,
                   batch_size=d.generation_batch_size, seed=cfg.seed, topk=d.topk,
-                  progress=accelerator.is_local_main_process)
-    with timings.measure("generation_with_teacher_topk"), accelerator.main_process_first():
+                  progress=state.is_local_main_process)
+    with timings.measure("generation_with_teacher_topk"), state.main_process_first():
         prompts, _ = encode_prompts(train_requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
         layers = default_feature_layers(target.model.config.num_hidden_layers) if d.family == FEATURES else ()
         if d.responses.engine == "openai":
@@ -108,16 +128,16 @@ def prepare_data(cfg: DraftopsConfig, accelerator, target, timings: Timings) -> 
         prompts, _ = encode_prompts(heldout_requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
         heldout, _, _ = cached_responses(target.model, target.tokenizer, target.fingerprint, heldout_requests,
                                          prompts, samples=1, **common)
-    accelerator.print(f"draftops distill: {len(train)} target responses ({train.num_response_tokens} tokens, "
+    state.print(f"draftops distill: {len(train)} target responses ({train.num_response_tokens} tokens, "
                       f"{teacher}) {'from the cache' if hit else 'generated'} at {train_dir}")
     if d.family == FEATURES:  # the feature draft's inputs, once for the data set (`distill.features`)
         recorded = train.features is not None  # as the target generated them just now
-        with timings.measure("target_features"), accelerator.main_process_first():
+        with timings.measure("target_features"), state.main_process_first():
             train.features, train.feature_offsets, hit = cached_features(
-                target.model, train, train_dir, layers, progress=accelerator.is_local_main_process)
+                target.model, train, train_dir, layers, progress=state.is_local_main_process)
         size = train.features.numel() * train.features.element_size() / 2**20
         how = "from the cache" if hit else "recorded as the target generated" if recorded else "computed"
-        accelerator.print(f"draftops distill: target features of layers {list(layers)} ({size:.0f} MiB fp16) {how}")
+        state.print(f"draftops distill: target features of layers {list(layers)} ({size:.0f} MiB fp16) {how}")
     token_ids = None
     if d.draft_vocab_size:
         token_ids = frequent_token_ids(train.response_ids, d.draft_vocab_size, target.tokenizer.all_special_ids)
@@ -163,14 +183,14 @@ def finished_job(job_dir: Path, data) -> DistillResult | None:
         return None
     return DistillResult(export_dir, job_dir, saved["metrics"], saved["history"], saved["evals"], saved["timings"],
                          data.token_ids, data.fingerprint, saved["run_id"], saved["version"], saved["alias"],
-                         saved.get("teacher", data.teacher))
+                         saved.get("teacher", data.teacher), saved.get("mixed_precision", ""))
 
 
 def save_result(result: DistillResult) -> None:
     write_text_atomic(result.job_dir / RESULT_FILE, json.dumps(
         {"metrics": result.metrics, "history": result.history, "evals": result.evals, "timings": result.timings,
          "export_dir": str(result.export_dir), "run_id": result.run_id, "version": result.version,
-         "alias": result.alias, "teacher": result.teacher}, indent=1))
+         "alias": result.alias, "teacher": result.teacher, "mixed_precision": result.mixed_precision}, indent=1))
 
 
 def register_once(cfg: DraftopsConfig, result: DistillResult, target, alias: str | None = None) -> DistillResult:
@@ -200,28 +220,29 @@ def run_distill(cfg: DraftopsConfig, *, init_only: bool = False, register_only: 
     if cfg.distill.register_model and not init_only:
         check_tracking(cfg)  # before the work, not at registration after it
     timings = Timings()
-    accelerator = make_accelerator(cfg)
+    # the Accelerator comes once the draft exists: "auto" mixed precision is timed on it (`training_precision`)
+    state = PartialState(cpu=on_cpu(cfg))
     with timings.measure("load_target"):
-        target = load_model(cfg.target, device=accelerator.device, dtype=cfg.dtype, cpu_linear=cfg.cpu_linear)
-    data = prepare_data(cfg, accelerator, target, timings)
+        target = load_model(cfg.target, device=state.device, dtype=cfg.dtype, cpu_linear=cfg.cpu_linear)
+    data = prepare_data(cfg, state, target, timings)
     job_dir = Path(cfg.distill.output_dir) / job_key(cfg, data.fingerprint)
     finished = None if init_only else finished_job(job_dir, data)
     if register_only and finished is None:
         raise NothingToRegister(f"no finished distill job for this config in {job_dir}: nothing to register")
     if finished is not None:
-        if accelerator.is_main_process:
+        if state.is_main_process:
             if cfg.distill.register_model:
                 register_once(cfg, finished, target, alias)
             print(f"draftops distill: {job_dir} had finished; nothing trained again")
             print_summary(cfg, finished)
-        accelerator.wait_for_everyone()
-        accelerator.end_training()
+        state.wait_for_everyone()
+        state.destroy_process_group()
         return finished
     set_seed(cfg.seed)
     draft = init_draft(cfg.distill, target.model, token_ids=data.token_ids, tokenizer=target.tokenizer)
     if init_only:
         export_dir = job_dir / "init"
-        if accelerator.is_main_process:
+        if state.is_main_process:
             export_draft(draft.eval(), target.tokenizer, export_dir, token_ids=data.token_ids, cfg=cfg)
             print(f"draftops distill: untrained draft ({cfg.distill.init}) exported to {export_dir}; "
                   "nothing trained or registered")
@@ -230,16 +251,24 @@ def run_distill(cfg: DraftopsConfig, *, init_only: bool = False, register_only: 
     if draft.get_output_embeddings().weight is not embeddings and cfg.distill.family != FEATURES:
         # a tied head is trained, and its embeddings with it; a feature draft's embeddings are the target's
         embeddings.requires_grad_(cfg.distill.train_embeddings)
+    precision = training_precision(cfg, state, draft, data)
+    accelerator = make_accelerator(cfg, precision)
+    mixed = accelerator.mixed_precision
     accelerator.print(f"draftops distill: draft of {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M parameters "
                       f"({sum(p.numel() for p in draft.parameters() if p.requires_grad) / 1e6:.1f}M trained), "
                       f"lm_head over {draft.lm_head.out_features} ids; {accelerator.num_processes} process(es) on "
-                      f"{accelerator.device}{distributed_as(accelerator)}; job folder {job_dir}")
-    history, evals, best = train_loop(cfg, accelerator, target.model, target.tokenizer, draft, data, job_dir, timings)
+                      f"{accelerator.device}{distributed_as(accelerator)}, "
+                      f"{'full precision' if mixed == 'no' else mixed + ' mixed precision'}"
+                      f"{' (auto: timed on this CPU)' if cfg.distill.mixed_precision == 'auto' else ''}; "
+                      f"job folder {job_dir}")
+    with fp32_attention(draft, on=mixed == "bf16" and accelerator.device.type == "cpu"):  # as it was timed
+        history, evals, best = train_loop(cfg, accelerator, target.model, target.tokenizer, draft, data, job_dir,
+                                          timings)
     accelerator.wait_for_everyone()
 
     export_dir = job_dir / "draft"
     result = DistillResult(export_dir, job_dir, {}, history, evals, timings.seconds, data.token_ids, data.fingerprint,
-                           teacher=data.teacher)
+                           teacher=data.teacher, mixed_precision=mixed)
     if accelerator.is_main_process:
         draft = load_best(cfg, target.model, data.token_ids, job_dir / "best")
         with timings.measure("eval"):
@@ -303,8 +332,10 @@ def run_sizes(cfg: DraftopsConfig, sizes: list[int]) -> list[DistillResult]:
 def print_summary(cfg: DraftopsConfig, result: DistillResult) -> None:
     m = result.metrics
     print("\ndraftops distill: done")
-    print(f"  best step {m['best_step']}: α(T=0) {m['alpha_t0']:.3f}  α(T=1) {m['alpha_t1']:.3f}  "
-          f"τ(γ={cfg.decode.gamma}) T=0 {m['tau_t0']:.2f}, T=1 {m['tau_t1']:.2f}")
+    interval = (f" [{m['alpha_t0_low']:.3f}, {m['alpha_t0_high']:.3f}]" if "alpha_t0_low" in m else "")
+    print(f"  best step {m['best_step']}: α(T=0) {m['alpha_t0']:.3f}{interval}  α(T=1) {m['alpha_t1']:.3f}  "
+          f"τ(γ={cfg.decode.gamma}) T=0 {m['tau_t0']:.2f}, T=1 {m['tau_t1']:.2f}"
+          + ("  (95% intervals over the held-out prompts)" if interval else ""))
     print("  time: " + "  ".join(f"{k} {v:.0f}s" for k, v in result.timings.items())
           + f"  (total {sum(result.timings.values()):.0f}s)")
     print(f"  draft:        {result.export_dir}  (also {Path(cfg.distill.output_dir) / 'latest'})")

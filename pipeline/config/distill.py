@@ -75,7 +75,11 @@ class DistillConfig(Section):
     warmup_steps: int = Field(10, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Cosine decay ends at this share of the lr.")
     max_grad_norm: float = Field(1.0, gt=0.0)
-    mixed_precision: Literal["no", "bf16", "fp16"] = Field("no", description="Used where the device supports it.")
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description=(
+        "Autocast of the draft's products (weights, optimizer and loss stay fp32), used where the device supports it. "
+        "auto: bf16 on a CPU with bf16 units (AVX512_BF16 or AMX-BF16) where one training step of the draft, timed "
+        "both ways and cached per CPU, is faster with it; else full precision (and on GPUs: set bf16 there). "
+        "docs/concepts.md#the-cpu-runtime."))
     max_steps: int = Field(0, ge=0, description="Stop after this many optimizer steps; 0: run all epochs.")
     # evaluation and checkpoints
     eval_every: int = Field(50, ge=1, description="Optimizer steps between held-out evaluations.")

@@ -37,6 +37,8 @@ def test_distill_end_to_end_exports_registers_and_serves_as_assistant(isolated_h
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in result.history)
     assert result.alias == "champion" and result.version == "1"
     assert set(result.timings) >= {"generation_with_teacher_topk", "training", "eval", "export", "register"}
+    m = result.metrics  # α with its bootstrap interval over the held-out prompts
+    assert m["alpha_t0_low"] <= m["alpha_t0"] <= m["alpha_t0_high"] and m["alpha_t1_low"] <= m["alpha_t1_high"]
 
     setup_mlflow(cfg)
     version = MlflowClient().get_model_version(cfg.tracking.registered_model, "1")

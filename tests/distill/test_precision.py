@@ -1,0 +1,91 @@
+"""`distill.mixed_precision: auto` (`distill.precision`): gated on bf16 units and the CPU, decided by a timed training
+step of the draft, cached per machine and step shape; a distill job records what it trained in."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from decode.runtime import kernel_choice
+from distill import precision
+from distill.step import ResponseLogits
+from distill.train import run_distill
+from tests.conftest import make_tiny_model
+from tests.distill.tiny_job import tiny_config
+
+
+def test_auto_times_the_step_once_per_shape_and_picks_the_faster(monkeypatch):
+    step_logits = ResponseLogits(make_tiny_model(64, seed=0))
+    timed = []
+
+    def fake_time(module, vocab, *, rows, length):
+        timed.append((rows, length))
+        return 2.0, 1.0
+
+    monkeypatch.setattr(precision, "time_steps", fake_time)
+    monkeypatch.setattr(precision, "machine_busy", lambda: None)
+    monkeypatch.setattr(precision, "bf16_units", lambda: ["avx512_bf16"])
+    cpu = torch.device("cpu")
+    assert precision.mixed_precision_choice("auto", step_logits, 64, device=cpu, rows=4, mean_length=70) == "bf16"
+    assert timed == [(4, 128)]  # the mean length rounded up to LENGTH_STEP
+    path = precision.cache_file(kernel_choice.machine_key(), precision.step_signature(step_logits.draft, 4, 128))
+    assert json.loads(path.read_text())["bf16_s"] == 1.0
+    assert precision.mixed_precision_choice("auto", step_logits, 64, device=cpu, rows=4, mean_length=100) == "bf16"
+    assert len(timed) == 1  # read back from the cache, not timed again
+    monkeypatch.setattr(precision, "time_steps", lambda *a, **k: (1.0, 2.0))
+    assert precision.mixed_precision_choice("auto", step_logits, 64, device=cpu, rows=8, mean_length=70) == "no"
+
+
+def test_auto_is_full_precision_without_bf16_units_or_off_the_cpu_and_an_explicit_setting_is_kept(monkeypatch):
+    step_logits = ResponseLogits(make_tiny_model(64, seed=0))
+    monkeypatch.setattr(precision, "time_steps", lambda *a, **k: (_ for _ in ()).throw(AssertionError("timed")))
+    monkeypatch.setattr(precision, "bf16_units", lambda: [])
+    choose = precision.mixed_precision_choice
+    assert choose("auto", step_logits, 64, device=torch.device("cpu"), rows=4, mean_length=70) == "no"
+    monkeypatch.setattr(precision, "bf16_units", lambda: ["amx_bf16"])
+    assert choose("auto", step_logits, 64, device=torch.device("meta"), rows=4, mean_length=70) == "no"
+    assert choose("bf16", step_logits, 64, device=torch.device("cpu"), rows=4, mean_length=70) == "bf16"
+
+
+def test_a_real_timing_leaves_no_gradients_and_the_random_state_alone():
+    step_logits = ResponseLogits(make_tiny_model(64, seed=0))
+    state = torch.random.get_rng_state()
+    fp32_s, bf16_s = precision.time_steps(step_logits, 64, rows=2, length=16)
+    assert fp32_s > 0 and bf16_s > 0
+    assert all(p.grad is None for p in step_logits.parameters())
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_a_job_on_auto_says_and_records_what_it_trained_in(isolated_home, monkeypatch, capsys):
+    monkeypatch.setattr(precision, "bf16_units", lambda: ["avx512_bf16"])
+    monkeypatch.setattr(precision, "time_steps", lambda *a, **k: (2.0, 1.0))
+    result = run_distill(tiny_config(isolated_home, "distill.max_steps=2", "distill.register_model=false"))
+    assert result.mixed_precision == "bf16"
+    assert "bf16 mixed precision (auto: timed on this CPU)" in capsys.readouterr().out
+    saved = json.loads((result.job_dir / "result.json").read_text())
+    assert saved["mixed_precision"] == "bf16"
+
+
+def test_under_bf16_autocast_the_attention_runs_in_fp32_for_the_duration_only(monkeypatch):
+    from transformers import AttentionInterface
+
+    model = make_tiny_model(64, seed=0)
+    seen = []
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        out = precision._sdpa_in_fp32(module, query, key, value, attention_mask, **kwargs)
+        seen.append((query.dtype, value.dtype, torch.is_autocast_enabled("cpu")))
+        return out
+
+    AttentionInterface.register(precision.FP32_ATTENTION, spy)
+    try:
+        ids = torch.randint(0, 64, (2, 7))
+        with precision.fp32_attention(model), torch.autocast("cpu", dtype=torch.bfloat16):
+            model(ids).logits.float().sum().backward()
+        assert len(seen) == model.config.num_hidden_layers and {s[2] for s in seen} == {True}
+        assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+        assert model.config._attn_implementation == "sdpa"  # restored
+        with precision.fp32_attention(model, on=False):
+            assert model.config._attn_implementation == "sdpa"
+    finally:
+        AttentionInterface.register(precision.FP32_ATTENTION, precision._sdpa_in_fp32)
