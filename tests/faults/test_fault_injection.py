@@ -61,11 +61,11 @@ def draftops(folder: Path, args: list[str], *, instrument: list[str] | None = No
 
 def config_in(folder: Path, world: Path) -> Path:
     """A config whose every writable path lies in `folder`; targets and traffic are the world's (read only)."""
-    # the generation precision pinned: `auto` times the CPU in each run's own home, and the runs compared here must
-    # produce the same weights bit for bit
+    # the generation and training precisions pinned: `auto` times the CPU in each run's own home, and the runs
+    # compared here must produce the same weights bit for bit
     cfg = tiny_config(world, *SETTINGS, f"tracking.uri=sqlite:///{folder}/mlflow.db",
                       f"distill.output_dir={folder}/out", f"monitor.state_dir={folder}/state",
-                      "distill.generation_dtype=float32")
+                      "distill.generation_dtype=float32", "distill.mixed_precision=no")
     return save_config(cfg, folder / "cfg.yaml")
 
 
