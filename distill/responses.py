@@ -25,7 +25,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from decode.drafters.suffix import SuffixIndex
 from decode.runtime import batch_generation
-from decode.runtime.kernels import BF16_PRODUCTS, cpu_linear_of, use_cpu_linear
+from decode.runtime.kernels import use_cpu_linear
 from decode.runtime.lean_families import notice_fallback
 from decode.runtime.precision_choice import generation_dtype
 from pipeline import draftops_home
@@ -160,9 +160,7 @@ def generate_rounds(model, tokenizer, prompts: list[list[int]], rounds: list[tup
 
 def generation_model(model, dtype: str, batch_size: int = 64):
     """The model that generates the training responses for `distill.generation_dtype` = `dtype`: `model` itself, or
-    for bfloat16 a copy whose products run in bf16 (an fp32 CPU model's copy keeps fp32 between its products:
-    `BF16ProductLinear`; elsewhere a bf16 copy). Training data need not be bit-identical to what the target decodes
-    in fp32; the draft
+    a copy of it in bfloat16. Training data need not be bit-identical to what the target decodes in fp32; the draft
     is measured against the target as loaded. "auto" takes bfloat16 for an fp32 model on a CPU with bf16 units
     (AVX512_BF16 or AMX-BF16) where a step of `batch_size` rows measures faster in it
     (`decode.runtime.precision_choice.generation_dtype`, cached per CPU)."""
@@ -170,18 +168,9 @@ def generation_model(model, dtype: str, batch_size: int = 64):
     wanted = generation_dtype(model, batch_size) if dtype == "auto" else getattr(torch, dtype)
     if wanted == parameter.dtype:
         return model
-    if wanted == torch.bfloat16 and parameter.dtype == torch.float32 and parameter.device.type == "cpu":
-        # bf16 products on weights packed once, everything between them in fp32 (`BF16ProductLinear`)
-        return use_cpu_linear(copy.deepcopy(model), BF16_PRODUCTS)
-    return copy.deepcopy(model).to(wanted)
-
-
-def generation_precision(model) -> str:
-    """What `model` generates in: its dtype ("float32", "bfloat16"), or "bfloat16-products" for
-    `generation_model`'s fp32 copy with bf16 products (other responses than either)."""
-    if cpu_linear_of(model) == BF16_PRODUCTS:
-        return BF16_PRODUCTS.replace("bf16", "bfloat16")
-    return str(next(model.parameters()).dtype).removeprefix("torch.")
+    copied = copy.deepcopy(model).to(wanted)
+    # a bf16 copy on a CPU runs oneDNN on weights packed once (`decode.runtime.kernels.OneDNNLinear`)
+    return use_cpu_linear(copied, "onednn") if wanted == torch.bfloat16 and parameter.device.type == "cpu" else copied
 
 
 def generate_responses(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
@@ -289,8 +278,8 @@ def cached_responses(model, tokenizer, target_fingerprint: str, requests: list, 
     `capture` (a feature draft's layers): when every round is generated now, the responses carry the target's features
     recorded while it generated (`distill.features` keeps them); otherwise they come without.
     """
-    dtype = generation_precision(model)  # responses of another precision are other responses (fp32: no key)
-    precision = {} if dtype == "float32" else {"dtype": dtype}
+    dtype = next(model.parameters()).dtype  # responses of another precision are other responses (fp32: no key)
+    precision = {} if dtype == torch.float32 else {"dtype": str(dtype).removeprefix("torch.")}
     key = prompts_hash(prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, **precision)
     path = response_cache_dir(target_fingerprint, key)
     if (path / ENGINE_FILE).exists():  # the key differs from any engine's; checked all the same

@@ -32,7 +32,7 @@ from distill.heldout_eval import exact_eval, feature_eval
 from distill.init import init_draft
 from distill.loop import NonFiniteLoss, Timings, TrainingData, train_loop
 from distill.precision import fp32_attention, mixed_precision_choice
-from distill.responses import cached_responses, generation_model, generation_precision
+from distill.responses import cached_responses, generation_model
 from distill.step import ResponseLogits, draft_module
 from pipeline.config import DraftopsConfig, load_config
 from pipeline.files import write_text_atomic
@@ -123,7 +123,7 @@ def prepare_data(cfg: DraftopsConfig, state: PartialState, target, timings: Timi
             train, train_dir, hit = cached_responses(generator, target.tokenizer, target.fingerprint,
                                                      train_requests, prompts, samples=d.responses_per_prompt,
                                                      capture=layers, **common)
-            teacher = "builtin " + generation_precision(generator)
+            teacher = "builtin " + str(next(generator.parameters()).dtype).removeprefix("torch.")
             del generator
         prompts, _ = encode_prompts(heldout_requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
         heldout, _, _ = cached_responses(target.model, target.tokenizer, target.fingerprint, heldout_requests,

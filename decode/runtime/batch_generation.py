@@ -137,19 +137,14 @@ def generate(model, jobs: Sequence[Job], *, max_new_tokens: int, stop_ids: Seque
         logits = logits.float()
         values, indices = torch.log_softmax(logits, -1).topk(topk, dim=-1)
         values, indices = values.half().cpu(), indices.int().cpu()
-        chosen = torch.zeros(len(live), dtype=torch.long)
+        chosen = logits.argmax(-1).cpu()
         sampled = [i for i, r in enumerate(live) if jobs[rows[r].job].temperature > 0]
-        greedy = [i for i, r in enumerate(live) if jobs[rows[r].job].temperature == 0]
-        if greedy:
-            chosen[greedy] = logits[greedy].argmax(-1).cpu()
         if sampled:
             sampled_rows = [rows[live[i]] for i in sampled]
             temperatures = torch.tensor([jobs[row.job].temperature for row in sampled_rows])
-            # exp(logits / T - max) in fp32, in place on the rows' copy, and only its running sum in fp64 (whose
-            # rounding stays far below any probability a draw can land on); the draw is scaled by the total
-            weights = logits[sampled].cpu().mul_(1 / temperatures[:, None])
-            weights = weights.sub_(weights.amax(-1, keepdim=True)).exp_()
-            cdf = weights.cumsum(-1, dtype=torch.float64)
+            # softmax in fp32, only its running sum in fp64 (whose rounding stays far below any probability a draw
+            # can land on): much cheaper than a softmax in fp64 over the whole vocabulary
+            cdf = torch.softmax(logits[sampled].cpu() / temperatures[:, None], -1).double().cumsum(-1)
             draws = torch.tensor([[_uniform(jobs[row.job], len(row.tokens))] for row in sampled_rows],
                                  dtype=torch.float64) * cdf[:, -1:]
             chosen[sampled] = torch.searchsorted(cdf, draws, right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)

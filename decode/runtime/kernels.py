@@ -41,7 +41,6 @@ PACK_ROWS_HINT = 8  # oneDNN picks the packed layout for this many rows; measure
 # layer -> (weak reference to the weight it was packed from, that weight's version, packed weight). Kept outside the
 # module: an opaque oneDNN tensor cannot be deep-copied or pickled, and a copied layer must pack its own weight.
 _packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_bf16_packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # the same for `BF16ProductLinear`: (bf16, bias)
 KINDS = ("auto", "onednn", "torch")
 # Weights cycled through while timing a small one, so that each call reads its weight from memory as decoding does
 # (a step reads every layer's weight once) rather than from a cache it would never sit in: copies enough to exceed
@@ -50,15 +49,20 @@ STREAM_BYTES = 64 << 20
 MAX_COPIES = 64
 
 
+# the dtypes `OneDNNLinear` packs: fp32, and bf16 (a bf16 product on a plain weight is reordered on every call too;
+# packed once, the bf16 generation copy's products ran 5-20% faster on a Zen 4, with identical results)
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] fp32 (or bf16) weight -> oneDNN's blocked layout (an opaque tensor only `onednn_linear` reads)."""
+    """[out, in] fp32 or bf16 weight -> oneDNN's blocked layout (an opaque tensor only `onednn_linear` reads)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   packed: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` through oneDNN (fp32, CPU, no autograd), on `packed` = `pack_weight(weight)` if
-    given."""
+    """`F.linear(x, weight, bias)` through oneDNN (fp32 or bf16, CPU, no autograd), on `packed` =
+    `pack_weight(weight)` if given."""
     flat = x.reshape(-1, x.shape[-1])
     out = torch.ops.mkldnn._linear_pointwise(flat, weight if packed is None else packed, bias, "none", [], "")
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -75,7 +79,7 @@ class OneDNNLinear(torch.nn.Linear):
     at first use and packed again whenever the weight is replaced or changed in place (training, `load_state_dict`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.device.type == "cpu" and x.dtype == torch.float32 and self.weight.dtype == torch.float32
+        if (x.device.type == "cpu" and x.dtype in PACKED_DTYPES and self.weight.dtype == x.dtype
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return onednn_linear(x, self.weight, self.bias, self._packed_weight())
         return F.linear(x, self.weight, self.bias)
@@ -109,34 +113,6 @@ class AutoLinear(OneDNNLinear):
         return F.linear(x, self.weight, self.bias)
 
 
-class BF16ProductLinear(torch.nn.Linear):
-    """An fp32 `nn.Linear` whose inference product runs in bf16: its weight rounded to bf16 and packed once for
-    oneDNN (again whenever it changes), the input rounded to bf16, the product returned in fp32. The products are
-    a bf16 copy's, while everything between them (norms, rotary, residuals, attention, the sampler) stays fp32,
-    where a bf16 copy of the model converts around each: the generator of training data on a CPU with bf16 units
-    (`distill.generation_dtype`). With autograd recording, or off the CPU, or in another dtype, it is `nn.Linear`."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.device.type == "cpu" and x.dtype == torch.float32 and self.weight.dtype == torch.float32
-                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
-            weight, bias = self._bf16_weights()
-            flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-            out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
-            return out.to(torch.float32).reshape(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.weight, self.bias)
-
-    def _bf16_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(the weight in bf16 packed for oneDNN, the bias in bf16), made again when the weight changed."""
-        weight = self.weight
-        version = _version(weight)
-        cached = _bf16_packed.get(self)
-        if cached is None or cached[0]() is not weight or cached[1] != version:
-            bias = None if self.bias is None else self.bias.detach().to(torch.bfloat16)
-            cached = _bf16_packed[self] = (weakref.ref(weight), version,
-                                           (pack_weight(weight.detach().to(torch.bfloat16)), bias))
-        return cached[2]
-
-
 def measure_linear(shape: Shape) -> list[Timing]:
     """`F.linear` against `onednn_linear` on packed weights, for a random fp32 weight of `shape` at each of ROWS rows:
     the fastest of interleaved calls (`decode.runtime.timing.interleaved_minimums`), each call on the next of
@@ -164,9 +140,7 @@ def _auto_eligible(module: torch.nn.Module) -> bool:
     return module.weight.device.type == "cpu" and module.weight.dtype == torch.float32
 
 
-# the layer classes `use_cpu_linear` switches between
-SWITCHABLE = (torch.nn.Linear, OneDNNLinear, AutoLinear, BF16ProductLinear)
-BF16_PRODUCTS = "bf16-products"  # `use_cpu_linear`'s kind for `BF16ProductLinear` (not a `cpu_linear` setting)
+SWITCHABLE = (torch.nn.Linear, OneDNNLinear, AutoLinear)  # the layer classes `use_cpu_linear` switches between
 
 
 def _switchable_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
@@ -197,22 +171,19 @@ def cpu_linear_report(model: torch.nn.Module) -> dict:
 def cpu_linear_of(model: torch.nn.Module) -> str:
     """The kind `use_cpu_linear` gave `model` (a draft follows its target; "auto" off CPU gave "torch")."""
     kinds = {type(m) for m in model.modules()}
-    if BF16ProductLinear in kinds:
-        return BF16_PRODUCTS
     return "auto" if AutoLinear in kinds else "onednn" if OneDNNLinear in kinds else "torch"
 
 
 def use_cpu_linear(model: torch.nn.Module, kind: str) -> torch.nn.Module:
     """Switch every `nn.Linear` of `model` to `kind` in place; returns the model.
 
-    "onednn": `OneDNNLinear`; "torch": `nn.Linear`; `BF16_PRODUCTS`: `BF16ProductLinear` (the training-data
-    generator's); "auto": `AutoLinear` on each fp32 CPU layer, planned from this
+    "onednn": `OneDNNLinear`; "torch": `nn.Linear`; "auto": `AutoLinear` on each fp32 CPU layer, planned from this
     machine's cached timings of its weight shape (`decode.runtime.kernel_choice.shape_timings`: measured here on first
     use), and `nn.Linear` on any other device or dtype. A draft loaded with "auto" shares the target's plans for the
     shapes they have in common (same cache) and has its own shapes measured. "onednn" and "auto" fall back to "torch"
     where this torch build has no oneDNN.
     """
-    if kind not in (*KINDS, BF16_PRODUCTS):
+    if kind not in KINDS:
         raise ValueError(f"cpu_linear must be one of {', '.join(KINDS)}; got {kind!r}")
     linears = _switchable_linears(model)
     if kind == "torch" or not torch.backends.mkldnn.is_available():
@@ -221,9 +192,6 @@ def use_cpu_linear(model: torch.nn.Module, kind: str) -> torch.nn.Module:
     elif kind == "onednn":
         for module in linears:
             module.__class__ = OneDNNLinear
-    elif kind == BF16_PRODUCTS:
-        for module in linears:
-            module.__class__ = BF16ProductLinear
     else:
         shapes = linear_shapes(model)
         plans = shape_timings(shapes, measure_linear) if shapes else {}
