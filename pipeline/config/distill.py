@@ -46,9 +46,9 @@ class DistillConfig(Section):
     generation_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description=(
         "The precision the target generates the training responses and top-k teacher in. auto: bfloat16 for an fp32 "
         "target on a CPU with bf16 units (AVX512_BF16 or AMX-BF16) where a measurement of its products at the "
-        "generation batch, cached per CPU, finds it faster (on a CPU: a bf16 copy on weights packed for oneDNN); else the "
-        "target's own. The held-out responses, and so "
-        "α and τ, always come from the target as loaded. docs/concepts.md#the-cpu-runtime."))
+        "generation batch, cached per CPU, finds it faster (on a CPU: a bf16 copy on weights packed for oneDNN); "
+        "else the target's own. The held-out responses, and so α and τ, always come from the target as loaded. "
+        "docs/concepts.md#the-cpu-runtime."))
     responses: ResponsesConfig = Field(ResponsesConfig(), description=(
         "Where the training responses and their top-k teacher come from: the built-in generator or inference "
         "servers (docs/engines.md)."))
