@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from decode.runtime.lean import LeanDecoder, attention_dtype
 from decode.runtime.lean_families import FAMILY_NAMES
+from decode.runtime.step_sampler import inverse_cdf_sample, topk_log_probs
 
 
 @dataclass(frozen=True)
@@ -135,19 +136,17 @@ def generate(model, jobs: Sequence[Job], *, max_new_tokens: int, stop_ids: Seque
     def choose(logits: torch.Tensor, live: list[int]) -> list[int]:
         """The next token of each live row from its logits [len(live), V], its top-k recorded."""
         logits = logits.float()
-        values, indices = torch.log_softmax(logits, -1).topk(topk, dim=-1)
+        values, indices = topk_log_probs(logits, topk)
         values, indices = values.half().cpu(), indices.int().cpu()
-        chosen = logits.argmax(-1).cpu()
-        sampled = [i for i, r in enumerate(live) if jobs[rows[r].job].temperature > 0]
-        if sampled:
-            sampled_rows = [rows[live[i]] for i in sampled]
-            temperatures = torch.tensor([jobs[row.job].temperature for row in sampled_rows])
-            # softmax in fp32, only its running sum in fp64 (whose rounding stays far below any probability a draw
-            # can land on): much cheaper than a softmax in fp64 over the whole vocabulary
-            cdf = torch.softmax(logits[sampled].cpu() / temperatures[:, None], -1).double().cumsum(-1)
-            draws = torch.tensor([[_uniform(jobs[row.job], len(row.tokens))] for row in sampled_rows],
-                                 dtype=torch.float64) * cdf[:, -1:]
-            chosen[sampled] = torch.searchsorted(cdf, draws, right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
+        temperatures = torch.tensor([jobs[rows[r].job].temperature for r in live])
+        sampled = temperatures > 0
+        every = bool(sampled.all())
+        chosen = torch.empty(len(live), dtype=torch.long) if every else logits.argmax(-1).cpu()
+        if sampled.any():
+            uniforms = torch.tensor([_uniform(jobs[rows[r].job], len(rows[r].tokens))
+                                     for r, s in zip(live, sampled.tolist()) if s], dtype=torch.float64)
+            drawn_from = logits if every else logits[sampled.to(logits.device)]
+            chosen[sampled] = inverse_cdf_sample(drawn_from, temperatures[sampled], uniforms).cpu()
         for i, r in enumerate(live):
             rows[r].topk.append((values[i], indices[i]))
         return chosen.tolist()
