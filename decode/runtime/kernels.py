@@ -240,8 +240,10 @@ class ConcatLinear:
         tensors = [t for layer in self.layers for t in (layer.weight, layer.bias) if t is not None]
         if self.stacked is None or any(t is not s or _version(t) != v for t, (s, v) in zip(tensors, self.source)):
             first = self.layers[0]
-            stacked = torch.nn.Linear(first.in_features, sum(self.sizes), bias=first.bias is not None,
-                                      device=first.weight.device, dtype=first.weight.dtype)
+            # skip_init: no random initialization of weights that are overwritten at once (~10 ms a layer)
+            stacked = torch.nn.utils.skip_init(torch.nn.Linear, first.in_features, sum(self.sizes),
+                                               bias=first.bias is not None, device=first.weight.device,
+                                               dtype=first.weight.dtype)
             with torch.no_grad():
                 stacked.weight.copy_(torch.cat([layer.weight for layer in self.layers]))
                 if first.bias is not None:
