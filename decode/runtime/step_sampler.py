@@ -36,7 +36,8 @@ def inverse_cdf_sample(logits: torch.Tensor, temperatures: torch.Tensor, uniform
     on the batch it ran in. An id of probability 0 is never drawn."""
     rows, vocab = logits.shape
     blocks = -(-vocab // BLOCK)
-    weights = logits.new_zeros(rows, blocks * BLOCK)  # ids past the vocabulary weigh 0
+    weights = logits.new_empty(rows, blocks * BLOCK)
+    weights[:, vocab:] = 0  # ids past the vocabulary weigh 0
     scale = 1 / temperatures.to(logits)[:, None]
     torch.mul(logits, scale, out=weights[:, :vocab]).sub_(logits.amax(-1, keepdim=True) * scale).exp_()
     weights = weights.view(rows, blocks, BLOCK)
