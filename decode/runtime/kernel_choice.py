@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import re
+import time
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -114,15 +115,43 @@ class BusyMachineWarning(UserWarning):
     """Kernel timings were measured while the machine was busy: used for this process, not cached."""
 
 
+def _thread_state(stat: Path) -> str:
+    """A thread's scheduler state from its /proc stat line ("R": running or runnable); its name may hold spaces or
+    parentheses, so the state is read after the last ")"."""
+    return stat.read_text().rpartition(")")[2].split()[0]
+
+
+def runnable_elsewhere(reads: int = 5, interval: float = 0.02) -> int | None:
+    """How many threads of other processes are running or waiting for a CPU now: the kernel's count of runnable threads
+    (/proc/loadavg) less this process's own, the least of a few reads `interval` apart (a job that holds a core shows in
+    every read, a blip in one). None where /proc does not tell (not Linux)."""
+    counts = []
+    for _ in range(reads):
+        try:
+            runnable = int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
+            own = sum(_thread_state(stat) == "R" for stat in Path("/proc/self/task").glob("*/stat"))
+        except (OSError, ValueError, IndexError):
+            return None
+        counts.append(runnable - own)
+        time.sleep(interval)
+    return max(0, min(counts))
+
+
 def machine_busy() -> str | None:
-    """Why timings measured now would mislead ("load 6.1 on 2 CPUs"), or None. With more runnable threads than CPUs,
-    a multi-threaded product waits for its descheduled threads, and that wait, not the kernel, would decide a pick
-    that is then cached for good."""
+    """Why timings measured now would mislead ("1 other runnable thread on 2 CPUs"), or None. While other processes
+    hold half the CPUs or more, a multi-threaded product waits for its descheduled threads, and that wait, not the
+    kernel, would decide a pick that is then cached for good. This process's own threads do not count: the load
+    average would, and reads a job's own finished generation as load. Without /proc: the 1-minute load average above
+    the CPU count."""
+    cpus = os.cpu_count() or 1
+    others = runnable_elsewhere()
+    if others is not None:
+        return f"{others} other runnable thread{'s' * (others != 1)} on {cpus} CPUs" if others >= max(1, cpus // 2) \
+            else None
     try:
         load = os.getloadavg()[0]
     except OSError:  # not available on this platform
         return None
-    cpus = os.cpu_count() or 1
     return f"load {load:.1f} on {cpus} CPUs" if load > cpus else None
 
 

@@ -139,10 +139,46 @@ def test_timings_from_a_busy_machine_are_used_but_not_cached(isolated_home, monk
     assert measure.measured == [(64, 64), (64, 64)] and cache_file(machine_key()).exists()
 
 
-def test_more_runnable_threads_than_cpus_is_busy(monkeypatch):
+def test_other_processes_holding_half_the_cpus_is_busy(monkeypatch):
     monkeypatch.undo()  # the real machine_busy
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(kernel_choice, "runnable_elsewhere", lambda: 1)
+    assert kernel_choice.machine_busy() == "1 other runnable thread on 2 CPUs"
+    monkeypatch.setattr(kernel_choice, "runnable_elsewhere", lambda: 0)
+    assert kernel_choice.machine_busy() is None
+
+
+def test_without_proc_more_load_than_cpus_is_busy(monkeypatch):
+    monkeypatch.undo()
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(kernel_choice, "runnable_elsewhere", lambda: None)
     monkeypatch.setattr(os, "getloadavg", lambda: (6.1, 5.0, 4.0))
     assert kernel_choice.machine_busy() == "load 6.1 on 2 CPUs"
     monkeypatch.setattr(os, "getloadavg", lambda: (1.9, 5.0, 4.0))
     assert kernel_choice.machine_busy() is None
+
+
+def test_this_process_busy_with_its_own_threads_is_not_other_load():
+    """The job's own work (here two threads in torch products, outside the GIL) is not counted against it, as the load
+    average would count it."""
+    import threading
+    before = kernel_choice.runnable_elsewhere()
+    if before is None:
+        pytest.skip("no /proc")
+    stop = threading.Event()
+    a = torch.randn(256, 256)
+
+    def spin():
+        while not stop.is_set():
+            a @ a
+
+    spinners = [threading.Thread(target=spin) for _ in range(2)]
+    for spinner in spinners:
+        spinner.start()
+    try:
+        seen = kernel_choice.runnable_elsewhere()
+    finally:
+        stop.set()
+        for spinner in spinners:
+            spinner.join()
+    assert seen <= max(before, 1)  # other processes of the machine may hold a core meanwhile
