@@ -77,3 +77,26 @@ def test_a_damaged_fingerprint_cache_is_rebuilt_not_a_traceback(tiny_checkpoint,
         (draftops_home() / "fingerprints.json").write_text(damaged)
         assert fingerprint_dir(tiny_checkpoint) == expected
     assert json.loads((draftops_home() / "fingerprints.json").read_text())
+
+
+def test_a_gguf_is_parsed_once_while_it_is_dequantized_and_gguf_is_restored_after(tmp_path):
+    """`gguf_source._parsed_once`: the config's, tokenizer's and weights' reads of one file share one reader, and
+    the name maps one build; outside it gguf's own functions are back."""
+    import gguf
+
+    from pipeline.gguf_source import _parsed_once
+
+    writer = gguf.GGUFWriter(str(tmp_path / "v.gguf"), "llama")
+    writer.add_token_list(["a", "b"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with _parsed_once():
+        first = gguf.GGUFReader(str(tmp_path / "v.gguf"))
+        assert gguf.GGUFReader(str(tmp_path / "v.gguf")) is first
+        assert isinstance(first, reader_class) and "tokenizer.ggml.tokens" in first.fields
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+    assert gguf.GGUFReader is reader_class and gguf.get_tensor_name_map is name_map
