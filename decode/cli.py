@@ -1,13 +1,13 @@
 """`draftops decode | eval | bench | sweep | export | llama-cpp | models`: the decode package's subcommands, registered
 through the `draftops.commands` entry point (`add_commands`). The handlers live in `decode.commands` and
-`decode.measure_commands`; building the parser imports neither torch, transformers nor mlflow."""
+`decode.bench_commands`; building the parser imports neither torch, transformers nor mlflow."""
 
 from __future__ import annotations
 
 import argparse
 
+from decode.bench_commands import bench_command, sweep_command
 from decode.commands import decode_command, eval_command, export_command, llama_cpp_command, models_info
-from decode.measure_commands import bench_command, sweep_command
 
 
 def _common(parser, *, traffic: bool) -> None:

@@ -119,8 +119,8 @@ def models_info_kernels(args, info: dict) -> int:
 
 
 def decode_command(args) -> int:
-    from decode.drafters.chain import DECODER, LOOKUP
     from decode.drafters.lookup import PROMPT_LOOKUP
+    from decode.drafters.protocol import DECODER, LOOKUP
     from decode.factory import build_decoder
     from pipeline.traffic import Request, encode_prompt
 
@@ -157,7 +157,7 @@ def decode_command(args) -> int:
 def eval_command(args) -> int:
     import mlflow
 
-    from decode.drafters.chain import DECODER, DRAFT
+    from decode.drafters.protocol import DECODER, DRAFT
     from decode.measure.evaluate import evaluate, flat_metrics, per_category_figure, per_position_figure
     from pipeline.metrics import DRAFT_FINGERPRINT_TAG, DRAFT_SOURCE_TAG, LATEST_EVAL_RUN_TAG, TARGET_FINGERPRINT_TAG
     from pipeline.registry import link_run

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import torch
 
-from decode.drafters.chain import DECODER, DRAFT, LOOKUP, SUFFIX, make_drafter
+from decode.drafters.chain import make_drafter
+from decode.drafters.model_tree import make_tree_drafter
+from decode.drafters.protocol import DECODER, DRAFT, LOOKUP, SUFFIX
 from decode.drafters.suffix import SuffixIndex, load_suffix_index
-from decode.drafters.tree import make_tree_drafter
 from decode.runtime.lean import LeanDecoder, use_compiled_passes
 from decode.runtime.lean_families import notice_fallback
 from decode.speculative import GREEDY, GammaPolicy, Sampling, SpeculativeDecoder
@@ -36,7 +37,7 @@ def build_decoder(target, draft, decode: DecodeConfig, *, kind: str = DECODER, g
 
     target: a `pipeline.sources.ResolvedModel` (its generation config and tokenizer give the EOS ids); draft: one too,
     or None for the "lookup" and "suffix" drafters. `decode.tree_budget` > 0 or `decode.tree_budget_schedule` gives
-    tree rounds (`decode.drafters.tree`) with the budgets of `tree_budget_choice`; `decode.drafters.suffix`
+    tree rounds (`decode.drafters.model_tree`) with the budgets of `tree_budget_choice`; `decode.drafters.suffix`
     adds suffix decoding to the trees of "decoder" and "lookup", with the suffix index of `suffix_index_of`.
     `decode.compiled` compiles the target's and a layer draft's passes (`decode.runtime.lean.use_compiled_passes`: for
     every decoder of them in this process).

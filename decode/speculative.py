@@ -6,9 +6,9 @@ explicit positions, and rejected drafts are rolled back by cropping the caches. 
 the algorithm; `SpeculativeDecoder.generate` runs rounds until a stop and keeps the statistics.
 
 Proposals come from a drafter (`decode.drafters.chain`): a draft model, prompt lookup, or lookup first and the model
-elsewhere. With a tree budget the decoder runs `tree_round`s instead: a tree drafter (`decode.drafters.tree`) proposes
-many continuations at once, the target verifies them in one pass with a tree attention mask and `decode.tree.accept`
-keeps one path of them. `decode.factory.build_decoder` builds the decoder a config describes.
+elsewhere. With a tree budget the decoder runs `tree_round`s instead: a tree drafter (`decode.drafters.model_tree`)
+proposes many continuations at once, the target verifies them in one pass with a tree attention mask and
+`decode.token_tree.accept` keeps one path of them. `decode.factory.build_decoder` builds the decoder a config describes.
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ from typing import Literal
 
 import torch
 
-from decode.drafters.chain import Drafter, model_context, output_size
-from decode.drafters.tree import TreeDrafter
-from decode.round_stats import GenerationStats
+from decode.drafters.chain import model_context, output_size
+from decode.drafters.model_tree import TreeDrafter
+from decode.drafters.protocol import Drafter
+from decode.generation_stats import GenerationStats
 from decode.runtime.forward import ModelRunner, compact, rollback
 from decode.sampling import Warp, sample
-from decode.tree import accept
+from decode.token_tree import accept
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class GenerationResult:
 @dataclass(frozen=True)
 class Round:
     """One round's outcome. A chain's `depth` is its `drafted` and its `tested` min(accepted + 1, drafted); a tree's
-    are its deepest level and the positions at which candidates met a test (`decode.tree.Verdict`)."""
+    are its deepest level and the positions at which candidates met a test (`decode.token_tree.Verdict`)."""
 
     tokens: list[int]  # the accepted drafts, then one token from the target
     drafted: int
@@ -258,9 +259,10 @@ class SpeculativeDecoder:
         tokenizer=None,
     ):
         """drafter: a chain drafter (`decode.drafters.chain`, e.g. `decode.drafters.lookup.PromptLookupDrafter`) or a
-        `decode.drafters.tree.TreeDrafter` (tree rounds). gamma: a fixed γ, or a `GammaPolicy` (schedule by context
-        length, adaptive); in tree rounds, the deepest level. eos_token_ids: ids that end generation (() never stops).
-        sampling: `generate`'s defaults. lean: run the target through `ModelRunner`'s lean forward where possible.
+        `decode.drafters.model_tree.TreeDrafter` (tree rounds). gamma: a fixed γ, or a `GammaPolicy` (schedule by
+        context length, adaptive); in tree rounds, the deepest level. eos_token_ids: ids that end generation (() never
+        stops). sampling: `generate`'s defaults. lean: run the target through `ModelRunner`'s lean forward where
+        possible.
         """
         if isinstance(drafter, torch.nn.Module):
             raise TypeError("SpeculativeDecoder takes a drafter; decode.factory.model_decoder builds one from a model")

@@ -24,14 +24,14 @@ import torch
 
 from decode.drafters.chain import output_size
 from decode.drafters.lookup import LookupThenModelDrafter, PromptLookupDrafter
-from decode.drafters.tree import ModelTree, TreeDrafter
+from decode.drafters.model_tree import ModelTree, TreeDrafter
 from decode.models.feature_draft import FeatureDraft, FeatureDrafter
 from decode.runtime.forward import ModelRunner, rollback
 from decode.runtime.lean import LeanDecoder
 from decode.runtime.lean_families import FAMILY_NAMES
 from decode.runtime.timing import timed
 from decode.speculative import Warp, check_drafts
-from decode.tree import ROOT, TokenTree, accept
+from decode.token_tree import ROOT, TokenTree, accept
 
 # --------------------------------------------------------------------------- measured costs
 

@@ -24,7 +24,7 @@ plus v_tree(n), one tree pass over the pending token and n nodes. `predict_tree_
 budget n is the best over d ≤ D of τ_d(n) / ((d·c(d) + v_tree(n)) · t(L)); the draft's prefill is left out, as in the
 γ schedule's steady state.
 
-The decoder's own tree (`decode.drafters.tree.ModelTree`) is a per-level beam, at most `tree_branching` nodes per
+The decoder's own tree (`decode.drafters.model_tree.ModelTree`) is a per-level beam, at most `tree_branching` nodes per
 level, γ levels (in greedy rounds the best of its candidates on all levels), chosen by cumulative draft probability
 rather than by this program, so the predicted τ is what the best tree of that size would give: an upper bound for the
 beam. Each row therefore reports its tree's depth and widest level, the γ and `tree_branching` a beam needs to reach
@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from decode.acceptance import expected_tokens
-from decode.tree import ROOT
+from decode.token_tree import ROOT
 from pipeline.files import write_text_atomic
 from pipeline.sources import TREE_ACCEPTANCE_FILE
 
@@ -91,7 +91,7 @@ class BestTrees:
         return 1.0 + float(self.below[depth][nodes])
 
     def parents(self, nodes: int, depth: int) -> list[int]:
-        """That tree's parents (`decode.tree.ROOT` for the first level), parents before children, siblings in rank
+        """That tree's parents (`decode.token_tree.ROOT` for the first level), parents before children, siblings in rank
         order; nodes that add nothing are left out (the fewest nodes with the same τ, e.g. ranks the draft never gets
         right)."""
         below = self.below[depth]

@@ -32,15 +32,16 @@ from pathlib import Path
 
 import torch
 
-from decode.drafters.chain import DRAFT, make_drafter
+from decode.drafters.chain import make_drafter
+from decode.drafters.model_tree import make_tree_drafter
+from decode.drafters.protocol import DRAFT
 from decode.drafters.suffix import SuffixIndex
-from decode.drafters.tree import make_tree_drafter
 from decode.runtime.kernel_choice import machine_busy, machine_key
 from decode.runtime.kernels import cpu_linear_of
 from decode.runtime.lean import COMPILED_MAX_TOKENS, compiled_lean
 from decode.sampling import Warp
 from decode.step_costs import measure_costs
-from decode.tree import ROOT
+from decode.token_tree import ROOT
 from decode.tree_budget import (
     TREE_BUDGETS,
     load_rank_acceptance,

@@ -51,7 +51,7 @@ def suffix_index_command(args) -> int:
 
 def engine_serve_command(args) -> int:
     from decode.serving.llamacpp import LlamaCppError
-    from distill.data_generation.serve import loopback_ports, serve
+    from distill.data_generation.llama_servers import loopback_ports, serve
     from pipeline.config import load_config
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

@@ -26,12 +26,12 @@ from decode.serving.loading import load_model
 from decode.tree_budget import TREE_BUDGETS, rank_acceptance
 from distill.checkpoints import UnsafeCheckpoint, job_key, load_best, point_latest
 from distill.data_generation.generate import engine_cached_responses
-from distill.export import export_draft, log_and_register
 from distill.features import cached_features
 from distill.heldout_eval import exact_eval, feature_eval
 from distill.init import init_draft
 from distill.loop import NonFiniteLoss, Timings, TrainingData, train_loop
 from distill.precision import fp32_attention, mixed_precision_choice
+from distill.register import export_draft, log_and_register
 from distill.responses import cached_responses, generation_model
 from distill.step import ResponseLogits, draft_module
 from pipeline.config import DraftopsConfig, load_config

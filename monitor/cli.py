@@ -24,9 +24,9 @@ def _setup_logging() -> None:
 
 
 def check_command(args) -> int:
-    from monitor.check import run_check
-    from monitor.decision import EXIT_ERROR
-    from monitor.service import EXIT_BUSY, check_lock, log_failed_check
+    from monitor.check.decision import EXIT_ERROR
+    from monitor.check.run import run_check
+    from monitor.service.scheduler import EXIT_BUSY, check_lock, log_failed_check
     from pipeline.config import load_config
     from pipeline.tracking import TrackingUnavailable, check_tracking
 
@@ -68,7 +68,7 @@ def _save_traceback(cfg, exc: BaseException) -> str:
 
 
 def serve_command(args) -> int:
-    from monitor.service import serve
+    from monitor.service.scheduler import serve
     from pipeline.config import load_config
     from pipeline.tracking import check_tracking
 
@@ -78,8 +78,8 @@ def serve_command(args) -> int:
 
 
 def simulate_command(args) -> int:
-    from monitor.service import state_dir
-    from monitor.simulate import power_figure, simulate_checks
+    from monitor.service.scheduler import state_dir
+    from monitor.stats.false_alarms import power_figure, simulate_checks
     from pipeline.config import load_config
 
     cfg = load_config(args.config, args.overrides)
@@ -105,9 +105,9 @@ def simulate_command(args) -> int:
 def _simulate_server(cfg, windows, args) -> int:
     """`simulate --server`: the window test of the serving engine's counters, on the given windows, else on those the
     state file keeps (at least 2), else on synthetic ones."""
-    from monitor.server_metrics import recorded_windows
-    from monitor.service import state_dir
-    from monitor.simulate import simulate_window_checks
+    from monitor.engines.counters import recorded_windows
+    from monitor.service.scheduler import state_dir
+    from monitor.stats.false_alarms import simulate_window_checks
 
     m = cfg.monitor
     if windows is None:
@@ -151,9 +151,9 @@ def _read_pairs(path: str) -> list[tuple[float, float]]:
 
 
 def rollback_command(args) -> int:
-    from monitor.check import rollback
-    from monitor.deploy import DeployError, ensure_deployed
-    from monitor.service import EXIT_BUSY
+    from monitor.check.run import rollback
+    from monitor.deploy.rollout import DeployError, ensure_deployed
+    from monitor.service.scheduler import EXIT_BUSY
     from pipeline.config import load_config
     from pipeline.tracking import check_tracking
 
@@ -177,8 +177,8 @@ def rollback_command(args) -> int:
 
 
 def deploy_command(args) -> int:
-    from monitor.deploy import DeployError, ensure_deployed, rollback_deployment
-    from monitor.service import EXIT_BUSY, check_lock
+    from monitor.deploy.rollout import DeployError, ensure_deployed, rollback_deployment
+    from monitor.service.scheduler import EXIT_BUSY, check_lock
     from pipeline.config import load_config
 
     _setup_logging()
@@ -199,8 +199,8 @@ def deploy_command(args) -> int:
 
 def demo_command(args) -> int:
     from decode.serving.llamacpp import LlamaCppError
-    from monitor.demo import run_demo
-    from monitor.serve_demo import run_serve_demo
+    from monitor.rehearsal.drift_demo import run_demo
+    from monitor.rehearsal.serve_demo import run_serve_demo
     from pipeline.config import load_config
 
     cfg = load_config(args.config, args.overrides)
@@ -216,7 +216,7 @@ def demo_command(args) -> int:
 
 
 def target_finetune_command(args) -> int:
-    from monitor.target_update import run_finetune
+    from monitor.rehearsal.target_update import run_finetune
     from pipeline.config import load_config
     from pipeline.tracking import tracking_uri
 
@@ -234,7 +234,7 @@ def target_finetune_command(args) -> int:
 
 
 def report_command(args) -> int:
-    from monitor.report import build_report
+    from monitor.registry_report import build_report
     from pipeline.config import load_config
     from pipeline.tracking import check_tracking
 

@@ -51,7 +51,7 @@ ACCEPTANCE_DRAFT_HIGH = "acceptance/draft_ci_high"
 ACCEPTANCE_DECODER = "acceptance/decoder"
 ACCEPTANCE_DECODER_LOW = "acceptance/decoder_ci_low"
 ACCEPTANCE_DECODER_HIGH = "acceptance/decoder_ci_high"
-ACCEPTANCE_SERVER = "acceptance/server"  # a serving engine's counters over one window (monitor.server_metrics)
+ACCEPTANCE_SERVER = "acceptance/server"  # a serving engine's counters over one window (monitor.engines.counters)
 DRAFT_EFFICIENCY = "acceptance/draft_efficiency"
 
 # speed
@@ -171,7 +171,8 @@ DEPLOYED_AT_TAG = "draftops.deploy.deployed_at"
 DEPLOY_RUN_TAG = "draftops.deploy.run_id"
 DEPLOY_VERSION_TAG = "draftops.deploy.version"  # on a deploy run: the version it deployed
 DEPLOY_ACTION_TAG = "draftops.deploy.action"  # on a deploy run: deploy, rollback (after a mismatch), reload
-# the engine check (monitor.engine_check): the engine's acceptance over its windows vs the draft's offline figure
+# the engine check (monitor.check.engine_acceptance): the engine's acceptance over its windows vs the draft's offline
+# figure
 ENGINE_ACCEPTANCE = "monitor/engine/acceptance"
 ENGINE_EXPECTED = "monitor/engine/expected"
 ENGINE_MISMATCH = "monitor/engine/mismatch"

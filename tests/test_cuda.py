@@ -15,11 +15,11 @@ import pytest
 import torch
 import yaml
 
-from decode.drafters.tree import make_tree_drafter
+from decode.drafters.model_tree import make_tree_drafter
 from decode.factory import model_decoder
 from decode.runtime.forward import ModelRunner, greedy_decode
 from decode.runtime.lean import use_compiled_passes
-from tests.decode.test_feature_draft import make_feature_draft
+from tests.decode.models.test_feature_draft import make_feature_draft
 from tests.decode.test_lossless import T1, check_first_two
 from tests.decode.tiny import greedy_reference, perturbed_copy, tiny_llama
 

@@ -14,7 +14,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("pipeline", "decode", "distill", "monitor")
 # the command-line modules: their handlers import what their command runs when it runs
-COMMAND_MODULES = ("cli.py", "commands.py", "measure_commands.py")
+COMMAND_MODULES = ("cli.py", "commands.py", "bench_commands.py")
 MAX_LINES = 400
 
 

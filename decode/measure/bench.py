@@ -28,9 +28,10 @@ import torch
 from tqdm.auto import tqdm
 
 from decode.acceptance import break_even_alpha, expected_speedup
-from decode.drafters.chain import DECODER, LOOKUP, output_size
+from decode.drafters.chain import output_size
 from decode.drafters.lookup import lookup_max_ngram
-from decode.drafters.tree import TreeDrafter
+from decode.drafters.model_tree import TreeDrafter
+from decode.drafters.protocol import DECODER, LOOKUP
 from decode.factory import build_decoder
 from decode.measure.bench_llamacpp import llama_cpp_rows, llama_cpp_summary
 from decode.measure.bench_rows import (

@@ -3,7 +3,7 @@ challenger draft's rows and --compare rows, each a decoder the factory builds fr
 
 from __future__ import annotations
 
-from decode.drafters.chain import DECODER, DRAFT, LOOKUP, SUFFIX
+from decode.drafters.protocol import DECODER, DRAFT, LOOKUP, SUFFIX
 from decode.factory import tree_budget_choice
 from decode.measure.bench_llamacpp import LLAMA_CPP_SPECULATIVE, LLAMA_CPP_TARGET_ONLY
 from pipeline.config import DecodeConfig

@@ -15,7 +15,7 @@ from decode.acceptance import (
     expected_tokens_from_positions,
     token_mean,
 )
-from decode.drafters.chain import DECODER, DRAFT
+from decode.drafters.protocol import DECODER, DRAFT
 from decode.factory import build_decoder
 from decode.measure.intervals import aggregate_stats, ratio_ci
 from pipeline import metrics as M

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from scipy import stats as sps
 
-from decode.round_stats import GenerationStats
+from decode.generation_stats import GenerationStats
 
 
 @dataclass(frozen=True)

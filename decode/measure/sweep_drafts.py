@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from decode.drafters.chain import DRAFT, LOOKUP, Drafter, make_drafter
+from decode.drafters.chain import make_drafter
 from decode.drafters.lookup import PROMPT_LOOKUP
+from decode.drafters.protocol import DRAFT, LOOKUP, Drafter
 from decode.factory import model_decoder
 from decode.models.feature_draft import FeatureDraft
 from decode.models.layer_draft import draft_from_target_layers, frequent_token_ids, reduce_vocabulary
@@ -35,7 +36,7 @@ class Draft:
 
     @property
     def grows_trees(self) -> bool:
-        """A draft LM: what `decode.drafters.tree.ModelTree` grows trees with (not prompt lookup, not a feature
+        """A draft LM: what `decode.drafters.model_tree.ModelTree` grows trees with (not prompt lookup, not a feature
         draft)."""
         return self.is_model and not isinstance(self.model, FeatureDraft)
 

@@ -8,7 +8,7 @@ draft pairs the target's features at position i with token i+1 and sits at posit
 i+2. Beyond the verified tokens the draft feeds its own output hidden state as the next index's features.
 
 The parameter names follow `speculators`' Eagle3 layout (`fc`, `layers.0.*` with `hidden_norm`, `norm`, `lm_head`),
-so the export (`distill.export`) is a rename-free copy. The token embeddings are the target's, shared and frozen, and
+so the export (`distill.register`) is a rename-free copy. The token embeddings are the target's, shared and frozen, and
 read as their plain rows (a Gemma target's embedding scale is its own forward's, which vLLM and `speculators` do not
 apply to a draft either; the layer's input norm makes it moot). The layer is a Llama layer whatever the target's family
 (`decode.models.architectures.draft_layer_config`), as speculators and vLLM build EAGLE-3 drafts.
@@ -16,7 +16,7 @@ apply to a draft either; the layer's input norm makes it moot). The layer is a L
 `FeatureDraft.step` is the one computation: decoding calls it with a KV cache and explicit positions; training
 (`FeatureDraft.unroll`) calls it K times over a whole sequence with "training-time test" masks (EAGLE-3, HASS): step
 j at index i sees the step-0 entries of indices <= i and its own entries of steps 1..j at index i, which is exactly
-what decoding j tokens past a verified prefix sees. `tests/decode/test_feature_draft.py` checks the two agree.
+what decoding j tokens past a verified prefix sees. `tests/decode/models/test_feature_draft.py` checks the two agree.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ speculative verify) would cost several one-row ones; packed once, it costs littl
 faster depends on the CPU, the weight's shape and the number of rows (docs/results.md#the-cpu-runtime), hence
 the `cpu_linear` setting: "onednn" or "torch" everywhere, or "auto" (the default): per weight shape and row count,
 the kernel measured faster on this machine (`AutoLinear`, `decode.runtime.kernel_choice`).
-`torch.nn.functional.linear` is the reference; `tests/decode/test_kernels.py` holds the parity tests.
+`torch.nn.functional.linear` is the reference; `tests/decode/runtime/test_kernels.py` holds the parity tests.
 
 Only inference takes the oneDNN path: with autograd recording (training), or off CPU, or in another dtype, the layer
 is a plain `nn.Linear`.

@@ -7,9 +7,9 @@ draft's step (it runs γ times a round); docs/results.md#the-cpu-runtime has the
 `ForCausalLM.forward` does (gpt-fast style: explicit positions into a preallocated KV cache), so it computes the same
 function; the transformers forward is the reference. The families it runs, and how each one's block differs from
 Llama's (biases, q/k norms, sliding windows, fused projections), are in `decode.runtime.lean_families`;
-`tests/decode/test_lean.py` and `tests/decode/test_lean_families.py` hold the parity tests. `forward_tree` feeds a
-token tree (`decode.tree`) at per-node positions under a tree mask; `tests/decode/test_tree.py` checks it against
-feeding each root-to-node path plainly.
+`tests/decode/runtime/test_lean.py` and `tests/decode/runtime/test_lean_families.py` hold the parity tests.
+`forward_tree` feeds a token tree (`decode.token_tree`) at per-node positions under a tree mask;
+`tests/decode/test_token_tree.py` checks it against feeding each root-to-node path plainly.
 The eager forward runs each decoder layer's q, k, v projections as one product and its gate and up as another
 (`decode.runtime.kernels.ConcatLinear`, as gpt-fast and serving engines do): a few-row step pays per product called.
 
@@ -203,7 +203,7 @@ class LeanDecoder:
                      tree_mask: torch.Tensor) -> torch.Tensor:
         """Feed tokens [T] into cache slots start..start+T-1 at `positions` [T] -> logits [T, V]. tree_mask [T, m]
         (m >= T) says which of the last m slots (start+T-m .. start+T-1) each token sees; it sees every slot before
-        them (`decode.tree.TokenTree.attention_mask`). Slots and positions differ: a node sits at its depth."""
+        them (`decode.token_tree.TokenTree.attention_mask`). Slots and positions differ: a node sits at its depth."""
         return self.forward_tree_features(tokens, cache, start, positions, tree_mask, ())[0]
 
     def forward_tree_features(self, tokens: torch.Tensor, cache: KVCache, start: int, positions: torch.Tensor,

@@ -1,6 +1,6 @@
 """`draftops export`: a distilled draft in the form a serving engine loads, checked before it is written.
 
-A draftops draft (`distill.export.export_draft`) carries files only draftops reads: a layer draft's reduced head
+A draftops draft (`distill.register.export_draft`) carries files only draftops reads: a layer draft's reduced head
 (`draft_vocab.json`: its lm_head has fewer rows than `config.json`'s vocab_size says), the suffix index, the resolved
 config, and a full-vocabulary `hf_assistant/` copy inside. This module writes one of three clean folders:
 

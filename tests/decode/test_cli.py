@@ -228,7 +228,7 @@ def test_eval_bench_and_the_monitor_agree_on_each_acceptance_name(checkpoints, c
     decoder) mean the same thing wherever they are logged: same draft, same prompts, same greedy decoding, same
     value."""
     from decode.serving.loading import load_model
-    from monitor.measure import measure_live
+    from monitor.check.prompt_acceptance import measure_live
     from pipeline.config import load_config
     from pipeline.traffic import load_traffic
 
@@ -276,7 +276,7 @@ def test_bench_runs_a_challenger_draft_in_the_rows_of_the_draft_it_stands_in_for
     from transformers import AutoModelForCausalLM
 
     from decode.serving.speculators import save_speculators
-    from tests.decode.test_feature_draft import make_feature_draft
+    from tests.decode.models.test_feature_draft import make_feature_draft
 
     _, draft, traffic, _ = checkpoints
     # four layers: a feature draft reads three distinct ones

@@ -6,14 +6,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from decode.drafters.chain import DECODER, DRAFT
+from decode.drafters.protocol import DECODER, DRAFT
 from decode.factory import build_decoder, model_decoder
 from decode.measure.bench import bench_decoders
 from decode.measure.bench_rows import DRAFT_ONLY_CHAIN
 from decode.measure.evaluate import eval_decoders
 from decode.measure.sweep_drafts import Draft
 from decode.speculative import SpeculativeDecoder
-from monitor.measure import live_decoder
+from monitor.check.prompt_acceptance import live_decoder
 from pipeline.config import load_config
 from tests.decode.tiny import perturbed_copy, tiny_llama
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from decode.drafters.chain import LOOKUP
+from decode.drafters.protocol import LOOKUP
 from decode.factory import build_decoder, model_decoder
 from decode.measure.bench import run_bench
 from decode.runtime.lean import LeanDecoder

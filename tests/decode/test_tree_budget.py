@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from decode.acceptance import analytic_acceptance, draft_rank
-from decode.drafters.tree import TreeDrafter, make_tree_drafter
+from decode.drafters.model_tree import TreeDrafter, make_tree_drafter
 from decode.factory import build_decoder, model_decoder
 from decode.runtime.forward import ModelRunner, greedy_decode
 from decode.step_costs import measure_costs, representative_tree
-from decode.tree import ROOT
+from decode.token_tree import ROOT
 from decode.tree_budget import (
     best_trees,
     context_schedule,

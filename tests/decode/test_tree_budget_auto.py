@@ -120,7 +120,7 @@ def test_the_decoder_runs_the_auto_schedule(models, monkeypatch, target):
 
 def test_a_feature_draft_is_timed_with_the_targets_features(tmp_path, monkeypatch):
     from tests.conftest import make_tiny_model
-    from tests.decode.test_feature_draft import VOCAB, make_feature_draft
+    from tests.decode.models.test_feature_draft import VOCAB, make_feature_draft
 
     monkeypatch.setattr(auto, "machine_busy", lambda: None)
     target = make_tiny_model(VOCAB, seed=3, layers=4)

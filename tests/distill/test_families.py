@@ -141,7 +141,7 @@ def test_both_distilled_drafts_decode_the_targets_greedy_output_in_token_trees(j
 @torch.no_grad()
 def test_a_layer_draft_distills_decodes_and_exports_as_hf_vllm_and_gguf(jobs, tmp_path):
     from pipeline.sources import load_checkpoint
-    from tests.decode.test_gguf_format import vocabulary_gguf
+    from tests.decode.serving.test_gguf import vocabulary_gguf
 
     family, (cfg, result) = jobs["family"], jobs["layers"]
     check_job(cfg, result, family)
@@ -191,7 +191,7 @@ def test_a_feature_draft_distills_decodes_and_exports_as_speculators_and_vllm(jo
     config = speculators.Eagle3SpeculatorConfig.from_pretrained(tmp_path / SPECULATORS)
     config.transformer_layer_config._attn_implementation = "eager"
     theirs = speculators.SpeculatorModel.from_pretrained(tmp_path / SPECULATORS, config=config).eval()
-    theirs.embed_tokens.weight.copy_(target.get_input_embeddings().weight)  # as tests/decode/test_speculators_format
+    theirs.embed_tokens.weight.copy_(target.get_input_embeddings().weight)  # as tests/decode/serving/test_speculators
     logits = []
     theirs.lm_head.register_forward_hook(lambda module, args, output: logits.append(output[0]))
     seq = SEQ[:1]

@@ -200,18 +200,18 @@ def test_a_finished_job_is_registered_once_and_not_trained_again(isolated_home, 
     registered by the next run (or `--register-only`), still without training."""
     from mlflow import MlflowClient
 
-    from distill import export, train
+    from distill import register, train
 
     cfg = tiny_config(isolated_home, "distill.max_steps=4")
-    real_register = export.registry.register
+    real_register = register.registry.register
 
     def tracking_down(*args, **kwargs):
         raise RuntimeError("tracking went away")
 
-    monkeypatch.setattr(export.registry, "register", tracking_down)
+    monkeypatch.setattr(register.registry, "register", tracking_down)
     with pytest.raises(RuntimeError, match="went away"):
         run_distill(cfg)
-    monkeypatch.setattr(export.registry, "register", real_register)
+    monkeypatch.setattr(register.registry, "register", real_register)
     monkeypatch.setattr(train, "train_loop", lambda *a, **k: pytest.fail("a finished job was trained again"))
     first = run_distill(cfg)  # registers what the failed run exported
     again = run_distill(cfg, register_only=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 import mlflow
 import yaml
 
-from distill.export import export_draft
+from distill.register import export_draft
 from pipeline import metrics as M
 from pipeline import registry
 from pipeline.config import load_config

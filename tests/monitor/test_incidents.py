@@ -15,7 +15,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from monitor.server_metrics import ServerMetricsError, read_server, scrape
+from monitor.engines.counters import ServerMetricsError, read_server, scrape
 from pipeline import metrics as M
 from pipeline import registry
 from pipeline.cli import main
@@ -164,7 +164,7 @@ def test_a_missing_or_bad_pairs_file_is_one_line(tmp_path, capsys, content, reas
 
 CRASHING_CHECK = """
 import sys
-import monitor.check
+import monitor.check.run
 
 def crash(cfg):
     raise RuntimeError("boom: a bug the check did not expect")
@@ -189,7 +189,7 @@ def test_a_crashing_check_prints_one_line_and_keeps_its_traceback(three_versions
 def test_a_long_prompt_is_measured_in_a_batch_of_its_own():
     """The analytic measurement holds logits for every padded position of a batch: one prompt cut to 512 tokens
     among short ones would multiply the batch's memory by its length."""
-    from monitor.measure import length_batches
+    from monitor.check.prompt_acceptance import length_batches
 
     assert length_batches([20, 30, 520, 25], budget=1024) == [[0, 3, 1], [2]]
     assert length_batches([2000, 10], budget=1024) == [[1], [0]]  # longer than the budget: alone

@@ -56,8 +56,8 @@ def test_link_run_leaves_sources_outside_the_registry_alone():
 
 
 def test_the_command_line_modules_do_not_import_mlflow():
-    """`draftops` imports monitor.report to build its parser and pipeline.sources for `models info`: neither may
-    pull mlflow (seconds) in through the registry."""
-    code = "import sys, monitor.report, pipeline.sources; print('mlflow' in sys.modules)"
+    """`draftops` imports monitor.registry_report to build its parser and pipeline.sources for `models info`: neither
+    may pull mlflow (seconds) in through the registry."""
+    code = "import sys, monitor.registry_report, pipeline.sources; print('mlflow' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

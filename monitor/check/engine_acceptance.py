@@ -1,0 +1,201 @@
+"""The engine check: does the serving engine get the acceptance the draft it should run measured offline?
+
+The check reads the engine's speculative-decoding counters (`monitor.server_metrics_url`) `check_windows` times over
+windows of `check_window_seconds` (a window with fewer than `min_window_draft_tokens` draft tokens is extended, up to
+three times its length), then compares the engine's acceptance over those windows with the offline figure of the
+version the engine should serve: its baseline's per-prompt accepted and drafted tokens as an engine counts them at
+decode.gamma (`monitor.engines.offline_expectation`), by `engine_vs_offline_test` at monitor.level, tolerating a
+shortfall of `monitor.deploy.mismatch_tolerance` of the offline figure.
+
+When it runs (`monitor.deploy.engine_check`): `after_deploy`, the first check after a deploy (deploy.json says the
+check is pending): the post-deploy check. Clearly below -> DEPLOY_MISMATCH (the engine does not run the measured
+draft); the engine is also compared with the previous version's offline figure (its baseline, recorded before the
+drift that replaced it): not clearly below it means the deploy recovered the acceptance. `always`: every check; a
+shortfall outside a post-deploy check is the server's evidence of a drop (`monitor.check.decision`, like the window
+test of `monitor.engines.counters`, which needs many more checks to decide).
+
+The offline figure assumes the engine drafts decode.gamma tokens a round from the draft alone and decodes greedily
+(temperature 0) up to decode.max_new_tokens, as the demo's traffic does (llama-server --spec-draft-n-max γ
+--spec-draft-p-min 0; vLLM num_speculative_tokens γ). An engine that drafts fewer tokens where the draft is unsure
+(llama-server's default --spec-draft-p-min 0.75) counts a higher acceptance, never a lower one: the check stays
+one-sided and valid, only less sensitive.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from monitor.check.decision import Decision, Status
+from monitor.check.prompt_acceptance import Baseline, Measurement
+from monitor.deploy.rollout import PENDING, read_state, root_of
+from monitor.engines.counters import ServerMetricsError, SpecCounters, parse_spec_counters, scrape, window_between
+from monitor.engines.offline_expectation import engine_vs_offline_test
+from monitor.stats.acceptance_tests import DropTest
+from pipeline import registry
+from pipeline.config import DraftopsConfig
+
+EXTENSIONS = 3  # a window with too few draft tokens is read again this many times at most
+
+
+@dataclass
+class EngineCheck:
+    """The engine's windows, and how they compare with the offline figures."""
+
+    url: str
+    version: str  # the version the engine should serve
+    post_deploy: bool
+    windows: list[SpecCounters] = field(default_factory=list)
+    seconds: float = 0.0
+    expected: float | None = None  # the version's offline acceptance, as an engine counts it
+    test: DropTest | None = None  # engine vs that figure
+    previous_version: str | None = None
+    pre_drift: DropTest | None = None  # engine vs the previous version's offline figure (post-deploy)
+    notes: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def acceptance(self) -> float | None:
+        tokens = sum(w.draft_tokens for w in self.windows)
+        return sum(w.accepted for w in self.windows) / tokens if tokens > 0 else None
+
+    @property
+    def mismatch(self) -> bool:
+        return self.post_deploy and self.test is not None and self.test.alarm
+
+    @property
+    def recovered(self) -> bool | None:
+        return None if self.pre_drift is None else not self.pre_drift.alarm
+
+    def to_dict(self) -> dict:
+        return {"url": self.url, "version": self.version, "post_deploy": self.post_deploy,
+                "windows": [w.to_dict() for w in self.windows], "seconds": self.seconds,
+                "acceptance": self.acceptance, "expected": self.expected, "test": self.test and self.test.to_dict(),
+                "previous_version": self.previous_version, "pre_drift": self.pre_drift and self.pre_drift.to_dict(),
+                "mismatch": self.mismatch, "recovered": self.recovered, "notes": self.notes, "error": self.error}
+
+    def summary(self) -> str:
+        kind = "post-deploy check" if self.post_deploy else "engine check"
+        if self.error:
+            return f"  {kind}: {self.error}"
+        per_window = ", ".join(f"{w.acceptance:.3f}" for w in self.windows)
+        lines = [f"  {kind} (version {self.version}): engine acceptance "
+                 + (f"{self.acceptance:.3f} over {len(self.windows)} windows ({per_window})" if self.windows
+                    else "not read")]
+        for name, test in ((f"version {self.version} offline", self.test),
+                           (f"the previous deployment (version {self.previous_version}) offline", self.pre_drift)):
+            if test is not None:
+                lines.append(f"    vs {name} {test.baseline_acceptance:.3f}: drop {test.drop:+.3f} "
+                             f"[{test.ci_low:+.3f}, {test.ci_high:+.3f}], p={test.p_value:.3g}"
+                             f"{' -> clearly below' if test.alarm else ''}")
+        if self.post_deploy and self.test is not None:
+            lines.append("    deployed draft " + ("NOT what the engine runs: DEPLOY_MISMATCH" if self.mismatch
+                                                  else "confirmed in the engine")
+                         + ("" if self.recovered is None else
+                            f"; acceptance {'recovered' if self.recovered else 'not recovered'} to the previous "
+                            "deployment's figure (after a drift: the pre-drift one)"))
+        return "\n".join(lines)
+
+
+def due(cfg: DraftopsConfig, champion_version: str) -> EngineCheck | None:
+    """The engine check this check runs (not yet read), or None: none configured, or none due."""
+    m, d = cfg.monitor, cfg.monitor.deploy
+    if not m.server_metrics_url or d.engine_check == "off":
+        return None
+    state = read_state(root_of(cfg)) if d.enabled else {}
+    pending = bool(state) and state.get("check") == PENDING and bool(state.get("reloaded"))
+    if not pending and d.engine_check != "always":
+        return None
+    return EngineCheck(m.server_metrics_url, str(state.get("version") or champion_version), pending,
+                       previous_version=state.get("previous_version") if pending else None)
+
+
+def read_windows(cfg: DraftopsConfig, check: EngineCheck, wait: Callable[[float], None] = time.sleep,
+                 fetch: Callable[[str, float], str] | None = None) -> EngineCheck:
+    """Scrape once, then once after each window (module docstring); `wait(seconds)` lets time (and traffic) pass."""
+    m, d = cfg.monitor, cfg.monitor.deploy
+    start = time.perf_counter()
+
+    def read() -> SpecCounters:
+        return parse_spec_counters((fetch or scrape)(m.server_metrics_url, m.server_timeout), m.server_model_name)
+
+    try:
+        before = read()
+        for _ in range(d.check_windows):
+            for _ in range(EXTENSIONS):
+                wait(d.check_window_seconds)
+                now = read()
+                window, restarted = window_between(before, now)
+                if window.draft_tokens >= d.min_window_draft_tokens:
+                    break
+            if restarted:
+                check.notes.append("the engine restarted during a window: the window is what it counted since")
+            if window.draft_tokens > 0:
+                check.windows.append(window)
+            else:
+                check.notes.append("a window without draft tokens (no traffic): not used")
+            before = now
+    except ServerMetricsError as exc:
+        check.error = str(exc)
+    check.seconds = time.perf_counter() - start
+    return check
+
+
+def _offline(name: str, version: str, measurement: Measurement | None = None) -> Measurement | None:
+    """The version's baseline measurement: `measurement` when given (measured in this check), else its stored one."""
+    if measurement is not None:
+        return measurement
+    try:
+        stored = registry.load_baseline(registry.find_version(registry.version_uri(name, version)))
+    except registry.RegistryError:
+        return None
+    return None if stored is None else Baseline.from_dict(stored).measurement
+
+
+def _against(offline: Measurement | None, check: EngineCheck, tolerance: float, level: float) -> DropTest | None:
+    values = offline.engine_values if offline is not None else None
+    if values is None or len(values) < 2 or len(check.windows) < 2:
+        return None
+    return engine_vs_offline_test(values.acc, values.n, [w.accepted for w in check.windows],
+                                  [w.draft_tokens for w in check.windows], tolerance, level)
+
+
+def compare(cfg: DraftopsConfig, check: EngineCheck, champion_version: str,
+            champion_measurement: Measurement | None) -> EngineCheck:
+    """Test the windows against the offline figure of the version the engine should serve (the champion's
+    `champion_measurement` when that is the one) and, after a deploy, of the previous version."""
+    if check.error:
+        return check
+    name, m = cfg.tracking.registered_model, cfg.monitor
+    tolerance = m.deploy.mismatch_tolerance
+    own = _offline(name, check.version, champion_measurement if check.version == champion_version else None)
+    check.test = _against(own, check, tolerance, m.level)
+    if own is not None and own.engine_values is not None:
+        check.expected = own.engine_values.acceptance
+    if check.test is None:
+        why = ("fewer than 2 windows with draft tokens" if len(check.windows) < 2 else
+               f"version {check.version} has no offline figure as an engine counts it (no baseline, or one recorded "
+               "before draftops measured it)")
+        check.notes.append(f"engine not compared: {why}")
+        if check.post_deploy:
+            check.notes.append("the post-deploy check stays pending: the next check tries again")
+    if check.post_deploy and check.previous_version:
+        check.pre_drift = _against(_offline(name, check.previous_version), check, tolerance, m.level)
+    return check
+
+
+def with_engine(decision: Decision, engine: EngineCheck | None) -> Decision:
+    """The check's decision once the engine check is in: DEPLOY_MISMATCH when the post-deploy check found the engine
+    clearly below the deployed draft's offline figure (an ERROR stays an ERROR); the engine check's notes added."""
+    if engine is None:
+        return decision
+    notes = decision.notes + [f"engine check: {n}" for n in ([f"not read: {engine.error}"] if engine.error
+                                                              else engine.notes)]
+    if not engine.mismatch or decision.status is Status.ERROR:
+        return Decision(decision.status, decision.cause, decision.reasons, notes)
+    t = engine.test
+    reason = (f"post-deploy check: the engine's acceptance {t.current_acceptance:.3f} over {t.n_current_prompts} "
+              f"windows is clearly below version {engine.version}'s offline {t.baseline_acceptance:.3f} (drop "
+              f"{t.drop:.3f} > margin {t.margin:.3f}, p={t.p_value:.2g}): the engine does not run the deployed draft "
+              "(a wrong or stale file, a misaligned vocabulary, an engine not reloaded)")
+    return Decision(Status.DEPLOY_MISMATCH, None, [reason], [f"also: {r}" for r in decision.reasons] + notes)

@@ -1,0 +1,198 @@
+"""The monitor service: runs the check on a cron schedule that survives restarts.
+
+APScheduler 3 with a persistent SQLAlchemy (sqlite) job store holds one job, referenced by import
+path so it can be stored: `monitor.service.scheduler:run_scheduled_check(config_path)`. Restarting the service
+re-registers the job under the same id (`replace_existing=True`, so config changes apply) but keeps
+the stored next run time while the schedule is unchanged: a check missed while the service was
+down then runs once (`coalesce=True`) if it is less than `misfire_grace_time` late. A file lock
+keeps a scheduled check, a manual `draftops monitor check` and a retrain from ever overlapping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import traceback
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+from apscheduler.executors.pool import ThreadPoolExecutor
+from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
+from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.schedulers.base import STATE_STOPPED
+from apscheduler.triggers.cron import CronTrigger
+from apscheduler.util import ref_to_obj
+
+from monitor.check.decision import EXIT_ERROR
+from pipeline import locks
+from pipeline import metrics as M
+from pipeline.config import DraftopsConfig, load_config
+from pipeline.locks import ModelBusy, model_lock
+from pipeline.tracking import TrackingUnavailable, check_tracking, start_run, tracking_uri
+
+log = logging.getLogger("draftops.monitor")
+
+JOB_ID = "draftops-monitor-check"
+SCHEDULED_JOB = "monitor.service.scheduler:run_scheduled_check"
+DEFAULT_CHECK = "monitor.check.run:scheduled_check"  # callable(cfg) -> exit code, run under the lock
+EXIT_BUSY = locks.EXIT_BUSY  # another check or retrain holds the lock; try again later
+
+
+def state_dir(cfg: DraftopsConfig) -> Path:
+    path = Path(cfg.monitor.state_dir).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def jobstore_path(cfg: DraftopsConfig) -> Path:
+    return state_dir(cfg) / "jobs.sqlite"
+
+
+@contextlib.contextmanager
+def check_lock(cfg: DraftopsConfig, timeout: float | None = None) -> Iterator[None]:
+    """Hold the registered model's lock (`pipeline.locks.model_lock`, shared by every process that changes the
+    model, whatever its working directory) for a whole check, retraining and promotion included; wait up to `timeout`
+    (default cfg.monitor.lock_timeout), else raise `ModelBusy`."""
+    wait = cfg.monitor.lock_timeout if timeout is None else timeout
+    with model_lock(cfg.tracking.registered_model, tracking_uri(cfg), timeout=wait):
+        yield
+
+
+def log_failed_check(cfg: DraftopsConfig, error: BaseException) -> None:
+    """Record a crashed check as a FAILED run in the monitor experiment, when tracking is reachable."""
+
+    class _Failed(Exception):
+        pass
+
+    try:
+        import mlflow
+
+        with start_run(cfg, "monitor", run_name="check-failed",
+                       tags={M.MONITOR_DECISION_TAG: "ERROR", M.MONITOR_ERROR_TAG: type(error).__name__}):
+            mlflow.log_text("".join(traceback.format_exception(error)), "error.txt")
+            raise _Failed  # leaving the run with an exception marks it FAILED
+    except _Failed:
+        pass
+    except Exception:  # tracking down must not take the service down
+        log.warning("could not record the failed check in MLflow", exc_info=True)
+
+
+def run_scheduled_check(config_path: str | None, check: str = DEFAULT_CHECK) -> int:
+    """The scheduled job: load the config, take the lock, run `check` (import path of f(cfg) -> int).
+
+    Never raises: a busy lock returns EXIT_BUSY, any failure is logged (and tracked) and returns EXIT_ERROR,
+    so the scheduler, and the service with it, stays up.
+    """
+    cfg = None
+    try:
+        cfg = load_config(config_path)
+        check_tracking(cfg)
+        with check_lock(cfg):
+            log.info("monitor check starting (%s)", check)
+            code = int(ref_to_obj(check)(cfg))
+            log.info("monitor check finished with exit code %d", code)
+            return code
+    except ModelBusy as exc:
+        log.warning("monitor check skipped: %s", exc)
+        return EXIT_BUSY
+    except TrackingUnavailable as exc:  # nowhere to track the failure either
+        log.error("monitor check failed: %s", exc)
+        return EXIT_ERROR
+    except Exception as exc:
+        log.exception("monitor check failed")
+        if cfg is not None:
+            log_failed_check(cfg, exc)
+        return EXIT_ERROR
+
+
+class _Scheduler(BackgroundScheduler):
+    """BackgroundScheduler whose loop does no job pass after shutdown.
+
+    APScheduler 3.11's loop wakes once more after `shutdown()` and processes due jobs while stopped:
+    a due check then fails to reach the stopped executor and its next run time is advanced anyway, so
+    that run is lost. Skipping that pass leaves it due in the job store for the next start.
+    """
+
+    def _process_jobs(self):
+        if self.state == STATE_STOPPED:
+            return None
+        return super()._process_jobs()
+
+
+class MonitorService:
+    """A background scheduler with the check job in a persistent sqlite job store."""
+
+    def __init__(self, config_path: str | Path | None, *, check: str = DEFAULT_CHECK):
+        """config_path: the YAML config each check loads afresh; None: the default config (`load_config(None)`)."""
+        self.config_path = None if config_path is None else str(Path(config_path).resolve())
+        self.cfg = load_config(self.config_path)
+        self.check = check
+        self.scheduler = _Scheduler(
+            jobstores={"default": SQLAlchemyJobStore(url=f"sqlite:///{jobstore_path(self.cfg)}")},
+            executors={"default": ThreadPoolExecutor(1)},
+            timezone=self.cfg.monitor.timezone,
+        )
+
+    def trigger(self) -> CronTrigger:
+        return CronTrigger.from_crontab(self.cfg.monitor.schedule, timezone=self.cfg.monitor.timezone)
+
+    def start(self, *, run_now: bool = False) -> None:
+        self.scheduler.start(paused=True)  # job stores open, nothing runs until the job is reconciled
+        self._register_job()
+        if run_now:
+            self.run_now()
+        self.scheduler.resume()
+        log.info("monitor service started; next check at %s", self.next_run_time())
+
+    def _register_job(self) -> None:
+        trigger = self.trigger()
+        stored = self.scheduler.get_job(JOB_ID)
+        keep = {}
+        if (stored is not None and stored.next_run_time is not None
+                and (str(stored.trigger), str(stored.trigger.timezone)) == (str(trigger), str(trigger.timezone))):
+            keep["next_run_time"] = stored.next_run_time  # a check missed while down stays due
+        args = [self.config_path] if self.check == DEFAULT_CHECK else [self.config_path, self.check]
+        self.scheduler.add_job(
+            SCHEDULED_JOB, trigger=trigger, args=args, id=JOB_ID, name="draftops monitor check",
+            replace_existing=True, coalesce=True, max_instances=1,
+            misfire_grace_time=self.cfg.monitor.misfire_grace_time, **keep)
+
+    def run_now(self) -> None:
+        """Make the scheduled job due now; afterwards it follows its schedule again."""
+        self.scheduler.modify_job(JOB_ID, next_run_time=datetime.now(self.scheduler.timezone))
+        if self.scheduler.running:
+            self.scheduler.wakeup()
+
+    def next_run_time(self) -> datetime | None:
+        job = self.scheduler.get_job(JOB_ID)
+        return job.next_run_time if job is not None else None
+
+    def stop(self) -> None:
+        """Stop scheduling; a check already running is allowed to finish."""
+        if self.scheduler.running:
+            self.scheduler.shutdown(wait=True)
+
+
+def serve(config_path: str | Path | None, *, run_now: bool = False, check: str = DEFAULT_CHECK,
+          stop_event: threading.Event | None = None) -> int:
+    """Run the service until SIGTERM/SIGINT (or `stop_event`), then shut down cleanly; returns 0."""
+    stop = stop_event or threading.Event()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, lambda signum, frame: stop.set())
+    service = MonitorService(config_path, check=check)
+    try:
+        service.start(run_now=run_now)
+        while not stop.wait(0.5):
+            pass
+        log.info("monitor service stopping")
+    finally:
+        service.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    log.info("monitor service stopped")
+    return 0

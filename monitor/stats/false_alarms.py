@@ -1,0 +1,277 @@
+"""How often does the monitor's check alarm when nothing changed, and how often does it catch a drop?
+
+Each simulated check mirrors `monitor.check.run`: a baseline measured on N held-out prompts, the same
+prompts re-measured now (paired test) and N other recent prompts measured now (unpaired test),
+combined by `stats.acceptance_check` at the configured level. Prompts come either from real
+per-prompt (accepted, drafted) pairs, resampled with replacement, or from a beta-binomial model:
+prompt i has its own alpha_i ~ Beta (heterogeneity between prompts), and one measurement of it
+draws a continuation rate theta ~ Beta around alpha_i shared by all its drafted tokens
+(correlation within a prompt). A drop of d lowers every prompt's alpha by d.
+
+`simulate_window_checks` does the same for the window test of a serving engine's counters
+(monitor.engines.counters): windows resampled from recorded ones, or sums of beta-binomial requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+from scipy import stats as sps
+
+from monitor.stats.acceptance_tests import (
+    Method,
+    PromptAcceptance,
+    acceptance_check,
+    naive_token_ztest,
+    window_drop_test,
+)
+
+_EPS = 1e-4
+
+
+@dataclass(frozen=True)
+class BetaBinomialTraffic:
+    """Synthetic per-prompt acceptance; the defaults give a between-prompt SD of alpha of about 0.18."""
+
+    mean_alpha: float = 0.65
+    prompt_concentration: float = 6.0  # alpha_i ~ Beta(m k, (1 - m) k)
+    continuation_concentration: float = 30.0  # theta ~ Beta(alpha_i c, (1 - alpha_i) c) per measurement
+    min_drafted: int = 32
+    max_drafted: int = 128
+
+    def draw_prompts(self, rng: np.random.Generator, k: int) -> tuple[np.ndarray, np.ndarray]:
+        m, c = self.mean_alpha, self.prompt_concentration
+        alpha = rng.beta(m * c, (1 - m) * c, size=k)
+        drafted = rng.integers(self.min_drafted, self.max_drafted + 1, size=k)
+        return alpha, drafted
+
+
+def measure(rng: np.random.Generator, alpha: np.ndarray, drafted: np.ndarray, continuation_concentration: float,
+            drop: float = 0.0) -> PromptAcceptance:
+    """One measurement of each prompt: a shared continuation rate, then binomial acceptances."""
+    mean = np.clip(alpha - drop, _EPS, 1 - _EPS)
+    c = continuation_concentration
+    theta = rng.beta(mean * c, (1 - mean) * c)
+    drafted = np.asarray(drafted).astype(np.int64)
+    return PromptAcceptance.of(rng.binomial(drafted, theta), drafted)
+
+
+def thin(rng: np.random.Generator, values: PromptAcceptance, drop: float) -> PromptAcceptance:
+    """Lower each prompt's acceptance by `drop` in expectation by binomially thinning its accepted tokens."""
+    if drop == 0.0:
+        return values
+    rate = values.acc / np.maximum(values.n, 1)
+    keep = np.clip(1 - drop / np.maximum(rate, _EPS), 0.0, 1.0)
+    return PromptAcceptance.of(rng.binomial(np.rint(values.acc).astype(np.int64), keep), values.n)
+
+
+@dataclass
+class SimulationResult:
+    n_prompts: int
+    n_checks: int
+    level: float
+    margin: float
+    method: str
+    source: str  # "pairs" (resampled real prompts) or "beta-binomial"
+    false_alarm_rate: float
+    false_alarm_ci: tuple[float, float]
+    paired_false_alarm_rate: float
+    unpaired_false_alarm_rate: float
+    naive_false_alarm_rate: float  # naive token z-test, baseline vs recent prompts, at `level`
+    power: dict[float, float] = field(default_factory=dict)  # drop -> alarm rate
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["power"] = {str(k): v for k, v in self.power.items()}
+        return out
+
+    def summary(self) -> str:
+        lo, hi = self.false_alarm_ci
+        lines = [
+            f"{self.n_checks} simulated checks, N={self.n_prompts} prompts, level={self.level}, margin={self.margin}, "
+            f"method={self.method}, prompts from {self.source}",
+            f"false alarms when nothing changed: {self.false_alarm_rate:.3f} (95% CI {lo:.3f}-{hi:.3f}; "
+            f"paired {self.paired_false_alarm_rate:.3f}, unpaired {self.unpaired_false_alarm_rate:.3f})",
+            f"naive token z-test (anti-example) false alarms: {self.naive_false_alarm_rate:.3f}",
+        ]
+        lines += [f"power against a {100 * d:g}-point drop: {p:.3f}" for d, p in self.power.items()]
+        return "\n".join(lines)
+
+
+class _Prompts:
+    """Draws baseline / re-measured / recent per-prompt values for one simulated check.
+
+    From real pairs: baseline and recent prompts are resampled observations (recent ones thinned by
+    the drop); a re-measurement of a baseline prompt draws a fresh continuation rate around its
+    observed rate, since one observation per prompt cannot show its own re-measurement noise.
+    """
+
+    def __init__(self, pairs: Sequence[tuple[float, float]] | None, model: BetaBinomialTraffic):
+        self.model = model
+        self.pool = None
+        if pairs is not None:
+            arr = np.asarray(pairs, dtype=np.float64)
+            if arr.ndim != 2 or arr.shape[1] != 2 or len(arr) < 2:
+                raise ValueError("pairs must be a list of at least 2 (accepted, drafted) pairs")
+            arr = arr[arr[:, 1] > 0]
+            self.pool = PromptAcceptance.of(arr[:, 0], arr[:, 1])
+
+    def draw(self, rng: np.random.Generator, k: int, drop: float):
+        c = self.model.continuation_concentration
+        if self.pool is None:
+            alpha, drafted = self.model.draw_prompts(rng, k)
+            baseline = measure(rng, alpha, drafted, c)
+            recent_alpha, recent_drafted = self.model.draw_prompts(rng, k)
+            recent = measure(rng, recent_alpha, recent_drafted, c, drop)
+        else:
+            idx = rng.integers(0, len(self.pool), size=k)
+            baseline = PromptAcceptance.of(self.pool.acc[idx], self.pool.n[idx])
+            alpha, drafted = baseline.acc / baseline.n, baseline.n
+            recent_idx = rng.integers(0, len(self.pool), size=k)
+            recent = thin(rng, PromptAcceptance.of(self.pool.acc[recent_idx], self.pool.n[recent_idx]), drop)
+        remeasured = measure(rng, alpha, drafted, c, drop)
+        return baseline, remeasured, recent
+
+
+def simulate_checks(
+    n_prompts: int,
+    level: float,
+    margin: float,
+    drops: Sequence[float] = (0.02, 0.05, 0.10),
+    n_checks: int = 200,
+    pairs: Sequence[tuple[float, float]] | None = None,
+    model: BetaBinomialTraffic = BetaBinomialTraffic(),
+    method: Method = "bootstrap",
+    n_bootstrap: int = 1000,
+    seed: int = 0,
+) -> SimulationResult:
+    """False-alarm rate (no change) and power (each drop) of the monitor's acceptance check."""
+    if n_checks < 1:
+        raise ValueError("n_checks must be >= 1")
+    rng = np.random.default_rng(seed)
+    prompts = _Prompts(pairs, model)
+
+    def one_check(drop: float, i: int):
+        baseline, remeasured, recent = prompts.draw(rng, n_prompts, drop)
+        check = acceptance_check((baseline, remeasured), (baseline, recent), margin, level, method, seed + i,
+                                 n_bootstrap)
+        return check, baseline, recent
+
+    null_alarms = paired_alarms = unpaired_alarms = naive_alarms = 0
+    for i in range(n_checks):
+        check, baseline, recent = one_check(0.0, i)
+        null_alarms += check.alarm
+        paired_alarms += check.paired.alarm
+        unpaired_alarms += check.unpaired.alarm
+        naive_alarms += naive_token_ztest(baseline.acc, baseline.n, recent.acc, recent.n, margin, level).alarm
+    power = {float(d): sum(one_check(d, i)[0].alarm for i in range(n_checks)) / n_checks for d in drops}
+    ci = sps.binomtest(null_alarms, n_checks).proportion_ci(0.95, method="wilson")
+    return SimulationResult(
+        n_prompts=n_prompts, n_checks=n_checks, level=level, margin=margin, method=method,
+        source="pairs" if pairs is not None else "beta-binomial",
+        false_alarm_rate=null_alarms / n_checks, false_alarm_ci=(float(ci.low), float(ci.high)),
+        paired_false_alarm_rate=paired_alarms / n_checks, unpaired_false_alarm_rate=unpaired_alarms / n_checks,
+        naive_false_alarm_rate=naive_alarms / n_checks, power=power)
+
+
+def power_figure(result: SimulationResult):
+    """Alarm rate against the size of the drop (0 = false alarms), with the nominal level marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drops = [0.0, *result.power]
+    rates = [result.false_alarm_rate, *result.power.values()]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot([100 * d for d in drops], rates, "o-", label="prompt-level check")
+    ax.axhline(result.level, color="grey", linestyle="--", label=f"level {result.level}")
+    ax.axvline(100 * result.margin, color="grey", linestyle=":", label=f"margin {100 * result.margin:g} pt")
+    ax.scatter([0], [result.naive_false_alarm_rate], color="red", marker="x", label="naive token z-test (no change)")
+    ax.set_xlabel("true drop in acceptance (points)")
+    ax.set_ylabel("alarm rate per check")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(f"N={result.n_prompts} prompts, {result.n_checks} checks per point")
+    ax.legend(fontsize=7, loc="center right")
+    fig.tight_layout()
+    return fig
+
+
+@dataclass
+class WindowSimulationResult:
+    n_baseline_windows: int
+    n_recent_windows: int
+    n_checks: int
+    level: float
+    margin: float
+    source: str  # "windows" (resampled recorded windows) or "beta-binomial" (synthetic windows)
+    false_alarm_rate: float
+    false_alarm_ci: tuple[float, float]
+    power: dict[float, float] = field(default_factory=dict)  # drop -> alarm rate
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["power"] = {str(k): v for k, v in self.power.items()}
+        return out
+
+    def summary(self) -> str:
+        lo, hi = self.false_alarm_ci
+        lines = [f"{self.n_checks} simulated window tests, {self.n_recent_windows} recent vs {self.n_baseline_windows} "
+                 f"baseline windows, level={self.level}, margin={self.margin}, windows from {self.source}",
+                 f"false alarms when nothing changed: {self.false_alarm_rate:.3f} (95% CI {lo:.3f}-{hi:.3f})"]
+        lines += [f"power against a {100 * d:g}-point drop: {p:.3f}" for d, p in self.power.items()]
+        return "\n".join(lines)
+
+
+def synthetic_windows(rng: np.random.Generator, k: int, model: BetaBinomialTraffic = BetaBinomialTraffic(),
+                      requests_per_window: int = 100) -> PromptAcceptance:
+    """k serving windows, each the sum of `requests_per_window` requests drawn and measured as by `model`."""
+    alpha, drafted = model.draw_prompts(rng, k * requests_per_window)
+    requests = measure(rng, alpha, drafted, model.continuation_concentration)
+    return PromptAcceptance.of(requests.acc.reshape(k, -1).sum(axis=1), requests.n.reshape(k, -1).sum(axis=1))
+
+
+def simulate_window_checks(
+    n_baseline: int,
+    n_recent: int,
+    level: float,
+    margin: float,
+    drops: Sequence[float] = (0.02, 0.05, 0.10),
+    n_checks: int = 200,
+    windows: Sequence[tuple[float, float]] | None = None,
+    model: BetaBinomialTraffic = BetaBinomialTraffic(),
+    requests_per_window: int = 100,
+    pool_size: int = 500,
+    seed: int = 0,
+) -> WindowSimulationResult:
+    """False-alarm rate (no change) and power (each drop) of `stats.window_drop_test` as the check runs it.
+
+    Each simulated check resamples its baseline and recent windows with replacement from a pool: the given
+    (accepted, draft tokens) windows, else `pool_size` synthetic ones (`synthetic_windows`); a drop thins the
+    recent windows' accepted tokens (`thin`).
+    """
+    if n_checks < 1:
+        raise ValueError("n_checks must be >= 1")
+    rng = np.random.default_rng(seed)
+    if windows is not None:
+        arr = np.asarray(windows, dtype=np.float64)
+        if arr.ndim != 2 or arr.shape[1] != 2 or len(arr[arr[:, 1] > 0]) < 2:
+            raise ValueError("windows must be at least 2 (accepted, draft tokens) pairs with draft tokens")
+        arr = arr[arr[:, 1] > 0]
+        pool = PromptAcceptance.of(arr[:, 0], arr[:, 1])
+    else:
+        pool = synthetic_windows(rng, pool_size, model, requests_per_window)
+
+    def alarm(drop: float, i: int) -> bool:
+        base, recent = rng.integers(0, len(pool), size=n_baseline), rng.integers(0, len(pool), size=n_recent)
+        now = thin(rng, PromptAcceptance.of(pool.acc[recent], pool.n[recent]), drop)
+        return window_drop_test(pool.acc[base], pool.n[base], now.acc, now.n, margin, level, seed=seed + i).alarm
+
+    null_alarms = sum(alarm(0.0, i) for i in range(n_checks))
+    power = {float(d): sum(alarm(d, i) for i in range(n_checks)) / n_checks for d in drops}
+    ci = sps.binomtest(null_alarms, n_checks).proportion_ci(0.95, method="wilson")
+    return WindowSimulationResult(n_baseline, n_recent, n_checks, level, margin,
+                                  "windows" if windows is not None else "beta-binomial", null_alarms / n_checks,
+                                  (float(ci.low), float(ci.high)), power)
