@@ -113,7 +113,7 @@ def bucket_log_probs(
         log_q = F.log_softmax(student_logits.float(), dim=-1)
         # Entries outside the student's vocabulary (index -1) have zero mass on both sides, so the teacher's share of
         # them lands in its tail. Both tails are 1 - the top-k's mass (floored): the student's, so computed, is its
-        # exact mass elsewhere without a pass over its whole vocabulary (4x faster forward and backward at 8,192).
+        # exact mass elsewhere without a pass over its whole vocabulary or a scattered copy of its log-probs.
         outside = teacher.indices < 0
         log_p_top = teacher.logprobs.float().masked_fill(outside, float("-inf"))
         log_q_top = log_q.gather(-1, teacher.indices.long().clamp(min=0)).masked_fill(outside, float("-inf"))

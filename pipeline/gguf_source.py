@@ -34,8 +34,8 @@ def check_gguf_magic(path: Path) -> None:
 
 @contextmanager
 def _parsed_once() -> Iterator[None]:
-    """transformers parses the whole GGUF anew for its config, its tokenizer and its weights (~4 s each for a
-    49,152-token vocabulary) and builds gguf's tensor-name map once per module of the model (~400 x 13 ms): for the
+    """transformers parses the whole GGUF anew for its config, its tokenizer and its weights, and builds gguf's
+    tensor-name map once per module of the model, a large share of a first load's time (docs/results.md): for the
     duration each file is parsed once and each map built once (read-only objects, shared)."""
     import gguf
 

@@ -2,7 +2,7 @@
 its token ids.
 
 A conversation is cut to `prompt_char_bound(max_prompt_tokens)` characters (its end kept) before the tokenizer sees
-it: a fast tokenizer holds offsets, masks and words for every token, gigabytes for a request of 50 MB, while the
+it: a fast tokenizer holds offsets, masks and words for every token, many times the request's own size, while the
 prompt keeps only its last `max_prompt_tokens` tokens anyway.
 """
 from __future__ import annotations

@@ -39,7 +39,7 @@ def predicted_seconds(k: dict, new_tokens: int, rounds: dict[int, float]) -> tup
 
     rounds: rounds per request by the number of tokens drafted in them. A round that drafts d tokens verifies d+1:
     a prompt-lookup round that finds no match is a plain one-token step, one with a short match a short verify.
-    (The first `make sweep` charged every round a full (γ+1)-token verify and under-predicted lookup by 24-41%.)
+    Charging every round a full (γ+1)-token verify under-predicts prompt lookup (docs/results.md).
     """
     target_only = k["target_prefill_s"] + (new_tokens - 1) * k["target_step_s"]
     speculative = k["target_prefill_s"] + k["draft_prefill_s"] + sum(

@@ -2,15 +2,15 @@
 
 Each step of `decode.runtime.batch_generation` records the top-k log-probs of 64 rows' next-token distributions and
 draws their tokens. Over a 49,152-id vocabulary the straightforward way (log_softmax, then topk; softmax / T, a copy in
-fp64, its running sum, searchsorted) cost 15-26 ms a step on a 2-core Zen 4, about a tenth of the step. Here:
+fp64, its running sum, searchsorted) makes several full passes and [B, V] copies, a noticeable share of a generation
+step on a small CPU (docs/results.md#the-cpu-runtime). Here:
 
 - `topk_log_probs`: topk of the raw logits (log_softmax is monotone) minus their logsumexp: no [B, V] log-probs.
 - `inverse_cdf_sample`: exp((x - max) / T) in place, its sums per block of 256 ids (their running sum in fp64), the
   block the draw lands in, then a running sum over that block alone: the same inverse CDF without a [B, V] fp64 copy
   or a sequential running sum over the vocabulary.
 
-Both together ~7 ms for the same 64 rows (40 train prompts x 8 rounds of generation 6% faster), the same draws up to
-fp rounding.
+Both give the same log-probs and draws up to fp rounding.
 """
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ engine's counters with.
 
 Both run on torch's own linear kernels (`decode.runtime.kernels.torch_kernels`), whatever `cpu_linear` says: oneDNN's
 packed weights sit beside the originals, once for the batched generator's stacked projections and once for the
-teacher-forced pass's own: a check's peak was 2.2 GiB for SmolLM2-135M instead of 1.7 (docs/reliability.md).
-A check is bounded by memory, not by these few passes' speed.
+teacher-forced pass's own, which would hold the target's weights three times over (docs/reliability.md). A check
+is bounded by memory, not by these few passes' speed.
 """
 
 from __future__ import annotations

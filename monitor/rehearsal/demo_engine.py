@@ -141,8 +141,8 @@ class Replayer:
 def write_target_gguf(checkpoint: Path, vocabulary: Path, out: Path, dtype: str = "f16") -> Path:
     """An updated target's Hugging Face checkpoint as the GGUF llama-server serves (its vocabulary from the original
     target's GGUF, whose tokenizer it kept), written beside `out` and renamed into place. f16 by default: the engine
-    then computes the target the checkpoint is, as the f16 draft beside it (a Q8_0 target cost a copy of itself as
-    draft ~20% of its engine acceptance in a trial, near-tied tokens flipping)."""
+    then computes the target the checkpoint is, as the f16 draft beside it (a Q8_0 target costs a copy of itself as
+    draft part of its engine acceptance, near-tied tokens flipping: docs/deploy.md)."""
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     scratch = temporary_sibling(out)
     scratch.mkdir()

@@ -7,10 +7,10 @@
    distilled warm from the champion (distill.init=checkpoint), gated and promoted;
 5. monitor check again: OK.
 
-Estimated on an idle 2-core CPU with configs/drift_demo.yaml (from FLOP counts and probes under load, not a full
-run): 1. ~12 min (291 target responses, 72 steps), 2. ~4 min (99 held-out responses + one acceptance pass),
-3. ~3 min (30 LoRA steps; responses from the cache), 4. ~20 min (new responses + pass, re-distillation, gate: two
-passes), 5. ~2 min (one pass). Each phase's time is printed.
+The work per phase with configs/drift_demo.yaml: 1. 291 target responses and 72 training steps; 2. 99 held-out
+responses and one acceptance pass; 3. 30 LoRA steps (responses from the cache); 4. new responses and a pass, the
+re-distillation, the gate's two passes; 5. one pass. Each phase's time is printed; a whole run's is in
+docs/results.md.
 
 Everything goes under `--out` (configs, distill jobs, the updated target, monitor state) and into the configured
 MLflow store. The demo owns its registered model (not the production one) and its folders, and starts them afresh:
