@@ -169,7 +169,7 @@ import monitor.check.run
 def crash(cfg):
     raise RuntimeError("boom: a bug the check did not expect")
 
-monitor.check.run_check = crash
+monitor.check.run.run_check = crash
 from pipeline.cli import main
 sys.exit(main(["monitor", "check", "--config", sys.argv[1]]))
 """
