@@ -41,7 +41,7 @@ from pipeline.metrics import size_alias
 from pipeline.registry import set_alias, version_uri
 from pipeline.sources import HF_ASSISTANT_DIR, SourceError, eos_token_ids
 from pipeline.tracking import TrackingUnavailable, check_tracking, tracking_uri
-from pipeline.traffic import encode_prompts, load_traffic
+from pipeline.traffic import encode_prompts, load_traffic, reading_options
 
 
 @dataclass
@@ -101,8 +101,7 @@ def distributed_as(accelerator: Accelerator) -> str:
 def prepare_data(cfg: DraftopsConfig, state: PartialState, target, timings: Timings) -> TrainingData:
     """Target responses on the train split (+ held-out ones for evaluation), cached; the draft vocabulary from them."""
     d = cfg.distill
-    traffic = load_traffic(cfg.traffic.path, skip_malformed=cfg.traffic.skip_malformed,
-                           since=cfg.traffic.since, until=cfg.traffic.until)
+    traffic = load_traffic(cfg.traffic.path, **reading_options(cfg.traffic))
     train_requests = traffic.split("train", cfg.traffic.heldout_fraction)
     if d.train_prompts:
         train_requests = train_requests[:d.train_prompts]

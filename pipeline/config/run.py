@@ -9,11 +9,16 @@ from pipeline.config.base import Section
 from pipeline.config.decode import DecodeConfig
 from pipeline.config.distill import DistillConfig
 from pipeline.config.monitor import MonitorConfig, TargetUpdateConfig
+from pipeline.traffic_records import COLUMN_NAMES
 
 
 class TrafficConfig(Section):
     path: str = Field("default", description=(
-        "Traffic JSONL file, or a glob of rotated logs (.gz too); 'default' is the traffic shipped with draftops."))
+        "Traffic: a JSONL log, a ShareGPT JSON file, a saved `datasets` folder, parquet or arrow files, or a glob of "
+        "them (.gz too); 'default' is the traffic shipped with draftops. docs/data.md."))
+    columns: dict[str, str] = Field({}, description=(
+        "A data set's own column names for draftops' fields: messages, id, category, time "
+        "(e.g. {messages: conversation, id: uuid}); unnamed ones are read under draftops' names."))
     heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Share of request ids held out (by hash).")
     max_prompt_tokens: int = Field(512, ge=8, description=(
         "Prompts longer than this keep their last tokens; a conversation is cut to 32 characters per token of this "
@@ -25,6 +30,14 @@ class TrafficConfig(Section):
     since: str | float | None = Field(None, description=(
         "Keep requests logged at or after this time (ISO-8601, or epoch seconds/milliseconds); null: no bound."))
     until: str | float | None = Field(None, description="Keep requests logged before this time; null: no bound.")
+
+    @field_validator("columns")
+    @classmethod
+    def _known_columns(cls, columns: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(columns) - set(COLUMN_NAMES))
+        if unknown:
+            raise ValueError(f"traffic.columns names {unknown}: draftops' fields are {list(COLUMN_NAMES)}")
+        return columns
 
 
 class TrackingConfig(Section):
