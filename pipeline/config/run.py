@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from pipeline.config.base import Section
 from pipeline.config.decode import DecodeConfig
@@ -30,6 +30,10 @@ class TrafficConfig(Section):
     since: str | float | None = Field(None, description=(
         "Keep requests logged at or after this time (ISO-8601, or epoch seconds/milliseconds); null: no bound."))
     until: str | float | None = Field(None, description="Keep requests logged before this time; null: no bound.")
+    turns: Literal["last", "all"] = Field("last", description=(
+        "last: each request is its last turn (the next assistant reply); all: every assistant turn of a conversation "
+        "is a training target, generated turn by turn against the target's own earlier replies (or the logged ones "
+        "with distill.responses.source=recorded), and held-out α is reported per turn position. docs/data.md."))
 
     @field_validator("columns")
     @classmethod
@@ -85,6 +89,13 @@ class DraftopsConfig(Section):
     distill: DistillConfig = DistillConfig()
     monitor: MonitorConfig = MonitorConfig()
     target_update: TargetUpdateConfig = TargetUpdateConfig()
+
+    @model_validator(mode="after")
+    def _turns_for_layer_drafts(self) -> DraftopsConfig:
+        if self.traffic.turns == "all" and self.distill.family == "features":
+            raise ValueError("traffic.turns=all trains layer drafts (distill.family=layers): a feature draft's "
+                             "target features are cached for one response set per prompt")
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
