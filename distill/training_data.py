@@ -19,7 +19,7 @@ from distill.responses import cached_responses, generation_model
 from distill.turn_data import TurnResponses, turn_responses
 from pipeline.config import DraftopsConfig
 from pipeline.sources import eos_token_ids
-from pipeline.traffic import encode_prompts, load_traffic, reading_options
+from pipeline.traffic import encode_configured, load_traffic, reading_options
 
 
 def prepare_data(cfg: DraftopsConfig, state: PartialState, target, timings: Timings) -> TrainingData:
@@ -39,7 +39,7 @@ def prepare_data(cfg: DraftopsConfig, state: PartialState, target, timings: Timi
     turns = cfg.traffic.turns
 
     def encode(requests: list) -> list[list[int]]:
-        return encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)[0]
+        return encode_configured(requests, target.tokenizer, cfg.traffic)[0]
 
     def reply_text(ids: list[int]) -> str:
         return target.tokenizer.decode(ids, skip_special_tokens=True).strip()

@@ -22,7 +22,7 @@ from pipeline import metrics
 from pipeline.config import DraftopsConfig, TargetUpdateConfig
 from pipeline.sources import eos_token_ids, fingerprint_dir, save_checkpoint
 from pipeline.tracking import start_run
-from pipeline.traffic import encode_prompts, load_traffic, reading_options
+from pipeline.traffic import encode_configured, load_traffic, reading_options
 
 MARKER_FILE = "target_update.json"
 
@@ -152,7 +152,7 @@ def run_finetune(cfg: DraftopsConfig) -> FinetuneResult:
     requests = prompt_requests(cfg)
     if not requests:
         raise ValueError(f"target finetune: no prompts in {u.prompts}")
-    prompts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
+    prompts, _ = encode_configured(requests, target.tokenizer, cfg.traffic)
     timings["load"] = time.perf_counter() - clock
 
     clock = time.perf_counter()

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Literal
 
 from pipeline.prompts import TruncationWarning as TruncationWarning  # re-exported: callers import them from here
-from pipeline.prompts import cut_messages, prompt_char_bound
+from pipeline.prompts import cut_messages, prompt_char_bound, prompt_style
 from pipeline.prompts import encode_prompt as encode_prompt
 from pipeline.prompts import encode_prompts as encode_prompts
 from pipeline.serving_logs import parse_instant
@@ -216,6 +216,11 @@ def load_configured_traffic(traffic_cfg, path: str | Path | None = None) -> Traf
     """`load_traffic` with the `traffic:` section's settings, prompts kept to what `max_prompt_tokens` can use."""
     return load_traffic(traffic_cfg.path if path is None else path, **reading_options(traffic_cfg),
                         max_prompt_chars=prompt_char_bound(traffic_cfg.max_prompt_tokens))
+
+
+def encode_configured(requests: list[Request], tokenizer, traffic_cfg) -> tuple[list[list[int]], int]:
+    """`encode_prompts` as the `traffic:` section says: its token budget, reasoning and chat template."""
+    return encode_prompts(requests, tokenizer, traffic_cfg.max_prompt_tokens, prompt_style(traffic_cfg))
 
 
 def _window_bound(name: str, value: Instant | None) -> datetime | None:

@@ -30,6 +30,13 @@ class TrafficConfig(Section):
     since: str | float | None = Field(None, description=(
         "Keep requests logged at or after this time (ISO-8601, or epoch seconds/milliseconds); null: no bound."))
     until: str | float | None = Field(None, description="Keep requests logged before this time; null: no bound.")
+    reasoning: Literal["template", "keep", "strip"] = Field("template", description=(
+        "Think blocks and `reasoning_content`: template: as logged, the template's own default for thinking; keep: "
+        "earlier replies keep their reasoning and enable_thinking is on; strip: reasoning dropped and "
+        "enable_thinking off (a template that does not read it ignores it). docs/data.md."))
+    chat_template: str | None = Field(None, description=(
+        "A Jinja chat template file, the one the serving engine renders with (vLLM's and SGLang's --chat-template); "
+        "null: the target tokenizer's. Used by distill, held-out measurement and the monitor."))
     turns: Literal["last", "all"] = Field("last", description=(
         "last: each request is its last turn (the next assistant reply); all: every assistant turn of a conversation "
         "is a training target, generated turn by turn against the target's own earlier replies (or the logged ones "
