@@ -14,7 +14,8 @@ from tests.conftest import make_tokenizer
 # prints its tools, then the conversation
 TOOLS_TEMPLATE = (
     "{% if tools %}TOOLS {% for t in tools %}{{ t.function.name }} {% endfor %}| {% endif %}"
-    "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}")
 # Qwen3's handling of thinking, cut to it: reasoning_content rendered as a think block, and an empty think block
 # after the generation prompt when enable_thinking is false
 QWEN3_STYLE = (
