@@ -28,6 +28,7 @@ from distill.heldout_eval import exact_eval, feature_eval
 from distill.init import init_draft
 from distill.loop import NonFiniteLoss, Timings, TrainingData, train_loop
 from distill.precision import fp32_attention, mixed_precision_choice
+from distill.recorded import RecordedMismatch
 from distill.step import ResponseLogits, draft_module
 from distill.training_data import prepare_data
 from pipeline.config import DraftopsConfig, load_config
@@ -312,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLoss as exc:
         print(f"draftops distill: error: {exc}", file=sys.stderr)
         return 3
-    except (TrackingUnavailable, NothingToRegister, UnsafeCheckpoint, SourceError) as exc:
+    except (TrackingUnavailable, NothingToRegister, UnsafeCheckpoint, SourceError, RecordedMismatch) as exc:
         print(f"draftops distill: error: {exc}", file=sys.stderr)
         return 2
     except ModelBusy as exc:  # registration waited tracking.lock_timeout for a check; the draft is kept

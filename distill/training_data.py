@@ -15,9 +15,11 @@ from decode.models.layer_draft import frequent_token_ids
 from distill.data_generation.generate import engine_cached_responses
 from distill.features import cached_features
 from distill.loop import Timings, TrainingData
+from distill.recorded import check_served_by, recorded_responses
 from distill.responses import cached_responses, generation_model
 from distill.turn_data import TurnResponses, turn_responses
 from pipeline.config import DraftopsConfig
+from pipeline.prompts import prompt_style
 from pipeline.sources import eos_token_ids
 from pipeline.traffic import encode_configured, load_traffic, reading_options
 
@@ -46,7 +48,9 @@ def prepare_data(cfg: DraftopsConfig, state: PartialState, target, timings: Timi
 
     with timings.measure("generation_with_teacher_topk"), state.main_process_first():
         layers = default_feature_layers(target.model.config.num_hidden_layers) if d.family == FEATURES else ()
-        if d.responses.engine == "openai":
+        if d.responses.source == "recorded":
+            made, teacher = recorded_train_responses(cfg, target, train_requests, encode, reply_text)
+        elif d.responses.engine == "openai":
             tags = []
 
             def respond(requests, prompts):
@@ -86,6 +90,19 @@ def prepare_data(cfg: DraftopsConfig, state: PartialState, target, timings: Timi
             .encode()).hexdigest()[:16]
     return TrainingData(train, heldout, token_ids, fingerprint, teacher, train_turns=made.turns,
                         by_turn=turns == "all")
+
+
+def recorded_train_responses(cfg: DraftopsConfig, target, requests: list, encode, reply_text) -> tuple:
+    """The logged replies to the train split's turns with the target's top-k (`distill.recorded`), where the log was
+    served by the target: (TurnResponses, lineage tag)."""
+    check_served_by(cfg.traffic.served_by, cfg.target, target.fingerprint)
+    style, stop = prompt_style(cfg.traffic), eos_token_ids(target.model, target.tokenizer)
+    d = cfg.distill
+    made = turn_responses(requests, cfg.traffic.turns, encode, lambda turns, prompts: recorded_responses(
+        target.model, target.tokenizer, target.fingerprint, turns, prompts, style=style, stop_ids=stop,
+        max_new_tokens=d.max_new_tokens, topk=d.topk, batch_size=d.generation_batch_size), reply_text, recorded=True)
+    dtype = str(next(target.model.parameters()).dtype).removeprefix("torch.")
+    return made, f"recorded replies of {cfg.traffic.served_by}, builtin {dtype} teacher-forced top-k"
 
 
 def turns_note(made: TurnResponses) -> str:

@@ -36,6 +36,10 @@ def turn_responses(requests: list[Request], turns: str, encode: Callable[[list[R
     `reply_text` turns a response's ids into the text a later turn's prompt holds; `recorded`: the later turns hold
     the logged replies, and turns without one are left out."""
     if turns == "last":
+        if recorded:  # a request without a logged reply has nothing to train on
+            requests = [r for r in requests if r.reply is not None]
+            if not requests:
+                raise ValueError("no request logs its reply: recorded replies need a log with them")
         responses, path, hit = respond(requests, encode(requests))
         return TurnResponses(responses, [path], hit, len(requests), [1] * len(responses))
     parts = {r.id: segments(r) for r in requests}

@@ -37,6 +37,9 @@ class TrafficConfig(Section):
     chat_template: str | None = Field(None, description=(
         "A Jinja chat template file, the one the serving engine renders with (vLLM's and SGLang's --chat-template); "
         "null: the target tokenizer's. Used by distill, held-out measurement and the monitor."))
+    served_by: str | None = Field(None, description=(
+        "The model the log's replies were served by (its source or fingerprint), for distill.responses.source="
+        "recorded: any model but the target is refused."))
     turns: Literal["last", "all"] = Field("last", description=(
         "last: each request is its last turn (the next assistant reply); all: every assistant turn of a conversation "
         "is a training target, generated turn by turn against the target's own earlier replies (or the logged ones "
