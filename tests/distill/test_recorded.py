@@ -81,3 +81,16 @@ def test_a_reply_is_its_templated_turn_and_its_top_k_is_the_targets(isolated_hom
     single = teacher_forced_topk(target.model, [p + r for p, r in zip(prompts, replies)], [4, 3], 4)
     for (values, indices), (v, i) in zip(batched, single):
         assert indices.tolist() == i.tolist() and values.float().sub(v.float()).abs().max() < 1e-2
+
+
+def test_the_fixture_scripts_write_multi_turn_and_recorded_traffic(isolated_home):
+    from distill.traffic_fixtures import main
+
+    assert main(["multi-turn", "--out", str(isolated_home / "multi.jsonl"), "--turns", "3"]) == 0
+    multi = load_traffic(isolated_home / "multi.jsonl").requests
+    assert multi and all(len(r.later) == 2 for r in multi)
+    cfg = tiny_config(isolated_home)
+    assert main(["recorded", "--out", str(isolated_home / "rec.jsonl"), f"target={cfg.target}", "device=cpu",
+                 f"traffic.path={cfg.traffic.path}", "distill.max_new_tokens=6"]) == 0
+    recorded = load_traffic(isolated_home / "rec.jsonl").requests
+    assert len(recorded) == 48 and all(r.reply is not None for r in recorded)
