@@ -52,10 +52,9 @@ def decode_settings(cfg, args):
 
 
 def selected_requests(cfg, args):
-    from pipeline.traffic import first_per_category, load_traffic
+    from pipeline.traffic import first_per_category, load_traffic, reading_options
 
-    traffic = load_traffic(pick(args.traffic, cfg.traffic.path), skip_malformed=cfg.traffic.skip_malformed,
-                           since=cfg.traffic.since, until=cfg.traffic.until)
+    traffic = load_traffic(pick(args.traffic, cfg.traffic.path), **reading_options(cfg.traffic))
     requests = traffic.split(args.split, cfg.traffic.heldout_fraction)
     if getattr(args, "per_category", None):
         requests = first_per_category(requests, args.per_category)

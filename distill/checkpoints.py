@@ -26,6 +26,13 @@ STATE_FILE = "trainer_state.json"
 SELECTION_KEYS = ("gamma", "temperature")  # the decode settings training reads: the best checkpoint is the best τ there
 
 
+# settings that reach the job key only when set away from their defaults, so that jobs made before they existed (all
+# of them at these defaults) are found again; what they change reaches the data fingerprint too
+UNSET_WHEN_DEFAULT = {("traffic", "columns"): {}, ("traffic", "reasoning"): "template",
+                      ("traffic", "chat_template"): None, ("traffic", "served_by"): None, ("traffic", "turns"): "last",
+                      ("distill", "responses", "source"): "generate"}
+
+
 def job_key(cfg: DraftopsConfig, data_fingerprint: str) -> str:
     """Identifies a job for resuming: everything that changes the weights or which checkpoint is kept, nothing that
     only changes bookkeeping or later decoding (so a decode key added to the schema leaves finished jobs found)."""
@@ -35,6 +42,12 @@ def job_key(cfg: DraftopsConfig, data_fingerprint: str) -> str:
     settings["decode"] = {key: settings["decode"][key] for key in SELECTION_KEYS}
     for key in ("resume", "register_model", "checkpoint_every", "keep_checkpoints", "output_dir"):
         settings["distill"].pop(key, None)
+    for (section, *path), default in UNSET_WHEN_DEFAULT.items():  # keys of the data's shape: only when set
+        parent = settings[section]
+        for key in path[:-1]:
+            parent = parent[key]
+        if parent.get(path[-1]) == default:
+            parent.pop(path[-1])
     return hashlib.sha256(json.dumps([settings, data_fingerprint], sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -27,11 +27,11 @@ def suffix_index_command(args) -> int:
     from decode.serving.loading import load_model
     from distill.responses import target_suffix_index
     from pipeline.config import load_config
-    from pipeline.traffic import load_traffic
+    from pipeline.traffic import load_traffic, reading_options
 
     try:
         cfg = load_config(args.config, args.overrides)
-        traffic = load_traffic(args.traffic or cfg.traffic.path, skip_malformed=cfg.traffic.skip_malformed)
+        traffic = load_traffic(args.traffic or cfg.traffic.path, **reading_options(cfg.traffic))
         requests = traffic.split(args.split, cfg.traffic.heldout_fraction)[:args.limit]
         if not requests:
             raise ValueError(f"{traffic.path}: no requests in the {args.split} split")

@@ -16,6 +16,7 @@ from decode.sampling import to_student_columns
 from distill.batches import collate
 from distill.responses import ResponseSet
 from distill.step import features_and_teacher
+from pipeline.turns import request_of, turn_position
 
 
 @torch.no_grad()
@@ -62,24 +63,40 @@ def summarize_acceptance(greedy: list[list[float]], sampled: list[list[float]], 
 
 
 def exact_eval(target, draft, responses: ResponseSet, token_ids: torch.Tensor | None, gamma: int, *,
-               with_ranks: bool = False) -> dict:
+               with_ranks: bool = False, by_turn: bool = False) -> dict:
     """α at T=0 and T=1 and simulated τ with the target run alongside (decode.acceptance.analytic_acceptance).
     with_ranks: also `ranks`, per response where the target's greedy token stands in the draft's order at each of its
-    positions (what `decode.tree_budget.rank_acceptance` turns into a token tree's p_r)."""
+    positions (what `decode.tree_budget.rank_acceptance` turns into a token tree's p_r). by_turn: the responses are
+    the turns of held-out conversations (`pipeline.turns` ids): the intervals resample requests, the unit of
+    measurement, and α(T=0) is reported per turn position too (`alpha_t0_turn{p}`)."""
     seqs = [p + r for p, r in zip(responses.prompt_ids, responses.response_ids)]
     starts = [len(p) for p in responses.prompt_ids]
     greedy = analytic_acceptance(target, draft, seqs, starts, temperature=0.0, draft_token_ids=token_ids,
                                  greedy_ranks=with_ranks)
     sampled = analytic_acceptance(target, draft, seqs, starts, temperature=1.0, draft_token_ids=token_ids)
+    units = [request_of(i) for i in responses.request_ids] if by_turn else None
     summary = {**summarize_acceptance(greedy.per_position, sampled.per_position, gamma),
-               **alpha_interval(greedy.per_position, "alpha_t0"), **alpha_interval(sampled.per_position, "alpha_t1")}
+               **alpha_interval(greedy.per_position, "alpha_t0", units),
+               **alpha_interval(sampled.per_position, "alpha_t1", units)}
+    if by_turn:
+        positions = [turn_position(i) for i in responses.request_ids]
+        for position in sorted(set(positions)):
+            rows = [row for row, p in zip(greedy.per_position, positions) if p == position]
+            summary[f"alpha_t0_turn{position}"] = token_mean(rows)
     return {**summary, "ranks": greedy.ranks} if with_ranks else summary
 
 
-def alpha_interval(per_response: list[list[float]], name: str) -> dict:
+def alpha_interval(per_response: list[list[float]], name: str, units: list[str] | None = None) -> dict:
     """`{name}_low`, `{name}_high`: the 95% interval of the token mean over the responses by a bootstrap over
-    held-out prompts (one response each), the noise against which two drafts' α are compared."""
-    ci = ratio_ci([sum(row) for row in per_response], [len(row) for row in per_response])
+    held-out prompts (one response each; with `units`, the responses of one unit resampled together), the noise
+    against which two drafts' α are compared."""
+    sums: dict[object, float] = {}
+    counts: dict[object, int] = {}
+    for i, row in enumerate(per_response):
+        unit = i if units is None else units[i]
+        sums[unit] = sums.get(unit, 0.0) + sum(row)
+        counts[unit] = counts.get(unit, 0) + len(row)
+    ci = ratio_ci(list(sums.values()), list(counts.values()))
     return {f"{name}_low": ci.low, f"{name}_high": ci.high}
 
 

@@ -55,6 +55,8 @@ class TrainingData:
     token_ids: torch.Tensor | None
     fingerprint: str
     teacher: str = "builtin"
+    train_turns: int = 0  # the assistant turns trained on (`traffic.turns`); 0: one per train request
+    by_turn: bool = False  # the held-out responses are conversations' turns (`traffic.turns: all`)
 
 
 def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:

@@ -31,7 +31,7 @@ from decode.runtime.precision_choice import generation_dtype
 from pipeline import draftops_home
 from pipeline.files import recover_dir, swap_dir, temporary_sibling
 from pipeline.sources import eos_token_ids
-from pipeline.traffic import encode_prompts
+from pipeline.traffic import encode_configured
 
 TOPK_FILE = "teacher_topk.safetensors"
 ENGINE_FILE = "engine.json"  # in an entry made by inference servers (`distill.data_generation`): which engine
@@ -358,7 +358,7 @@ def target_suffix_index(target, requests: list, cfg) -> tuple[SuffixIndex, float
     distillation that generated them in the target's own precision: `generation_model`).
     `target` is a `pipeline.sources.ResolvedModel`. Returns the index and its build seconds."""
     d = cfg.distill
-    prompts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
+    prompts, _ = encode_configured(requests, target.tokenizer, cfg.traffic)
     responses, _, _ = cached_responses(target.model, target.tokenizer, target.fingerprint, requests, prompts,
                                        samples=1, max_new_tokens=d.max_new_tokens,
                                        temperature=d.generation_temperature, batch_size=d.generation_batch_size,

@@ -31,14 +31,16 @@ def traffic_stats(args) -> int:
     from pipeline.sources import locate
     from pipeline.traffic import encode_prompts, load_traffic, prompt_char_bound
 
+    columns = dict(column.split("=", 1) for column in args.column)
     traffic = load_traffic(args.file, skip_malformed=args.skip_malformed, since=args.since, until=args.until,
-                           max_prompt_chars=prompt_char_bound(args.max_tokens))
+                           max_prompt_chars=prompt_char_bound(args.max_tokens), columns=columns or None)
     tokenizer = AutoTokenizer.from_pretrained(locate(args.tokenizer).path)
     ids, truncated = encode_prompts(traffic.requests, tokenizer, max_prompt_tokens=args.max_tokens)
     lengths = np.array([len(x) for x in ids])
     payload = {
         "file": str(traffic.path),
         "requests": len(traffic.requests),
+        "formats": traffic.formats,
         "categories": traffic.categories(),
         "train": len(traffic.split("train", args.heldout_fraction)),
         "heldout": len(traffic.split("heldout", args.heldout_fraction)),
@@ -73,6 +75,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _column(text: str) -> str:
+    from pipeline.traffic_records import COLUMN_NAMES
+
+    field, _, column = text.partition("=")
+    if field not in COLUMN_NAMES or not column:
+        raise argparse.ArgumentTypeError(f"{text}: FIELD=COLUMN with FIELD one of {', '.join(COLUMN_NAMES)}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="draftops",
@@ -81,7 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     traffic = sub.add_parser("traffic", help="inspect traffic logs").add_subparsers(dest="action", required=True)
     stats = traffic.add_parser("stats", help="requests, categories, split sizes, prompt lengths, malformed lines")
-    stats.add_argument("file", help="traffic JSONL, or 'default' for the shipped traffic")
+    stats.add_argument("file", help="traffic (JSONL, ShareGPT JSON, a saved `datasets` folder, parquet, arrow, or a "
+                                    "glob of them), or 'default' for the shipped traffic")
+    stats.add_argument("--column", action="append", default=[], type=_column, metavar="FIELD=COLUMN",
+                       help="a data set's column for draftops' messages, id, category or time (traffic.columns)")
     stats.add_argument("--tokenizer", default="smollm2-135m-instruct", help="model source whose tokenizer counts")
     stats.add_argument("--heldout-fraction", type=float, default=0.1)
     stats.add_argument("--skip-malformed", action="store_true", help="skip and count bad lines instead of failing")

@@ -12,8 +12,12 @@ This module turns one such record into what draftops keeps of a request: its id,
   joined with newlines and the other parts (images, audio, files) are skipped, so a message with no text left is an
   error. Roles: `system`, `developer` (read as `system`), `user`, `assistant`, `tool`. Tool messages stay in the
   conversation as logged (with their `tool_call_id` and `name`), and so do an assistant's `tool_calls` (its content
-  may then be empty): chat templates that know tools render them. The request is the next assistant turn, so the
-  conversation ends with a user turn or with a tool turn (the model answering a tool's result is a request too).
+  may then be empty) and `reasoning_content`: chat templates that know them render them. The request is the next
+  assistant turn, so the conversation ends with a user turn or with a tool turn (the model answering a tool's result
+  is a request too), or with the assistant's reply to one: the reply as served, kept apart (`chat_conversation`).
+  ShareGPT's messages (`{"from": "human"|"gpt"|"system"|"tool", "value": ...}`) are read as these roles.
+- Replies: a gateway's record of the response, `{"response": {"choices": [{"message": {...}}]}}`, is the served
+  reply too; the body's `tools` (the schema the model was served with) go to the chat template.
 - Times: ISO-8601 strings (`2026-10-01T02:00:00+02:00`, `...Z`; without an offset it is read as UTC), or numbers:
   epoch seconds, or epoch milliseconds when over 1e11. All become aware UTC datetimes, so requests are ordered by
   the instant, never by how the time was written.
@@ -27,10 +31,15 @@ from datetime import datetime, timezone
 ID_KEYS = ("id", "request_id", "question_id")
 TIME_KEYS = ("ts", "timestamp", "created")
 BODY_KEYS = ("body", "request")
-REQUEST_KEYS = ("messages", "prompt", "turns")
+REQUEST_KEYS = ("messages", "prompt", "turns", "conversations")
+RESPONSE_KEY = "response"
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+# ShareGPT's speakers (`from`), as its datasets name them
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "model": "assistant", "tool": "tool", "function": "tool",
+                  "observation": "tool", "function_response": "tool"}
 ANSWERABLE_LAST_ROLES = ("user", "tool")
-KEPT_TOOL_FIELDS = {"assistant": ("tool_calls",), "tool": ("tool_call_id", "name")}
+KEPT_TOOL_FIELDS = {"assistant": ("tool_calls", "reasoning_content"), "tool": ("tool_call_id", "name")}
 EPOCH_MILLISECONDS_ABOVE = 1e11  # as seconds, year 5138; as milliseconds, March 1973
 
 
@@ -61,17 +70,46 @@ def envelope_field(record: dict, body: dict, keys: tuple[str, ...]) -> tuple[str
     return None, None
 
 
-def chat_messages(messages: object) -> list[dict]:
+def chat_messages(messages: object, key: str = "messages") -> list[dict]:
     """OpenAI chat messages as draftops keeps them: text content, `developer` as `system`, tool fields kept."""
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("'messages' must be a non-empty list")
-    kept = [_message(i, m) for i, m in enumerate(messages)]
-    if kept[-1]["role"] not in ANSWERABLE_LAST_ROLES:
+    kept, reply = chat_conversation(messages, key)
+    if reply is not None:
         raise ValueError("the last message must come from the user or a tool (it is the request to answer)")
     return kept
 
 
+def chat_conversation(messages: object, key: str = "messages") -> tuple[list[dict], dict | None]:
+    """A conversation as (the request's messages, the assistant's reply to them as logged, or None). Messages are
+    OpenAI's (`role`, `content`) or ShareGPT's (`from`, `value`)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"'{key}' must be a non-empty list")
+    kept = [_message(i, m) for i, m in enumerate(messages)]
+    reply = kept.pop() if kept[-1]["role"] == "assistant" else None
+    if not kept or kept[-1]["role"] not in ANSWERABLE_LAST_ROLES:
+        raise ValueError("the last message must come from the user or a tool (it is the request to answer), or be "
+                         "the assistant's reply to one")
+    return kept, reply
+
+
+def logged_reply(record: dict) -> dict | None:
+    """The reply a gateway logged with the request (`response.choices[0].message`), or None."""
+    response = record.get(RESPONSE_KEY)
+    if response is None:
+        return None
+    choices = response.get("choices") if isinstance(response, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise ValueError(f"'{RESPONSE_KEY}' needs 'choices' with a message")
+    reply = _message(0, {"role": "assistant", **(choices[0].get("message") or {})})
+    if reply["role"] != "assistant":
+        raise ValueError(f"'{RESPONSE_KEY}': the message must be the assistant's")
+    return reply
+
+
 def _message(i: int, message: object) -> dict:
+    if isinstance(message, dict) and message.get("from") is not None and message.get("role") is None:  # ShareGPT
+        if message["from"] not in SHAREGPT_ROLES:
+            raise ValueError(f"message {i} needs a 'from' in {sorted(SHAREGPT_ROLES)}")
+        message = {"role": SHAREGPT_ROLES[message["from"]], "content": message.get("value")}
     if not isinstance(message, dict) or message.get("role") not in ROLES:
         raise ValueError(f"message {i} needs a role in {sorted(ROLES)}")
     role = ROLES[message["role"]]

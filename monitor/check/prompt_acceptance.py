@@ -32,7 +32,7 @@ from distill.responses import cached_responses
 from monitor.engines.offline_expectation import engine_rounds
 from monitor.stats.acceptance_tests import PromptAcceptance
 from pipeline.config import DraftopsConfig
-from pipeline.traffic import chronological, encode_prompts, load_configured_traffic
+from pipeline.traffic import chronological, encode_configured, load_configured_traffic
 
 # Padded tokens per teacher-forced pass of the analytic measurement: with the prompts cut to traffic.max_prompt_tokens,
 # what bounds its logits (this many rows of the vocabulary per model) whatever the traffic holds.
@@ -125,7 +125,7 @@ def measure_analytic(cfg: DraftopsConfig, target, draft, requests: list) -> Meas
 
 def _measure_analytic(cfg: DraftopsConfig, target, draft, requests: list) -> Measurement:
 
-    prompts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
+    prompts, _ = encode_configured(requests, target.tokenizer, cfg.traffic)
     responses, _, _ = cached_responses(
         target.model, target.tokenizer, target.fingerprint, requests, prompts, samples=1,
         max_new_tokens=cfg.decode.max_new_tokens, temperature=cfg.distill.generation_temperature,
@@ -164,7 +164,7 @@ def measure_live(cfg: DraftopsConfig, target, draft, requests: list) -> Measurem
     the draft model alone (no prompt lookup) in chain rounds (a tree's top-k would measure something else): the
     `acceptance/draft` that eval reports too."""
 
-    prompts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
+    prompts, _ = encode_configured(requests, target.tokenizer, cfg.traffic)
     decoder = live_decoder(cfg, target, draft)
     ids, acc, n = [], [], []
     for request, prompt in tqdm(zip(requests, prompts), total=len(requests), desc="monitor: live acceptance",

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+from distill.recorded import served_by_target
 from distill.train import run_distill
 from pipeline import metrics as M
 from pipeline import registry
 from pipeline.config import DraftopsConfig
+from pipeline.sources import fingerprint_dir, locate
 
 
 def challenger_config(cfg: DraftopsConfig) -> DraftopsConfig:
     """The distillation a challenger runs: registered, and warm from the champion unless monitor.retrain_init says
-    otherwise."""
+    otherwise. Recorded replies are trained on only while the target is still the model that served them; after a
+    target update the target generates its own again."""
     update: dict = {"register_model": True}
+    responses = cfg.distill.responses
+    if responses.source == "recorded" and not served_by_target(
+            cfg.traffic.served_by, cfg.target, fingerprint_dir(locate(cfg.target).path)):
+        update["responses"] = responses.model_copy(update={"source": "generate"})
     if cfg.monitor.retrain_init == "champion":
         update.update(init="checkpoint", init_checkpoint=registry.alias_uri(cfg.tracking.registered_model, M.CHAMPION))
     return cfg.model_copy(update={"distill": cfg.distill.model_copy(update=update)})

@@ -22,7 +22,7 @@ from pipeline import metrics
 from pipeline.config import DraftopsConfig, TargetUpdateConfig
 from pipeline.sources import eos_token_ids, fingerprint_dir, save_checkpoint
 from pipeline.tracking import start_run
-from pipeline.traffic import encode_prompts, load_traffic
+from pipeline.traffic import encode_configured, load_traffic, reading_options
 
 MARKER_FILE = "target_update.json"
 
@@ -86,8 +86,7 @@ def response_loss(causal_lm, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 def prompt_requests(cfg: DraftopsConfig) -> list:
     u = cfg.target_update
     if u.prompts == "traffic":  # exactly distill's selection, so that its cached responses are reused
-        traffic = load_traffic(cfg.traffic.path, skip_malformed=cfg.traffic.skip_malformed,
-                               since=cfg.traffic.since, until=cfg.traffic.until)
+        traffic = load_traffic(cfg.traffic.path, **reading_options(cfg.traffic))
         requests = traffic.split("train", cfg.traffic.heldout_fraction)
         return requests[:cfg.distill.train_prompts] if cfg.distill.train_prompts else requests
     requests = load_traffic(u.prompts, skip_malformed=True).requests
@@ -153,7 +152,7 @@ def run_finetune(cfg: DraftopsConfig) -> FinetuneResult:
     requests = prompt_requests(cfg)
     if not requests:
         raise ValueError(f"target finetune: no prompts in {u.prompts}")
-    prompts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
+    prompts, _ = encode_configured(requests, target.tokenizer, cfg.traffic)
     timings["load"] = time.perf_counter() - clock
 
     clock = time.perf_counter()

@@ -18,6 +18,10 @@ class ResponsesConfig(Section):
     """`distill.responses`. The held-out responses that α and τ are measured on always come from the target as
     loaded, whatever generates the training ones."""
 
+    source: Literal["generate", "recorded"] = Field("generate", description=(
+        "generate: the target answers the train split's prompts; recorded: the replies the log holds are trained on, "
+        "with the target's top-k from one teacher-forced pass (no generation), only where traffic.served_by names "
+        "the target. docs/data.md."))
     engine: Literal["builtin", "openai"] = Field("builtin", description=(
         "builtin: the target generates in this process (continuous batching, distill.generation_dtype); openai: "
         "OpenAI-compatible servers (servers) generate and return their top-k log-probs."))
@@ -42,6 +46,13 @@ class ResponsesConfig(Section):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"{url!r} is not an http(s) URL (e.g. http://127.0.0.1:8080)")
         return [url.rstrip("/") for url in servers]
+
+    @model_validator(mode="after")
+    def _recorded_on_the_builtin_teacher(self) -> ResponsesConfig:
+        if self.source == "recorded" and self.engine != "builtin":
+            raise ValueError("distill.responses.source=recorded takes its top-k from the target as loaded: it needs "
+                             "distill.responses.engine=builtin")
+        return self
 
     @model_validator(mode="after")
     def _servers_for_openai(self) -> ResponsesConfig:

@@ -3,17 +3,22 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from pipeline.config.base import Section
 from pipeline.config.decode import DecodeConfig
 from pipeline.config.distill import DistillConfig
 from pipeline.config.monitor import MonitorConfig, TargetUpdateConfig
+from pipeline.traffic_records import COLUMN_NAMES
 
 
 class TrafficConfig(Section):
     path: str = Field("default", description=(
-        "Traffic JSONL file, or a glob of rotated logs (.gz too); 'default' is the traffic shipped with draftops."))
+        "Traffic: a JSONL log, a ShareGPT JSON file, a saved `datasets` folder, parquet or arrow files, or a glob of "
+        "them (.gz too); 'default' is the traffic shipped with draftops. docs/data.md."))
+    columns: dict[str, str] = Field({}, description=(
+        "A data set's own column names for draftops' fields: messages, id, category, time "
+        "(e.g. {messages: conversation, id: uuid}); unnamed ones are read under draftops' names."))
     heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Share of request ids held out (by hash).")
     max_prompt_tokens: int = Field(512, ge=8, description=(
         "Prompts longer than this keep their last tokens; a conversation is cut to 32 characters per token of this "
@@ -25,6 +30,28 @@ class TrafficConfig(Section):
     since: str | float | None = Field(None, description=(
         "Keep requests logged at or after this time (ISO-8601, or epoch seconds/milliseconds); null: no bound."))
     until: str | float | None = Field(None, description="Keep requests logged before this time; null: no bound.")
+    reasoning: Literal["template", "keep", "strip"] = Field("template", description=(
+        "Think blocks and `reasoning_content`: template: as logged, the template's own default for thinking; keep: "
+        "earlier replies keep their reasoning and enable_thinking is on; strip: reasoning dropped and "
+        "enable_thinking off (a template that does not read it ignores it). docs/data.md."))
+    chat_template: str | None = Field(None, description=(
+        "A Jinja chat template file, the one the serving engine renders with (vLLM's and SGLang's --chat-template); "
+        "null: the target tokenizer's. Used by distill, held-out measurement and the monitor."))
+    served_by: str | None = Field(None, description=(
+        "The model the log's replies were served by (its source or fingerprint), for distill.responses.source="
+        "recorded: any model but the target is refused."))
+    turns: Literal["last", "all"] = Field("last", description=(
+        "last: each request is its last turn (the next assistant reply); all: every assistant turn of a conversation "
+        "is a training target, generated turn by turn against the target's own earlier replies (or the logged ones "
+        "with distill.responses.source=recorded), and held-out α is reported per turn position. docs/data.md."))
+
+    @field_validator("columns")
+    @classmethod
+    def _known_columns(cls, columns: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(columns) - set(COLUMN_NAMES))
+        if unknown:
+            raise ValueError(f"traffic.columns names {unknown}: draftops' fields are {list(COLUMN_NAMES)}")
+        return columns
 
 
 class TrackingConfig(Section):
@@ -72,6 +99,13 @@ class DraftopsConfig(Section):
     distill: DistillConfig = DistillConfig()
     monitor: MonitorConfig = MonitorConfig()
     target_update: TargetUpdateConfig = TargetUpdateConfig()
+
+    @model_validator(mode="after")
+    def _turns_for_layer_drafts(self) -> DraftopsConfig:
+        if self.traffic.turns == "all" and self.distill.family == "features":
+            raise ValueError("traffic.turns=all trains layer drafts (distill.family=layers): a feature draft's "
+                             "target features are cached for one response set per prompt")
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
