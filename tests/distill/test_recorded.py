@@ -11,7 +11,7 @@ import distill.training_data as training_data
 from distill.recorded import RecordedMismatch, batched_teacher_topk, reply_ids
 from distill.responses import teacher_forced_topk
 from distill.train import run_distill
-from monitor.retrain import challenger_config
+from monitor.check.retrain import challenger_config
 from pipeline.sources import resolve_model
 from pipeline.traffic import Request, load_traffic
 from tests.conftest import WORDS
