@@ -1,7 +1,7 @@
 """Lossless speculative decoding, by concern (the import-linter contract in pyproject.toml keeps this order):
 
 - `decode.runtime`: how a model runs (the lean forward and its compiled passes, KV caches, CPU kernels, batched
-  generation, timing);
+  generation, timing, the choices timed on this machine);
 - `decode.sampling`: the warp of the logits and the rejection sampler's draws;
 - `decode.models`: the drafts draftops trains (a layer subset of the target, the EAGLE-3 feature draft);
 - the algorithm, here: `speculative` (one round, the decoder), `tree` (token trees and their walk), `drafters/`
