@@ -23,7 +23,7 @@ from decode.drafters.suffix import SuffixIndex
 from decode.models.feature_draft import FEATURES, default_feature_layers
 from decode.models.layer_draft import frequent_token_ids
 from decode.serving.loading import load_model
-from decode.tree_budget import TREE_BUDGETS, rank_acceptance
+from decode.tree_budget_model import TREE_BUDGETS, rank_acceptance
 from distill.checkpoints import UnsafeCheckpoint, job_key, load_best, point_latest
 from distill.data_generation.generate import engine_cached_responses
 from distill.export import export_draft, log_and_register
@@ -285,7 +285,7 @@ def run_distill(cfg: DraftopsConfig, *, init_only: bool = False, register_only: 
                           "train_responses": len(data.train), "train_tokens": data.train.num_response_tokens}
         with timings.measure("export"):
             # the draft travels with a suffix index of the target's train responses (`decode.drafters.suffix`)
-            # ... and the rank acceptance its token trees' node budget is chosen from (`decode.tree_budget_auto`)
+            # ... and the rank acceptance its token trees' node budget is chosen from (`decode.tree_budget_measured`)
             export_draft(draft, target.tokenizer, export_dir, token_ids=data.token_ids, cfg=cfg,
                          suffix_index=SuffixIndex(data.train.response_ids),
                          rank_acceptance=(rank_acceptance(ranks, max(TREE_BUDGETS)), sum(map(len, ranks))))

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-import decode.tree_budget_auto as auto
+import decode.tree_budget_measured as auto
 from decode.drafters.suffix import SuffixIndex
 from decode.factory import build_decoder, tree_budget_choice
 from decode.runtime import machine_choice
-from decode.tree_budget import TREE_BUDGETS, load_rank_acceptance, save_rank_acceptance
+from decode.tree_budget_model import TREE_BUDGETS, load_rank_acceptance, save_rank_acceptance
 from pipeline import draftops_home
 from pipeline.config import DEFAULT_TREE_BUDGET_SCHEDULE, DecodeConfig, DraftopsConfig
 from pipeline.sources import TREE_ACCEPTANCE_FILE, ResolvedModel

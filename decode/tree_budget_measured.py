@@ -8,7 +8,7 @@ nodes a round beat eight. So one machine's schedule does not carry to another, a
 `TREE_BUDGETS` nodes, the draft's rounds, a feature draft's fed the target's features, at `CONTEXTS`), once per
 machine, target and draft (a choice of `decode.runtime.machine_choice`, which caches them, or on a busy machine keeps
 them for this process only); the rank acceptances p_r are the draft's, measured by its distill on held-out responses
-(`decode.tree_budget.load_rank_acceptance`; a feature draft's at its first position). The schedule is then the
+(`decode.tree_budget_model.load_rank_acceptance`; a feature draft's at its first position). The schedule is then the
 sweep's own recommendation (`predict_tree_budgets`, `recommend_tree_budget`).
 
 Trees grown without a draft model (prompt lookup's branches and suffix decoding's candidates: `--draft prompt-lookup`,
@@ -39,7 +39,7 @@ from decode.runtime.machine_choice import cache_file, measured_once
 from decode.sampling import Warp
 from decode.step_costs import measure_costs
 from decode.tree import ROOT
-from decode.tree_budget import (
+from decode.tree_budget_model import (
     TREE_BUDGETS,
     load_rank_acceptance,
     predict_model_free_budgets,
