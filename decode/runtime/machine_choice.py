@@ -169,9 +169,10 @@ def _plain(value: Any) -> Any:
 def cache_file(choice: str, scope: Mapping, timed: bool = True) -> Path:
     """$DRAFTOPS_HOME/machine_choice/<choice>/<cpu>_torch-<version>_<threads>-threads_<scope digest>.json (without
     the machine for a measurement that is no timing: `measured`'s `timed`)."""
-    digest = hashlib.sha256(json.dumps(_plain(scope), sort_keys=True).encode()).hexdigest()[:16]
-    key = machine_key()
-    name = f"{key['cpu']}_torch-{key['torch']}_{key['threads']}-threads_{digest}" if timed else digest
+    name = hashlib.sha256(json.dumps(_plain(scope), sort_keys=True).encode()).hexdigest()[:16]
+    if timed:
+        key = machine_key()
+        name = f"{key['cpu']}_torch-{key['torch']}_{key['threads']}-threads_{name}"
     return draftops_home() / "machine_choice" / choice / (re.sub(r"[^A-Za-z0-9.+_-]+", "-", name) + ".json")
 
 
