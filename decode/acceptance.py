@@ -67,7 +67,8 @@ def analytic_acceptance(
 
     greedy_ranks: also rank the target's argmax among the draft's unwarped probabilities at every position, the order
     in which a greedy token tree offers the draft's candidates (`decode.drafters.model_tree.ModelTree`): a rank-r
-    candidate is the one the greedy walk accepts exactly where this rank is r (`decode.tree_budget.rank_acceptance`).
+    candidate is the one the greedy walk accepts exactly where this rank is r
+    (`decode.tree_budget_model.rank_acceptance`).
     """
     if len(sequences) != len(response_starts):
         raise ValueError(f"{len(sequences)} sequences but {len(response_starts)} response starts")

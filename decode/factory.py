@@ -16,7 +16,7 @@ from decode.drafters.suffix import SuffixIndex, load_suffix_index
 from decode.runtime.lean import LeanDecoder, use_compiled_passes
 from decode.runtime.lean_families import notice_fallback
 from decode.speculative import GREEDY, GammaPolicy, Sampling, SpeculativeDecoder
-from decode.tree_budget_auto import BudgetChoice, ModelFreeTrees, auto_budget_schedule
+from decode.tree_budget_measured import BudgetChoice, ModelFreeTrees, auto_budget_schedule
 from pipeline.config import AUTO, DecodeConfig
 from pipeline.sources import eos_token_ids as target_eos_ids
 
@@ -112,7 +112,7 @@ def compile_where_supported(model) -> bool:
 
 def tree_budget_choice(decode: DecodeConfig, target, draft, kind: str = DECODER) -> BudgetChoice | None:
     """The node budget schedule of `decode`'s tree rounds for the tree `kind` grows, "auto" resolved
-    (`decode.tree_budget_auto`: from the draft where its model grows the tree, else from prompt lookup's and suffix
+    (`decode.tree_budget_measured`: from the draft where its model grows the tree, else from prompt lookup's and suffix
     decoding's trees replayed on the suffix index of `suffix_index_of`); None for a fixed `tree_budget` or chain
     rounds."""
     schedule = decode.tree_budget_schedule

@@ -5,7 +5,7 @@ are `decode.runtime.timing`'s, and the prediction from these costs is `decode.me
 Measured with the KV cache filled to each context length L: the target's prefill, greedy step t(L) and verify round
 of n = 2..γmax+1 tokens (v(n) = verify / t); per draft its prefill and one round of γ proposals for every γ
 (c(γ) = round / (γ t); prompt lookup's round is one lookup); for token trees, the verify round of the pending token and
-B nodes for every node budget B (v_tree(B) = tree verify / t; `decode.tree_budget` turns them into a budget by
+B nodes for every node budget B (v_tree(B) = tree verify / t; `decode.tree_budget_model` turns them into a budget by
 context length).
 
 The batch axis (`measure_batch_costs`, `predict_batches`): B sequences at one context length, through the lean forward

@@ -66,8 +66,8 @@ def exact_eval(target, draft, responses: ResponseSet, token_ids: torch.Tensor | 
                with_ranks: bool = False, by_turn: bool = False) -> dict:
     """α at T=0 and T=1 and simulated τ with the target run alongside (decode.acceptance.analytic_acceptance).
     with_ranks: also `ranks`, per response where the target's greedy token stands in the draft's order at each of its
-    positions (what `decode.tree_budget.rank_acceptance` turns into a token tree's p_r). by_turn: the responses are
-    the turns of held-out conversations (`pipeline.turns` ids): the intervals resample requests, the unit of
+    positions (what `decode.tree_budget_model.rank_acceptance` turns into a token tree's p_r). by_turn: the responses
+    are the turns of held-out conversations (`pipeline.turns` ids): the intervals resample requests, the unit of
     measurement, and α(T=0) is reported per turn position too (`alpha_t0_turn{p}`)."""
     seqs = [p + r for p, r in zip(responses.prompt_ids, responses.response_ids)]
     starts = [len(p) for p in responses.prompt_ids]

@@ -1,39 +1,42 @@
-"""Whether the draft trains faster in bf16 mixed precision on this CPU (`distill.mixed_precision: auto`): one training
-step of the job's draft timed both ways, once per CPU and draft shape, and cached like `distill.generation_dtype: auto`.
+"""The precisions a distill job computes in on a CPU, each chosen by timing both candidates on this machine (clients
+of `decode.runtime.machine_choice`, which caches the timings per machine and key). A CPU without bf16 units
+(`bf16_units`) times nothing: fp32.
 
-torch's CPU autocast runs the products in bf16 and keeps the weights, the optimizer and the loss in fp32. Whether
-that pays depends on the CPU and on the model's size, not on one instruction set: with AVX512_BF16 an AMD Zen 4
-trained the default draft 1.4x faster, while an Intel Xeon with AMX, whose bf16 tiles are faster still, measured
-0.96x (at this size the casts autocast adds cost as much as the products save). So the step is measured: the draft's
-forward, a loss in fp32 and the backward, on `batch_size` rows of the job's typical length, fp32 and bf16 in turns,
-the fastest of each (`decode.runtime.timing.interleaved_minimums`). A CPU without bf16 units is not measured. In bf16
-the attention stays fp32 (`fp32_attention`), as in generation: torch's bf16 attention on a CPU is the slower one.
+`distill.generation_dtype: auto`: whether the target generates the training responses faster in bfloat16. A CPU with
+bf16 units (AVX512_BF16; AMX-BF16 where Linux grants this process its tile state) may multiply bf16 matrices several
+times faster than fp32 ones, and a generation step's products have as many rows as the generation batch; whether it
+does for this model's shapes depends on the CPU and torch's kernels, so it is measured: per weight shape of the
+model's linear layers, a product of `rows` rows in fp32 (the faster of torch's and oneDNN's packed kernel, what
+`cpu_linear: auto` would run) against the same product in bf16. bf16 is picked when the model's whole step (each
+shape's time times its layer count) is faster.
 
-The timings are cached as JSON under `$DRAFTOPS_HOME/mixed_precision/`, one file per machine key and step shape;
-timings taken on a busy machine are cached too, with a warning: the precision decides the draft's arithmetic, and a
-killed job's re-run must train on as the first run did. On any other device `auto` trains in full precision.
+`distill.mixed_precision: auto`: whether the draft trains faster in bf16 mixed precision. torch's CPU autocast runs
+the products in bf16 and keeps the weights, the optimizer and the loss in fp32; whether that pays depends on the CPU
+and on the model's size, not on one instruction set (the casts autocast adds can cost as much as the products save;
+docs/results.md#the-cpu-runtime). So one training step of the job's draft is timed both ways: its forward, a loss
+in fp32 and the backward, on `batch_size` rows of the job's typical length. In bf16 the attention stays fp32
+(`fp32_attention`), as in generation: torch's bf16 attention on a CPU is the slower one. On any other device `auto`
+trains in full precision.
+
+Both choices decide what the job produces (the responses, the draft's arithmetic), so both are cached from their first
+timing even on a busy machine (`pins_output`: a killed job's rerun must produce what the first run did).
 """
 from __future__ import annotations
 
 import hashlib
-import json
-import re
-import warnings
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from decode.runtime.kernel_choice import BusyMachineWarning, machine_busy, machine_key
-from decode.runtime.precision_choice import bf16_units
-from decode.runtime.timing import interleaved_minimums
-from pipeline import draftops_home
-from pipeline.files import write_text_atomic
+from decode.runtime.kernels import Shape, linear_shapes, onednn_linear, streamed_weights
+from decode.runtime.machine_choice import bf16_units, interleaved_minimums, measured, measured_once
 
+GENERATION, TRAINING = "generation_dtype", "mixed_precision"  # the choices' names in `machine_choice`
 LENGTH_STEP = 64  # the timed sequence length: the job's mean length rounded up to this, so similar jobs share a file
 FP32_ATTENTION = "draftops_sdpa_fp32"  # transformers' attention implementation `fp32_attention` registers
 
@@ -53,8 +56,8 @@ AttentionInterface.register(FP32_ATTENTION, _sdpa_in_fp32)
 @contextmanager
 def fp32_attention(model: torch.nn.Module, on: bool = True) -> Iterator[torch.nn.Module]:
     """For the duration (if `on`), `model`'s attention runs in fp32 under bf16 autocast: torch's bf16 attention on a
-    CPU, its backward above all, costs more than fp32's (a training step of the default draft: 2 x 50 ms in the
-    backward against 2 x 21 ms), while the products keep autocast's bf16. Only where the model runs transformers'
+    CPU, its backward above all, costs more than fp32's (docs/results.md#the-cpu-runtime), while the products keep
+    autocast's bf16. Only where the model runs transformers'
     sdpa attention; its setting is restored after."""
     config = getattr(model, "config", None)
     previous = getattr(config, "_attn_implementation", None)
@@ -68,19 +71,13 @@ def fp32_attention(model: torch.nn.Module, on: bool = True) -> Iterator[torch.nn
         config._attn_implementation = previous
 
 
-def cache_file(key: dict, signature: str) -> Path:
-    """$DRAFTOPS_HOME/mixed_precision/<cpu>_torch-<version>_<threads>-threads_<signature>.json"""
-    name = f"{key['cpu']}_torch-{key['torch']}_{key['threads']}-threads_{signature}"
-    return draftops_home() / "mixed_precision" / (re.sub(r"[^A-Za-z0-9.+_-]+", "-", name) + ".json")
-
-
-def step_signature(draft: torch.nn.Module, rows: int, length: int) -> str:
-    """What the timing of a step depends on besides the machine: the draft's config and parameters trained, and
-    the step's rows and length."""
+def step_scope(draft: torch.nn.Module, rows: int, length: int) -> dict:
+    """What the timing of a training step depends on besides the machine: the draft's config and parameters trained,
+    and the step's rows and length."""
     config = draft.config.to_json_string(use_diff=False) if hasattr(draft, "config") else type(draft).__name__
     trained = sum(p.numel() for p in draft.parameters() if p.requires_grad)
-    digest = hashlib.sha256(f"{config}|{trained}".encode()).hexdigest()[:12]
-    return f"{rows}x{length}_{digest}"
+    return {"rows": rows, "length": length,
+            "draft": hashlib.sha256(f"{config}|{trained}".encode()).hexdigest()[:12]}
 
 
 def time_steps(step_logits: torch.nn.Module, vocab: int, *, rows: int, length: int) -> tuple[float, float]:
@@ -112,26 +109,11 @@ def time_steps(step_logits: torch.nn.Module, vocab: int, *, rows: int, length: i
 
 
 def step_timings(step_logits: torch.nn.Module, vocab: int, *, rows: int, length: int) -> tuple[float, float]:
-    """(fp32 s, bf16 s) of a training step: from this machine's cache file, else measured (`time_steps`) and
-    cached, with a warning when the machine was busy."""
-    key = machine_key()
-    path = cache_file(key, step_signature(step_logits.draft, rows, length))
-    try:
-        data = json.loads(path.read_text())
-        if data["key"] == key:
-            return float(data["fp32_s"]), float(data["bf16_s"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    fp32_s, bf16_s = time_steps(step_logits, vocab, rows=rows, length=length)
-    busy = machine_busy()
-    if busy:  # cached all the same: a killed job's re-run must train in the precision the first run chose
-        warnings.warn(f"mixed_precision auto: timed on a busy machine ({busy}); cached in {path} all the same (a "
-                      "killed job's re-run must train as the first run did): delete it to time again",
-                      BusyMachineWarning, stacklevel=2)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, json.dumps({"key": key, "rows": rows, "length": length, "fp32_s": round(fp32_s, 5),
-                                        "bf16_s": round(bf16_s, 5)}, indent=1))
-    return fp32_s, bf16_s
+    """(fp32 s, bf16 s) of a training step (`time_steps`), timed once per machine and step (`step_scope`)."""
+    fp32_s, bf16_s = measured_once(
+        TRAINING, step_scope(step_logits.draft, rows, length),
+        lambda: [round(s, 5) for s in time_steps(step_logits, vocab, rows=rows, length=length)], pins_output=True)
+    return float(fp32_s), float(bf16_s)
 
 
 def mixed_precision_choice(setting: str, step_logits: torch.nn.Module, vocab: int, *, device: torch.device,
@@ -145,3 +127,52 @@ def mixed_precision_choice(setting: str, step_logits: torch.nn.Module, vocab: in
     length = max(LENGTH_STEP, -(-int(mean_length) // LENGTH_STEP) * LENGTH_STEP)
     fp32_s, bf16_s = step_timings(step_logits, vocab, rows=rows, length=length)
     return "bf16" if bf16_s < fp32_s else "no"
+
+
+def measure_shape(shape: Shape, rows: int) -> tuple[float, float]:
+    """(fp32 ms, bf16 ms) of one product of `rows` rows with a weight of `shape`: fp32 the faster of F.linear and
+    oneDNN on a packed weight, each call on the next of the `streamed_weights`, the fastest of interleaved calls."""
+    weights, packed = streamed_weights(shape)
+    halves = [w.bfloat16() for w in weights]
+    x = torch.randn(rows, shape[1])
+    x16 = x.bfloat16()
+    plain, blocked, bf16 = itertools.cycle(weights), itertools.cycle(zip(weights, packed)), itertools.cycle(halves)
+
+    def onednn_call():
+        weight, packed_weight = next(blocked)
+        return onednn_linear(x, weight, None, packed_weight)
+
+    with torch.inference_mode():
+        torch_s, onednn_s, bf16_s = interleaved_minimums(
+            [lambda: F.linear(x, next(plain)), onednn_call, lambda: F.linear(x16, next(bf16))])
+    return round(min(torch_s, onednn_s) * 1e3, 4), round(bf16_s * 1e3, 4)
+
+
+def shape_timings(shapes: list[Shape], rows: int) -> dict[Shape, tuple[float, float]]:
+    """(fp32 ms, bf16 ms) per shape at `rows` (`measure_shape`), timed once per machine and row count."""
+    names = {shape: f"{shape[0]}x{shape[1]}" for shape in shapes}
+
+    def measure_named(name: str) -> tuple[float, float]:
+        out_features, in_features = (int(n) for n in name.split("x"))
+        return measure_shape((out_features, in_features), rows)
+
+    timings = measured(GENERATION, {"rows": rows}, list(names.values()), measure_named,
+                       parse=lambda t: (float(t[0]), float(t[1])), pins_output=True)
+    return {shape: timings[name] for shape, name in names.items()}
+
+
+def step_costs(model: torch.nn.Module, rows: int) -> tuple[float, float]:
+    """(fp32 ms, bf16 ms) of the products of one step of `rows` rows through every linear layer of `model`."""
+    counts = linear_shapes(model)
+    timings = shape_timings(sorted(counts), rows)
+    return (sum(counts[s] * timings[s][0] for s in counts), sum(counts[s] * timings[s][1] for s in counts))
+
+
+def generation_dtype(model: torch.nn.Module, rows: int) -> torch.dtype:
+    """The dtype the target should generate in: bfloat16 for an fp32 CPU model on a CPU with bf16 units where its
+    step of `rows` rows measures faster in bfloat16 (`step_costs`), else the model's own."""
+    dtype = next(model.parameters()).dtype
+    if next(model.parameters()).device.type != "cpu" or dtype != torch.float32 or not bf16_units():
+        return dtype
+    fp32_ms, bf16_ms = step_costs(model, rows)
+    return torch.bfloat16 if bf16_ms < fp32_ms else dtype

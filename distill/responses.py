@@ -27,7 +27,7 @@ from decode.drafters.suffix import SuffixIndex
 from decode.runtime import batch_generation
 from decode.runtime.kernels import use_cpu_linear
 from decode.runtime.lean_families import notice_fallback
-from decode.runtime.precision_choice import generation_dtype
+from distill.precision import generation_dtype
 from pipeline import draftops_home
 from pipeline.files import recover_dir, swap_dir, temporary_sibling
 from pipeline.sources import eos_token_ids
@@ -163,7 +163,7 @@ def generation_model(model, dtype: str, batch_size: int = 64):
     a copy of it in bfloat16. Training data need not be bit-identical to what the target decodes in fp32; the draft
     is measured against the target as loaded. "auto" takes bfloat16 for an fp32 model on a CPU with bf16 units
     (AVX512_BF16 or AMX-BF16) where a step of `batch_size` rows measures faster in it
-    (`decode.runtime.precision_choice.generation_dtype`, cached per CPU)."""
+    (`distill.precision.generation_dtype`, timed once per machine)."""
     parameter = next(model.parameters())
     wanted = generation_dtype(model, batch_size) if dtype == "auto" else getattr(torch, dtype)
     if wanted == parameter.dtype:

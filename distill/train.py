@@ -21,7 +21,7 @@ from accelerate.utils import DistributedType, is_bf16_available, set_seed
 from decode.drafters.suffix import SuffixIndex
 from decode.models.feature_draft import FEATURES
 from decode.serving.loading import load_model
-from decode.tree_budget import TREE_BUDGETS, rank_acceptance
+from decode.tree_budget_model import TREE_BUDGETS, rank_acceptance
 from distill.checkpoints import UnsafeCheckpoint, job_key, load_best, point_latest
 from distill.heldout_eval import exact_eval, feature_eval
 from distill.init import init_draft
@@ -215,7 +215,7 @@ def run_distill(cfg: DraftopsConfig, *, init_only: bool = False, register_only: 
                           **({"train_turns": data.train_turns} if data.by_turn else {})}
         with timings.measure("export"):
             # the draft travels with a suffix index of the target's train responses (`decode.drafters.suffix`)
-            # ... and the rank acceptance its token trees' node budget is chosen from (`decode.tree_budget_auto`)
+            # ... and the rank acceptance its token trees' node budget is chosen from (`decode.tree_budget_measured`)
             export_draft(draft, target.tokenizer, export_dir, token_ids=data.token_ids, cfg=cfg,
                          suffix_index=SuffixIndex(data.train.response_ids),
                          rank_acceptance=(rank_acceptance(ranks, max(TREE_BUDGETS)), sum(map(len, ranks))))

@@ -5,8 +5,9 @@ oneDNN given a plain [out, in] weight reorders it on every call with more than o
 speculative verify) would cost several one-row ones; packed once, it costs little more than one. Which kernel is
 faster depends on the CPU, the weight's shape and the number of rows (docs/results.md#the-cpu-runtime), hence
 the `cpu_linear` setting: "onednn" or "torch" everywhere, or "auto" (the default): per weight shape and row count,
-the kernel measured faster on this machine (`AutoLinear`, `decode.runtime.kernel_choice`).
-`torch.nn.functional.linear` is the reference; `tests/decode/runtime/test_kernels.py` holds the parity tests.
+the kernel measured faster on this machine (`AutoLinear`). `auto`'s timings (`measure_linear`) are a choice of
+`decode.runtime.machine_choice`, which caches them per machine and says when they are taken on too busy a machine to
+keep. `torch.nn.functional.linear` is the reference; `tests/decode/runtime/test_kernels.py` holds the parity tests.
 
 Only inference takes the oneDNN path: with autograd recording (training), or off CPU, or in another dtype, the layer
 is a plain `nn.Linear`.
@@ -20,24 +21,16 @@ from __future__ import annotations
 import bisect
 import itertools
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
-from decode.runtime.kernel_choice import (
-    ROWS,
-    Shape,
-    Timing,
-    cache_file,
-    machine_key,
-    shape_timings,
-)
-from decode.runtime.timing import interleaved_minimums
+from decode.runtime.machine_choice import cache_file, interleaved_minimums, machine_key, measured
 
-PACK_ROWS_HINT = 8  # oneDNN picks the packed layout for this many rows; measured the same for hints 4-64
+PACK_ROWS_HINT = 8  # oneDNN picks the packed layout for this many rows; other hints measured no faster
 # layer -> (weak reference to the weight it was packed from, that weight's version, packed weight). Kept outside the
 # module: an opaque oneDNN tensor cannot be deep-copied or pickled, and a copied layer must pack its own weight.
 _packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -47,11 +40,30 @@ KINDS = ("auto", "onednn", "torch")
 # this many bytes, at most MAX_COPIES.
 STREAM_BYTES = 64 << 20
 MAX_COPIES = 64
-
+# The row counts `auto` measures: 1 (decoding), the widths of speculative verifies (γ + 1 for small γ) and a generation
+# batch. A product of n rows runs the kernel picked at the largest of these that is <= n (`AutoLinear`).
+ROWS = (1, 2, 4, 6, 8, 64)
+# `auto`'s timings in `decode.runtime.machine_choice`, and what they depend on besides the machine
+CHOICE, SCOPE = "cpu_linear", {"rows": ROWS}
+Shape = tuple[int, int]  # a linear layer's weight: (out_features, in_features)
 
 # the dtypes `OneDNNLinear` packs: fp32, and bf16 (a bf16 product on a plain weight is reordered on every call too;
-# packed once, the bf16 generation copy's products ran 5-20% faster on a Zen 4, with identical results)
+# packed once, the bf16 generation copy's products run faster, with identical results)
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Milliseconds of one product of `rows` rows with each kernel (the fastest of the timed calls)."""
+
+    rows: int
+    torch_ms: float
+    onednn_ms: float
+
+    @property
+    def pick(self) -> str:
+        """The faster kernel ("torch" on a tie: it needs no packed copy of the weight)."""
+        return "onednn" if self.onednn_ms < self.torch_ms else "torch"
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -113,16 +125,22 @@ class AutoLinear(OneDNNLinear):
         return F.linear(x, self.weight, self.bias)
 
 
-def measure_linear(shape: Shape) -> list[Timing]:
-    """`F.linear` against `onednn_linear` on packed weights, for a random fp32 weight of `shape` at each of ROWS rows:
-    the fastest of interleaved calls (`decode.runtime.timing.interleaved_minimums`), each call on the next of
-    enough copies of the weight to exceed STREAM_BYTES, so that the weight comes from memory as it does in decoding."""
+def streamed_weights(shape: Shape) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(weights, their packed copies): random fp32 weights of `shape`, enough of them to exceed STREAM_BYTES, for a
+    timing that cycles through them so that each call reads its weight from memory as decoding does."""
     out_features, in_features = shape
     copies = max(1, min(MAX_COPIES, -(-STREAM_BYTES // (4 * out_features * in_features))))
     weights = [torch.randn(shape) for _ in range(copies)]
-    packed = [pack_weight(w) for w in weights]
+    return weights, [pack_weight(w) for w in weights]
+
+
+def measure_linear(shape: Shape) -> list[Timing]:
+    """`F.linear` against `onednn_linear` on packed weights, for a random fp32 weight of `shape` at each of ROWS rows:
+    the fastest of interleaved calls (`decode.runtime.machine_choice.interleaved_minimums`), each call on the next
+    of the `streamed_weights`."""
+    weights, packed = streamed_weights(shape)
     with torch.inference_mode():
-        return [_time_kernels(torch.randn(rows, in_features), weights, packed) for rows in ROWS]
+        return [_time_kernels(torch.randn(rows, shape[1]), weights, packed) for rows in ROWS]
 
 
 def _time_kernels(x: torch.Tensor, weights: list[torch.Tensor], packed: list[torch.Tensor]) -> Timing:
@@ -134,6 +152,23 @@ def _time_kernels(x: torch.Tensor, weights: list[torch.Tensor], packed: list[tor
 
     torch_s, onednn_s = interleaved_minimums([lambda: F.linear(x, next(plain)), onednn_call])
     return Timing(x.shape[0], round(torch_s * 1e3, 4), round(onednn_s * 1e3, 4))
+
+
+def _parse_timings(items: list) -> list[Timing]:
+    return [Timing(int(t["rows"]), float(t["torch_ms"]), float(t["onednn_ms"])) for t in items]
+
+
+def shape_timings(shapes: Iterable[Shape], measure: Callable[[Shape], list[Timing]]) -> dict[Shape, list[Timing]]:
+    """Timings at ROWS for each shape, measured by `measure` once per machine (`decode.runtime.machine_choice`: the
+    shapes its cache lacks are measured and added, unless the machine is busy)."""
+    names = {shape: f"{shape[0]}x{shape[1]}" for shape in shapes}
+
+    def measure_named(name: str) -> list[dict]:
+        out_features, in_features = (int(n) for n in name.split("x"))
+        return [asdict(t) for t in measure((out_features, in_features))]
+
+    timings = measured(CHOICE, SCOPE, list(names.values()), measure_named, parse=_parse_timings)
+    return {shape: timings[name] for shape, name in names.items()}
 
 
 def _auto_eligible(module: torch.nn.Module) -> bool:
@@ -162,8 +197,7 @@ def cpu_linear_report(model: torch.nn.Module) -> dict:
     (largest first) how many layers have it and, per measured row count, both kernels' ms and the pick."""
     shapes = linear_shapes(model)
     timings = shape_timings(shapes, measure_linear)
-    key = machine_key()
-    return {"key": key, "cache_file": str(cache_file(key)), "shapes": [
+    return {"key": machine_key(), "cache_file": str(cache_file(CHOICE, SCOPE)), "shapes": [
         {"weight": list(shape), "layers": layers, "timings": [{**asdict(t), "pick": t.pick} for t in timings[shape]]}
         for shape, layers in sorted(shapes.items(), key=lambda item: (-item[0][0] * item[0][1], item[0]))]}
 
@@ -178,9 +212,9 @@ def use_cpu_linear(model: torch.nn.Module, kind: str) -> torch.nn.Module:
     """Switch every `nn.Linear` of `model` to `kind` in place; returns the model.
 
     "onednn": `OneDNNLinear`; "torch": `nn.Linear`; "auto": `AutoLinear` on each fp32 CPU layer, planned from this
-    machine's cached timings of its weight shape (`decode.runtime.kernel_choice.shape_timings`: measured here on first
-    use), and `nn.Linear` on any other device or dtype. A draft loaded with "auto" shares the target's plans for the
-    shapes they have in common (same cache) and has its own shapes measured. "onednn" and "auto" fall back to "torch"
+    machine's cached timings of its weight shape (`shape_timings`: measured here on first use), and `nn.Linear` on
+    any other device or dtype. A draft loaded with "auto" shares the target's plans for the shapes they have in common
+    (same cache) and has its own shapes measured. "onednn" and "auto" fall back to "torch"
     where this torch build has no oneDNN.
     """
     if kind not in KINDS:

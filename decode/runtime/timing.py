@@ -42,29 +42,3 @@ def run_interleaved(methods: Mapping[Hashable, Callable[[list[int]], object]], p
             outputs[name].append(out)
             seconds[name].append(s)
     return Interleaved(outputs, seconds)
-
-
-# interleaved_minimums: the fastest of timed turns, for kernels whose cost is a minimum under load
-WARMUP = 1  # an untimed turn first: oneDNN creates its primitive, pages are touched
-REPS = 31  # timed turns at most ...
-MIN_REPS = 3  # ... and at least, however long they take
-BUDGET_S = 0.15  # seconds of timed turns per (shape, rows) after which the measurement stops at MIN_REPS or beyond
-
-
-def interleaved_minimums(calls: Sequence[Callable[[], object]], *, reps: int = REPS, min_reps: int = MIN_REPS,
-                        budget_s: float = BUDGET_S, clock: Callable[[], float] = time.perf_counter) -> list[float]:
-    """Fastest seconds of each call, timed in turns (a, b, a, b, ...) so that load on the machine hits them alike:
-    WARMUP untimed turns, then `reps` timed ones, or fewer (not under `min_reps`) once `budget_s` has passed."""
-    for _ in range(WARMUP):
-        for call in calls:
-            call()
-    times: list[list[float]] = [[] for _ in calls]
-    start = clock()
-    for turn in range(reps):
-        if turn >= min_reps and clock() - start > budget_s:
-            break
-        for call, seconds in zip(calls, times):
-            begin = clock()
-            call()
-            seconds.append(clock() - begin)
-    return [min(seconds) for seconds in times]

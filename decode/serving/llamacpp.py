@@ -32,7 +32,7 @@ from typing import TypeVar
 from filelock import FileLock
 from tqdm.auto import tqdm
 
-from decode.runtime.kernel_choice import cpu_flags
+from decode.runtime.machine_choice import cpu_flags
 from decode.serving.export import target_gguf
 from pipeline import draftops_home
 

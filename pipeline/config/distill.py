@@ -46,7 +46,7 @@ class DistillConfig(Section):
     generation_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description=(
         "The precision the target generates the training responses and top-k teacher in. auto: bfloat16 for an fp32 "
         "target on a CPU with bf16 units (AVX512_BF16 or AMX-BF16) where a measurement of its products at the "
-        "generation batch, cached per CPU, finds it faster (on a CPU: a bf16 copy on weights packed for oneDNN); "
+        "generation batch, cached per machine, finds it faster (on a CPU: a bf16 copy on weights packed for oneDNN); "
         "else the target's own. The held-out responses, and so α and τ, always come from the target as loaded. "
         "docs/concepts.md#the-cpu-runtime."))
     responses: ResponsesConfig = Field(ResponsesConfig(), description=(
@@ -79,7 +79,7 @@ class DistillConfig(Section):
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description=(
         "Autocast of the draft's products (weights, optimizer and loss stay fp32), used where the device supports it. "
         "auto: bf16 on a CPU with bf16 units (AVX512_BF16 or AMX-BF16) where one training step of the draft, timed "
-        "both ways and cached per CPU, is faster with it; else full precision (and on GPUs: set bf16 there). "
+        "both ways and cached per machine, is faster with it; else full precision (and on GPUs: set bf16 there). "
         "docs/concepts.md#the-cpu-runtime."))
     max_steps: int = Field(0, ge=0, description="Stop after this many optimizer steps; 0: run all epochs.")
     # evaluation and checkpoints

@@ -90,7 +90,7 @@ class DraftopsConfig(Section):
     cpu_linear: Literal["auto", "onednn", "torch"] = Field("auto", description=(
         "fp32 linear layers on CPU at inference: oneDNN on weights packed once, torch's own (MKL), or 'auto': per "
         "weight shape and row count the one measured faster on this CPU (measured at the first load, cached under "
-        "$DRAFTOPS_HOME/cpu_linear; `draftops models info SOURCE --kernels` shows it). "
+        "$DRAFTOPS_HOME/machine_choice/cpu_linear; `draftops models info SOURCE --kernels` shows it). "
         "docs/concepts.md#the-cpu-runtime."))
     seed: int = 0
     traffic: TrafficConfig = TrafficConfig()

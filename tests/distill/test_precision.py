@@ -1,12 +1,16 @@
-"""`distill.mixed_precision: auto` (`distill.precision`): gated on bf16 units and the CPU, decided by a timed training
-step of the draft, cached per machine and step shape; a distill job records what it trained in."""
+"""The precisions a distill job computes in (`distill.precision`). `distill.generation_dtype: auto`: gated on bf16
+units, decided by the step's products, cached per machine and row count. `distill.mixed_precision: auto`: gated on
+bf16 units and the CPU, decided by a timed training step of the draft, cached per machine and step shape; a distill
+job records what it trained in. Both are cached even when timed on a busy machine."""
 from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
-from decode.runtime import kernel_choice
+from decode.runtime import machine_choice
+from decode.runtime.machine_choice import cache_file
 from distill import precision
 from distill.step import ResponseLogits
 from distill.train import run_distill
@@ -23,17 +27,21 @@ def test_auto_times_the_step_once_per_shape_and_picks_the_faster(monkeypatch):
         return 2.0, 1.0
 
     monkeypatch.setattr(precision, "time_steps", fake_time)
-    monkeypatch.setattr(precision, "machine_busy", lambda: None)
+    monkeypatch.setattr(machine_choice, "machine_busy", lambda: "load 6.1 on 2 CPUs")  # cached all the same
     monkeypatch.setattr(precision, "bf16_units", lambda: ["avx512_bf16"])
     cpu = torch.device("cpu")
-    assert precision.mixed_precision_choice("auto", step_logits, 64, device=cpu, rows=4, mean_length=70) == "bf16"
+    with pytest.warns(machine_choice.BusyMachineWarning, match="all the same"):
+        assert precision.mixed_precision_choice("auto", step_logits, 64, device=cpu, rows=4,
+                                                mean_length=70) == "bf16"
     assert timed == [(4, 128)]  # the mean length rounded up to LENGTH_STEP
-    path = precision.cache_file(kernel_choice.machine_key(), precision.step_signature(step_logits.draft, 4, 128))
-    assert json.loads(path.read_text())["bf16_s"] == 1.0
+    path = cache_file(precision.TRAINING, precision.step_scope(step_logits.draft, 4, 128))
+    assert json.loads(path.read_text())["items"]["value"] == [2.0, 1.0]
+    monkeypatch.setattr(machine_choice, "UNSAVED", {})  # as a rerun of a killed job: read back
     assert precision.mixed_precision_choice("auto", step_logits, 64, device=cpu, rows=4, mean_length=100) == "bf16"
     assert len(timed) == 1  # read back from the cache, not timed again
     monkeypatch.setattr(precision, "time_steps", lambda *a, **k: (1.0, 2.0))
-    assert precision.mixed_precision_choice("auto", step_logits, 64, device=cpu, rows=8, mean_length=70) == "no"
+    with pytest.warns(machine_choice.BusyMachineWarning):
+        assert precision.mixed_precision_choice("auto", step_logits, 64, device=cpu, rows=8, mean_length=70) == "no"
 
 
 def test_auto_is_full_precision_without_bf16_units_or_off_the_cpu_and_an_explicit_setting_is_kept(monkeypatch):
@@ -89,3 +97,47 @@ def test_under_bf16_autocast_the_attention_runs_in_fp32_for_the_duration_only(mo
             assert model.config._attn_implementation == "sdpa"
     finally:
         AttentionInterface.register(precision.FP32_ATTENTION, precision._sdpa_in_fp32)
+
+
+def test_generation_step_cost_weighs_each_shape_by_its_layers_and_is_cached(monkeypatch):
+    model = make_tiny_model(64, seed=0)
+    measured = []
+
+    def fake_measure(shape, rows):
+        measured.append((shape, rows))
+        return (1.0, 0.5) if shape[0] == 64 else (1.0, 3.0)  # bf16 wins only on the head's shape
+
+    monkeypatch.setattr(precision, "measure_shape", fake_measure)
+    monkeypatch.setattr(machine_choice, "machine_busy", lambda: None)
+    counts = precision.linear_shapes(model)
+    fp32_ms, bf16_ms = precision.step_costs(model, 16)
+    assert fp32_ms == sum(counts.values())
+    assert bf16_ms == sum(n * (0.5 if s[0] == 64 else 3.0) for s, n in counts.items())
+    assert {rows for _, rows in measured} == {16} and len(measured) == len(counts)
+    assert cache_file(precision.GENERATION, {"rows": 16}).exists()
+    measured.clear()
+    assert precision.step_costs(model, 16) == (fp32_ms, bf16_ms) and not measured  # read back, not measured
+    precision.step_costs(model, 32)
+    assert {rows for _, rows in measured} == {32}  # another batch is another file
+    monkeypatch.setattr(precision, "bf16_units", lambda: ["avx512_bf16"])
+    assert precision.generation_dtype(model, 16) == torch.float32  # the layers' sum favours fp32 here
+    monkeypatch.setattr(precision, "step_costs", lambda model, rows: (2.0, 1.0))
+    assert precision.generation_dtype(model, 16) == torch.bfloat16
+    assert precision.generation_dtype(model.to(torch.bfloat16), 16) == torch.bfloat16  # its own dtype
+
+
+def test_generation_precision_timed_on_a_busy_machine_is_cached_all_the_same(monkeypatch):
+    """It decides the training responses: a killed job's rerun must generate in the precision the first run chose."""
+    model = make_tiny_model(64, seed=0)
+    monkeypatch.setattr(precision, "measure_shape", lambda shape, rows: (1.0, 2.0))
+    monkeypatch.setattr(machine_choice, "machine_busy", lambda: "load 6.1 on 2 CPUs")
+    with pytest.warns(machine_choice.BusyMachineWarning, match="all the same"):
+        first = precision.step_costs(model, 16)
+    monkeypatch.setattr(machine_choice, "UNSAVED", {})  # another process
+    monkeypatch.setattr(precision, "measure_shape", lambda shape, rows: pytest.fail("timed again"))
+    assert precision.step_costs(model, 16) == first
+
+
+def test_a_real_generation_measurement_returns_both_times():
+    fp32_ms, bf16_ms = precision.measure_shape((32, 16), 4)
+    assert fp32_ms > 0 and bf16_ms > 0

@@ -92,9 +92,8 @@ def test_a_damaged_cache_entry_is_generated_again(isolated_home):
 
 
 def test_generation_model_is_the_target_or_its_bfloat16_copy(monkeypatch):
-    """`distill.generation_dtype`: auto takes bfloat16 where the measurement (`decode.runtime.precision_choice`)
-    picks it."""
-    import decode.runtime.precision_choice as choice
+    """`distill.generation_dtype`: auto takes bfloat16 where the measurement (`distill.precision`) picks it."""
+    import distill.precision as choice
 
     model, _ = setup()
     assert generation_model(model, "float32") is model

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from decode.drafters.suffix import load_suffix_index
-from decode.tree_budget import TREE_BUDGETS, load_rank_acceptance
+from decode.tree_budget_model import TREE_BUDGETS, load_rank_acceptance
 from distill.checkpoints import latest_checkpoint
 from distill.loop import NonFiniteLoss
 from distill.onpolicy import draft_continuations

@@ -8,20 +8,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from decode.runtime import kernel_choice, kernels
+from decode.runtime import kernels, machine_choice
 from decode.runtime.forward import ModelRunner, greedy_decode
-from decode.runtime.kernel_choice import ROWS, Timing, cache_file, machine_key, read_cache
 from decode.runtime.kernels import (
+    CHOICE,
+    ROWS,
+    SCOPE,
     AutoLinear,
     ConcatLinear,
     OneDNNLinear,
+    Timing,
     cpu_linear_of,
     linear_shapes,
     onednn_linear,
     pack_weight,
+    shape_timings,
     torch_kernels,
     use_cpu_linear,
 )
+from decode.runtime.machine_choice import cache_file, machine_key
 from pipeline.cli import main
 from tests.conftest import make_tiny_model
 from tests.decode.tiny import tiny_llama
@@ -190,6 +195,12 @@ def timings_of(picks: str):
     return measure
 
 
+def test_the_faster_kernel_is_picked_and_a_tie_keeps_torch():
+    assert Timing(1, torch_ms=0.2, onednn_ms=0.3).pick == "torch"
+    assert Timing(2, torch_ms=0.5, onednn_ms=0.3).pick == "onednn"
+    assert Timing(6, torch_ms=0.3, onednn_ms=0.3).pick == "torch"
+
+
 def test_auto_runs_the_kernel_picked_at_the_largest_measured_row_count_at_or_below(monkeypatch):
     monkeypatch.setattr(kernels, "measure_linear", timings_of("tototo"))  # at 1 2 4 6 8 64 rows
     layer = use_cpu_linear(torch.nn.Sequential(torch.nn.Linear(16, 8)), "auto")[0]
@@ -228,7 +239,7 @@ def test_auto_matches_torch_kernels_logits_and_greedy_outputs(monkeypatch):
 
 
 def test_auto_measures_each_shape_once_per_machine_and_a_draft_only_its_own(monkeypatch, isolated_home):
-    monkeypatch.setattr(kernel_choice, "machine_busy", lambda: None)  # a busy machine caches nothing (tested apart)
+    monkeypatch.setattr(machine_choice, "machine_busy", lambda: None)  # a busy machine caches nothing (tested apart)
     measured = []
 
     def measure(shape):
@@ -256,9 +267,9 @@ def test_auto_off_cpu_or_off_float32_leaves_torch_kernels_unmeasured(monkeypatch
 
 
 def test_auto_measures_for_real_on_this_machine(monkeypatch, isolated_home):
-    monkeypatch.setattr(kernel_choice, "machine_busy", lambda: None)  # cached even while other tests load the CPU
+    monkeypatch.setattr(machine_choice, "machine_busy", lambda: None)  # cached even while other tests load the CPU
     model = use_cpu_linear(make_tiny_model(64), "auto")
-    cached = read_cache(cache_file(machine_key()), machine_key())
+    cached = shape_timings(linear_shapes(model), lambda shape: pytest.fail(f"measured {shape} again"))
     assert set(cached) == set(linear_shapes(model)) == {(64, 64), (32, 64), (128, 64), (64, 128)}
     for timings in cached.values():
         assert [t.rows for t in timings] == list(ROWS) and all(t.torch_ms > 0 and t.onednn_ms > 0 for t in timings)
@@ -282,8 +293,8 @@ def test_models_info_kernels_shows_each_shapes_timings_picks_and_the_cache(monke
     out = json.loads(capsys.readouterr().out)
     assert out["layers"] == 2  # the checkpoint's facts first
     report = out["cpu_linear"]
-    assert report["key"] == machine_key() and report["cache_file"] == str(cache_file(machine_key()))
-    assert report["cache_file"].startswith(str(isolated_home / "draftops_home" / "cpu_linear"))
+    assert report["key"] == machine_key() and report["cache_file"] == str(cache_file(CHOICE, SCOPE))
+    assert report["cache_file"].startswith(str(isolated_home / "draftops_home" / "machine_choice" / "cpu_linear"))
     # largest weight first (make_tiny_model: hidden 64, MLP 128, 2 kv heads; the tokenizer's 50 words)
     assert [(s["weight"], s["layers"]) for s in report["shapes"]] == [
         ([64, 128], 2), ([128, 64], 4), ([64, 64], 4), ([50, 64], 1), ([32, 64], 4)]
@@ -293,6 +304,6 @@ def test_models_info_kernels_shows_each_shapes_timings_picks_and_the_cache(monke
 
     assert main(["models", "info", str(tiny_checkpoint), "--kernels"]) == 0
     text = capsys.readouterr().out
-    assert f"cache: {cache_file(machine_key())}" in text
+    assert f"cache: {cache_file(CHOICE, SCOPE)}" in text
     assert "   64 x 128      2     1      1.000      2.000  torch" in text
     assert "                         4      1.000      0.500  onednn" in text

@@ -13,7 +13,7 @@ from decode.factory import build_decoder, model_decoder
 from decode.runtime.forward import ModelRunner, greedy_decode
 from decode.step_costs import measure_costs, representative_tree
 from decode.token_tree import ROOT
-from decode.tree_budget import (
+from decode.tree_budget_model import (
     best_trees,
     context_schedule,
     draft_cost,

@@ -6,9 +6,9 @@ costs about one target step, wide trees pay; where it costs two (a CPU without s
 nodes a round beat eight. So one machine's schedule does not carry to another, and `auto` measures instead: the costs
 `draftops sweep` prices trees with (`decode.step_costs.measure_costs`: the target's step and its tree verify of
 `TREE_BUDGETS` nodes, the draft's rounds, a feature draft's fed the target's features, at `CONTEXTS`), once per
-machine, target and draft, cached as JSON under `$DRAFTOPS_HOME/tree_costs/` (not cached when the machine is busy,
-as for `cpu_linear: auto`); the rank acceptances p_r are the draft's, measured by its distill on held-out responses
-(`decode.tree_budget.load_rank_acceptance`; a feature draft's at its first position). The schedule is then the
+machine, target and draft (a choice of `decode.runtime.machine_choice`, which caches them, or on a busy machine keeps
+them for this process only); the rank acceptances p_r are the draft's, measured by its distill on held-out responses
+(`decode.tree_budget_model.load_rank_acceptance`; a feature draft's at its first position). The schedule is then the
 sweep's own recommendation (`predict_tree_budgets`, `recommend_tree_budget`).
 
 Trees grown without a draft model (prompt lookup's branches and suffix decoding's candidates: `--draft prompt-lookup`,
@@ -24,11 +24,9 @@ goes with it: a draft distilled before p_r were stored, or no draft model and no
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -36,29 +34,32 @@ from decode.drafters.chain import make_drafter
 from decode.drafters.model_tree import make_tree_drafter
 from decode.drafters.protocol import DRAFT
 from decode.drafters.suffix import SuffixIndex
-from decode.runtime.kernel_choice import machine_busy, machine_key
 from decode.runtime.kernels import cpu_linear_of
 from decode.runtime.lean import COMPILED_MAX_TOKENS, compiled_lean
+from decode.runtime.machine_choice import cache_file, measured_once
 from decode.sampling import Warp
 from decode.step_costs import measure_costs
 from decode.token_tree import ROOT
-from decode.tree_budget import (
+from decode.tree_budget_model import (
     TREE_BUDGETS,
     load_rank_acceptance,
     predict_model_free_budgets,
     predict_tree_budgets,
     recommend_tree_budget,
 )
-from pipeline import draftops_home
 from pipeline.config import DEFAULT_TREE_BUDGET_SCHEDULE
-from pipeline.files import write_text_atomic
 
 CONTEXTS = (128, 512, 2048)  # the sweep's context lengths for trees; schedule entries split at their midpoints
 REPS = 10  # timed repetitions of every quantity (the sweep's)
 SEED = 0  # of the token ids timed: a tree pass costs the same whatever the tokens
-BUSY_TIMINGS: dict[Path, dict] = {}  # cache file -> costs timed on a busy machine, for this process only
+COSTS, REPLAYED = "tree_costs", "tree_replayed_tau"  # the measurements' names in `machine_choice`
 REPLAY_SEQUENCES = 32  # responses of the suffix index replayed for a model-free tree's τ(B) (`replayed_tau`)
 MIN_REPLAY_SEQUENCES = 8  # fewer in the index: too little text to tell budgets apart, the built-in schedule stands
+
+
+def to_stderr(line: str) -> None:
+    """Where the line announcing a measurement goes by default."""
+    print(line, file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -167,22 +168,20 @@ def replayed_tau(target_model, trees: ModelFreeTrees, budgets: Sequence[int], ma
 
 def cached_replayed_tau(target, trees: ModelFreeTrees, max_depth: int,
                         log: Callable[[str], None] | None = None) -> dict[int, float]:
-    """`replayed_tau` at `TREE_BUDGETS` from the cache under `$DRAFTOPS_HOME/tree_costs/`, or replayed and cached
-    (it depends on the sources and the index, not on the machine)."""
+    """`replayed_tau` at `TREE_BUDGETS`, replayed once and cached (`machine_choice.measured` with no timing: it
+    depends on the sources and the index, not on the machine)."""
     key = {"replayed_tau": trees.settings(), "max_depth": max_depth, "budgets": list(TREE_BUDGETS),
            "sequences": REPLAY_SEQUENCES}
-    path = cache_file(key)
-    cached = read_costs(path, key)
-    if cached is not None:
-        return {int(b): float(t) for b, t in cached.items()}
-    (log or (lambda line: print(line, file=sys.stderr, flush=True)))(
-        f"tree budget auto: replaying {trees.kind}'s trees of {min(TREE_BUDGETS)}-{max(TREE_BUDGETS)} nodes on "
-        f"{min(REPLAY_SEQUENCES, len(trees.index) // 2)} of the suffix index's responses, once (cached under "
-        f"{path.parent})")
-    tau = replayed_tau(target.model, trees, TREE_BUDGETS, max_depth)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, json.dumps({"key": key, "costs": {str(b): t for b, t in tau.items()}}, indent=1))
-    return tau
+
+    def replay() -> dict[str, float]:
+        (log or to_stderr)(
+            f"tree budget auto: replaying {trees.kind}'s trees of {min(TREE_BUDGETS)}-{max(TREE_BUDGETS)} nodes on "
+            f"{min(REPLAY_SEQUENCES, len(trees.index) // 2)} of the suffix index's responses, once (cached under "
+            f"{cache_file(REPLAYED, key, timed=False).parent})")
+        return {str(b): t for b, t in replayed_tau(target.model, trees, TREE_BUDGETS, max_depth).items()}
+
+    tau = measured_once(REPLAYED, key, replay, timed=False)
+    return {int(b): float(t) for b, t in tau.items()}
 
 
 def cost_contexts(model, max_depth: int) -> list[int]:
@@ -196,13 +195,12 @@ def cost_contexts(model, max_depth: int) -> list[int]:
 
 
 def cost_key(target, draft, max_depth: int) -> dict:
-    """What the measured costs hold for: this machine (CPU, torch, threads; the GPU's name on one), the target and
-    draft weights (draft None: the target's costs alone), their device, dtype, CPU kernels and compiled passes
-    (`decode.compiled`: up to how many tokens a pass is compiled), and what was timed."""
+    """What the measured costs hold for besides the machine (CPU, torch, threads: `machine_choice`): the GPU's name
+    on one, the target and draft weights (draft None: the target's costs alone), their device, dtype, CPU kernels and
+    compiled passes (`decode.compiled`: up to how many tokens a pass is compiled), and what was timed."""
     parameter = next(target.model.parameters())
     device = parameter.device
-    return {"machine": machine_key(),
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
             "dtype": str(parameter.dtype), "kernels": cpu_linear_of(target.model),
             **({"compiled": COMPILED_MAX_TOKENS} if compiled_lean(target.model) is not None else {}),
             "target": target.fingerprint, "draft": None if draft is None else draft.fingerprint,
@@ -210,47 +208,23 @@ def cost_key(target, draft, max_depth: int) -> dict:
             "gammas": sorted({1, max_depth})}
 
 
-def cache_file(key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return draftops_home() / "tree_costs" / f"{digest}.json"
-
-
-def read_costs(path: Path, key: dict) -> dict | None:
-    """The costs cached in `path` for `key`; None if missing, unreadable or for another key."""
-    try:
-        data = json.loads(path.read_text())
-        return data["costs"] if data["key"] == key else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 def tree_costs(target, draft, max_depth: int, *, reps: int = REPS, log: Callable[[str], None] | None = None) -> dict:
     """`measure_costs` of the target's tree verifies and the draft's rounds (γ 1 and max_depth, between which a
-    tree level's cost is interpolated; none with draft None), from the cache or measured and cached; timings a busy
-    machine gave are kept for the rest of this process only (`BUSY_TIMINGS`), so its later decoders do not time
-    again."""
+    tree level's cost is interpolated; none with draft None), timed once per machine and `cost_key`."""
     key = cost_key(target, draft, max_depth)
-    path = cache_file(key)
-    cached = BUSY_TIMINGS.get(path) or read_costs(path, key)
-    if cached is not None:
-        return cached
-    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     contexts = key["contexts"]
-    timed = "" if draft is None else " and the draft's rounds"
-    log(f"tree budget auto: timing the target's tree verify of {min(TREE_BUDGETS)}-{max(TREE_BUDGETS)} nodes{timed} "
-        f"at contexts {contexts}, once on this machine (cached under {path.parent})")
-    vocab_size = target.model.get_output_embeddings().weight.shape[0]
-    tokens = torch.randint(vocab_size, (max(contexts) + max_depth + 2,),
-                           generator=torch.Generator().manual_seed(SEED)).tolist()
-    drafters = {} if draft is None else {
-        DRAFT: make_drafter(DRAFT, target.model, draft.model, draft_token_ids=draft.token_ids)}
-    costs = measure_costs(target.model, drafters, tokens, contexts, key["gammas"], reps=reps,
-                          tree_budgets=TREE_BUDGETS)
-    busy = machine_busy()
-    if busy:
-        log(f"tree budget auto: timed on a busy machine ({busy}): used by this process, not cached")
-        BUSY_TIMINGS[path] = costs
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(path, json.dumps({"key": key, "costs": costs}, indent=1))
-    return costs
+
+    def measure() -> dict:
+        timed = "" if draft is None else " and the draft's rounds"
+        (log or to_stderr)(
+            f"tree budget auto: timing the target's tree verify of {min(TREE_BUDGETS)}-{max(TREE_BUDGETS)} nodes"
+            f"{timed} at contexts {contexts}, once on this machine (cached under {cache_file(COSTS, key).parent})")
+        vocab_size = target.model.get_output_embeddings().weight.shape[0]
+        tokens = torch.randint(vocab_size, (max(contexts) + max_depth + 2,),
+                               generator=torch.Generator().manual_seed(SEED)).tolist()
+        drafters = {} if draft is None else {
+            DRAFT: make_drafter(DRAFT, target.model, draft.model, draft_token_ids=draft.token_ids)}
+        return measure_costs(target.model, drafters, tokens, contexts, key["gammas"], reps=reps,
+                             tree_budgets=TREE_BUDGETS)
+
+    return measured_once(COSTS, key, measure)

@@ -6,10 +6,12 @@ import json
 
 import pytest
 
-import decode.tree_budget_auto as auto
+import decode.tree_budget_measured as auto
 from decode.drafters.suffix import SuffixIndex
 from decode.factory import build_decoder, tree_budget_choice
-from decode.tree_budget import TREE_BUDGETS, load_rank_acceptance, save_rank_acceptance
+from decode.runtime import machine_choice
+from decode.tree_budget_model import TREE_BUDGETS, load_rank_acceptance, save_rank_acceptance
+from pipeline import draftops_home
 from pipeline.config import DEFAULT_TREE_BUDGET_SCHEDULE, DecodeConfig, DraftopsConfig
 from pipeline.sources import TREE_ACCEPTANCE_FILE, ResolvedModel
 from tests.decode.tiny import greedy_reference
@@ -59,15 +61,15 @@ def test_the_budget_follows_the_measured_cost_curve(models, monkeypatch, v_tree,
 
 
 def test_measured_once_then_cached_per_draft(models, monkeypatch, close_draft):
-    monkeypatch.setattr(auto, "machine_busy", lambda: None)  # (tests may run beside other work)
+    monkeypatch.setattr(machine_choice, "machine_busy", lambda: None)  # (tests may run beside other work)
     lines = []
     first = auto.auto_budget_schedule(*models, max_depth=5, reps=1, log=lines.append)
     assert len(lines) == 1 and "timing the target's tree verify of 2-64 nodes" in lines[0]
     assert first.source == "measured on this machine"
     (budget,) = {b for _, b in first.schedule}  # one context fits the tiny target's 512 positions
     assert first.schedule == [(128, budget)] and budget in TREE_BUDGETS
-    (cached,) = (auto.draftops_home() / "tree_costs").glob("*.json")
-    assert json.loads(cached.read_text())["key"]["contexts"] == [128]
+    (cached,) = (draftops_home() / "machine_choice" / auto.COSTS).glob("*.json")
+    assert json.loads(cached.read_text())["scope"]["contexts"] == [128]
 
     monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: pytest.fail("measured again"))
     assert auto.auto_budget_schedule(*models, max_depth=5, log=lines.append) == first and len(lines) == 1
@@ -79,13 +81,12 @@ def test_measured_once_then_cached_per_draft(models, monkeypatch, close_draft):
 
 def test_costs_timed_on_a_busy_machine_are_not_cached(models, monkeypatch):
     monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: flat_costs(lambda b: 1.0 + 0.2 * b))
-    monkeypatch.setattr(auto, "machine_busy", lambda: "load 6.0 on 2 CPUs")
-    monkeypatch.setattr(auto, "BUSY_TIMINGS", {})
+    monkeypatch.setattr(machine_choice, "machine_busy", lambda: "load 6.0 on 2 CPUs")
     lines = []
-    assert auto.auto_budget_schedule(*models, max_depth=5, log=lines.append).schedule == [(128, 2)]
-    assert lines[-1] == ("tree budget auto: timed on a busy machine (load 6.0 on 2 CPUs): used by this process, "
-                         "not cached")
-    assert not (auto.draftops_home() / "tree_costs").exists()
+    with pytest.warns(machine_choice.BusyMachineWarning, match=r"tree_costs: timed on a busy machine \(load 6.0 on 2 "
+                                                               r"CPUs\); used by this process and not cached"):
+        assert auto.auto_budget_schedule(*models, max_depth=5, log=lines.append).schedule == [(128, 2)]
+    assert not (draftops_home() / "machine_choice" / auto.COSTS).exists()
     # this process's later decoders use them: no second timing
     monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: pytest.fail("measured again"))
     assert auto.auto_budget_schedule(*models, max_depth=5, log=lines.append).schedule == [(128, 2)]
@@ -122,7 +123,7 @@ def test_a_feature_draft_is_timed_with_the_targets_features(tmp_path, monkeypatc
     from tests.conftest import make_tiny_model
     from tests.decode.models.test_feature_draft import VOCAB, make_feature_draft
 
-    monkeypatch.setattr(auto, "machine_busy", lambda: None)
+    monkeypatch.setattr(machine_choice, "machine_busy", lambda: None)
     target = make_tiny_model(VOCAB, seed=3, layers=4)
     save_rank_acceptance(tmp_path, P, positions=400)
     choice = auto.auto_budget_schedule(ResolvedModel("t", None, target, None, "t-fp", None),
@@ -166,9 +167,9 @@ def test_without_a_draft_model_the_budget_comes_from_the_replayed_trees(models, 
     assert choice == auto.BudgetChoice([(128, budget)], "measured on this machine, τ replayed on 5 responses")
     assert lines[0].startswith("tree budget auto: replaying suffix's trees of 2-8 nodes on 5 of the suffix index's "
                                "responses, once")
-    (replayed,) = [json.loads(f.read_text()) for f in (auto.draftops_home() / "tree_costs").glob("*.json")
-                   if "replayed_tau" in f.read_text()]
-    assert replayed["costs"] == pytest.approx({"2": 19 / 7, "4": 19 / 5, "8": 19 / 5})
+    (replayed,) = [json.loads(f.read_text())
+                   for f in (draftops_home() / "machine_choice" / auto.REPLAYED).glob("*.json")]
+    assert replayed["items"]["value"] == pytest.approx({"2": 19 / 7, "4": 19 / 5, "8": 19 / 5})
     monkeypatch.setattr(auto, "replayed_tau", lambda *a, **k: pytest.fail("replayed again"))
     assert auto.auto_budget_schedule(models[0], None, max_depth=5, model_free=trees, log=lines.append) == choice
     small = auto.ModelFreeTrees("suffix", SuffixIndex([TEXT] * 7))

@@ -60,7 +60,7 @@ def rank_acceptance(ranks: Sequence[Sequence[int]], max_rank: int) -> list[float
 
 def save_rank_acceptance(draft_dir: str | Path, p: Sequence[float], positions: int) -> None:
     """Write p_1.. (`rank_acceptance`) over `positions` held-out positions to the draft folder's
-    `TREE_ACCEPTANCE_FILE`, where `decode.tree_budget_auto` reads it."""
+    `TREE_ACCEPTANCE_FILE`, where `decode.tree_budget_measured` reads it."""
     write_text_atomic(Path(draft_dir) / TREE_ACCEPTANCE_FILE,
                       json.dumps({"rank_acceptance": [float(x) for x in p], "positions": int(positions)}, indent=1))
 
@@ -194,7 +194,7 @@ def predict_tree_budgets(costs: dict, draft: str, p: Sequence[float], budgets: S
 def predict_model_free_budgets(costs: dict, name: str, tau: Mapping[int, float]) -> list[dict]:
     """Tree rows, as `predict_tree_budgets` gives them, of trees grown without a draft model (prompt lookup's
     branches, suffix decoding's candidates) at every measured context: τ(B) replayed on text the target wrote
-    (`decode.tree_budget_auto.replayed_tau`: their acceptance is not a draft's rank acceptance, so the dynamic
+    (`decode.tree_budget_measured.replayed_tau`: their acceptance is not a draft's rank acceptance, so the dynamic
     program has nothing to work on), no draft cost (their search runs on the host between passes, left out as the
     draft's prefill is), predicted speedup τ(B) / v_tree(B). The tree's shape is the sources' own: not reported."""
     target, rows = costs["target"], []
@@ -225,7 +225,7 @@ def context_schedule(contexts: Sequence[int], pick: Callable[[int], int]) -> lis
 def recommend_tree_budget(rows: list[dict], contexts: Sequence[int]) -> dict:
     """The draft whose best budget per context has the best mean predicted speedup, and its node budget by context
     length (`context_schedule`): the budget with the most predicted tokens/s at each measured context
-    (`decode.tree_budget.predict_tree_budgets`)."""
+    (`decode.tree_budget_model.predict_tree_budgets`)."""
     drafts = list(dict.fromkeys(r["draft"] for r in rows))
 
     def best(draft: str, context: int) -> dict:
