@@ -32,9 +32,10 @@ from distill.heldout_eval import exact_eval, feature_eval
 from distill.init import init_draft
 from distill.loop import NonFiniteLoss, Timings, TrainingData, train_loop
 from distill.precision import fp32_attention, mixed_precision_choice
-from distill.responses import cached_responses, generation_model
+from distill.responses import cached_responses, check_teacher, generation_model
 from distill.step import ResponseLogits, draft_module
 from pipeline.config import DraftopsConfig, load_config
+from pipeline.errors import OperatorError
 from pipeline.files import write_text_atomic
 from pipeline.locks import EXIT_BUSY, ModelBusy
 from pipeline.metrics import size_alias
@@ -128,6 +129,7 @@ def prepare_data(cfg: DraftopsConfig, state: PartialState, target, timings: Timi
         prompts, _ = encode_prompts(heldout_requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
         heldout, _, _ = cached_responses(target.model, target.tokenizer, target.fingerprint, heldout_requests,
                                          prompts, samples=1, **common)
+    check_teacher(train, train_dir)  # before anything trains on it
     state.print(f"draftops distill: {len(train)} target responses ({train.num_response_tokens} tokens, "
                       f"{teacher}) {'from the cache' if hit else 'generated'} at {train_dir}")
     if d.family == FEATURES:  # the feature draft's inputs, once for the data set (`distill.features`)
@@ -379,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLoss as exc:
         print(f"draftops distill: error: {exc}", file=sys.stderr)
         return 3
-    except (TrackingUnavailable, NothingToRegister, UnsafeCheckpoint, SourceError) as exc:
+    except (OperatorError, TrackingUnavailable, NothingToRegister, UnsafeCheckpoint, SourceError) as exc:
         print(f"draftops distill: error: {exc}", file=sys.stderr)
         return 2
     except ModelBusy as exc:  # registration waited tracking.lock_timeout for a check; the draft is kept

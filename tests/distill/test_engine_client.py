@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from distill.data_generation.engine import EngineError, EngineRequest, Server, Settings, generate
-from distill.data_generation.identity import EngineUnavailable, common_identity, probe
+from distill.data_generation.identity import DifferentTeachers, EngineUnavailable, common_identity, probe
 from distill.losses import TopKTeacher, distillation_loss
 from tests.distill.fake_engine import STOP, FakeEngine, Faults, answer
 
@@ -130,7 +130,7 @@ def test_servers_of_one_job_serve_one_model():
             FakeEngine("llamacpp", ftype="Q8_0") as c:
         same = {a.url: probe(a.url), c.url: probe(c.url)}
         assert common_identity(same).quantization == "Q8_0"
-        with pytest.raises(ValueError, match="different models"):
+        with pytest.raises(DifferentTeachers, match="different models"):
             common_identity({a.url: probe(a.url), b.url: probe(b.url)})
 
 
