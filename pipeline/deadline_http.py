@@ -40,11 +40,11 @@ def exchange(url: str, *, data: bytes | None = None, headers: dict[str, str] | N
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     connection = kind(parts.hostname, parts.port, timeout=timeout)
     expired = threading.Event()
+    opened: list[socket.socket] = []  # the connection lets go of its socket once a response says it closes
 
     def cut() -> None:
         expired.set()
-        sock = connection.sock
-        if sock is not None:
+        for sock in opened:
             try:
                 sock.shutdown(socket.SHUT_RDWR)  # wakes a read blocked on it
             except OSError:
@@ -56,6 +56,7 @@ def exchange(url: str, *, data: bytes | None = None, headers: dict[str, str] | N
     path = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
     try:
         connection.connect()
+        opened.append(connection.sock)
         if expired.is_set():
             raise DeadlinePassed
         connection.request("POST" if data is not None else "GET", path, body=data, headers=headers or {})
@@ -69,6 +70,8 @@ def exchange(url: str, *, data: bytes | None = None, headers: dict[str, str] | N
                 raise ValueError(f"{url}: an answer over {max_bytes >> 20} MiB")
         if expired.is_set():
             raise DeadlinePassed
+        if response.length:  # the server closed before the length it announced (http.client does not say)
+            raise http.client.IncompleteRead(bytes(body), response.length)
         return Answer(response.status, response.reason, bytes(body))
     except (OSError, http.client.HTTPException) as exc:
         if expired.is_set() or isinstance(exc, TimeoutError):

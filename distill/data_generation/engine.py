@@ -146,7 +146,8 @@ def check_topk(parsed: ParsedCompletion) -> None:
         raise MalformedResponse(f"top-k log-probs at only {len(sizes)} of {len(parsed.top)} tokens")
     if min(sizes) < max(sizes):
         short = next(i for i, row in enumerate(parsed.top) if row and len(row) == min(sizes))
-        raise MalformedResponse(f"a short top-k: {min(sizes)} entries at token {short}, {max(sizes)} at others")
+        raise MalformedResponse(f"a short top-k: token {short} holds {min(sizes)} of the {max(sizes)} entries the "
+                                "others hold")
 
 
 def check_model(server: Server, body) -> None:
@@ -168,7 +169,10 @@ def post_json(url: str, body: dict, timeout: float) -> dict | list:
                           timeout=timeout)
     except DeadlinePassed as exc:
         raise _Retry(f"{exc} (distill.responses.timeout)") from None
-    except (OSError, http.client.HTTPException) as exc:  # refused, reset, cut short
+    except http.client.IncompleteRead as exc:
+        raise _Retry(f"a body cut short ({len(exc.partial)} bytes of {len(exc.partial) + (exc.expected or 0)})"
+                     ) from None
+    except (OSError, http.client.HTTPException) as exc:  # refused, reset
         raise _Retry(f"{type(exc).__name__}: {exc}") from None
     if not 200 <= answer.status < 300:
         detail = answer.body[:300].decode(errors="replace").replace("\n", " ")
@@ -209,8 +213,7 @@ class _Run:
     def fail(self, message: str) -> None:
         with self.lock:
             if self.failure is None:
-                self.failure = (f"{message}; {self.left} of {self.total} requests remain: run again to ask for "
-                                "those only (the finished ones are kept)")
+                self.failure = message
         self.stopped.set()
 
     def wait(self, attempt: int) -> float:
@@ -311,8 +314,7 @@ def generate(servers: Sequence[Server], requests: Sequence[EngineRequest], setti
     finally:
         run.bar.close()
     run.stats.seconds = time.perf_counter() - start
-    if run.failure is not None:
-        raise EngineError(run.failure)
-    if run.left:
-        raise EngineError(f"{run.left} of {run.total} requests were not answered, without an error")
+    if run.failure is not None or run.left:  # counted now: requests in flight at the failure may have finished since
+        raise EngineError(f"{run.failure or 'requests left unanswered'}; {run.left} of {run.total} requests remain: "
+                          "run again to ask for those only (the finished ones are kept)")
     return run.stats
