@@ -28,7 +28,7 @@ def check_command(args) -> int:
     from monitor.decision import EXIT_ERROR
     from monitor.service import EXIT_BUSY, check_lock, log_failed_check
     from pipeline.config import load_config
-    from pipeline.tracking import TrackingUnavailable, check_tracking
+    from pipeline.tracking import TrackingUnavailable, check_tracking, store_error_line
 
     _setup_logging()
     cfg = load_config(args.config, args.overrides)
@@ -43,6 +43,9 @@ def check_command(args) -> int:
         print(f"draftops: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except Exception as exc:  # one line here; the traceback goes to a file and to the check's FAILED run
+        if store_error_line(exc) is not None:  # the store failed: nowhere to record the failed check either
+            print(f"draftops: error: {store_error_line(exc)}", file=sys.stderr)
+            return EXIT_ERROR
         where = _save_traceback(cfg, exc)
         log_failed_check(cfg, exc)
         first = (str(exc).strip().splitlines() or [""])[0][:500]
@@ -218,9 +221,10 @@ def demo_command(args) -> int:
 def target_finetune_command(args) -> int:
     from monitor.target_update import run_finetune
     from pipeline.config import load_config
-    from pipeline.tracking import tracking_uri
+    from pipeline.tracking import check_tracking, tracking_uri
 
     cfg = load_config(args.config, args.overrides)
+    check_tracking(cfg)  # it logs its run: the store answers before the fine-tuning, not after it
     result = run_finetune(cfg)
     print(f"draftops target finetune: done ({cfg.target_update.style} style, {result.examples} examples, "
           f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f})")
