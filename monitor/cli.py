@@ -76,8 +76,8 @@ def serve_command(args) -> int:
     from pipeline.tracking import check_tracking
 
     _setup_logging()
-    check_tracking(load_config(args.config))  # a service that cannot track its checks does not start
-    return serve(args.config, run_now=args.run_now)
+    check_tracking(load_config(args.config, args.overrides))  # a service that cannot track its checks does not start
+    return serve(args.config, run_now=args.run_now, overrides=args.overrides)
 
 
 def simulate_command(args) -> int:
@@ -258,10 +258,9 @@ def add_commands(subparsers) -> None:
     monitor = subparsers.add_parser("monitor", help="check the champion draft for drift, on demand or nightly")
     actions = monitor.add_subparsers(dest="action", required=True)
 
-    def with_config(parser: argparse.ArgumentParser, overrides: bool = True) -> argparse.ArgumentParser:
+    def with_config(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         parser.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
-        if overrides:
-            parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+        parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
         return parser
 
     check = with_config(actions.add_parser(
@@ -270,8 +269,7 @@ def add_commands(subparsers) -> None:
     check.add_argument("--json", action="store_true")
     check.set_defaults(handler=check_command)
 
-    serve = with_config(actions.add_parser("serve", help="run the check on the configured cron schedule"),
-                        overrides=False)
+    serve = with_config(actions.add_parser("serve", help="run the check on the configured cron schedule"))
     serve.add_argument("--run-now", action="store_true", help="also run one check right away")
     serve.set_defaults(handler=serve_command)
 
