@@ -23,6 +23,7 @@ tokenized, so that one huge request costs memory in proportion to the configurat
 """
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import glob
 import gzip
@@ -139,12 +140,18 @@ def resolve_traffic_path(path: str | Path) -> Path:
 
 
 def traffic_files(path: Path) -> list[Path]:
-    """The file, or the files a glob matches, in sorted order."""
-    if any(c in str(path) for c in _GLOB_CHARACTERS):
+    """The file, or the files a glob matches, in sorted order; a path that exists is the file it names, glob
+    characters (`log[1].jsonl`) and all."""
+    if not path.exists() and any(c in str(path) for c in _GLOB_CHARACTERS):
         files = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file())
         if not files:
             raise TrafficError(f"{path}: no traffic file matches")
         return files
+    if path.is_dir():
+        raise TrafficError(f"{path}: a directory, not a traffic file (name a file, or a glob such as {path}/*.jsonl)")
+    if path.exists() and not path.is_file():
+        kind = "a FIFO" if path.is_fifo() else "a socket" if path.is_socket() else "a device"
+        raise TrafficError(f"{path}: {kind}, not a traffic file (traffic is read from a regular file)")
     if not path.is_file():
         raise TrafficError(f"{path}: traffic file not found")
     return [path]
@@ -234,6 +241,8 @@ def _raw_lines(path: Path, max_line_bytes: int) -> Iterator[tuple[int, bytes | N
                 if not raw:
                     return
                 line_no += 1
+                if line_no == 1 and raw.startswith(codecs.BOM_UTF8):  # what some editors put before the first line
+                    raw = raw[len(codecs.BOM_UTF8):]
                 if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
                     while (rest := f.readline(_SKIP_CHUNK)) and not rest.endswith(b"\n"):
                         pass
