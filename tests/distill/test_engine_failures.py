@@ -92,3 +92,18 @@ def test_two_servers_serving_different_models_is_one_line_and_exit_2(tmp_path, c
         assert main(["distill", "--config", str(config), "--init-only",
                      f"distill.responses.servers=[{good.url}]"]) == 0
         assert good.requests == TRAIN_PROMPTS * SAMPLES
+
+
+def test_a_teacher_without_entries_is_never_trained_on(tmp_path):
+    """What a cache entry written from answers without top-k would hold: refused before training (the loss would be
+    0 and the draft trained on nothing), while a few tokens without entries (the tail bucket's) are fine."""
+    import torch
+
+    from distill.responses import EmptyTeacher, check_teacher, response_set
+
+    empty = (torch.full((5, 4), float("-inf")).half(), torch.full((5, 4), -1, dtype=torch.int32))
+    with pytest.raises(EmptyTeacher, match="only 0 of the 5 training response tokens carry a top-k teacher"):
+        check_teacher(response_set([[1, 2]], [[3, 4, 5, 6, 2]], [empty]), tmp_path)
+    some = (empty[0].clone(), empty[1].clone())
+    some[1][:4, 0], some[0][:4, 0] = 3, -0.1
+    check_teacher(response_set([[1, 2]], [[3, 4, 5, 6, 2]], [some]), tmp_path)
