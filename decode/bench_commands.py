@@ -46,9 +46,9 @@ def bench_command(args) -> int:
     try:
         compare = _compared_decoders(args)
         if args.draft == PROMPT_LOOKUP:
-            (cfg, target), draft = load_target(args), None
+            (cfg, target), draft = load_target(args, tracked=True), None
         else:
-            cfg, target, draft = load_target_and_draft(args)
+            cfg, target, draft = load_target_and_draft(args, tracked=True)
         challenger = load_draft(args.challenger, target, cpu_linear=cfg.cpu_linear) if args.challenger else None
         _, requests = selected_requests(cfg, args)
         prompts, _ = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
@@ -100,7 +100,7 @@ def sweep_command(args) -> int:
     from pipeline.tracking import log_figure, start_run
     from pipeline.traffic import encode_prompts
 
-    cfg, target = load_target(args)
+    cfg, target = load_target(args, tracked=True)
     notes: list[str] = []
     try:
         _, requests = selected_requests(cfg, args)

@@ -13,28 +13,37 @@ from pathlib import Path
 from pipeline.registry import is_registry_uri
 
 
-def load_target(args):
+def load_target(args, tracked: bool = False):
+    """Config (with overrides) and the target; `tracked`: the command logs to MLflow, so its store must answer
+    first (`check_tracking`), before any model is loaded or any work done. A `models:/` target or draft is looked up
+    before the target loads: a version the store lacks, or a store that fails, ends the command before its work."""
     from decode.serving.loading import load_model
     from pipeline.config import load_config
+    from pipeline.registry import find_version
+    from pipeline.tracking import check_tracking, setup_mlflow
 
     cfg = load_config(args.config, args.overrides)
+    if tracked:
+        check_tracking(cfg)
     sources = [args.target or cfg.target, getattr(args, "draft", None) or getattr(args, "drafts", None) or ""]
     if any(is_registry_uri(source) for source in sources):
-        from pipeline.tracking import setup_mlflow
-
         setup_mlflow(cfg)  # registry sources resolve against the configured store
+    for source in (sources[0], getattr(args, "draft", None) or ""):
+        if is_registry_uri(source):
+            find_version(source)
     return cfg, load_model(args.target or cfg.target, device=cfg.device, dtype=cfg.dtype, cpu_linear=cfg.cpu_linear)
 
 
-def load_target_and_draft(args):
-    """Config (with overrides), then target and draft on the same device and dtype, tokenizers checked."""
+def load_target_and_draft(args, tracked: bool = False):
+    """Config (with overrides), then target and draft on the same device and dtype, tokenizers checked (`tracked`:
+    as `load_target`)."""
     from decode.drafters.lookup import PROMPT_LOOKUP
     from decode.serving.loading import load_draft
 
     if args.draft == PROMPT_LOOKUP:
         raise ValueError(f"--draft {PROMPT_LOOKUP} works with `draftops decode`, `bench` and `sweep`; "
                          "this command needs a draft model")
-    cfg, target = load_target(args)
+    cfg, target = load_target(args, tracked)
     return cfg, target, load_draft(args.draft, target, cpu_linear=cfg.cpu_linear)
 
 
@@ -164,7 +173,7 @@ def eval_command(args) -> int:
     from pipeline.traffic import encode_prompts
 
     try:
-        cfg, target, draft = load_target_and_draft(args)
+        cfg, target, draft = load_target_and_draft(args, tracked=True)
     except ValueError as exc:
         return error(exc)
     try:

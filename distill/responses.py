@@ -29,6 +29,7 @@ from decode.runtime.kernels import use_cpu_linear
 from decode.runtime.lean_families import notice_fallback
 from distill.precision import generation_dtype
 from pipeline import draftops_home
+from pipeline.errors import OperatorError
 from pipeline.files import recover_dir, swap_dir, temporary_sibling
 from pipeline.sources import eos_token_ids
 from pipeline.traffic import encode_configured
@@ -228,6 +229,21 @@ def response_cache_dir(target_fingerprint: str, key: str) -> Path:
 
 class DamagedCache(ValueError):
     """A cache entry that cannot be read back whole (a truncated or corrupted file)."""
+
+
+class EmptyTeacher(OperatorError):
+    """Training responses whose top-k teacher holds (almost) nothing to learn from."""
+
+
+def check_teacher(responses: ResponseSet, where: Path) -> None:
+    """EmptyTeacher unless most response tokens carry a top-k entry. A teacher without entries (a server that
+    returned none) gives a loss of 0 and a draft trained on nothing, which must never be trained on or registered;
+    a few tokens without one (llama-server's inside a UTF-8 character) are the loss's tail bucket."""
+    tokens = responses.num_response_tokens
+    carried = int((responses.topk_indices[:, 0] >= 0).sum()) if tokens and responses.topk_indices is not None else 0
+    if 2 * carried < tokens or not tokens:
+        raise EmptyTeacher(f"{where}: only {carried} of the {tokens} training response tokens carry a top-k "
+                           "teacher; nothing trained or registered (delete the entry and generate it again)")
 
 
 def save_responses(responses: ResponseSet, out: Path) -> None:

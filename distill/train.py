@@ -32,6 +32,7 @@ from distill.register import export_draft, log_and_register
 from distill.step import ResponseLogits, draft_module
 from distill.training_data import prepare_data
 from pipeline.config import DraftopsConfig, load_config
+from pipeline.errors import OperatorError
 from pipeline.files import write_text_atomic
 from pipeline.locks import EXIT_BUSY, ModelBusy
 from pipeline.metrics import size_alias
@@ -313,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLoss as exc:
         print(f"draftops distill: error: {exc}", file=sys.stderr)
         return 3
-    except (TrackingUnavailable, NothingToRegister, UnsafeCheckpoint, SourceError, RecordedMismatch) as exc:
+    except (OperatorError, TrackingUnavailable, NothingToRegister, UnsafeCheckpoint, SourceError,
+            RecordedMismatch) as exc:
         print(f"draftops distill: error: {exc}", file=sys.stderr)
         return 2
     except ModelBusy as exc:  # registration waited tracking.lock_timeout for a check; the draft is kept

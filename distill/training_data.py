@@ -16,7 +16,7 @@ from distill.data_generation.generate import engine_cached_responses
 from distill.features import cached_features
 from distill.loop import Timings, TrainingData
 from distill.recorded import check_served_by, recorded_responses
-from distill.responses import cached_responses, generation_model
+from distill.responses import cached_responses, check_teacher, generation_model
 from distill.turn_data import TurnResponses, turn_responses
 from pipeline.config import DraftopsConfig
 from pipeline.prompts import prompt_style
@@ -71,6 +71,7 @@ def prepare_data(cfg: DraftopsConfig, state: PartialState, target, timings: Timi
             target.model, target.tokenizer, target.fingerprint, requests, prompts, samples=1, **common),
             reply_text).responses
     train, train_dir = made.responses, made.paths[0]
+    check_teacher(train, train_dir)  # before anything trains on it
     state.print(f"draftops distill: {len(train)} target responses ({train.num_response_tokens} tokens, "
                 f"{teacher}) {'from the cache' if made.hit else 'generated'} at {train_dir}{turns_note(made)}")
     if d.family == FEATURES:  # the feature draft's inputs, once for the data set (`distill.features`)

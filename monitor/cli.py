@@ -28,7 +28,7 @@ def check_command(args) -> int:
     from monitor.check.run import run_check
     from monitor.service.scheduler import EXIT_BUSY, check_lock, log_failed_check
     from pipeline.config import load_config
-    from pipeline.tracking import TrackingUnavailable, check_tracking
+    from pipeline.tracking import TrackingUnavailable, check_tracking, store_error_line
 
     _setup_logging()
     cfg = load_config(args.config, args.overrides)
@@ -43,6 +43,9 @@ def check_command(args) -> int:
         print(f"draftops: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except Exception as exc:  # one line here; the traceback goes to a file and to the check's FAILED run
+        if store_error_line(exc) is not None:  # the store failed: nowhere to record the failed check either
+            print(f"draftops: error: {store_error_line(exc)}", file=sys.stderr)
+            return EXIT_ERROR
         where = _save_traceback(cfg, exc)
         log_failed_check(cfg, exc)
         first = (str(exc).strip().splitlines() or [""])[0][:500]
@@ -73,8 +76,8 @@ def serve_command(args) -> int:
     from pipeline.tracking import check_tracking
 
     _setup_logging()
-    check_tracking(load_config(args.config))  # a service that cannot track its checks does not start
-    return serve(args.config, run_now=args.run_now)
+    check_tracking(load_config(args.config, args.overrides))  # a service that cannot track its checks does not start
+    return serve(args.config, run_now=args.run_now, overrides=args.overrides)
 
 
 def simulate_command(args) -> int:
@@ -218,9 +221,10 @@ def demo_command(args) -> int:
 def target_finetune_command(args) -> int:
     from monitor.rehearsal.target_update import run_finetune
     from pipeline.config import load_config
-    from pipeline.tracking import tracking_uri
+    from pipeline.tracking import check_tracking, tracking_uri
 
     cfg = load_config(args.config, args.overrides)
+    check_tracking(cfg)  # it logs its run: the store answers before the fine-tuning, not after it
     result = run_finetune(cfg)
     print(f"draftops target finetune: done ({cfg.target_update.style} style, {result.examples} examples, "
           f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f})")
@@ -254,10 +258,9 @@ def add_commands(subparsers) -> None:
     monitor = subparsers.add_parser("monitor", help="check the champion draft for drift, on demand or nightly")
     actions = monitor.add_subparsers(dest="action", required=True)
 
-    def with_config(parser: argparse.ArgumentParser, overrides: bool = True) -> argparse.ArgumentParser:
+    def with_config(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         parser.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
-        if overrides:
-            parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+        parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
         return parser
 
     check = with_config(actions.add_parser(
@@ -266,8 +269,7 @@ def add_commands(subparsers) -> None:
     check.add_argument("--json", action="store_true")
     check.set_defaults(handler=check_command)
 
-    serve = with_config(actions.add_parser("serve", help="run the check on the configured cron schedule"),
-                        overrides=False)
+    serve = with_config(actions.add_parser("serve", help="run the check on the configured cron schedule"))
     serve.add_argument("--run-now", action="store_true", help="also run one check right away")
     serve.set_defaults(handler=serve_command)
 

@@ -120,9 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Exit codes: 0 done, 2 a one-line error (bad input, config, source, registry, traffic, an
-    unreachable or failing tracking store), 75 the registered model is busy (another process holds its lock); the
-    monitor's own (3 DRIFT) are in `monitor.check.decision`."""
+    unreachable or failing tracking store, any `pipeline.errors.OperatorError`), 75 the registered model is busy
+    (another process holds its lock); the monitor's own (3 DRIFT) are in `monitor.check.run.run.run.decision`."""
     from pipeline.config import ConfigError
+    from pipeline.errors import OperatorError
     from pipeline.locks import EXIT_BUSY, ModelBusy
     from pipeline.registry import RegistryError
     from pipeline.sources import SourceError, TokenizerMismatch
@@ -139,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     try:
         return args.handler(args)
-    except (ConfigError, RegistryError, SourceError, TokenizerMismatch, TrackingUnavailable, TrafficError) as exc:
+    except (ConfigError, OperatorError, RegistryError, SourceError, TokenizerMismatch, TrackingUnavailable,
+            TrafficError) as exc:
         print(f"draftops: error: {exc}", file=sys.stderr)
         return 2
     except ModelBusy as exc:

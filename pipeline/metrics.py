@@ -171,8 +171,8 @@ DEPLOYED_AT_TAG = "draftops.deploy.deployed_at"
 DEPLOY_RUN_TAG = "draftops.deploy.run_id"
 DEPLOY_VERSION_TAG = "draftops.deploy.version"  # on a deploy run: the version it deployed
 DEPLOY_ACTION_TAG = "draftops.deploy.action"  # on a deploy run: deploy, rollback (after a mismatch), reload
-# the engine check (monitor.check.engine_acceptance): the engine's acceptance over its windows vs the draft's offline
-# figure
+# the engine check (monitor.check.run.engine_acceptance): the engine's acceptance over its windows vs the draft's
+# offline figure
 ENGINE_ACCEPTANCE = "monitor/engine/acceptance"
 ENGINE_EXPECTED = "monitor/engine/expected"
 ENGINE_MISMATCH = "monitor/engine/mismatch"

@@ -7,7 +7,7 @@ version does what: `champion` serves, `challenger` is a new distillation waiting
 
 A version's tags link it to its runs: the distill run that made it, its latest eval and bench (`link_run`), and the
 monitor run whose artifact holds its baseline (per-prompt acceptance on held-out prompts, stored and loaded here as
-the JSON payload that `monitor.check.prompt_acceptance.Baseline` writes).
+the JSON payload that `monitor.check.run.prompt_acceptance.Baseline` writes).
 
 mlflow is imported inside the functions that talk to the store: `draftops` imports this module while building its
 command line (through `monitor.registry_report`), and `draftops models info` on a local path must not pay for mlflow.
@@ -29,6 +29,8 @@ _URI_FORMS = f"{REGISTRY_PREFIX}NAME@ALIAS or {REGISTRY_PREFIX}NAME/VERSION"
 
 
 MODEL_DESCRIPTION = "Speculative-decoding drafts managed by draftops."
+MISSING = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")  # MLflow's error codes for what the store lacks
+LARGEST_VERSION = 2**63 - 1  # a version number the store can hold (SQLite's integers)
 
 
 class RegistryError(RuntimeError):
@@ -115,6 +117,8 @@ def find_version(source: str) -> RegisteredVersion:
     from mlflow.exceptions import MlflowException
 
     uri = parse_uri(source)
+    if uri.version is not None and int(uri.version) > LARGEST_VERSION:
+        raise RegistryError(f"{source}: not in the MLflow registry at {store_uri()}: no version {uri.version}")
     client = _client()
     try:
         if uri.alias is not None:
@@ -122,6 +126,8 @@ def find_version(source: str) -> RegisteredVersion:
         else:
             found = client.get_model_version(uri.name, uri.version)
     except MlflowException as exc:
+        if exc.error_code not in MISSING:  # a store that failed (a timeout) is not a version it lacks
+            raise
         raise RegistryError(f"{source}: not in the MLflow registry at {store_uri()}: {exc.message}") from None
     return RegisteredVersion.of(found)
 
@@ -134,7 +140,7 @@ def version_by_alias(name: str, alias: str) -> RegisteredVersion | None:
     try:
         found = _client().get_model_version_by_alias(name, alias)
     except MlflowException as exc:
-        if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+        if exc.error_code in MISSING:
             return None
         raise
     return RegisteredVersion.of(found)
@@ -340,10 +346,13 @@ def rollback(name: str, to_version: str | None = None) -> str:
                 raise RegistryError(f"registered model '{name}' has no '{M.PREVIOUS_CHAMPION}' alias to roll back to")
             to_version = previous.version
         to_version = str(int(to_version))
+        if int(to_version) > LARGEST_VERSION:
+            raise RegistryError(f"registered model '{name}' has no version {to_version} (versions: "
+                                f"{', '.join(version_numbers(name)) or 'none'})")
         try:
             client.get_model_version(name, to_version)
         except MlflowException as exc:
-            if exc.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            if exc.error_code not in MISSING:
                 raise
             raise RegistryError(f"registered model '{name}' has no version {to_version} (versions: "
                                 f"{', '.join(version_numbers(name)) or 'none'})") from None

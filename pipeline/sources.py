@@ -17,6 +17,8 @@ import importlib.util
 import json
 import logging
 import math
+import pickle
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -275,11 +277,29 @@ def resolve_model(
     problem = architecture_problem(json.loads((local.path / "config.json").read_text()))
     if problem:  # before any weights are loaded, or any text generated with them
         raise SourceError(f"{source}: {problem}")
+    try:  # before the weights: a folder without a tokenizer fails at once
+        tokenizer = AutoTokenizer.from_pretrained(local.path)
+    except (OSError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise SourceError(f"{source}: no tokenizer that loads in {local.path} ({first[:200]}); a checkpoint folder "
+                          "holds its tokenizer's files (tokenizer.json, tokenizer_config.json)") from None
     device = pick_device(device) if isinstance(device, str) else device
     dtype = pick_dtype(dtype, device) if isinstance(dtype, str) else dtype
-    model = load_checkpoint(local.path, dtype=dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(local.path)
+    model = _load_weights(source, local.path, dtype).to(device).eval()
     return ResolvedModel(source, local.path, model, tokenizer, local.fingerprint, local.token_ids)
+
+
+def _load_weights(source: str, path: Path, dtype) -> torch.nn.Module:
+    """`load_checkpoint`, where pickle weights (`.bin`) that hold more than tensors are one SourceError line: torch's
+    weights-only loading refuses them without running them."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+        try:
+            return load_checkpoint(path, dtype=dtype)
+        except pickle.UnpicklingError:
+            pickled = ", ".join(p.name for p in sorted(path.glob("*.bin"))) or "its weights"
+            raise SourceError(f"{source}: {pickled} is a pickle that holds more than tensors; not loaded, and "
+                              "nothing in it run (save the checkpoint as safetensors)") from None
 
 
 def eos_token_ids(model, tokenizer=None) -> list[int]:

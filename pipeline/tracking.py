@@ -7,6 +7,8 @@ source, data fingerprint; names in `pipeline.metrics`).
 from __future__ import annotations
 
 import contextlib
+import http.client
+import logging
 import os
 import socket
 import subprocess
@@ -19,6 +21,7 @@ from pathlib import Path
 
 from pipeline import metrics as M
 from pipeline.config import DraftopsConfig, TrackingConfig
+from pipeline.deadline_http import DeadlinePassed, exchange
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 
@@ -33,29 +36,45 @@ class TrackingUnavailable(RuntimeError):
     """The MLflow tracking store cannot be reached."""
 
 
-# MLflow's HTTP client retries a failed request 7 times with a doubling backoff (minutes) and waits 120 s for each
-# answer; draftops bounds both (`tracking.http_timeout`, `tracking.http_retries`) unless the environment sets them.
-_HTTP_KNOBS = ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR")
+# MLflow's HTTP client retries a failed request 7 times with a doubling, jittered backoff (minutes) and waits 120 s
+# for each answer; draftops bounds both (`tracking.http_timeout`, `tracking.http_retries`) and retries at once (the
+# timeout is the wait), unless the environment sets them.
+_HTTP_KNOBS = ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
+               "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER")
 _SET_BY_USER = frozenset(k for k in _HTTP_KNOBS if k in os.environ)
 PROBE_TIMEOUT = 5.0
+API_PROBE = "/api/2.0/mlflow/experiments/search?max_results=1"  # any answer at all shows the API is served
 
 
 def bound_http_requests(cfg: DraftopsConfig | None = None) -> None:
     """Give every MLflow request to a tracking server a deadline: timeout and retries from the config (or its
-    defaults), a backoff of seconds, not minutes; a variable the environment sets itself is left as it is."""
+    defaults), no backoff beyond the timeout, so that a call takes at most `http_timeout × (http_retries + 1)`
+    seconds; a variable the environment sets itself is left as it is. Each retry's warning from urllib3 is silenced:
+    a call that fails for good is one line (`store_error_line`)."""
     tracking = cfg.tracking if cfg is not None else TrackingConfig()
     values = {"MLFLOW_HTTP_REQUEST_TIMEOUT": tracking.http_timeout,
-              "MLFLOW_HTTP_REQUEST_MAX_RETRIES": tracking.http_retries, "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": 1}
+              "MLFLOW_HTTP_REQUEST_MAX_RETRIES": tracking.http_retries, "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": 0,
+              "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": 0}
     for key, value in values.items():
         if key not in _SET_BY_USER:
             os.environ[key] = str(value)
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
+
+
+def http_timeout() -> float:
+    """Seconds one MLflow request may take, as `bound_http_requests` set it (or the environment)."""
+    try:
+        return max(float(os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT", "")), 0.1)
+    except ValueError:
+        return float(TrackingConfig().http_timeout)
 
 
 def check_tracking(cfg: DraftopsConfig | None = None, timeout: float = 10.0) -> str:
-    """The tracking URI, once it answers: a tracking server must accept a TCP connection within a few seconds and
-    answer its /health page within `timeout` seconds (MLflow's own client retries an unreachable server for
-    minutes); a local sqlite store needs its folder. Raises `TrackingUnavailable` naming the URI, so that a job fails
-    before its work, not at its end. MLflow's later requests get deadlines too (`bound_http_requests`)."""
+    """The tracking URI, once it answers: a tracking server must accept a TCP connection within a few seconds, answer
+    its /health page within `timeout` seconds (MLflow's own client retries an unreachable server for minutes) and
+    answer its API, whole, within one request's timeout (a server whose API hangs behind a live /health); a local
+    sqlite store needs its folder. Raises `TrackingUnavailable` naming the URI, so that a job fails before its work,
+    not at its end. MLflow's later requests get deadlines too (`bound_http_requests`)."""
     bound_http_requests(cfg)
     uri = tracking_uri(cfg)
     parsed = urllib.parse.urlparse(uri)
@@ -73,11 +92,25 @@ def check_tracking(cfg: DraftopsConfig | None = None, timeout: float = 10.0) -> 
             raise TrackingUnavailable(
                 f"the MLflow tracking server {uri} does not answer ({reason}); start it, or point tracking.uri / "
                 "MLFLOW_TRACKING_URI at one that runs") from None
+        _check_api(uri)
     elif parsed.scheme == "sqlite" and parsed.path not in ("", "/:memory:"):
         folder = Path(parsed.path[1:]).parent  # sqlite:///rel.db and sqlite:////abs.db: one slash is the separator
         if not folder.is_dir():
             raise TrackingUnavailable(f"the MLflow store {uri}: folder {folder} does not exist")
     return uri
+
+
+def _check_api(uri: str) -> None:
+    """TrackingUnavailable unless the server's REST API answers (any status) within one request's timeout."""
+    seconds = http_timeout()
+    try:
+        exchange(uri.rstrip("/") + API_PROBE, timeout=seconds, max_bytes=1 << 20)
+    except (OSError, ValueError, http.client.HTTPException) as exc:
+        why = (f"within {seconds:g} s (tracking.http_timeout)" if isinstance(exc, DeadlinePassed)
+               else f"({type(exc).__name__}: {exc})")
+        raise TrackingUnavailable(
+            f"the MLflow tracking server {uri} answers /health but not its API {why}; restart it, or point "
+            "tracking.uri / MLFLOW_TRACKING_URI at one that works") from None
 
 
 def setup_mlflow(cfg: DraftopsConfig | None = None) -> str:

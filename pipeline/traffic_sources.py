@@ -7,6 +7,7 @@ its error: `file:line` in a JSONL file, `file: row N` (0-based, as `dataset[N]`)
 """
 from __future__ import annotations
 
+import codecs
 import glob
 import gzip
 import json
@@ -41,14 +42,18 @@ def is_saved_dataset(path: Path) -> bool:
 
 
 def traffic_files(path: Path) -> list[Path]:
-    """The file or saved data set folder, or the ones a glob matches, in sorted order."""
-    if any(c in str(path) for c in _GLOB_CHARACTERS):
+    """The file or saved data set folder, or the ones a glob matches, in sorted order; a path that exists is the
+    file it names, glob characters (`log[1].jsonl`) and all."""
+    if not path.exists() and any(c in str(path) for c in _GLOB_CHARACTERS):
         files = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file() or is_saved_dataset(Path(p)))
         if not files:
             raise TrafficError(f"{path}: no traffic file matches")
         return files
     if path.is_dir() and not is_saved_dataset(path):
         raise TrafficError(f"{path}: a folder, but not one `datasets` saved (no {' or '.join(_SAVED_DATASET_FILES)})")
+    if path.exists() and not path.is_file() and not path.is_dir():
+        kind = "a FIFO" if path.is_fifo() else "a socket" if path.is_socket() else "a device"
+        raise TrafficError(f"{path}: {kind}, not a traffic file (traffic is read from a regular file)")
     if not path.is_file() and not path.is_dir():
         raise TrafficError(f"{path}: traffic file not found")
     return [path]
@@ -104,6 +109,8 @@ def _raw_lines(path: Path, max_line_bytes: int) -> Iterator[tuple[int, bytes | N
             if not raw:
                 return
             line_no += 1
+            if line_no == 1 and raw.startswith(codecs.BOM_UTF8):  # what some editors put before the first line
+                raw = raw[len(codecs.BOM_UTF8):]
             if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
                 while (rest := f.readline(_SKIP_CHUNK)) and not rest.endswith(b"\n"):
                     pass

@@ -35,13 +35,14 @@ from distill.responses import (
     save_responses,
 )
 from pipeline.config.engine import ResponsesConfig
+from pipeline.errors import OperatorError
 from pipeline.files import recover_dir, write_text_atomic
 
 JOURNAL_FILE = "engine-journal.jsonl"
 log = logging.getLogger(__name__)
 
 
-class ForeignCache(ValueError):
+class ForeignCache(OperatorError):
     """A cache entry made by another teacher than the one asked for."""
 
 
@@ -58,8 +59,8 @@ class EngineResponses:
 
 
 def connect(cfg: ResponsesConfig) -> tuple[list[engine.Server], EngineIdentity]:
-    """Ask every server what it serves: the servers to send to and the identity they share (ValueError if they
-    serve different models; `identity.EngineUnavailable` if one does not answer)."""
+    """Ask every server what it serves: the servers to send to and the identity they share (`identity
+    .DifferentTeachers` if they serve different models; `identity.EngineUnavailable` if one does not answer)."""
     identities = {url: probe(url, cfg.api, cfg.model, timeout=min(cfg.timeout, 30.0)) for url in cfg.servers}
     identity = common_identity(identities)
     return [engine.Server(url, ident.api, ident.model) for url, ident in identities.items()], identity
@@ -144,8 +145,13 @@ def engine_cached_responses(cfg: ResponsesConfig, target_fingerprint: str, reque
         settings = engine.Settings(max_new_tokens, asked, tuple(stop_ids), vocab_size)
         try:
             stats = engine.generate(servers, todo, settings, on_result=keep, concurrency=cfg.concurrency,
-                                    timeout=cfg.timeout, retries=cfg.retries, progress=progress)
+                                    timeout=cfg.timeout, retries=cfg.retries, give_up_after=cfg.give_up_after,
+                                    progress=progress)
         finally:
             journal.close()
+        unsaved = [s for s in missing if parts[s] is None]
+        if unsaved:  # never without an error from the client; the journal stays for the rerun either way
+            raise engine.EngineError(f"sample rounds {unsaved} of {path} are incomplete; the journal keeps the "
+                                     "finished responses: run again")
         journal.remove()  # every round is saved: the journal has served
         return EngineResponses(concat(parts), path, False, identity, stats)

@@ -11,34 +11,48 @@ Every server of one job must serve the same model: one teacher per data set.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from pipeline.deadline_http import DeadlinePassed, exchange
+from pipeline.errors import OperatorError
 
 API_KINDS = ("vllm", "sglang", "llamacpp")
 FINGERPRINT_BYTES = 4 << 20  # a GGUF is fingerprinted by its size and its first and last 4 MiB
 
 
-class EngineUnavailable(RuntimeError):
+class EngineUnavailable(OperatorError):
     """A server that cannot be reached or does not say what it serves: the message names it."""
+
+
+class DifferentTeachers(OperatorError):
+    """Servers of one job that serve different models."""
 
 
 def get_json(url: str, timeout: float = 10.0) -> dict | list | None:
     """GET `url` -> its JSON, or None for a 404/405 or a body that is not JSON (the server has no such endpoint);
-    EngineUnavailable when nothing answers."""
+    EngineUnavailable when nothing answers whole within `timeout` seconds (connecting, headers and body)."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        if exc.code in (404, 405, 501):
-            return None
-        raise EngineUnavailable(f"{url}: HTTP {exc.code} {exc.reason}") from None
-    except (OSError, ValueError) as exc:
-        if isinstance(exc, ValueError):
-            return None
+        answer = exchange(url, timeout=timeout)
+    except DeadlinePassed as exc:
         raise EngineUnavailable(f"{url}: {exc}") from None
+    except (OSError, http.client.HTTPException) as exc:
+        raise EngineUnavailable(f"{url}: {type(exc).__name__}: {exc}") from None
+    if answer.status in (404, 405, 501):
+        return None
+    if not 200 <= answer.status < 300:
+        raise EngineUnavailable(f"{url}: HTTP {answer.status} {answer.reason}")
+    try:
+        return json.loads(answer.body)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _object(value) -> dict:
+    """A JSON object a server answered, or {} for anything else (an endpoint it does not have)."""
+    return value if isinstance(value, dict) else {}
 
 
 def file_fingerprint(path: Path) -> str:
@@ -80,18 +94,18 @@ class EngineIdentity:
 def detect_api(base: str, timeout: float = 10.0) -> str:
     """Which server answers at `base`: llama-server (its /props), SGLang (/get_model_info), else vLLM's format (any
     OpenAI-compatible server with /v1/completions)."""
-    props = get_json(f"{base}/props", timeout)
-    if isinstance(props, dict) and ("model_path" in props or "build_info" in props):
+    props = _object(get_json(f"{base}/props", timeout))
+    if "model_path" in props or "build_info" in props:
         return "llamacpp"
-    info = get_json(f"{base}/get_model_info", timeout)
-    if isinstance(info, dict) and "model_path" in info:
+    info = _object(get_json(f"{base}/get_model_info", timeout))
+    if "model_path" in info:
         return "sglang"
     return "vllm"
 
 
 def _served_models(base: str, timeout: float) -> list[dict]:
-    listing = get_json(f"{base}/v1/models", timeout)
-    return list(listing.get("data", [])) if isinstance(listing, dict) else []
+    listed = _object(get_json(f"{base}/v1/models", timeout)).get("data")
+    return [model for model in listed if isinstance(model, dict)] if isinstance(listed, list) else []
 
 
 def _pick_model(base: str, models: list[dict], wanted: str | None) -> dict:
@@ -101,7 +115,8 @@ def _pick_model(base: str, models: list[dict], wanted: str | None) -> dict:
             raise EngineUnavailable(f"{base}/v1/models lists no model")
         return models[0]
     for model in models:
-        if wanted == model.get("id") or wanted in (model.get("aliases") or []):
+        aliases = model.get("aliases")
+        if wanted == model.get("id") or (isinstance(aliases, list) and wanted in aliases):
             return model
     raise EngineUnavailable(f"{base} does not serve {wanted!r} (it serves {', '.join(map(str, ids)) or 'nothing'})")
 
@@ -115,33 +130,34 @@ def probe(base: str, api: str = "auto", model: str | None = None, timeout: float
     listed = _served_models(base, timeout)
     served = _pick_model(base, listed, model) if listed or model or kind != "sglang" else {}
     if kind == "llamacpp":
-        props = get_json(f"{base}/props", timeout) or {}
+        props = _object(get_json(f"{base}/props", timeout))
         path = str(props.get("model_path", ""))
         local = Path(path)
         fingerprint = file_fingerprint(local) if path and local.is_file() else ""
         if not fingerprint:  # a remote server: what it says of the file stands in for its content
-            meta = served.get("meta") or {}
+            meta = _object(served.get("meta"))
             fingerprint = f"size-{meta.get('size', '?')}-params-{meta.get('n_params', '?')}"
         return EngineIdentity("llamacpp", str(served.get("id", "")), path, fingerprint,
                               str(props.get("model_ftype", "")), str(props.get("build_info", "")))
     if kind == "sglang":
-        info = get_json(f"{base}/get_model_info", timeout) or {}
-        server = get_json(f"{base}/get_server_info", timeout) or get_json(f"{base}/server_info", timeout) or {}
+        info = _object(get_json(f"{base}/get_model_info", timeout))
+        server = _object(get_json(f"{base}/get_server_info", timeout)) or _object(
+            get_json(f"{base}/server_info", timeout))
         quantization = "/".join(str(server.get(key) or "") for key in ("quantization", "dtype", "kv_cache_dtype"))
         return EngineIdentity("sglang", str(served.get("id") or info.get("model_path", "")),
                               str(info.get("model_path", "")), quantization=quantization.strip("/"),
                               version=str(server.get("version", "")))
-    version = get_json(f"{base}/version", timeout) or {}
+    version = _object(get_json(f"{base}/version", timeout))
     return EngineIdentity("vllm", str(served.get("id", "")), str(served.get("root") or served.get("id", "")),
                           version=str(version.get("version", "")))
 
 
 def common_identity(identities: dict[str, EngineIdentity]) -> EngineIdentity:
-    """The one identity all servers share; ValueError naming two that differ."""
+    """The one identity all servers share; DifferentTeachers naming two that differ."""
     items = list(identities.items())
     first_url, first = items[0]
     for url, identity in items[1:]:
         if identity.key() != first.key():
-            raise ValueError(f"the servers serve different models: {first_url} {first.tag()}, {url} "
+            raise DifferentTeachers(f"the servers serve different models: {first_url} {first.tag()}, {url} "
                              f"{identity.tag()}; one data set has one teacher")
     return first

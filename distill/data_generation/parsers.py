@@ -13,8 +13,10 @@ Three formats, each read as its server documents it:
 - SGLang's `/generate` with `return_logprob: true` and `top_logprobs_num: k`: `meta_info.output_token_logprobs`
   ([logprob, id, text] per token) and `meta_info.output_top_logprobs` (a list of those per position).
 
-A parser raises `MalformedResponse` (a one-line reason; the client adds the server and the request) when the body is
-not what was asked for. What the response means (its length, its end, its token ids) the client checks.
+`parse` raises `MalformedResponse` (a one-line reason; the client adds the server and the request) when the body is
+not what was asked for, whatever its shape: every log-prob must be a JSON number (or null), every id an integer, every
+entry of the type its format documents. What the response means (its length, its end, its token ids, how many top-k
+entries each token holds) the client checks.
 """
 from __future__ import annotations
 
@@ -56,23 +58,43 @@ class ParsedCompletion:
         return values.half(), ids
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _token(value) -> int:
+    """A returned token id, which must be a JSON integer."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise MalformedResponse(f"token id {value!r} is a {type(value).__name__}, not an integer")
+    return value
+
+
 def _logprob(value) -> float:
     """A returned log-prob as a float; the servers' stand-ins for -inf (-9999, the lowest float) stay as they are
     (exp of them is 0 in fp16), a missing one (JSON null) becomes -inf."""
     if value is None:
         return float("-inf")
+    if not _number(value):
+        raise MalformedResponse(f"log-prob {value!r} is a {type(value).__name__}, not a number")
     value = float(value)
     if math.isnan(value) or value > 1e-3:
         raise MalformedResponse(f"log-prob {value} is not a log-probability")
     return min(value, 0.0)
 
 
-def _best_first(pairs: Iterable[tuple[float, int]], k: int) -> list[tuple[float, int]]:
-    """The k most likely (log-prob, id) pairs, best first; one entry per id."""
+def _best_first(pairs: Iterable[tuple[float, int]], k: int) -> list[tuple[float, int]] | None:
+    """The k most likely (log-prob, id) pairs, best first; one entry per id; None for no pairs."""
     seen: dict[int, float] = {}
     for logprob, token in pairs:
         seen.setdefault(token, logprob)
-    return sorted(((lp, t) for t, lp in seen.items()), key=lambda pair: (-pair[0], pair[1]))[:k]
+    return sorted(((lp, t) for t, lp in seen.items()), key=lambda pair: (-pair[0], pair[1]))[:k] or None
+
+
+def _entries(value, what: str, kind: type = list) -> list | dict:
+    """`value`, which the format says is a `kind` (a list, or a dict)."""
+    if not isinstance(value, kind):
+        raise MalformedResponse(f"{what} is a {type(value).__name__}, not a {kind.__name__}: {str(value)[:80]!r}")
+    return value
 
 
 def _finish(reason, stopped: Iterable[str] = ("stop", "eos", "word")) -> str:
@@ -109,35 +131,44 @@ def parse_vllm(body: dict, k: int) -> ParsedCompletion:
     `return_tokens_as_token_ids: true`."""
     choice = _first_choice(body)
     logprobs = choice.get("logprobs")
-    if not logprobs or logprobs.get("top_logprobs") is None:
+    if not logprobs or not isinstance(logprobs, dict) or logprobs.get("top_logprobs") is None:
         raise MalformedResponse("no top_logprobs in the response (was `logprobs` asked for?)")
     tokens = choice.get("token_ids")
     if tokens is None:
-        tokens = [vllm_token_id(t) for t in logprobs.get("tokens", [])]
+        tokens = [vllm_token_id(t) for t in _entries(logprobs.get("tokens", []), "logprobs.tokens")]
     top: list[list[tuple[float, int]] | None] = []
-    for step in logprobs["top_logprobs"]:
-        top.append(None if step is None else _best_first(((_logprob(v), vllm_token_id(t)) for t, v in step.items()),
-                                                         k))
+    for step in _entries(logprobs["top_logprobs"], "top_logprobs"):
+        pairs = _entries(step, "a top_logprobs entry", dict) if step is not None else {}
+        top.append(_best_first(((_logprob(v), vllm_token_id(t)) for t, v in pairs.items()), k))
+    tokens = [_token(t) for t in _entries(tokens, "token_ids")]
     if len(top) != len(tokens):
         raise MalformedResponse(f"{len(tokens)} tokens but {len(top)} top-logprob entries")
-    return ParsedCompletion([int(t) for t in tokens], top, _finish(choice.get("finish_reason")))
+    return ParsedCompletion(tokens, top, _finish(choice.get("finish_reason")))
 
 
 # --------------------------------------------------------------------------- llama.cpp's llama-server
 
 
-def _llamacpp_entry(entry: dict, k: int) -> tuple[int, list[tuple[float, int]]]:
+def _llamacpp_entry(entry: dict, k: int) -> tuple[int, list[tuple[float, int]] | None]:
     """One `completion_probabilities` / `logprobs.content` entry -> (token id, its top-k)."""
-    if "id" not in entry:
+    if "id" not in _entries(entry, "a log-prob entry", dict):
         raise MalformedResponse("a log-prob entry without a token id")
-    if "top_logprobs" in entry:
-        top = [(_logprob(t.get("logprob")), int(t["id"])) for t in entry["top_logprobs"]]
-    elif "top_probs" in entry:  # post_sampling_probs: probabilities, not their logs
-        top = [(math.log(p) if (p := float(t.get("prob", 0.0))) > 0 else float("-inf"), int(t["id"]))
-               for t in entry["top_probs"]]
-    else:
+    # top_probs: post_sampling_probs, probabilities rather than their logs
+    key = next((key for key in ("top_logprobs", "top_probs") if key in entry), None)
+    if key is None:
         raise MalformedResponse("a log-prob entry without top_logprobs (was n_probs asked for?)")
-    return int(entry["id"]), _best_first(top, k)
+    pairs = []
+    for item in _entries(entry[key], key):
+        item = _entries(item, f"a {key} entry", dict)
+        value = _logprob(item.get("logprob")) if key == "top_logprobs" else _probability_log(item.get("prob", 0.0))
+        pairs.append((value, _token(item.get("id"))))
+    return _token(entry["id"]), _best_first(pairs, k)
+
+
+def _probability_log(p) -> float:
+    if not _number(p) or not 0.0 <= p <= 1.0 + 1e-6:
+        raise MalformedResponse(f"probability {p!r} is not a probability")
+    return math.log(p) if p > 0 else float("-inf")
 
 
 def parse_llamacpp(body: dict, k: int) -> ParsedCompletion:
@@ -148,7 +179,7 @@ def parse_llamacpp(body: dict, k: int) -> ParsedCompletion:
         content = (choice.get("logprobs") or {}).get("content")
         if content is None:
             raise MalformedResponse("no logprobs.content in the response (was `logprobs` or n_probs asked for?)")
-        entries = [_llamacpp_entry(e, k) for e in content]
+        entries = [_llamacpp_entry(e, k) for e in _entries(content, "logprobs.content")]
         return ParsedCompletion([t for t, _ in entries], [top for _, top in entries],
                                 _finish(choice.get("finish_reason")))
     if body.get("truncated"):
@@ -157,8 +188,8 @@ def parse_llamacpp(body: dict, k: int) -> ParsedCompletion:
     if "tokens" not in body or "completion_probabilities" not in body:
         raise MalformedResponse("no tokens or completion_probabilities in the response (return_tokens and n_probs "
                                 "must be asked for)")
-    tokens = [int(t) for t in body["tokens"]]
-    entries = [_llamacpp_entry(e, k) for e in body["completion_probabilities"]]
+    tokens = [_token(t) for t in _entries(body["tokens"], "tokens")]
+    entries = [_llamacpp_entry(e, k) for e in _entries(body["completion_probabilities"], "completion_probabilities")]
     top: list[list[tuple[float, int]] | None] = []
     pending = iter(entries)
     entry = next(pending, None)
@@ -186,17 +217,29 @@ def parse_sglang(body: dict | list, k: int) -> ParsedCompletion:
     if not meta or meta.get("output_top_logprobs") is None:
         raise MalformedResponse("no meta_info.output_top_logprobs in the response (was return_logprob with "
                                 "top_logprobs_num asked for?)")
-    chosen = meta.get("output_token_logprobs") or []
+    chosen = _entries(meta.get("output_token_logprobs") or [], "output_token_logprobs")
     tokens = body.get("output_ids")
     if tokens is None:
-        tokens = [int(entry[1]) for entry in chosen]
-    top = [None if step is None else _best_first(((_logprob(e[0]), int(e[1])) for e in step), k)
-           for step in meta["output_top_logprobs"]]
+        tokens = [_token(_entries(entry, "an output_token_logprobs entry")[1]) for entry in chosen]
+    top = [None if step is None else _best_first(((_logprob(_entries(e, "a top-logprob entry")[0]), _token(e[1]))
+                                                  for e in _entries(step, "an output_top_logprobs entry")), k)
+           for step in _entries(meta["output_top_logprobs"], "output_top_logprobs")]
+    tokens = [_token(t) for t in _entries(tokens, "output_ids")]
     if len(top) != len(tokens):
         raise MalformedResponse(f"{len(tokens)} tokens but {len(top)} top-logprob entries")
     reason = meta.get("finish_reason")
-    return ParsedCompletion([int(t) for t in tokens], top, _finish(reason.get("type") if isinstance(reason, dict)
-                                                                   else reason))
+    return ParsedCompletion(tokens, top, _finish(reason.get("type") if isinstance(reason, dict) else reason))
 
 
 PARSERS = {"vllm": parse_vllm, "llamacpp": parse_llamacpp, "sglang": parse_sglang}
+
+
+def parse(api: str, body, k: int) -> ParsedCompletion:
+    """The response `body` of a server of kind `api`; MalformedResponse for any body its parser cannot read, whatever
+    its shape (a list where an object belongs, a missing key, an entry too short)."""
+    try:
+        return PARSERS[api](body, k)
+    except MalformedResponse:
+        raise
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
+        raise MalformedResponse(f"an answer of an unexpected shape ({type(exc).__name__}: {str(exc)[:120]})") from None

@@ -8,10 +8,10 @@ with neither, a drop that only the serving engine saw is "server_acceptance_drop
 held-out traffic did not see it), any other "unexplained". A measurement that is not a finite number (NaN weights, an
 overflow) is an ERROR, never OK: the check cannot tell whether the champion pays.
 
-DEPLOY_MISMATCH is the post-deploy check's outcome (monitor.check.engine_acceptance): the serving engine's acceptance
-after a deploy is clearly below what the deployed draft measured offline, so the engine does not run the draft that was
-measured (a wrong or stale file, a misaligned vocabulary, an engine not reloaded). It outranks OK and DRIFT (no
-retraining can fix an engine that does not run the draft); an ERROR outranks it.
+DEPLOY_MISMATCH is the post-deploy check's outcome (monitor.check.run.engine_acceptance): the serving engine's
+acceptance after a deploy is clearly below what the deployed draft measured offline, so the engine does not run the
+draft that was measured (a wrong or stale file, a misaligned vocabulary, an engine not reloaded). It outranks OK and
+DRIFT (no retraining can fix an engine that does not run the draft); an ERROR outranks it.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ When it runs (`monitor.deploy.engine_check`): `after_deploy`, the first check af
 check is pending): the post-deploy check. Clearly below -> DEPLOY_MISMATCH (the engine does not run the measured
 draft); the engine is also compared with the previous version's offline figure (its baseline, recorded before the
 drift that replaced it): not clearly below it means the deploy recovered the acceptance. `always`: every check; a
-shortfall outside a post-deploy check is the server's evidence of a drop (`monitor.check.decision`, like the window
+shortfall outside a post-deploy check is the server's evidence of a drop (`monitor.check.run.decision`, like the window
 test of `monitor.engines.counters`, which needs many more checks to decide).
 
 The offline figure assumes the engine drafts decode.gamma tokens a round from the draft alone and decodes greedily

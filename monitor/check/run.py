@@ -7,10 +7,10 @@
    few requests when configured. With `monitor.server_metrics_url`, also read the serving engine's
    counters: the window since the last check, and the window test once enough windows exist
    (monitor.engines.counters).
-   With `monitor.deploy`, first deploy the champion if it is not (monitor.check.deploy_hooks); after a deploy (or with
-   engine_check: always) read the engine's counters over a few windows and compare them with the offline figure of
-   the draft it should run (monitor.check.run.engine_acceptance).
-4. Decide OK / DRIFT with its cause (monitor.check.decision), or DEPLOY_MISMATCH after a deploy the engine does not
+   With `monitor.deploy`, first deploy the champion if it is not (monitor.check.run.deploy_hooks); after a deploy (or
+   with engine_check: always) read the engine's counters over a few windows and compare them with the offline figure of
+   the draft it should run (monitor.check.run.run.engine_acceptance).
+4. Decide OK / DRIFT with its cause (monitor.check.run.decision), or DEPLOY_MISMATCH after a deploy the engine does not
 show. 5. On DRIFT with retraining on: distill a challenger, measure both on the same held-out prompts and
    promote it only if it beats the champion by `promote_margin` (paired test); it brings its baseline.
 6. Log the check as a run in the `draftops-monitor` experiment; then record the post-deploy check, roll the deployment

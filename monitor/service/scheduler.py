@@ -1,7 +1,7 @@
 """The monitor service: runs the check on a cron schedule that survives restarts.
 
 APScheduler 3 with a persistent SQLAlchemy (sqlite) job store holds one job, referenced by import
-path so it can be stored: `monitor.service.scheduler:run_scheduled_check(config_path)`. Restarting the service
+path so it can be stored: `monitor.service.scheduler.scheduler:run_scheduled_check(config_path)`. Restarting the service
 re-registers the job under the same id (`replace_existing=True`, so config changes apply) but keeps
 the stored next run time while the schedule is unchanged: a check missed while the service was
 down then runs once (`coalesce=True`) if it is less than `misfire_grace_time` late. A file lock
@@ -15,7 +15,7 @@ import logging
 import signal
 import threading
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 
@@ -80,15 +80,16 @@ def log_failed_check(cfg: DraftopsConfig, error: BaseException) -> None:
         log.warning("could not record the failed check in MLflow", exc_info=True)
 
 
-def run_scheduled_check(config_path: str | None, check: str = DEFAULT_CHECK) -> int:
-    """The scheduled job: load the config, take the lock, run `check` (import path of f(cfg) -> int).
+def run_scheduled_check(config_path: str | None, check: str = DEFAULT_CHECK, overrides: Sequence[str] = ()) -> int:
+    """The scheduled job: load the config (with the service's `key=value` overrides), take the lock, run `check`
+    (import path of f(cfg) -> int).
 
     Never raises: a busy lock returns EXIT_BUSY, any failure is logged (and tracked) and returns EXIT_ERROR,
     so the scheduler, and the service with it, stays up.
     """
     cfg = None
     try:
-        cfg = load_config(config_path)
+        cfg = load_config(config_path, overrides)
         check_tracking(cfg)
         with check_lock(cfg):
             log.info("monitor check starting (%s)", check)
@@ -125,10 +126,12 @@ class _Scheduler(BackgroundScheduler):
 class MonitorService:
     """A background scheduler with the check job in a persistent sqlite job store."""
 
-    def __init__(self, config_path: str | Path | None, *, check: str = DEFAULT_CHECK):
-        """config_path: the YAML config each check loads afresh; None: the default config (`load_config(None)`)."""
+    def __init__(self, config_path: str | Path | None, *, check: str = DEFAULT_CHECK, overrides: Sequence[str] = ()):
+        """config_path: the YAML config each check loads afresh; None: the default config (`load_config(None)`);
+        `overrides`: `key=value` settings each check applies to it."""
         self.config_path = None if config_path is None else str(Path(config_path).resolve())
-        self.cfg = load_config(self.config_path)
+        self.overrides = list(overrides)
+        self.cfg = load_config(self.config_path, self.overrides)
         self.check = check
         self.scheduler = _Scheduler(
             jobstores={"default": SQLAlchemyJobStore(url=f"sqlite:///{jobstore_path(self.cfg)}")},
@@ -155,6 +158,8 @@ class MonitorService:
                 and (str(stored.trigger), str(stored.trigger.timezone)) == (str(trigger), str(trigger.timezone))):
             keep["next_run_time"] = stored.next_run_time  # a check missed while down stays due
         args = [self.config_path] if self.check == DEFAULT_CHECK else [self.config_path, self.check]
+        if self.overrides:
+            args = [self.config_path, self.check, self.overrides]
         self.scheduler.add_job(
             SCHEDULED_JOB, trigger=trigger, args=args, id=JOB_ID, name="draftops monitor check",
             replace_existing=True, coalesce=True, max_instances=1,
@@ -177,14 +182,14 @@ class MonitorService:
 
 
 def serve(config_path: str | Path | None, *, run_now: bool = False, check: str = DEFAULT_CHECK,
-          stop_event: threading.Event | None = None) -> int:
+          stop_event: threading.Event | None = None, overrides: Sequence[str] = ()) -> int:
     """Run the service until SIGTERM/SIGINT (or `stop_event`), then shut down cleanly; returns 0."""
     stop = stop_event or threading.Event()
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, lambda signum, frame: stop.set())
-    service = MonitorService(config_path, check=check)
+    service = MonitorService(config_path, check=check, overrides=overrides)
     try:
         service.start(run_now=run_now)
         while not stop.wait(0.5):

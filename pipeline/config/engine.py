@@ -33,8 +33,13 @@ class ResponsesConfig(Section):
         "each server which it is."))
     model: str | None = Field(None, description="Served model name; null: the first one the server lists.")
     concurrency: int = Field(4, ge=1, description="Requests in flight per server (match its batch slots).")
-    timeout: float = Field(600.0, gt=0.0, description="Seconds one request may take before it is retried.")
-    retries: int = Field(3, ge=0, description="Retries of a failed request (connection, 5xx, timeout), with backoff.")
+    timeout: float = Field(600.0, gt=0.0, description=(
+        "Seconds one request may take, all of it (connecting, the headers, the whole body), before it is retried."))
+    retries: int = Field(3, ge=0, description=(
+        "Retries of a failed request (connection, 429/5xx, timeout, a body cut short or not JSON), with backoff."))
+    give_up_after: float = Field(900.0, gt=0.0, description=(
+        "Seconds the job goes on retrying while no response comes back whole; past it, it stops with one line "
+        "(the finished responses are kept: a rerun asks only for the rest)."))
     topk: int | None = Field(None, ge=1, description=(
         "Top-k log-probs asked of the server per token; null: distill.topk. vLLM caps it at its --max-logprobs "
         "(default 20); a server that returns fewer leaves the rest of the mass to the loss's tail bucket."))

@@ -41,7 +41,9 @@ def _format_errors(err: ValidationError, origin: str) -> str:
 
 
 def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """`a.b=1` pairs to a nested dict; values are parsed as YAML scalars (so 3 is an int, true a bool)."""
+    """`a.b=1` pairs to a nested dict; values are parsed as YAML scalars (so 3 is an int, true a bool). A value YAML
+    reads as an alias (`*...`: an override has no anchor to refer to) is the text itself, so that a crontab
+    expression needs no quoting: `monitor.schedule=*/5 * * * *`."""
     tree: dict[str, Any] = {}
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -50,7 +52,10 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
         try:
             value = yaml.safe_load(raw) if raw.strip() else None
         except (yaml.YAMLError, RecursionError) as exc:
-            raise ConfigError(f"command line: {key.strip()}: not a YAML value: {str(exc).splitlines()[0]}") from None
+            if not raw.lstrip().startswith("*"):
+                raise ConfigError(f"command line: {key.strip()}: not a YAML value: {str(exc).splitlines()[0]}"
+                                  ) from None
+            value = raw.strip()
         _set_dotted(tree, key.strip(), value)
     return tree
 

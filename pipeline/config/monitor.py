@@ -8,6 +8,8 @@ from pydantic import Field, field_validator
 from pipeline.config.base import Section
 from pipeline.config.deploy import DeployConfig
 
+SCHEDULE_YEARS = 5  # a schedule that does not fire within this many years is refused
+
 
 class MonitorConfig(Section):
     heldout_requests: int = Field(256, ge=2, description=(
@@ -75,13 +77,20 @@ class MonitorConfig(Section):
     @field_validator("schedule")
     @classmethod
     def _valid_schedule(cls, expression: str) -> str:
+        from datetime import datetime, timedelta, timezone
+
         from apscheduler.triggers.cron import CronTrigger
 
         try:
-            CronTrigger.from_crontab(expression, timezone="UTC")
+            trigger = CronTrigger.from_crontab(expression, timezone="UTC")
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{expression!r} is not a crontab expression (minute hour day month weekday, e.g. "
                              f"'0 2 * * *'): {exc}") from None
+        now = datetime.now(timezone.utc)
+        fires = trigger.get_next_fire_time(None, now)
+        if fires is None or fires > now + timedelta(days=365 * SCHEDULE_YEARS):
+            raise ValueError(f"{expression!r} never fires in the next {SCHEDULE_YEARS} years (a day the month does "
+                             "not have?): the service would wait forever")
         return expression
 
 

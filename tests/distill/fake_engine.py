@@ -1,6 +1,6 @@
 """An OpenAI-compatible inference server in-process (http.server on 127.0.0.1) for the engine client's tests: vLLM's,
 llama-server's or SGLang's endpoints, deterministic responses, and faults on request (errors, hangs, fewer top-k
-entries, unknown tokens, responses cut short)."""
+entries, unknown tokens, responses cut short, answers of the wrong types, bodies that are not JSON, a trickle)."""
 from __future__ import annotations
 
 import json
@@ -36,7 +36,11 @@ class Faults:
     """What the server does wrong: `error_first` requests get HTTP 503, `hang_first` sleep `hang_s` first, `cut_first`
     get a body cut short; `topk_cap` entries at most; `bad_token` puts an id outside the vocabulary; `truncate`
     drops the last token of responses that ended with the stop token; `delay_s` before every answer;
-    `max_logprobs` rejects requests for more top-k as vLLM does."""
+    `max_logprobs` rejects requests for more top-k as vLLM does. From request `bad_from` on: `error_status` answers
+    that HTTP error, `string_logprobs` writes every log-prob as a string, `no_topk` leaves every top-k row empty,
+    `short_topk` cuts one token's row to one entry, `not_json` answers a body that is not JSON, `trickle_s` sends the
+    answer (status line and headers too) one byte per that many seconds, `answer_model` names another model. Request
+    `string_entry_at` gets a string where one top-k entry belongs."""
 
     error_first: int = 0
     hang_first: int = 0
@@ -47,6 +51,15 @@ class Faults:
     truncate: bool = False
     delay_s: float = 0.0
     max_logprobs: int | None = None  # vLLM's --max-logprobs: a request asking for more gets HTTP 400
+    bad_from: int = 1
+    error_status: int | None = None
+    string_logprobs: bool = False
+    no_topk: bool = False
+    short_topk: bool = False
+    not_json: bool = False
+    trickle_s: float = 0.0
+    answer_model: str | None = None
+    string_entry_at: int = 0
 
 
 @dataclass
@@ -97,13 +110,24 @@ class FakeEngine:
 
     # ---------------------------------------------------------------- endpoints
 
-    def _send(self, handler, status: int, payload, raw: bytes | None = None) -> None:
+    def _send(self, handler, status: int, payload, raw: bytes | None = None, length: int | None = None) -> None:
+        """`payload` as JSON, or `raw` bytes announced as `length` (default: twice theirs, a body cut short)."""
         body = raw if raw is not None else json.dumps(payload).encode()
         handler.send_response(status)
         handler.send_header("Content-Type", "application/json")
-        handler.send_header("Content-Length", str(len(body) if raw is None else len(body) * 2))
+        handler.send_header("Content-Length", str(len(body) if raw is None else length or len(body) * 2))
         handler.end_headers()
         handler.wfile.write(body)
+
+    @staticmethod
+    def _trickle(handler, body: bytes, seconds: float) -> None:
+        """The whole answer, status line and headers included, one byte every `seconds`."""
+        whole = (f"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                 .encode() + body)
+        for i in range(len(whole)):
+            handler.wfile.write(whole[i:i + 1])
+            handler.wfile.flush()
+            time.sleep(seconds)
 
     def handle_get(self, handler) -> None:
         model = {"id": self.served, "object": "model", "owned_by": self.api, "root": f"/weights/{self.served}",
@@ -130,6 +154,14 @@ class FakeEngine:
             number = self.requests
         if number <= f.error_first:
             return self._send(handler, 503, {"error": "loading model"})
+        bad = number >= f.bad_from
+        if bad and f.error_status is not None:
+            return self._send(handler, f.error_status, {"error": "internal error"})
+        if bad and f.not_json:
+            page = b"<html>502 Bad Gateway</html>"
+            return self._send(handler, 200, None, raw=page, length=len(page))
+        if bad and f.trickle_s:
+            return self._trickle(handler, json.dumps(self.complete(handler.path, body)).encode(), f.trickle_s)
         if number <= f.hang_first:
             time.sleep(f.hang_s)
         time.sleep(f.delay_s)
@@ -138,14 +170,14 @@ class FakeEngine:
                                              f"{body['logprobs']}, which is greater than max allowed: "
                                              f"{f.max_logprobs}", "type": "BadRequestError", "code": 400})
         try:
-            payload = self.complete(handler.path, body)
+            payload = self.complete(handler.path, body, bad=bad, string_entry=number == f.string_entry_at)
         except KeyError as exc:
             return self._send(handler, 400, {"error": f"missing {exc}"})
         if number <= f.cut_first:
             return self._send(handler, 200, None, raw=json.dumps(payload).encode()[:40])
         self._send(handler, 200, payload)
 
-    def complete(self, path: str, body: dict) -> dict:
+    def complete(self, path: str, body: dict, bad: bool = False, string_entry: bool = False) -> dict:
         if path == "/completion":
             prompt, t, seed = body["prompt"], body["temperature"], body["seed"]
             n, k = body["n_predict"], body["n_probs"]
@@ -166,6 +198,10 @@ class FakeEngine:
             tokens[0] = 100_000
         if f.truncate and tokens[-1] == STOP:
             tokens, top = tokens[:-1], top[:-1]
+        if bad and f.no_topk:
+            top = [[] for _ in top]
+        if bad and f.short_topk and len(top) > 1:
+            top[len(top) // 2] = top[len(top) // 2][:1]
         with self.lock:
             self.answered[(tuple(prompt), seed if t > 0 else 0)] += 1
         finish = "stop" if tokens and tokens[-1] == STOP else "length"
@@ -179,7 +215,9 @@ class FakeEngine:
                 "finish_reason": {"type": finish}, "output_token_logprobs": [[row[0][0], tok, None]
                                                                              for tok, row in zip(tokens, top)],
                 "output_top_logprobs": [[[lp, i, None] for lp, i in row] for row in top]}}
-        return {"object": "text_completion", "model": self.served, "choices": [{
-            "index": 0, "text": "", "finish_reason": finish, "logprobs": {
-                "tokens": [f"token_id:{tok}" for tok in tokens],
-                "top_logprobs": [{f"token_id:{i}": lp for lp, i in row} for row in top]}}]}
+        rows: list = [{f"token_id:{i}": str(lp) if bad and f.string_logprobs else lp for lp, i in row} for row in top]
+        if string_entry:
+            rows[0] = "token_id:5"
+        return {"object": "text_completion", "model": f.answer_model if bad and f.answer_model else self.served,
+                "choices": [{"index": 0, "text": "", "finish_reason": finish, "logprobs": {
+                    "tokens": [f"token_id:{tok}" for tok in tokens], "top_logprobs": rows}}]}

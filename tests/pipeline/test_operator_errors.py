@@ -33,6 +33,7 @@ def test_a_binary_config_file_is_one_line(tmp_path, capsys):
 @pytest.mark.parametrize("override, reason", [
     ("monitor.schedule=not a cron", "monitor.schedule: Value error, 'not a cron' is not a crontab expression"),
     ("monitor.schedule=0 25 * * *", "monitor.schedule: Value error, '0 25 * * *' is not a crontab expression"),
+    ("monitor.schedule=0 0 30 2 *", "monitor.schedule: Value error, '0 0 30 2 *' never fires in the next 5 years"),
     ("monitor.timezone=Mars/Olympus", "monitor.timezone: Value error, unknown time zone 'Mars/Olympus'"),
     ("monitor.timezone=../../etc/passwd", "unknown time zone"),
     ("decode.temperature=.inf", "decode.temperature: Input should be a finite number"),
@@ -42,6 +43,16 @@ def test_a_binary_config_file_is_one_line(tmp_path, capsys):
 def test_settings_the_service_could_not_use_are_refused_when_the_config_is_loaded(capsys, override, reason):
     assert main(["config", override]) == 2
     assert reason in one_error_line(capsys)
+
+
+def test_a_crontab_expression_is_an_override_without_yaml_quoting(capsys):
+    assert main(["config", "monitor.schedule=*/5 * * * *"]) == 0
+    assert "schedule: '*/5 * * * *'" in capsys.readouterr().out
+    # `monitor serve` takes overrides: the schedule parses, and the bad time zone beside it is what is refused
+    assert main(["monitor", "serve", "monitor.schedule=*/5 * * * *", "monitor.timezone=Mars/Olympus"]) == 2
+    assert "unknown time zone 'Mars/Olympus'" in one_error_line(capsys)
+    assert main(["config", "decode.temperature=*"]) == 2  # an alias-looking value is text, then the schema's
+    assert "decode.temperature: Input should be a valid number" in one_error_line(capsys)
 
 
 def test_monitor_serve_with_a_bad_time_zone_is_one_line_before_it_starts(tmp_path, capsys):

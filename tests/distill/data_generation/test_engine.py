@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from distill.data_generation.engine import EngineError, EngineRequest, Server, Settings, generate
-from distill.data_generation.identity import EngineUnavailable, common_identity, probe
+from distill.data_generation.identity import DifferentTeachers, EngineUnavailable, common_identity, probe
 from distill.losses import TopKTeacher, distillation_loss
 from tests.distill.fake_engine import STOP, FakeEngine, Faults, answer
 
@@ -130,10 +130,37 @@ def test_servers_of_one_job_serve_one_model():
             FakeEngine("llamacpp", ftype="Q8_0") as c:
         same = {a.url: probe(a.url), c.url: probe(c.url)}
         assert common_identity(same).quantization == "Q8_0"
-        with pytest.raises(ValueError, match="different models"):
+        with pytest.raises(DifferentTeachers, match="different models"):
             common_identity({a.url: probe(a.url), b.url: probe(b.url)})
 
 
 def test_an_unreachable_server_is_named():
     with pytest.raises(EngineUnavailable, match="127.0.0.1:9"):
         probe("http://127.0.0.1:9", timeout=2.0)
+
+
+def test_an_error_in_a_worker_thread_ends_the_job_through_the_caller_with_what_was_kept():
+    """Whatever a worker meets (here the journal's disk failing at the 5th response), the job ends in the calling
+    thread with one EngineError line; the responses kept before it were handed over once, and no others."""
+    got = {}
+
+    def keep(request, parsed):
+        if len(got) == 4:
+            raise OSError(28, "No space left on device")
+        got[request.key] = parsed
+
+    with FakeEngine() as server:
+        with pytest.raises(EngineError, match="No space left on device") as caught:
+            generate([Server(server.url, "vllm")], requests(12), SETTINGS, on_result=keep, concurrency=2, timeout=5.0)
+    assert len(got) == 4 and "\n" not in str(caught.value) and "8 of 12 requests remain" in str(caught.value)
+
+
+def test_retrying_stops_after_give_up_after_without_an_answer_whatever_the_retries():
+    import time
+
+    with FakeEngine(faults=Faults(hang_first=10**6, hang_s=30.0)) as server:
+        start = time.monotonic()
+        with pytest.raises(EngineError, match="no response kept for [23] s of retries") as caught:
+            run([Server(server.url, "vllm")], requests(4), retries=10**6, timeout=0.5, give_up_after=2.0)
+        assert time.monotonic() - start < 2.0 + 0.5 + 2.0  # the bound, one attempt's deadline, slack
+    assert "no whole answer within 0.5 s" in str(caught.value) and "4 of 4 requests remain" in str(caught.value)
