@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from monitor.check.decision import Decision, Status
 from monitor.check.prompt_acceptance import Baseline, Measurement
-from monitor.deploy.rollout import PENDING, read_state, root_of
+from monitor.deploy.layout import PENDING, read_state, root_of
 from monitor.engines.counters import ServerMetricsError, SpecCounters, parse_spec_counters, scrape, window_between
 from monitor.engines.offline_expectation import engine_vs_offline_test
 from monitor.stats.acceptance_tests import DropTest
