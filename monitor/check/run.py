@@ -11,7 +11,7 @@
    engine_check: always) read the engine's counters over a few windows and compare them with the offline figure of
    the draft it should run (monitor.check.engine_acceptance).
 4. Decide OK / DRIFT with its cause (monitor.check.decision), or DEPLOY_MISMATCH after a deploy the engine does not
-   show; ERROR when a figure is not finite.
+   show; ERROR when a figure is not finite or the engine's counters cannot be true.
 5. On DRIFT with retraining on: distill a challenger, measure both on the same held-out prompts and
    promote it only if it beats the champion by `promote_margin` (paired test); it brings its baseline.
 6. Log the check as a run in the `draftops-monitor` experiment; then record the post-deploy check, roll the deployment
@@ -258,7 +258,8 @@ def _retrain_and_gate(check: _Check, retrain: Callable[[DraftopsConfig], str], l
 
 
 def _complete_decision(check: _Check) -> None:
-    """The server reading's notes, the traffic's size, and a deploy before the check that failed (DEPLOY_FAILED)."""
+    """The server reading's notes (counters that cannot be true: an ERROR), the traffic's size, and a deploy before
+    the check that failed (DEPLOY_FAILED)."""
     report, m = check.report, check.cfg.monitor
     server, n_heldout = report.server, len(check.heldout)
     if server is not None:
@@ -267,6 +268,10 @@ def _complete_decision(check: _Check) -> None:
         if report.baseline_recorded and server.test is not None:
             report.decision.notes.append("server metrics: the window test is logged, and decides once the champion "
                                          "has its offline baseline")
+        if server.impossible:
+            report.decision = Decision(Status.ERROR, None, report.decision.reasons + [f"server metrics: "
+                                                                                      f"{server.error}"],
+                                       report.decision.notes)
     if n_heldout < m.heldout_requests:
         report.decision.notes.append(
             f"the traffic holds {n_heldout} held-out requests, fewer than monitor.heldout_requests="

@@ -73,7 +73,8 @@ def llamacpp_text(drafts: float, draft_tokens: float, accepted: float) -> str:
 
 class FakeEngine(http.server.BaseHTTPRequestHandler):
     """GET /metrics: llama-server's counters, `window` more draft tokens at `acceptance` each time (a few points of
-    seeded noise per window); POST /reload: recorded."""
+    seeded noise per window; an acceptance above 1 as it is, an engine whose counters cannot be true); POST /reload:
+    recorded."""
 
     def do_GET(self):
         engine = self.server
@@ -83,7 +84,8 @@ class FakeEngine(http.server.BaseHTTPRequestHandler):
         jitter = ((engine.scrapes * 7919) % 11 - 5) / 250  # -0.02 .. +0.02, deterministic
         engine.scrapes += 1
         engine.draft_tokens += engine.window
-        engine.accepted += round(engine.window * min(max(engine.acceptance + jitter, 0.0), 1.0))
+        share = engine.acceptance if engine.acceptance > 1 else min(max(engine.acceptance + jitter, 0.0), 1.0)
+        engine.accepted += round(engine.window * share)  # above 1: counters that cannot be true
         engine.drafts += engine.window / 3
         self._answer(llamacpp_text(engine.drafts, engine.draft_tokens, engine.accepted).encode())
 

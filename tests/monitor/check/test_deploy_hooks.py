@@ -190,3 +190,13 @@ def test_a_check_whose_deploy_fails_is_deploy_failed_never_ok(loop):
     assert run.data.metrics[M.MONITOR_DEPLOY_FAILED] == 1 and run.data.metrics[M.MONITOR_DRIFT] == 1
     assert linked(deploy_root, CURRENT).version == "2" and not read_state(deploy_root)["reloaded"]
 
+
+def test_engine_counters_that_cannot_be_true_are_an_error_not_a_confirmation(loop):
+    cfg, world, engine, root = loop
+    engine.acceptance = 10.0  # ten accepted tokens for every drafted one
+    report = check(cfg, world)
+    assert report.decision.status is Status.ERROR and report.exit_code == 2
+    assert report.engine.impossible and not report.engine.mismatch and report.engine.test is None
+    assert "cannot be true" in report.decision.reasons[-1]
+    assert "confirmed" not in report.summary()
+    assert read_state(root / "deploy")["check"] == "pending"  # not verified: the next check reads the engine again
