@@ -155,7 +155,8 @@ def _read_pairs(path: str) -> list[tuple[float, float]]:
 
 def rollback_command(args) -> int:
     from monitor.check.run import rollback
-    from monitor.deploy.rollout import DeployError, ensure_deployed
+    from monitor.deploy.layout import DeployError
+    from monitor.deploy.rollout import ensure_deployed
     from monitor.service.scheduler import EXIT_BUSY
     from pipeline.config import load_config
     from pipeline.tracking import check_tracking
@@ -180,7 +181,8 @@ def rollback_command(args) -> int:
 
 
 def deploy_command(args) -> int:
-    from monitor.deploy.rollout import DeployError, ensure_deployed, rollback_deployment
+    from monitor.deploy.layout import DeployError
+    from monitor.deploy.rollout import ensure_deployed, rollback_deployment
     from monitor.service.scheduler import EXIT_BUSY, check_lock
     from pipeline.config import load_config
 
@@ -265,7 +267,8 @@ def add_commands(subparsers) -> None:
 
     check = with_config(actions.add_parser(
         "check", help="measure the champion now; exit 0 OK, 3 DRIFT, 4 DEPLOY_MISMATCH (the engine does not show the "
-                      "deployed draft's acceptance), 2 error, 75 another check running"))
+                      "deployed draft's acceptance), 5 DEPLOY_FAILED (a deploy it ran failed), 2 error, 75 another "
+                      "check running"))
     check.add_argument("--json", action="store_true")
     check.set_defaults(handler=check_command)
 

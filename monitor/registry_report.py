@@ -123,7 +123,8 @@ def monitor_checks(client, name: str | None = None, limit: int = 10) -> list[Che
 
 def monitor_history_figure(checks: list[CheckRow]):
     """Acceptance at each check against its baseline, the drift threshold (baseline − margin) and break-even;
-    DRIFT checks in red, DEPLOY_MISMATCH in purple, and a vertical line where retraining promoted a new champion."""
+    DRIFT checks in red, DEPLOY_MISMATCH in purple, DEPLOY_FAILED in orange, and a vertical line where retraining
+    promoted a new champion."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,7 +135,7 @@ def monitor_history_figure(checks: list[CheckRow]):
     measured = [c for c in checks if c.acceptance_now is not None]
     times = [c.time for c in measured]
     ax.plot(times, [c.acceptance_now for c in measured], color="tab:blue", linewidth=1, zorder=1)
-    colors = {"OK": "tab:green", "DRIFT": "tab:red", "DEPLOY_MISMATCH": "tab:purple"}
+    colors = {"OK": "tab:green", "DRIFT": "tab:red", "DEPLOY_MISMATCH": "tab:purple", "DEPLOY_FAILED": "tab:orange"}
     for decision, color in colors.items():
         picked = [c for c in measured if c.decision == decision]
         ax.scatter([c.time for c in picked], [c.acceptance_now for c in picked], color=color, zorder=2,

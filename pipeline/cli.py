@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Exit codes: 0 done, 2 a one-line error (bad input, config, source, registry, traffic, an
     unreachable or failing tracking store, any `pipeline.errors.OperatorError`), 75 the registered model is busy
-    (another process holds its lock); the monitor's own (3 DRIFT) are in `monitor.check.run.run.run.decision`."""
+    (another process holds its lock); the monitor's own (3 DRIFT) are in `monitor.check.decision`."""
     from pipeline.config import ConfigError
     from pipeline.errors import OperatorError
     from pipeline.locks import EXIT_BUSY, ModelBusy

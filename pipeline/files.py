@@ -24,10 +24,15 @@ def temporary_sibling(final: Path) -> Path:
 
 
 def write_text_atomic(path: Path, text: str) -> Path:
-    """Write `text` to a temporary file of this process beside `path`, then rename it over `path`."""
+    """Write `text` to a temporary file of this process beside `path`, then rename it over `path`; a write that fails
+    (a full or read-only disk) leaves `path` as it was and no temporary file."""
     tmp = path.with_name(f"{path.name}{TMP_SUFFIX}{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

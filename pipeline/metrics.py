@@ -151,7 +151,7 @@ BASE_TARGET_FINGERPRINT_TAG = "draftops.base_target_fingerprint"
 TARGET_PATH_TAG = "draftops.target_path"
 
 # monitor runs: one check (or rollback)
-MONITOR_DECISION_TAG = "draftops.monitor.decision"  # OK, DRIFT, ROLLBACK, ERROR
+MONITOR_DECISION_TAG = "draftops.monitor.decision"  # OK, DRIFT, ERROR, DEPLOY_MISMATCH, DEPLOY_FAILED, ROLLBACK
 MONITOR_CAUSE_TAG = "draftops.monitor.cause"
 MONITOR_CHAMPION_VERSION_TAG = "draftops.monitor.champion_version"
 MONITOR_CHAMPION_TARGET_FINGERPRINT_TAG = "draftops.monitor.champion_target_fingerprint"
@@ -171,12 +171,13 @@ DEPLOYED_AT_TAG = "draftops.deploy.deployed_at"
 DEPLOY_RUN_TAG = "draftops.deploy.run_id"
 DEPLOY_VERSION_TAG = "draftops.deploy.version"  # on a deploy run: the version it deployed
 DEPLOY_ACTION_TAG = "draftops.deploy.action"  # on a deploy run: deploy, rollback (after a mismatch), reload
-# the engine check (monitor.check.run.engine_acceptance): the engine's acceptance over its windows vs the draft's
+# the engine check (monitor.check.engine_acceptance): the engine's acceptance over its windows vs the draft's
 # offline figure
 ENGINE_ACCEPTANCE = "monitor/engine/acceptance"
 ENGINE_EXPECTED = "monitor/engine/expected"
 ENGINE_MISMATCH = "monitor/engine/mismatch"
 MONITOR_DEPLOY_MISMATCH = "monitor/deploy_mismatch"
+MONITOR_DEPLOY_FAILED = "monitor/deploy_failed"  # 1 when a deploy the check ran failed: the decision is DEPLOY_FAILED
 
 # aliases of the registered model (stages are deprecated in MLflow 3)
 CHAMPION = "champion"  # what serves

@@ -7,7 +7,7 @@ version does what: `champion` serves, `challenger` is a new distillation waiting
 
 A version's tags link it to its runs: the distill run that made it, its latest eval and bench (`link_run`), and the
 monitor run whose artifact holds its baseline (per-prompt acceptance on held-out prompts, stored and loaded here as
-the JSON payload that `monitor.check.run.prompt_acceptance.Baseline` writes).
+the JSON payload that `monitor.check.prompt_acceptance.Baseline` writes).
 
 mlflow is imported inside the functions that talk to the store: `draftops` imports this module while building its
 command line (through `monitor.registry_report`), and `draftops models info` on a local path must not pay for mlflow.

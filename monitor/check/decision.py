@@ -8,10 +8,15 @@ with neither, a drop that only the serving engine saw is "server_acceptance_drop
 held-out traffic did not see it), any other "unexplained". A measurement that is not a finite number (NaN weights, an
 overflow) is an ERROR, never OK: the check cannot tell whether the champion pays.
 
-DEPLOY_MISMATCH is the post-deploy check's outcome (monitor.check.run.engine_acceptance): the serving engine's
-acceptance after a deploy is clearly below what the deployed draft measured offline, so the engine does not run the
-draft that was measured (a wrong or stale file, a misaligned vocabulary, an engine not reloaded). It outranks OK and
-DRIFT (no retraining can fix an engine that does not run the draft); an ERROR outranks it.
+DEPLOY_MISMATCH is the post-deploy check's outcome (monitor.check.engine_acceptance): the serving engine's acceptance
+after a deploy is clearly below what the deployed draft measured offline, so the engine does not run the draft that was
+measured (a wrong or stale file, a misaligned vocabulary, an engine not reloaded). It outranks OK and DRIFT (no
+retraining can fix an engine that does not run the draft); an ERROR outranks it.
+
+DEPLOY_FAILED: a deploy this check ran (the champion not yet deployed, a promoted challenger, a rollback after a
+mismatch) failed, so the engine may not serve the champion (monitor.check.deploy_hooks). It outranks OK, DRIFT and
+DEPLOY_MISMATCH, whose reasons it keeps; an ERROR outranks it. Each has its own exit code, so that whatever watches
+exit codes sees it.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from enum import Enum
 from monitor.engines.offline_expectation import ENGINE_VS_OFFLINE
 from monitor.stats.acceptance_tests import AcceptanceCheck, DropTest, PromptAcceptance, TrafficDrift, paired_drop_test
 
-EXIT_OK, EXIT_ERROR, EXIT_DRIFT, EXIT_DEPLOY_MISMATCH = 0, 2, 3, 4
+EXIT_OK, EXIT_ERROR, EXIT_DRIFT, EXIT_DEPLOY_MISMATCH, EXIT_DEPLOY_FAILED = 0, 2, 3, 4, 5
 
 
 class Status(str, Enum):
@@ -31,6 +36,7 @@ class Status(str, Enum):
     DRIFT = "DRIFT"
     ERROR = "ERROR"
     DEPLOY_MISMATCH = "DEPLOY_MISMATCH"
+    DEPLOY_FAILED = "DEPLOY_FAILED"
 
 
 class Cause(str, Enum):
@@ -51,7 +57,7 @@ class Decision:
     @property
     def exit_code(self) -> int:
         return {Status.OK: EXIT_OK, Status.DRIFT: EXIT_DRIFT, Status.ERROR: EXIT_ERROR,
-                Status.DEPLOY_MISMATCH: EXIT_DEPLOY_MISMATCH}[self.status]
+                Status.DEPLOY_MISMATCH: EXIT_DEPLOY_MISMATCH, Status.DEPLOY_FAILED: EXIT_DEPLOY_FAILED}[self.status]
 
     def to_dict(self) -> dict:
         return {"status": self.status.value, "cause": self.cause and self.cause.value,

@@ -1,32 +1,31 @@
 """Where a monitor check deploys: before it (a champion not yet deployed, or a reload a kill cut short), and after it
 (the post-deploy check's outcome recorded, the deployment rolled back on a mismatch when configured, a promoted
-challenger deployed). A deploy that fails never fails the check: it is reported, and the next check tries again."""
+challenger deployed). A deploy that fails does not stop the check (it still measures and is recorded, and the next
+check tries again), but it is never an OK: the check's decision becomes DEPLOY_FAILED, with its own exit code."""
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
 
-from monitor.deploy.rollout import (
-    MISMATCH,
-    VERIFIED,
-    DeployError,
-    DeployResult,
-    ensure_deployed,
-    record_check,
-    rollback_deployment,
-)
+from monitor.check.decision import Decision, Status
+from monitor.deploy.layout import MISMATCH, VERIFIED, DeployError
+from monitor.deploy.rollout import FAILED, DeployResult, ensure_deployed, record_check, rollback_deployment
 from pipeline import registry
 from pipeline.config import DraftopsConfig
 
 log = logging.getLogger("draftops.monitor")
 
 
+def _failed(what: str, exc: Exception) -> DeployResult:
+    log.error("%s failed: %s", what, exc)
+    return DeployResult(FAILED, None, notes=[f"{what} failed: {exc}"])
+
+
 def _safely(what: str, fn: Callable[[], DeployResult]) -> DeployResult:
     try:
         return fn()
     except (DeployError, registry.RegistryError, OSError) as exc:
-        log.error("%s failed: %s", what, exc)
-        return DeployResult("failed", None, notes=[f"{what} failed: {exc}"])
+        return _failed(what, exc)
 
 
 def deploy_before(cfg: DraftopsConfig) -> list[DeployResult]:
@@ -42,9 +41,25 @@ def deploy_after(cfg: DraftopsConfig, report) -> None:
     `rollback_on_mismatch`), deploy a promoted challenger. Appends to `report.deploys`."""
     d, engine = cfg.monitor.deploy, report.engine
     if engine is not None and engine.post_deploy and engine.test is not None:
-        record_check(cfg, MISMATCH if engine.mismatch else VERIFIED)
+        try:
+            record_check(cfg, MISMATCH if engine.mismatch else VERIFIED)
+        except DeployError as exc:
+            report.deploys.append(_failed("record of the post-deploy check", exc))
         if engine.mismatch and d.rollback_on_mismatch:
             report.deploys.append(_safely("rollback of the deployment", lambda: rollback_deployment(
                 cfg, f"post-deploy check: DEPLOY_MISMATCH on version {engine.version}")))
     if d.enabled and report.retrain is not None and report.retrain.promoted:
         report.deploys.append(_safely("deploy of the new champion", lambda: ensure_deployed(cfg)))
+
+
+def with_deploys(decision: Decision, deploys: list[DeployResult]) -> Decision:
+    """DEPLOY_FAILED when one of `deploys` failed (an ERROR stays an ERROR, with the failures added to its reasons);
+    the reasons of the decision it replaces are kept in its notes."""
+    failures = [note for result in deploys if result.action == FAILED for note in result.notes]
+    if not failures:
+        return decision
+    if decision.status in (Status.ERROR, Status.DEPLOY_FAILED):
+        return Decision(decision.status, None, decision.reasons + failures, decision.notes)
+    was = decision.status.value + (f" ({decision.cause.value})" if decision.cause else "")
+    return Decision(Status.DEPLOY_FAILED, None, failures, [f"also {was}: {r}" for r in decision.reasons]
+                    + decision.notes)

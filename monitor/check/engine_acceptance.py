@@ -11,7 +11,7 @@ When it runs (`monitor.deploy.engine_check`): `after_deploy`, the first check af
 check is pending): the post-deploy check. Clearly below -> DEPLOY_MISMATCH (the engine does not run the measured
 draft); the engine is also compared with the previous version's offline figure (its baseline, recorded before the
 drift that replaced it): not clearly below it means the deploy recovered the acceptance. `always`: every check; a
-shortfall outside a post-deploy check is the server's evidence of a drop (`monitor.check.run.decision`, like the window
+shortfall outside a post-deploy check is the server's evidence of a drop (`monitor.check.decision`, like the window
 test of `monitor.engines.counters`, which needs many more checks to decide).
 
 The offline figure assumes the engine drafts decode.gamma tokens a round from the draft alone and decodes greedily
@@ -28,8 +28,15 @@ from dataclasses import dataclass, field
 
 from monitor.check.decision import Decision, Status
 from monitor.check.prompt_acceptance import Baseline, Measurement
-from monitor.deploy.rollout import PENDING, read_state, root_of
-from monitor.engines.counters import ServerMetricsError, SpecCounters, parse_spec_counters, scrape, window_between
+from monitor.deploy.layout import PENDING, read_state, root_of
+from monitor.engines.counters import (
+    ImpossibleCounters,
+    ServerMetricsError,
+    SpecCounters,
+    parse_spec_counters,
+    scrape,
+    window_between,
+)
 from monitor.engines.offline_expectation import engine_vs_offline_test
 from monitor.stats.acceptance_tests import DropTest
 from pipeline import registry
@@ -53,6 +60,7 @@ class EngineCheck:
     pre_drift: DropTest | None = None  # engine vs the previous version's offline figure (post-deploy)
     notes: list[str] = field(default_factory=list)
     error: str | None = None
+    impossible: bool = False  # the error: counters that cannot be true (an ERROR, never a confirmation)
 
     @property
     def acceptance(self) -> float | None:
@@ -136,7 +144,7 @@ def read_windows(cfg: DraftopsConfig, check: EngineCheck, wait: Callable[[float]
                 check.notes.append("a window without draft tokens (no traffic): not used")
             before = now
     except ServerMetricsError as exc:
-        check.error = str(exc)
+        check.error, check.impossible = str(exc), isinstance(exc, ImpossibleCounters)
     check.seconds = time.perf_counter() - start
     return check
 
@@ -185,12 +193,15 @@ def compare(cfg: DraftopsConfig, check: EngineCheck, champion_version: str,
 
 
 def with_engine(decision: Decision, engine: EngineCheck | None) -> Decision:
-    """The check's decision once the engine check is in: DEPLOY_MISMATCH when the post-deploy check found the engine
-    clearly below the deployed draft's offline figure (an ERROR stays an ERROR); the engine check's notes added."""
+    """The check's decision once the engine check is in: ERROR when its counters cannot be true, DEPLOY_MISMATCH when
+    the post-deploy check found the engine clearly below the deployed draft's offline figure (an ERROR stays an
+    ERROR); the engine check's notes added."""
     if engine is None:
         return decision
     notes = decision.notes + [f"engine check: {n}" for n in ([f"not read: {engine.error}"] if engine.error
                                                               else engine.notes)]
+    if engine.impossible:
+        return Decision(Status.ERROR, None, decision.reasons + [f"engine check: {engine.error}"], notes)
     if not engine.mismatch or decision.status is Status.ERROR:
         return Decision(decision.status, decision.cause, decision.reasons, notes)
     t = engine.test

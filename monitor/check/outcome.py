@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from monitor.check.decision import Decision, Status
 from monitor.check.engine_acceptance import EngineCheck
-from monitor.deploy.rollout import DeployResult
+from monitor.deploy.rollout import FAILED, DeployResult
 from monitor.engines.counters import ServerReading
 from monitor.stats.acceptance_tests import AcceptanceCheck, DropTest, TrafficDrift
 from pipeline import metrics as M
@@ -122,6 +122,7 @@ def _run_metrics(report: CheckReport, margin: float) -> dict[str, float]:
     out[M.MONITOR_DRIFT] = float(report.decision.status is Status.DRIFT)
     out[M.MONITOR_ERROR] = float(report.decision.status is Status.ERROR)
     out[M.MONITOR_DEPLOY_MISMATCH] = float(report.decision.status is Status.DEPLOY_MISMATCH)
+    out[M.MONITOR_DEPLOY_FAILED] = float(any(r.action == FAILED for r in report.deploys))
     out[M.MONITOR_BREAK_EVEN] = report.break_even
     out[M.MONITOR_ACCEPTANCE_NOW] = report.current_acceptance
     if report.acceptance_source == "live":  # the draft decoding alone: the same figure eval and bench report

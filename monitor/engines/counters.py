@@ -23,9 +23,9 @@ Windows. A counter only says what happened since the server started, so each che
 from the previous scrape (kept in `<monitor.state_dir>/server_metrics.json`, written atomically) is one window. A
 counter lower than at the previous scrape means that the server restarted in between: the window is then the current
 counters alone, what the new process counted (the traffic between the previous scrape and the restart is lost). A
-restart followed by more traffic than the old process had counted is not seen. Window acceptance = accepted / draft
-tokens; acceptance at position i = accepted_per_pos[i] / drafts (vLLM's per-position acceptance rate: per draft, not
-given the position was reached).
+restart followed by more traffic than the old process had counted is not seen; counters that cannot be true are
+ImpossibleCounters. Window acceptance = accepted / draft tokens; acceptance at position i = accepted_per_pos[i] /
+drafts (vLLM's per-position acceptance rate: per draft, not given the position was reached).
 
 Drift. Tokens within a window share requests and prompts, so they are not independent trials; the window is the unit.
 The first `server_baseline_windows` windows closed while a version is champion are its baseline; once
@@ -67,6 +67,11 @@ MAX_SCRAPE_BYTES = 64 << 20  # a vLLM page with many label sets is a few MiB
 
 class ServerMetricsError(RuntimeError):
     """The endpoint could not be read, or holds no speculative-decoding counters (the message says what it holds)."""
+
+
+class ImpossibleCounters(ServerMetricsError):
+    """Counters that cannot be true (a count below 0 or not finite, more tokens accepted than drafted, in a scrape or
+    over a window): an error the check reports, never a window it tests or a deployment it confirms."""
 
 
 @dataclass(frozen=True)
@@ -154,8 +159,22 @@ def parse_spec_counters(text: str, model_name: str | None = None) -> SpecCounter
             "llama-server --model-draft with --metrics)?")
     engine = complete[0]
     positions = per_pos.get(engine, {})
-    return SpecCounters(engine, totals[engine]["drafts"], totals[engine]["draft_tokens"], totals[engine]["accepted"],
-                        tuple(positions.get(i, 0.0) for i in range(max(positions) + 1)) if positions else ())
+    return check_possible(SpecCounters(
+        engine, totals[engine]["drafts"], totals[engine]["draft_tokens"], totals[engine]["accepted"],
+        tuple(positions.get(i, 0.0) for i in range(max(positions) + 1)) if positions else ()), "the engine's counters")
+
+
+def check_possible(counters: SpecCounters, what: str, slack: float = 0.0) -> SpecCounters:
+    """`counters`, or ImpossibleCounters unless every count is finite and >= 0 and no more tokens were accepted than
+    drafted (`slack`: what rounded counters may be off by; llama.cpp prints 6 significant digits)."""
+    counts = {"drafts": counters.drafts, "draft tokens": counters.draft_tokens, "accepted tokens": counters.accepted,
+              **{f"accepted at position {i}": v for i, v in enumerate(counters.accepted_per_pos)}}
+    wrong = [f"{name} {value:g}" for name, value in counts.items() if not math.isfinite(value) or value < -slack]
+    if not wrong and counters.accepted > counters.draft_tokens + slack:
+        wrong = [f"{counters.accepted:g} accepted tokens of {counters.draft_tokens:g} drafted"]
+    if wrong:
+        raise ImpossibleCounters(f"{what} cannot be true: {', '.join(wrong)}")
+    return counters
 
 
 def scrape(url: str, timeout: float = 10.0) -> str:
@@ -221,7 +240,9 @@ def window_between(previous: SpecCounters | None, current: SpecCounters) -> tupl
     if any(b > a for b, a in zip(before, now)):
         return current, True
     delta = [a - b for a, b in zip(now, before)]
-    return SpecCounters(current.engine, delta[0], delta[1], delta[2], tuple(delta[3:])), False
+    rounding = 1e-5 * sum(abs(v) for v in before[1:3] + now[1:3]) if current.engine == "llamacpp" else 0.0
+    return check_possible(SpecCounters(current.engine, delta[0], delta[1], delta[2], tuple(delta[3:])),
+                          "the engine's counters over a window", slack=rounding), False
 
 
 @dataclass
@@ -256,6 +277,7 @@ class ServerReading:
     n_recent_windows: int = 0
     notes: list[str] = field(default_factory=list)
     error: str | None = None
+    impossible: bool = False  # the error: counters that cannot be true
 
     def to_dict(self) -> dict:
         return {"url": self.url, "window": self.window and self.window.to_dict(),
@@ -348,17 +370,17 @@ def read_server(cfg: DraftopsConfig, champion_version: str,
     the window test when it can."""
     m = cfg.monitor
     reading = ServerReading(m.server_metrics_url)
-    try:
-        text = (fetch or scrape)(m.server_metrics_url, m.server_timeout)
-        counters = parse_spec_counters(text, m.server_model_name)
-    except ServerMetricsError as exc:
-        reading.error = str(exc)
-        return reading
     path = state_path(cfg)
     state = load_state(path, m.server_metrics_url, m.server_model_name)
     at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    reading.window, reading.notes = record(state, counters, champion_version, at, m.server_baseline_windows,
-                                           m.server_recent_windows)
+    try:
+        text = (fetch or scrape)(m.server_metrics_url, m.server_timeout)
+        counters = parse_spec_counters(text, m.server_model_name)
+        reading.window, reading.notes = record(state, counters, champion_version, at, m.server_baseline_windows,
+                                               m.server_recent_windows)
+    except ServerMetricsError as exc:
+        reading.error, reading.impossible = str(exc), isinstance(exc, ImpossibleCounters)
+        return reading
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(state, indent=1))
     reading.test, reading.n_baseline_windows, reading.n_recent_windows = window_test(

@@ -17,7 +17,7 @@ two independent samples of different units, each a ratio estimator. The toleranc
 keeps at least (1 − tolerance) of the offline figure", A_engine ≥ (1 − t)·A_offline, since an engine's own precision
 costs a draft that is almost always accepted more than one that rarely is (a flipped near-tie ends a whole round).
 The statistic (1 − t)·A_offline − A_engine has the sum of each side's linearized variance (the delta method of
-`monitor.stats.acceptance_tests.acceptance_tests`); with only a few engine windows, the one-sided p-value and interval
+`monitor.stats.acceptance_tests`); with only a few engine windows, the one-sided p-value and interval
 use Student's t with Welch–Satterthwaite degrees of freedom instead of the normal. The DropTest reports drop =
 A_offline − A_engine with margin t·A_offline. `tests/monitor/check/test_deploy_hooks.py` simulates its false-alarm rate
 at the level.

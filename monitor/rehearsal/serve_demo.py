@@ -34,7 +34,8 @@ from distill.train import run_distill
 from monitor.check.decision import Status
 from monitor.check.prompt_acceptance import heldout_by_recency
 from monitor.check.run import run_check
-from monitor.deploy.rollout import CURRENT, ensure_deployed, linked, root_of
+from monitor.deploy.layout import CURRENT, linked, root_of
+from monitor.deploy.rollout import ensure_deployed
 from monitor.engines.speed import measure_speed, settings_for, speed_table
 from monitor.rehearsal.demo_engine import Replayer, ServedEngine, write_target_gguf
 from monitor.rehearsal.drift_demo import PRODUCTION_MODEL, claim_model, claim_out, demo_configs

@@ -1,7 +1,7 @@
 """The monitor service: runs the check on a cron schedule that survives restarts.
 
 APScheduler 3 with a persistent SQLAlchemy (sqlite) job store holds one job, referenced by import
-path so it can be stored: `monitor.service.scheduler.scheduler:run_scheduled_check(config_path)`. Restarting the service
+path so it can be stored: `monitor.service.scheduler:run_scheduled_check(config_path)`. Restarting the service
 re-registers the job under the same id (`replace_existing=True`, so config changes apply) but keeps
 the stored next run time while the schedule is unchanged: a check missed while the service was
 down then runs once (`coalesce=True`) if it is less than `misfire_grace_time` late. A file lock

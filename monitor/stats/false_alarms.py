@@ -1,6 +1,6 @@
 """How often does the monitor's check alarm when nothing changed, and how often does it catch a drop?
 
-Each simulated check mirrors `monitor.check.run.run`: a baseline measured on N held-out prompts, the same
+Each simulated check mirrors `monitor.check.run`: a baseline measured on N held-out prompts, the same
 prompts re-measured now (paired test) and N other recent prompts measured now (unpaired test),
 combined by `stats.acceptance_check` at the configured level. Prompts come either from real
 per-prompt (accepted, drafted) pairs, resampled with replacement, or from a beta-binomial model:

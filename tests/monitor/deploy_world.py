@@ -1,8 +1,12 @@
-"""What the deploy tests share: tiny registered drafts, a reload command that records its calls, and a fake engine (a
-Prometheus endpoint on 127.0.0.1 whose llama-server counters advance at a set acceptance on every scrape)."""
+"""What the deploy tests share: tiny registered drafts, a reload command that records its calls, a fake engine (a
+Prometheus endpoint on 127.0.0.1 whose llama-server counters advance at a set acceptance on every scrape), a server
+that trickles its headers, and an engine's HTTP endpoints that record the requests they get."""
 from __future__ import annotations
 
+import contextlib
 import http.server
+import json
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -69,7 +73,8 @@ def llamacpp_text(drafts: float, draft_tokens: float, accepted: float) -> str:
 
 class FakeEngine(http.server.BaseHTTPRequestHandler):
     """GET /metrics: llama-server's counters, `window` more draft tokens at `acceptance` each time (a few points of
-    seeded noise per window); POST /reload: recorded."""
+    seeded noise per window; an acceptance above 1 as it is, an engine whose counters cannot be true); POST /reload:
+    recorded."""
 
     def do_GET(self):
         engine = self.server
@@ -79,7 +84,8 @@ class FakeEngine(http.server.BaseHTTPRequestHandler):
         jitter = ((engine.scrapes * 7919) % 11 - 5) / 250  # -0.02 .. +0.02, deterministic
         engine.scrapes += 1
         engine.draft_tokens += engine.window
-        engine.accepted += round(engine.window * min(max(engine.acceptance + jitter, 0.0), 1.0))
+        share = engine.acceptance if engine.acceptance > 1 else min(max(engine.acceptance + jitter, 0.0), 1.0)
+        engine.accepted += round(engine.window * share)  # above 1: counters that cannot be true
         engine.drafts += engine.window / 3
         self._answer(llamacpp_text(engine.drafts, engine.draft_tokens, engine.accepted).encode())
 
@@ -88,9 +94,9 @@ class FakeEngine(http.server.BaseHTTPRequestHandler):
         self.server.reloads.append(body.decode())
         self._answer(b"{}")
 
-    def _answer(self, body: bytes):
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
+    def _answer(self, body: bytes, status: int = 200, content_type: str = "text/plain; version=0.0.4"):
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -113,3 +119,63 @@ def stop_engine(engine) -> None:
     engine.shutdown()
     engine.server_close()
     engine.thread.join()
+
+
+@contextlib.contextmanager
+def trickling_server(interval: float = 1.0):
+    """A socket server on 127.0.0.1 that answers each connection with a status line and then one header line every
+    `interval` seconds, never ending its headers; yields its /reload URL."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.1)
+    stop = threading.Event()
+
+    def trickle(connection: socket.socket) -> None:
+        with connection, contextlib.suppress(OSError):
+            connection.sendall(b"HTTP/1.1 200 OK\r\n")
+            line = 0
+            while not stop.wait(interval):
+                connection.sendall(f"X-Slow-{line}: {line}\r\n".encode())
+                line += 1
+
+    def serve() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                connection, _ = listener.accept()
+                threading.Thread(target=trickle, args=(connection,), daemon=True).start()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/reload"
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+
+
+class RecordingEngine(FakeEngine):
+    """An engine's HTTP endpoints as a fake: every POST recorded as (path with query, JSON body); answers
+    `server.answers[path]` as (status, JSON body), else 200 {"success": true}."""
+
+    def do_POST(self):
+        length = int(self.headers.get("Content-Length", 0))
+        body = json.loads(self.rfile.read(length)) if length else None
+        self.server.requests.append((self.path, body))
+        status, answer = self.server.answers.get(self.path.split("?")[0], (200, {"success": True, "message": "ok"}))
+        self._answer(json.dumps(answer).encode(), status, "application/json")
+
+
+@contextlib.contextmanager
+def recording_engine(answers: dict | None = None):
+    """A RecordingEngine on 127.0.0.1; yields the server (its `requests`, its base URL as `url`)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), RecordingEngine)
+    server.requests, server.answers = [], answers or {}
+    server.url = f"http://127.0.0.1:{server.server_port}"
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()

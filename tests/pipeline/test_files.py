@@ -1,3 +1,4 @@
+import errno
 import os
 import subprocess
 import sys
@@ -5,7 +6,7 @@ import sys
 import pytest
 
 from pipeline import files
-from pipeline.files import recover_dir, swap_dir, temporary_sibling
+from pipeline.files import recover_dir, swap_dir, temporary_sibling, write_text_atomic
 
 
 def folder(path, text):
@@ -47,3 +48,17 @@ def test_recover_removes_temporary_folders_of_writers_that_are_gone(tmp_path):
     mine = folder(temporary_sibling(final), "in progress")
     recover_dir(final)
     assert not dead.exists() and mine.exists() and (final / "weights").read_text() == "kept"
+
+
+def test_a_text_write_that_fails_leaves_the_old_file_and_no_temporary_one(tmp_path, monkeypatch):
+    path = tmp_path / "state.json"
+    write_text_atomic(path, "old")
+
+    def full_disk(self, text, *args, **kwargs):
+        self.open("w").write(text[:1])  # a part written, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+    monkeypatch.setattr(type(path), "write_text", full_disk)
+    with pytest.raises(OSError, match="No space left on device"):
+        write_text_atomic(path, "new")
+    monkeypatch.undo()
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["state.json"]

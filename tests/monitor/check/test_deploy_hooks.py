@@ -11,7 +11,7 @@ from mlflow import MlflowClient
 from monitor.check.decision import Cause, Status
 from monitor.check.prompt_acceptance import Measurement
 from monitor.check.run import run_check
-from monitor.deploy.rollout import CURRENT, MISMATCH, VERIFIED, linked, read_state
+from monitor.deploy.layout import CURRENT, MISMATCH, VERIFIED, linked, read_state
 from monitor.engines.offline_expectation import engine_rounds, engine_vs_offline_test
 from pipeline import metrics as M
 from pipeline.config import load_config
@@ -158,3 +158,45 @@ def test_engine_check_always_sees_the_drop_in_the_servers_counters(loop):
     assert "recent vs the champion's offline figure on 30 prompts" in report.decision.reasons[0]
     assert not (root / "deploy").exists()
     assert read_state(root / "deploy") == {} and MISMATCH == "mismatch"
+
+
+def test_a_check_whose_deploy_fails_is_deploy_failed_never_ok(loop):
+    cfg, world, engine, root = loop
+    deploy_root = root / "deploy"
+    deploy_root.mkdir()
+    (deploy_root / CURRENT).mkdir()  # a folder put there by hand: the deploy before the check is refused
+    failed = check(cfg, world)
+    assert failed.decision.status is Status.DEPLOY_FAILED and failed.exit_code == 5
+    assert failed.decision.reasons[0].startswith(f"deploy of the champion failed: {deploy_root / CURRENT} is a folder")
+    assert failed.baseline_recorded  # the check itself still ran and is recorded
+    run = MlflowClient().get_run(failed.run_id)
+    assert run.data.tags[M.MONITOR_DECISION_TAG] == "DEPLOY_FAILED" and run.data.metrics[M.MONITOR_DEPLOY_FAILED] == 1
+    assert failed.summary().startswith("DEPLOY_FAILED: ")
+
+    # a promoted challenger whose deploy fails after the check's run is logged: the run is tagged again
+    (deploy_root / CURRENT).rmdir()
+    assert check(cfg, world).decision.status is Status.OK  # version 1 deployed and confirmed
+    world.target_fingerprint, world.target_penalty["fp-B"] = "fp-B", 0.3
+    engine.acceptance = 0.30
+    (root / "reloads.txt.fail").write_text("")  # the engine refuses the reload of version 2
+    retrain_cfg = cfg.model_copy(update={"monitor": cfg.monitor.model_copy(update={"retrain": True})})
+    drift = check(retrain_cfg, world, retrain=world.retrain_tiny(root, quality=0.3))
+    assert drift.retrain.promoted and drift.decision.status is Status.DEPLOY_FAILED and drift.exit_code == 5
+    assert "deploy of the new champion failed: deploy step reload" in drift.decision.reasons[0]
+    assert drift.decision.notes[0].startswith("also DRIFT (target_changed): ")
+    run = MlflowClient().get_run(drift.run_id)
+    assert run.data.tags[M.MONITOR_DECISION_TAG] == "DEPLOY_FAILED"
+    assert run.data.tags["mlflow.runName"] == "check-deploy_failed"
+    assert run.data.metrics[M.MONITOR_DEPLOY_FAILED] == 1 and run.data.metrics[M.MONITOR_DRIFT] == 1
+    assert linked(deploy_root, CURRENT).version == "2" and not read_state(deploy_root)["reloaded"]
+
+
+def test_engine_counters_that_cannot_be_true_are_an_error_not_a_confirmation(loop):
+    cfg, world, engine, root = loop
+    engine.acceptance = 10.0  # ten accepted tokens for every drafted one
+    report = check(cfg, world)
+    assert report.decision.status is Status.ERROR and report.exit_code == 2
+    assert report.engine.impossible and not report.engine.mismatch and report.engine.test is None
+    assert "cannot be true" in report.decision.reasons[-1]
+    assert "confirmed" not in report.summary()
+    assert read_state(root / "deploy")["check"] == "pending"  # not verified: the next check reads the engine again

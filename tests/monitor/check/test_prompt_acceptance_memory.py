@@ -75,7 +75,7 @@ def _register_tiny_draft(work: Path, uri: str) -> None:
 def measure(work: Path, big: bool = True, cpu_linear: str = "auto") -> dict:
     """Run the check in a subprocess (on the log with the 50 MB request, or without it; `cpu_linear` as configured,
     the default "auto"); its exit code, peak RSS (bytes), seconds, and the traffic file's size. The check measures on
-    torch's kernels whatever `cpu_linear` says (`monitor.check.run.prompt_acceptance`)."""
+    torch's kernels whatever `cpu_linear` says (`monitor.check.prompt_acceptance`)."""
     home = work / "home"
     _home_with_the_converted_target(home)
     os.environ["DRAFTOPS_HOME"] = str(home)

@@ -8,33 +8,11 @@ import threading
 import pytest
 from mlflow import MlflowClient
 
-from monitor.deploy.rollout import (
-    CURRENT,
-    MANIFEST,
-    PENDING,
-    PREVIOUS,
-    DeployError,
-    ensure_deployed,
-    linked,
-    read_state,
-    rollback_deployment,
-)
+from monitor.deploy.layout import CURRENT, MANIFEST, PENDING, PREVIOUS, DeployError, linked, read_state
+from monitor.deploy.rollout import ensure_deployed, rollback_deployment
 from pipeline import metrics as M
 from pipeline import registry
-from pipeline.config import load_config
-from tests.monitor.check.test_run import write_traffic
-from tests.monitor.deploy_world import NAME, calls_of, recorder, register_tiny_draft, write_config
-
-
-@pytest.fixture
-def world(tmp_path, mlflow_uri):
-    """Versions 1 (champion) and 2 of tiny drafts, and a config deploying them as hf with the recording reload."""
-    traffic = tmp_path / "traffic.jsonl"
-    write_traffic(traffic, 0, 40)
-    assert register_tiny_draft(tmp_path, seed=1) == "1"
-    assert register_tiny_draft(tmp_path, seed=2) == "2"
-    cfg = load_config(write_config(tmp_path, mlflow_uri, traffic))
-    return cfg, tmp_path
+from tests.monitor.deploy_world import NAME, calls_of, recorder
 
 
 def test_deploy_switches_current_atomically_and_keeps_the_previous(world):
@@ -109,9 +87,9 @@ def test_a_failed_reload_is_reported_and_done_by_the_next_deploy(world):
     cfg, root = world
     deploy_root, (_, calls) = root / "deploy", recorder(root)
     (root / "reloads.txt.fail").write_text("")
-    failed = ensure_deployed(cfg)
-    assert failed.exported and not failed.reloaded
-    assert "reload failed" in failed.notes[0] and "engine refused the reload" in failed.notes[0]
+    with pytest.raises(DeployError, match=r"^deploy step reload: reload command .* exited with 1: engine refused "
+                                          r"the reload; `current` is version 1 \(v1\), not reloaded"):
+        ensure_deployed(cfg)
     assert linked(deploy_root, CURRENT).version == "1" and not read_state(deploy_root)["reloaded"]
     (root / "reloads.txt.fail").unlink()
     again = ensure_deployed(cfg)
@@ -146,8 +124,9 @@ def test_reload_by_http_request(world):
             "format": "hf", "model": NAME}]
         deploy = deploy.model_copy(update={"reload_url": f"{url}/elsewhere"})
         cfg = cfg.model_copy(update={"monitor": cfg.monitor.model_copy(update={"deploy": deploy})})
-        failed = ensure_deployed(cfg, force=True)
-        assert not failed.reloaded and "HTTP 404" in failed.notes[0]
+        with pytest.raises(DeployError, match=r"reload request: .*/elsewhere answered HTTP 404 Not Found"):
+            ensure_deployed(cfg, force=True)
+        assert not read_state(root / "deploy")["reloaded"]
     finally:
         server.shutdown()
         server.server_close()

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import mlflow
 
-from monitor.deploy.rollout import CURRENT, PREVIOUS, ensure_deployed, linked, read_state
+from monitor.deploy.layout import CURRENT, PREVIOUS, linked, read_state
+from monitor.deploy.rollout import ensure_deployed
 from pipeline import registry
 from pipeline.config import load_config
 from tests.monitor.check.test_run import write_traffic
@@ -34,7 +35,8 @@ def draftops(work: Path, args: list[str], instrument: list[str] | None = None) -
 
 
 def kill_points(timeline: list[str], rng: random.Random) -> list[str]:
-    """Each rename before or after (drawn), then a torn write and a deletion, up to POINTS."""
+    """Renames before or after (drawn), always with the last one (deploy.json saying the reload was done, after the
+    flip), then a torn write and a deletion, up to POINTS."""
     seen: dict[str, int] = {}
     crossings = []
     for name in timeline:
@@ -43,8 +45,9 @@ def kill_points(timeline: list[str], rng: random.Random) -> list[str]:
     renames = [f"{n}:{i}:{rng.choice(('before', 'after'))}" for n, i in crossings if n == "os.replace"]
     torn = [f"{n}:{i}:torn" for n, i in crossings if n == "Path.write_text"]
     deletions = [f"{n}:{i}:after" for n, i in crossings if n == "shutil.rmtree"]
-    points = rng.sample(renames, min(len(renames), POINTS - 2)) + rng.sample(torn, 1) + rng.sample(deletions, 1)
-    return points
+    last = renames[-1].rsplit(":", 1)[0] + ":before"
+    points = [last] + rng.sample(renames[:-1], min(len(renames) - 1, POINTS - 3)) + rng.sample(torn, 1)
+    return points + rng.sample(deletions, 1)
 
 
 def test_kill_9_during_deploy_leaves_the_old_or_the_new_deployment_whole(tmp_path, _migrated_mlflow_db, monkeypatch):

@@ -17,9 +17,11 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from monitor.check.decision import Cause, Status, decide
+from monitor.check.decision import Cause, Decision, Status, decide
+from monitor.check.engine_acceptance import EngineCheck, read_windows, with_engine
 from monitor.check.run import run_check
 from monitor.engines.counters import (
+    ImpossibleCounters,
     ServerMetricsError,
     SpecCounters,
     load_state,
@@ -124,6 +126,42 @@ def test_a_counter_that_went_down_is_a_restart_and_the_window_is_the_new_counter
     restarted = SpecCounters("vllm", 40, 200, 90, (30, 25, 18, 10, 7))
     assert window_between(later, restarted) == (restarted, True)
     assert window_between(None, RECORDED) == (None, False)
+
+
+def test_counters_that_cannot_be_true_are_an_error():
+    with pytest.raises(ImpossibleCounters, match=r"the engine's counters cannot be true: 136950 accepted tokens of "
+                                                  r"13695 drafted$"):
+        parse_spec_counters(vllm_text(SpecCounters("vllm", 2739, 13695, 136950, RECORDED.accepted_per_pos)))
+    with pytest.raises(ImpossibleCounters, match="cannot be true: drafts -5"):
+        parse_spec_counters(LLAMACPP.replace("llamacpp:spec_decode_num_drafts_total 552",
+                                             "llamacpp:spec_decode_num_drafts_total -5"))
+    # each scrape possible, the window between them not: 300 more accepted tokens over 100 more drafted
+    with pytest.raises(ImpossibleCounters, match="over a window cannot be true: 300 accepted tokens of 100 drafted"):
+        window_between(RECORDED, plus(RECORDED, 20, 100, 300, (0, 0, 0, 0, 0)))
+    # llama.cpp's six significant digits: a window of rounded counters may overshoot by the rounding, not more
+    rounded = SpecCounters("llamacpp", 1e5, 1.23457e6, 1.23456e6)
+    window, _ = window_between(rounded, SpecCounters("llamacpp", 1e5 + 10, 1.23458e6, 1.23458e6))
+    assert (window.draft_tokens, window.accepted) == pytest.approx((10, 20))
+
+
+def test_impossible_engine_counters_never_confirm_a_deployment(cfg):
+    config = cfg(**{"deploy.check_windows": 2})
+    scrapes = iter([RECORDED, plus(RECORDED, 100, 500, 300, (0,) * 5), plus(RECORDED, 200, 1000, 6000, (0,) * 5)])
+    check = EngineCheck(config.monitor.server_metrics_url, "1", post_deploy=True)
+    read_windows(config, check, wait=lambda seconds: None, fetch=lambda url, timeout: vllm_text(next(scrapes)))
+    assert check.impossible and check.error.startswith("the engine's counters over a window cannot be true")
+    assert check.test is None and not check.mismatch
+    decision = with_engine(Decision(Status.OK, None, [], ["a note"]), check)
+    assert decision.status is Status.ERROR and decision.exit_code == 2
+    assert decision.reasons == [f"engine check: {check.error}"]
+
+
+def test_impossible_server_counters_are_not_recorded(cfg):
+    config = cfg()
+    text = vllm_text(SpecCounters("vllm", 2739, 13695, 136950, RECORDED.accepted_per_pos))
+    reading = read_server(config, "1", fetch=lambda url, timeout: text)
+    assert reading.impossible and "cannot be true" in reading.error and reading.window is None
+    assert not state_path(config).exists()
 
 
 @pytest.fixture
