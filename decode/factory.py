@@ -13,8 +13,7 @@ from decode.drafters.chain import make_drafter
 from decode.drafters.model_tree import make_tree_drafter
 from decode.drafters.protocol import DECODER, DRAFT, LOOKUP, SUFFIX
 from decode.drafters.suffix import SuffixIndex, load_suffix_index
-from decode.runtime.lean import LeanDecoder, use_compiled_passes
-from decode.runtime.lean_families import notice_fallback
+from decode.runtime.lean import lean_problem, notice_fallback, use_compiled_passes
 from decode.speculative import GREEDY, GammaPolicy, Sampling, SpeculativeDecoder
 from decode.tree_budget_measured import BudgetChoice, ModelFreeTrees, auto_budget_schedule
 from pipeline.config import AUTO, DecodeConfig
@@ -45,7 +44,7 @@ def build_decoder(target, draft, decode: DecodeConfig, *, kind: str = DECODER, g
     draft_model, token_ids = (None, None) if draft is None else (draft.model, draft.token_ids)
     if decode.compiled and lean:  # before the tree budget's costs are timed: they are the compiled passes'
         compile_where_supported(target.model)
-        if hasattr(draft_model, "config") and LeanDecoder.supports(draft_model):  # a layer draft (a feature one: eager)
+        if hasattr(draft_model, "config") and lean_problem(draft_model) is None:  # a layer draft (a feature one: eager)
             use_compiled_passes(draft_model)
     lookup_min_ngram = decode.lookup_min_ngram if kind in (DECODER, LOOKUP) else None
     suffix = (decode.suffix and kind in (DECODER, LOOKUP)) or kind == SUFFIX
@@ -102,8 +101,8 @@ def model_decoder(target, draft, gamma: int | GammaPolicy = 5, *, draft_token_id
 def compile_where_supported(model) -> bool:
     """`decode.compiled` for `model`: its passes compiled where the lean forward runs its architecture
     (`decode.runtime.lean.use_compiled_passes`), else run eagerly through transformers' forward, said once per model
-    on stderr (`decode.runtime.lean_families.notice_fallback`). Returns whether they are compiled."""
-    if LeanDecoder.supports(model):
+    on stderr (`decode.runtime.lean.notice_fallback`). Returns whether they are compiled."""
+    if lean_problem(model) is None:
         use_compiled_passes(model)
         return True
     notice_fallback(model, compiled=True)

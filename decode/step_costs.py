@@ -27,8 +27,7 @@ from decode.drafters.lookup import LookupThenModelDrafter, PromptLookupDrafter
 from decode.drafters.model_tree import ModelTree, TreeDrafter
 from decode.models.feature_draft import FeatureDraft, FeatureDrafter
 from decode.runtime.forward import ModelRunner, rollback
-from decode.runtime.lean import LeanDecoder
-from decode.runtime.lean_families import FAMILY_NAMES
+from decode.runtime.lean import LeanDecoder, lean_problem, require_lean
 from decode.runtime.timing import timed
 from decode.speculative import Warp, check_drafts
 from decode.token_tree import ROOT, TokenTree, accept
@@ -189,13 +188,12 @@ def measure_batch_costs(target_model, draft_models: Mapping[str, torch.nn.Module
     logit, argmax), and each draft model's step (B × 1). v_B(n) = verify / step and c_B = draft step / target step
     are medians of per-repetition ratios, every quantity timed once a repetition (`measure_costs`). Draft models the
     lean forward does not run (a feature draft) are left out and named under "skipped"."""
-    if not LeanDecoder.supports(target_model):
-        raise ValueError(f"the batch axis runs the lean forward: it needs a {FAMILY_NAMES} target")
+    require_lean(target_model, "the batch axis")
     device = next(target_model.parameters()).device
     models = {"target": target_model}
     skipped = []
     for name, model in draft_models.items():
-        if LeanDecoder.supports(model):
+        if lean_problem(model) is None:
             models[name] = model
         else:
             skipped.append(name)

@@ -26,7 +26,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from decode.drafters.suffix import SuffixIndex
 from decode.runtime import batch_generation
 from decode.runtime.kernels import use_cpu_linear
-from decode.runtime.lean_families import notice_fallback
+from decode.runtime.lean import lean_problem, notice_fallback
 from distill.precision import generation_dtype
 from pipeline import draftops_home
 from pipeline.errors import OperatorError
@@ -119,14 +119,14 @@ def generate_rounds(model, tokenizer, prompts: list[list[int]], rounds: list[tup
     complete. A response ends with its first EOS token (kept: the draft must learn to propose it too) or after
     max_new_tokens.
 
-    Models the lean forward runs (`decode.runtime.lean_families`) go through continuous batching on it
+    Models the lean forward runs (`decode.runtime.lean.lean_problem`) go through continuous batching on it
     (`decode.runtime.batch_generation`: rows refilled as sequences end, each prompt prefilled once for all rounds,
     samples independent of batching); other models through transformers' `generate`, a batch of similar lengths at a
     time, with a one-line notice. `capture`: the target layers whose
     input hidden states a feature draft reads, recorded as the lean engine generates (`ResponseSet.features`; not by
     transformers' `generate`, whose sets come without them).
     """
-    if not batch_generation.supports(model):
+    if lean_problem(model) is not None:
         notice_fallback(model)
         out = []
         for r, (temperature, seed) in enumerate(rounds):

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline import draftops_home, registry
-from pipeline.architectures import architecture_problem
 from pipeline.config import save_config
+from pipeline.families import architecture_problem
 from pipeline.files import write_text_atomic
 from pipeline.gguf_source import GGUFError, file_identity, gguf_checkpoint
 from pipeline.registry_cache import registry_checkpoint

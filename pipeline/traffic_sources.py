@@ -50,7 +50,8 @@ def traffic_files(path: Path) -> list[Path]:
             raise TrafficError(f"{path}: no traffic file matches")
         return files
     if path.is_dir() and not is_saved_dataset(path):
-        raise TrafficError(f"{path}: a folder, but not one `datasets` saved (no {' or '.join(_SAVED_DATASET_FILES)})")
+        raise TrafficError(f"{path}: a directory, not a traffic file: a folder, but not one `datasets` saved (no "
+                           f"{' or '.join(_SAVED_DATASET_FILES)}); name a file, or a glob such as {path}/*.jsonl")
     if path.exists() and not path.is_file() and not path.is_dir():
         kind = "a FIFO" if path.is_fifo() else "a socket" if path.is_socket() else "a device"
         raise TrafficError(f"{path}: {kind}, not a traffic file (traffic is read from a regular file)")

@@ -117,11 +117,16 @@ def mlflow_uri(tmp_path, _migrated_mlflow_db, monkeypatch):
     return uri
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
+def reset_accelerate_state() -> None:
     """accelerate keeps one AcceleratorState a process and refuses an Accelerator with other settings (mixed
-    precision, CPU or not) after it: each test's distill job starts from none, as a `draftops distill` process does."""
-    yield
+    precision, CPU or not) after it: a distill job after this starts from none, as a `draftops distill` process does."""
     state = sys.modules.get("accelerate.state")
     if state is not None:
         state.AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Each test's distill job starts from no accelerate state (`reset_accelerate_state`)."""
+    yield
+    reset_accelerate_state()

@@ -2,11 +2,14 @@
 
 No downloads: each family's config class with small shapes, in float64 like `tests.decode.tiny`. `window`: the
 sliding-window size for the families that have one (Mistral, Gemma 2/3, Phi-3), None for their default-free variant.
-The same builders serve the lossless, lean-forward, draft and export tests of every family.
+The same builders serve the lossless, lean-forward, draft and export tests of every family
+(`tests/pipeline/test_families.py` checks they cover `pipeline.families.FAMILIES`); `save_family` saves one as a
+checkpoint for the command-line tests.
 """
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import torch
 from transformers import (
@@ -20,6 +23,9 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+
+from pipeline.sources import save_checkpoint
+from tests.conftest import make_tokenizer
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -88,3 +94,17 @@ def perturbed(model: torch.nn.Module, seed: int, noise: float) -> torch.nn.Modul
     for param in draft.parameters():
         param.add_(noise * param.std() * torch.randn(param.shape, generator=generator, dtype=param.dtype))
     return draft
+
+
+TEXT = ("write python code to sort a list of numbers one two three four five six seven eight nine ten and explain "
+        "the function please")  # 40 tokens with the chat template: longer than a window of 16
+
+
+def save_family(root: Path, family: str, window: int | None = None, *, draft: bool = True) -> tuple[str, str | None]:
+    """A float32 `family` target (and a perturbed copy as its draft) saved with the tests' word-level tokenizer."""
+    tokenizer = make_tokenizer()
+    target = tiny_family(family, window=window, vocab_size=len(tokenizer), dtype=torch.float32)
+    target_dir = save_checkpoint(target, tokenizer, root / f"{family}-{window}")
+    draft_dir = save_checkpoint(perturbed(target, 1, 0.05), tokenizer, root / f"{family}-{window}-draft") if draft \
+        else None
+    return str(target_dir), None if draft_dir is None else str(draft_dir)

@@ -16,14 +16,12 @@ from collections.abc import Sequence
 
 import torch
 
-from decode.runtime.lean import LeanDecoder
-from decode.runtime.lean_families import FAMILY_NAMES
+from decode.runtime.lean import LeanDecoder, require_lean
 from decode.runtime.timing import timed
 
 
 def _lean(model) -> LeanDecoder:
-    if not LeanDecoder.supports(model):
-        raise ValueError(f"batched decoding runs the lean forward: it needs {FAMILY_NAMES} models in eval mode")
+    require_lean(model, "batched decoding")
     return LeanDecoder(model)
 
 

@@ -6,8 +6,9 @@ A feature draft (EAGLE-3) is one Llama decoder layer whatever the target, as `sp
 shapes (hidden size, heads, key/value heads, head size, MLP width), activation, norm epsilon, rotary settings and
 context length, without the family's extras (q/k/v biases, q/k norms, sandwich norms, soft-capping, sliding windows).
 `draft_layer_config` derives that config; `llama_layer_weights` reads a target layer of any supported family as the
-Llama layer's weights (Phi-3's fused projections split, Gemma's `1 + weight` norms turned into plain gains), so a
-draft can start from the target's own layer.
+Llama layer's weights, as the family's row of `pipeline.families.FAMILIES` describes its layers (Phi-3's fused
+projections split, Gemma's `1 + weight` norms turned into plain gains), so a draft can start from the target's own
+layer.
 
 `head_logits` is the family's own step from last hidden state to logits: the head, then Gemma 2's
 `final_logit_softcapping` (and Granite's and Cohere's logit scales). Training scores the draft's logits computed so
@@ -21,8 +22,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LlamaConfig
 
-# families whose RMSNorm multiplies by (1 + weight) (transformers' GemmaRMSNorm and its copies)
-OFFSET_NORM_FAMILIES = ("gemma", "gemma2", "gemma3", "gemma3_text")
+from pipeline.families import FAMILIES
 
 
 def text_config(config):
@@ -68,9 +68,10 @@ def draft_layer_config(target_config) -> LlamaConfig:
 
 
 def norm_gain(norm: torch.nn.Module, model_type: str) -> torch.Tensor:
-    """An RMSNorm's per-channel gain as Llama's RMSNorm holds it: Gemma's norms multiply by (1 + weight)."""
+    """An RMSNorm's per-channel gain as Llama's RMSNorm holds it: Gemma's norms multiply by (1 + weight)
+    (`pipeline.families.Family.offset_norms`)."""
     weight = norm.weight.detach()
-    return 1.0 + weight if model_type in OFFSET_NORM_FAMILIES else weight
+    return 1.0 + weight if FAMILIES[model_type].offset_norms else weight
 
 
 PROJECTIONS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -101,19 +102,20 @@ def llama_layer_weights(layer: torch.nn.Module, config) -> LlamaLayerWeights:
     rows) and `gate_up_proj` ([gate; up] rows) split, Gemma's norms as plain gains. Family extras a Llama layer lacks
     (Qwen3's and Gemma 3's q/k norms, Gemma's post-attention and post-MLP norms) are left out."""
     text = text_config(config)
+    family = FAMILIES[text.model_type]
     weights, biases = {}, {}
     attention, mlp = layer.self_attn, layer.mlp
-    if hasattr(attention, "qkv_proj"):
+    if family.fused_qkv:
         kv_rows = (getattr(text, "num_key_value_heads", None) or text.num_attention_heads) * attention.head_dim
         _split(attention.qkv_proj, [text.num_attention_heads * attention.head_dim, kv_rows, kv_rows], ("q", "k", "v"),
                weights, biases)
-    if hasattr(mlp, "gate_up_proj"):
+    if family.fused_gate_up:
         _split(mlp.gate_up_proj, [mlp.gate_up_proj.out_features // 2] * 2, ("gate", "up"), weights, biases)
     for name, path in PROJECTIONS.items():
         if name not in weights:
             linear = layer.get_submodule(path)
             _split(linear, [linear.out_features], (name,), weights, biases)
-    before_mlp = getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm
+    before_mlp = layer.pre_feedforward_layernorm if family.sandwich_norms else layer.post_attention_layernorm
     return LlamaLayerWeights(weights, biases, norm_gain(layer.input_layernorm, text.model_type),
                              norm_gain(before_mlp, text.model_type))
 

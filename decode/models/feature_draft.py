@@ -128,7 +128,7 @@ class FeatureDraft(nn.Module):
              positions: torch.Tensor, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Decoding: indices start..start+T-1 with hidden [T, H] and tokens [T] at positions [T], causally after the
         cache's first `start` entries -> output hidden [T, H] (logits: `logits`). With tree_mask [T, m] (a token
-        tree's level, as `decode.runtime.lean.LeanLlama.forward_tree`): each index sees every entry before the last m
+        tree's level, as `decode.runtime.lean.LeanDecoder.forward_tree`): each index sees every entry before the last m
         and those of the last m its row allows, instead of causally."""
         n, end = tokens.shape[0], start + tokens.shape[0]
         cache.reserve(end)

@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from decode.runtime.lean import LeanDecoder, attention_dtype
-from decode.runtime.lean_families import FAMILY_NAMES
+from decode.runtime.lean import LeanDecoder, attention_dtype, require_lean
 from decode.runtime.step_sampler import inverse_cdf_sample, topk_log_probs
 
 
@@ -50,11 +49,6 @@ class Generated:
     topk_logprobs: torch.Tensor
     topk_indices: torch.Tensor
     features: torch.Tensor | None = None
-
-
-def supports(model) -> bool:
-    """Whether `generate` runs this model (the lean forward's architectures)."""
-    return LeanDecoder.supports(model)
 
 
 def _uniform(job: Job, step: int) -> float:
@@ -89,8 +83,7 @@ def generate(model, jobs: Sequence[Job], *, max_new_tokens: int, stop_ids: Seque
     `decode.models.feature_draft`); a job's last token is then fed once more, for its features alone. `on_done(index,
     generated)` is called as each job ends, before the others have.
     """
-    if not supports(model):
-        raise ValueError(f"continuous batching runs the lean forward: it needs a {FAMILY_NAMES} model in eval mode")
+    require_lean(model, "continuous batching")
     if not jobs:
         return []
     lean = LeanDecoder(model, cache_dtype=attention_dtype(model))

@@ -6,7 +6,7 @@ runs the whole pass. Passes of more than `SHORT_PASS_TOKENS` tokens have a graph
 on register blocks of at most `WIDE_PASS_BLOCK_ROWS` rows (`narrow_gemm_blocks`). Compiling takes minutes on a small
 CPU and is redone by every process (inductor's graph cache cannot store the packed weights), so it is opt-in;
 docs/results.md#the-cpu-runtime has the measurement. The function compiled is `decode.runtime.lean.LeanDecoder`'s, on
-the layers `decode.runtime.lean_families` reads off each family.
+the layers `decode.runtime.lean_layers` reads off each family.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from decode.runtime.lean_families import rotations, soft_capped, window_masks
+from decode.runtime.lean_layers import rotations, soft_capped, window_masks
 
 if TYPE_CHECKING:
     from decode.runtime.lean import LeanDecoder

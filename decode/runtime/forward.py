@@ -11,8 +11,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
-from decode.runtime.lean import KVCache, LeanDecoder, compiled_lean, use_compiled_passes
-from decode.runtime.lean_families import notice_fallback
+from decode.runtime.lean import KVCache, LeanDecoder, compiled_lean, lean_problem, notice_fallback, use_compiled_passes
 from decode.runtime.masks import tree_attention_mask
 
 
@@ -101,7 +100,7 @@ def compact(cache, start: int, slots: list[int]) -> None:
 class ModelRunner:
     """A causal LM as draftops runs it: `decode.runtime.lean.LeanDecoder` where the architecture allows (the same
     function with far less per-call overhead), else the transformers forward with a DynamicCache, which is also the
-    reference (a one-line notice says so, once per model: `decode.runtime.lean_families.notice_fallback`)."""
+    reference (a one-line notice says so, once per model: `decode.runtime.lean.notice_fallback`)."""
 
     def __init__(self, model, lean: bool = True, compiled: bool | None = None):
         """compiled: True, the lean forward's passes through `torch.compile` (`decode.runtime.lean.use_compiled_passes`,
@@ -113,7 +112,7 @@ class ModelRunner:
             use_compiled_passes(model)
         self.model = model
         shared = compiled_lean(model) if lean and compiled is not False else None
-        self.lean = shared or (LeanDecoder(model) if lean and LeanDecoder.supports(model) else None)
+        self.lean = shared or (LeanDecoder(model) if lean and lean_problem(model) is None else None)
         if lean and self.lean is None:
             notice_fallback(model)
 

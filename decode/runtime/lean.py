@@ -5,11 +5,14 @@ Per call, transformers builds masks, cache objects, output dataclasses and keywo
 draft's step (it runs γ times a round); docs/results.md#the-cpu-runtime has the measurement.
 `LeanDecoder` calls the same embedding, norm, projection, rotary and MLP modules in the order the family's
 `ForCausalLM.forward` does (gpt-fast style: explicit positions into a preallocated KV cache), so it computes the same
-function; the transformers forward is the reference. The families it runs, and how each one's block differs from
-Llama's (biases, q/k norms, sliding windows, fused projections), are in `decode.runtime.lean_families`;
-`tests/decode/runtime/test_lean.py` and `tests/decode/runtime/test_lean_families.py` hold the parity tests.
-`forward_tree` feeds a token tree (`decode.token_tree`) at per-node positions under a tree mask;
-`tests/decode/test_token_tree.py` checks it against feeding each root-to-node path plainly.
+function; the transformers forward is the reference. The families it runs are `pipeline.families.FAMILIES`; how each
+one's block differs from Llama's (q/k norms, sliding windows, fused projections) is read off its layers in
+`decode.runtime.lean_layers`. `lean_problem` is the one check of whether the lean forward runs a model: every runner,
+compiled pass, batch and measurement asks it, and a model it refuses runs on the transformers forward
+(`notice_fallback`) or is refused in one line (`require_lean`). `tests/decode/runtime/test_lean.py` and
+`tests/decode/runtime/test_lean_layers.py` hold the parity tests. `forward_tree` feeds a
+token tree (`decode.token_tree`) at per-node positions under a tree mask; `tests/decode/test_token_tree.py` checks it
+against feeding each root-to-node path plainly.
 The eager forward runs each decoder layer's q, k, v projections as one product and its gate and up as another
 (`decode.runtime.kernels.ConcatLinear`, as gpt-fast and serving engines do): a few-row step pays per product called.
 
@@ -21,20 +24,52 @@ passes, batches and feature captures stay eager. Compiling takes minutes on a sm
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from decode.runtime.compiled_pass import COMPILED_MAX_TOKENS, CompiledPass, CompileUnavailable
-from decode.runtime.lean_families import (
-    FAMILY_NAMES,
-    lean_layers,
-    rotary_function,
-    rotations,
-    soft_capped,
-    supports,
-    window_masks,
-)
+from decode.runtime.lean_layers import lean_layers, rotary_function, rotations, soft_capped, window_masks
+from pipeline.families import FAMILIES, FAMILY_NAMES
 
 COMPILED_ATTRIBUTE = "_draftops_compiled"  # where a model keeps its compiled forward (`use_compiled_passes`)
+FALLBACK_ATTRIBUTE = "_draftops_fallback_noticed"  # set on a model once its fallback notice is out
+
+
+def lean_problem(model) -> str | None:
+    """Why the lean forward cannot run `model`, in one line; None if it can: a family of `pipeline.families.FAMILIES`
+    in eval mode, with eager or SDPA attention and no tensor-parallel slicing of its projections
+    (`pretraining_tp`)."""
+    config = model.config
+    if config.model_type not in FAMILIES:
+        return f"the lean forward runs {FAMILY_NAMES} models"
+    if model.training:
+        return "the lean forward runs models in eval mode, not in training mode"
+    if (slices := getattr(config, "pretraining_tp", 1)) > 1:
+        return f"the lean forward runs whole projections, not {slices} tensor-parallel slices (pretraining_tp)"
+    if (attention := getattr(config, "_attn_implementation", "sdpa")) not in ("sdpa", "eager"):
+        return f"the lean forward runs eager or sdpa attention, not {attention}"
+    return None
+
+
+def require_lean(model, user: str) -> None:
+    """Refuse, in one line (ValueError), a model the lean forward cannot run (`lean_problem`) for `user`, what needs
+    the lean forward (continuous batching, compiled passes, batched measurements)."""
+    if (problem := lean_problem(model)) is not None:
+        raise ValueError(f"{user} runs on the lean forward, which cannot run this {model.config.model_type} model: "
+                         f"{problem}")
+
+
+def notice_fallback(model, compiled: bool = False) -> None:
+    """One line on stderr, once per model, that `model` runs on the transformers forward (where `lean_problem` says
+    why): the same tokens, with transformers' per-call cost; `compiled`: and that `decode.compiled` was asked for but
+    does not apply (the compiled passes are the lean forward's)."""
+    if model.__dict__.get(FALLBACK_ATTRIBUTE):
+        return
+    model.__dict__[FALLBACK_ATTRIBUTE] = True
+    extra = "; decode.compiled does not apply to it" if compiled else ""
+    print(f"draftops: notice: this {model.config.model_type} model runs on the transformers forward, not the lean one "
+          f"(the same tokens, more time per call{extra}): {lean_problem(model)}", file=sys.stderr, flush=True)
 
 
 class _CompiledHolder:
@@ -53,9 +88,7 @@ def use_compiled_passes(model) -> None:
     """From now on, `decode.runtime.forward.ModelRunner` runs `model`'s passes compiled (`LeanDecoder(model,
     compiled=True)`), one compiled forward per model shared by every runner of it (the decoder's, the cost timings'),
     so that each graph is compiled once a process."""
-    if not supports(model):
-        raise ValueError(f"decode.compiled compiles the lean forward: it needs a {FAMILY_NAMES} model in eval mode, "
-                         f"not this {model.config.model_type} one")
+    require_lean(model, "decode.compiled")
     if compiled_lean(model) is None:
         model.__dict__[COMPILED_ATTRIBUTE] = _CompiledHolder(LeanDecoder(model, compiled=True))
 
@@ -69,8 +102,8 @@ def compiled_lean(model) -> LeanDecoder | None:
 def attention_dtype(model) -> torch.dtype:
     """The precision a batch of sequences keeps its keys and values and attends in: float32 on a CPU for a model in
     bfloat16 or float16, else the model's own. torch's CPU attention in bf16 is several times slower than in fp32
-    (a 64-row decode step over 200 cached positions, 9 heads: 6.2 against 1.2 ms on AMD Zen 4), enough to cancel what
-    bf16 products gain in `distill.generation_dtype`; the projections stay in the model's precision."""
+    (docs/results.md#the-cpu-runtime), enough to cancel what bf16 products gain in `distill.generation_dtype`; the
+    projections stay in the model's precision."""
     weight = model.model.embed_tokens.weight
     if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16):
         return torch.float32
@@ -131,7 +164,7 @@ class KVCache:
 
 
 class LeanDecoder:
-    """`forward_logits` for a causal LM of a family `decode.runtime.lean_families` runs (any lm_head, e.g. a
+    """`forward_logits` for a causal LM the lean forward runs (`lean_problem`: None), with any lm_head (e.g. a
     reduced-vocabulary one)."""
 
     def __init__(self, model, compiled: bool = False, cache_dtype: torch.dtype | None = None):
@@ -145,10 +178,6 @@ class LeanDecoder:
         self.rotate = rotary_function(model)
         self.compiled = CompiledPass(self) if compiled else None
         self.cache_dtype = cache_dtype or model.model.embed_tokens.weight.dtype
-
-    @staticmethod
-    def supports(model) -> bool:
-        return supports(model)
 
     def new_cache(self, batch: int = 1) -> KVCache:
         device = self.inner.embed_tokens.weight.device
@@ -270,6 +299,3 @@ class LeanDecoder:
         x = self.inner.norm(x[:, -1:] if keep_last else x)
         features = torch.cat([captured[i] for i in capture], -1) if capture else None
         return soft_capped(self.model.lm_head(x), self.model.config), features
-
-
-LeanLlama = LeanDecoder  # its name while it ran Llama models only

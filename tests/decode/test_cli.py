@@ -3,12 +3,20 @@ import json
 import mlflow
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from decode.measure.bench import run_bench
 from decode.measure.bench_report import markdown
 from decode.models.layer_draft import full_vocab_copy
+from decode.runtime.lean import lean_problem
+from decode.serving.loading import load_draft, load_model
 from pipeline.cli import main
+from pipeline.config import DecodeConfig
 from pipeline.sources import HF_ASSISTANT_DIR, save_checkpoint
+from pipeline.traffic import Request, encode_prompt
 from tests.conftest import make_tiny_model, make_tokenizer
+from tests.decode.tiny import greedy_reference
+from tests.families import FAMILIES, TEXT, WINDOWED, save_family
 
 PROMPTS = [("math", "what is one and two"), ("code", "write python code to sort a list"),
            ("math", "sum three four five"), ("code", "explain the function please"),
@@ -307,3 +315,41 @@ def test_bench_runs_a_challenger_draft_in_the_rows_of_the_draft_it_stands_in_for
 
     assert main([*common, "--draft", "prompt-lookup", "--challenger", draft, "device=cpu"]) == 2
     assert "not with prompt lookup alone" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- every family's checkpoints
+
+@torch.no_grad()
+def transformers_greedy(path: str, prompt: list[int], max_new_tokens: int, eos: int) -> list[int]:
+    """transformers' greedy output of the checkpoint at `path`: full forwards, no cache, up to its EOS."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = greedy_reference(model, prompt, max_new_tokens)
+    return out[: out.index(eos) + 1] if eos in out else out
+
+
+@pytest.mark.parametrize("window", [16, 4096])
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "phi3"])
+def test_decode_on_sliding_windows_gives_the_targets_greedy_output(family, window, tmp_path, capsys):
+    target, draft = save_family(tmp_path, family, window)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    prompt = encode_prompt(Request("cli", "cli", ({"role": "user", "content": TEXT},)), tokenizer, 4096)
+    assert len(prompt) > 16
+    reference = transformers_greedy(target, prompt, 24, tokenizer.eos_token_id)
+    common = ["decode", "--target", target, "--draft", draft, "--prompt", TEXT, "--max-new-tokens", "24", "--json",
+              "device=cpu", "cpu_linear=torch"]
+    for rounds in ([], ["decode.tree_budget_schedule=null"]):  # the default trees, then chains
+        assert main([*common, *rounds]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["prompt_tokens"] == len(prompt) and out["token_ids"] == reference, rounds
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bench_rows_of_every_family_are_the_targets_output(family, tmp_path):
+    target_dir, draft_dir = save_family(tmp_path, family, 16 if family in WINDOWED else None)
+    target = load_model(target_dir, device="cpu", dtype="float32", cpu_linear="torch")
+    draft = load_draft(draft_dir, target, cpu_linear="torch")
+    prompts = [encode_prompt(Request(str(i), "tiny", ({"role": "user", "content": text},)), target.tokenizer, 4096)
+               for i, text in enumerate((TEXT, "hello world how is the story"))]
+    assert lean_problem(target.model) is None  # eager passes: compiling takes minutes (tests/decode/test_lean*.py)
+    report = run_bench(target, draft, prompts, ["tiny"] * 2, DecodeConfig(max_new_tokens=8), progress=False)
+    assert all(row["same_output_as_target"] == 2 for row in report["methods"].values()), report["methods"]

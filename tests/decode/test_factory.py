@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from decode.drafters.protocol import DECODER, DRAFT
+from decode.drafters.protocol import DECODER, DRAFT, LOOKUP
 from decode.factory import build_decoder, model_decoder
 from decode.measure.bench import bench_decoders
 from decode.measure.bench_rows import DRAFT_ONLY_CHAIN
@@ -14,8 +14,10 @@ from decode.measure.evaluate import eval_decoders
 from decode.measure.sweep_drafts import Draft
 from decode.speculative import SpeculativeDecoder
 from monitor.check.prompt_acceptance import live_decoder
-from pipeline.config import load_config
-from tests.decode.tiny import perturbed_copy, tiny_llama
+from pipeline.config import DecodeConfig, load_config
+from pipeline.families import FAMILY_NAMES
+from tests.decode.tiny import greedy_reference, perturbed_copy, tiny_llama
+from tests.families import perturbed, tiny_family
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +72,18 @@ def test_a_decoder_takes_a_drafter_and_the_factory_builds_it_from_a_model(models
     with pytest.raises(TypeError, match="decode.factory.model_decoder"):
         SpeculativeDecoder(target.model, draft.model, 3)
     assert model_decoder(target.model, draft.model, 3).settings["eos_token_ids"] == [7]
+
+
+def test_compiled_passes_fall_back_to_the_eager_forward(capsys):
+    """Every supported family runs on the lean forward, compiled too: a model it does not run (GPT-NeoX, which the CLI
+    refuses, built here directly) decodes through transformers' forward, said once per model."""
+    model = tiny_family("gpt_neox")
+    target = SimpleNamespace(model=model, tokenizer=None, source="target", path=None)
+    draft = SimpleNamespace(model=perturbed(model, 1, 0.05), tokenizer=None, token_ids=None, source="draft", path=None)
+    decoder, prompt = build_decoder(target, draft, DecodeConfig(compiled=True)), [5, 9, 2, 77, 3]
+    assert decoder.generate(prompt, max_new_tokens=8).token_ids == greedy_reference(model, prompt, 8)
+    build_decoder(target, None, DecodeConfig(compiled=True), kind=LOOKUP)  # said once per model
+    assert capsys.readouterr().err.splitlines() == [
+        f"draftops: notice: this gpt_neox model runs on the transformers forward, not the lean one (the same tokens, "
+        f"more time per call{extra}): the lean forward runs {FAMILY_NAMES} models"
+        for extra in ("; decode.compiled does not apply to it", "")]  # the target's, then the draft's

@@ -3,6 +3,11 @@
 Tiny vocab (16), a 1-token prompt, γ=2 and 3 new tokens, so the first block exercises acceptance at both draft
 positions, the residual resample and the bonus token. The empirical first- and second-token marginals and their
 joint are compared with the exact distributions by a chi-square test.
+
+Every supported family decodes losslessly too, through the lean forward and through the transformers forward: tiny
+random-weight models of each (`tests.families`), chains and token trees, greedy against the family's own target-only
+greedy (transformers, no cache, full forward) and sampled against its exact distribution. Sliding windows are
+exercised with windows shorter than the text and the tree.
 """
 
 import numpy as np
@@ -10,9 +15,13 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from decode.factory import model_decoder
+from decode.factory import build_decoder, model_decoder
 from decode.sampling import warp_logits
-from tests.decode.tiny import perturbed_copy, tiny_llama
+from decode.speculative import SpeculativeDecoder
+from pipeline.config import DecodeConfig
+from pipeline.sources import ResolvedModel
+from tests.decode.tiny import greedy_reference, perturbed_copy, tiny_llama
+from tests.families import FAMILIES, WINDOWED, perturbed, tiny_family
 
 VOCAB = 16
 PROMPT = [3]
@@ -105,3 +114,50 @@ def test_lossless_with_disjoint_support_draft():
     token_ids = torch.arange(8, VOCAB)  # the draft only proposes tokens the target never emits
     draft = tiny_llama(14, vocab_size=VOCAB, draft_vocab=len(token_ids), init_range=0.15)
     assert run_case(target, draft, WARPS["t1"], token_ids) == 0.0
+
+
+# --------------------------------------------------------------------------- every family
+
+FAMILY_PROMPT = [5, 9, 2, 77, 3, 5, 9, 40, 11, 2, 77, 3]  # repeats: prompt lookup joins the default decoder's trees
+NEW_TOKENS = 24
+FAMILY_SAMPLES = 300  # a tree pass blind to the window fails at chi-square 140 (p < 1e-20) here
+
+
+def resolved(model) -> ResolvedModel:
+    return ResolvedModel("tiny", None, model, None, "", None)
+
+
+def family_decoders(target, draft, lean: bool = True) -> dict[str, SpeculativeDecoder]:
+    """The default decoder (token trees: prompt lookup, suffix decoding, the draft), a deep tree of the draft alone,
+    and chain rounds."""
+    default = DecodeConfig()
+    return {"default": build_decoder(resolved(target), resolved(draft), default, lean=lean),
+            "deep_tree": model_decoder(target, draft, 6, tree_budget=12, tree_branching=2, lean=lean),
+            "chain": build_decoder(resolved(target), resolved(draft), default.chain_rounds(), lean=lean)}
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "transformers"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_output_is_the_targets_in_every_family(family, lean):
+    # a window of 4 (where the family has one) is shorter than the text and than the deep tree; through the lean
+    # forward (every family here) and through transformers'
+    target = tiny_family(family, window=4 if family in WINDOWED else None)
+    reference = greedy_reference(target, FAMILY_PROMPT, NEW_TOKENS)
+    for name, decoder in family_decoders(target, perturbed(target, seed=1, noise=0.05), lean).items():
+        assert (decoder.target_runner.lean is not None) == lean
+        result = decoder.generate(FAMILY_PROMPT, max_new_tokens=NEW_TOKENS)
+        assert result.token_ids == reference, name
+        assert result.stats.accepted > 0, name
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "transformers"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sampling_is_the_targets_distribution_in_every_family(family, lean):
+    # two layers (Gemma's: one sliding, one global); a window of 2 cuts the second token's view of the prompt
+    shape = dict(vocab_size=VOCAB, init_range=0.15, window=2 if family in WINDOWED else None, layers=2)
+    target = tiny_family(family, 10, **shape)
+    tree = model_decoder(target, perturbed(target, seed=11, noise=0.15), 2, tree_budget=6, tree_branching=3,
+                         lean=lean)
+    check_first_two(target, tree, [3, 7], T1, samples=FAMILY_SAMPLES)
+    other = tiny_family(family, 12, **shape)  # an unrelated draft of the family
+    check_first_two(target, model_decoder(target, other, 2, lean=lean), [3, 7], T1, samples=FAMILY_SAMPLES)

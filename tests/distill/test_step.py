@@ -1,12 +1,20 @@
+"""distill.step: the loss step over the cached or the online teacher, and the logits training scores, which are the ones
+the draft decodes with (`ResponseLogits`, `FeatureStepLogits`) in every family (`tests.families`): Gemma 2's final
+soft-capping, Gemma's embedding scale and tied heads included."""
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from decode.models.architectures import head_logits
+from decode.models.feature_draft import feature_draft_from_target
+from decode.models.layer_draft import draft_from_target_layers, reduce_vocabulary
+from decode.runtime.forward import ModelRunner, target_features
 from distill.losses import TopKTeacher
-from distill.step import loss_step
+from distill.step import FeatureStepLogits, ResponseLogits, loss_step, step_mask
 from pipeline.config import DistillConfig
+from tests.families import FAMILIES, tiny_family
 
 NEG_INF = float("-inf")
 
@@ -79,3 +87,64 @@ def test_loss_step_with_the_online_teacher_runs_the_target_and_gives_the_gradien
     torch.testing.assert_close(draft.logits.grad, torch.tensor([1 / 3 - 1 / 2, 1 / 3 - 1 / 4, 1 / 3 - 1 / 4]) / 4)
     _, loss = step(one_response_position(), num_tokens=1, target=online_target, loss="tvd")
     assert loss.item() == pytest.approx(1 - (1 / 3 + 1 / 4 + 1 / 4), abs=1e-6)
+
+
+# --------------------------------------------------------------------------- every family
+
+SEQ = torch.tensor([[1, 5, 9, 3, 7, 7, 4, 12, 30, 2], [1, 8, 4, 6, 2, 9, 3, 0, 0, 0]])
+MASK = torch.tensor([[1] * 10, [1] * 7 + [0] * 3])
+REDUCED = torch.arange(0, 128, 3)
+
+
+def response_mask() -> torch.Tensor:
+    loss_mask = torch.zeros(2, 10, dtype=torch.bool)
+    loss_mask[0, 4:9], loss_mask[1, 2:6] = True, True
+    return loss_mask
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("reduced", [False, True], ids=["full", "reduced"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_layer_drafts_training_logits_are_its_decoding_logits(family, reduced):
+    """ResponseLogits (what the loss scores) against the decoder's own forward of each row, position by position:
+    Gemma 2's final soft-capping, Gemma's embedding scale and tied heads included; a reduced head leaves the target's
+    embeddings and tie as they were."""
+    target = tiny_family(family)
+    embeddings = target.get_input_embeddings().weight.clone()
+    draft = draft_from_target_layers(target, [0, 3]).eval()
+    if reduced:
+        reduce_vocabulary(draft, REDUCED, target.get_output_embeddings().weight.detach())
+    assert torch.equal(target.get_input_embeddings().weight, embeddings)
+    assert (target.get_output_embeddings().weight is target.get_input_embeddings().weight) == bool(
+        target.config.tie_word_embeddings)
+    assert draft.get_input_embeddings().weight.data_ptr() != target.get_input_embeddings().weight.data_ptr()
+    loss_mask = response_mask()
+    trained = ResponseLogits(draft)(SEQ, MASK, loss_mask)
+    runner = ModelRunner(draft)
+    decoded = [runner.forward(SEQ[b, : int(MASK[b].sum())], runner.new_cache(), 0, False) for b in range(2)]
+    expected = torch.cat([decoded[b][loss_mask[b, : len(decoded[b])]] for b in range(2)])
+    torch.testing.assert_close(trained, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(head_logits(draft, draft.model(SEQ[:1]).last_hidden_state), draft(SEQ[:1]).logits,
+                               atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_feature_drafts_training_logits_are_its_decoding_logits(family):
+    """FeatureStepLogits (training-time test, 2 steps) against `FeatureDraft.step` as decoding feeds it: the verified
+    prefix's features, then its own output for the next token."""
+    target = tiny_family(family)
+    draft = feature_draft_from_target(target, REDUCED).eval()
+    assert draft.feature_layers == (1, 2, 3) and draft.config.model_type == "llama"
+    features = target_features(target(input_ids=SEQ[:1], output_hidden_states=True).hidden_states,
+                               draft.feature_layers)
+    loss_mask = torch.zeros(1, 10, dtype=torch.bool)
+    loss_mask[0, 3:9] = True
+    per_step = FeatureStepLogits(draft, steps=2)(features, SEQ[:1], MASK[:1], loss_mask)
+    for i in (2, 5):  # index i predicts token i + 2 (step 0) and i + 3 (step 1), both response tokens
+        cache = draft.new_cache()
+        out = draft.step(draft.fuse(features[0, : i + 1]), SEQ[0, 1 : i + 2], cache, 0, torch.arange(1, i + 2))[-1:]
+        second = draft.step(out, SEQ[0, i + 2][None], cache, i + 1, torch.tensor([i + 2]))
+        for j, hidden in enumerate((out, second)):
+            row = int(step_mask(loss_mask, j)[0, :i].sum())  # step j's rows are its masked indices, in order
+            torch.testing.assert_close(per_step[j][row], draft.logits(hidden)[0], atol=1e-5, rtol=1e-5)

@@ -1,6 +1,7 @@
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,16 +11,28 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from decode.drafters.suffix import load_suffix_index
+from decode.factory import build_decoder
+from decode.models.feature_draft import FeatureDraft
+from decode.runtime.forward import ModelRunner, greedy_decode, target_features
+from decode.serving.export import GGUF, HF, SPECULATORS, VLLM, ExportError, draft_source, export_format
+from decode.serving.loading import load_draft, load_model
+from decode.serving.speculators import load_speculators
 from decode.tree_budget_model import TREE_BUDGETS, load_rank_acceptance
 from distill.checkpoints import latest_checkpoint
 from distill.loop import NonFiniteLoss
 from distill.onpolicy import draft_continuations
 from distill.train import DistillResult, layer_counts, print_summary, run_distill, run_sizes, sizes_config
 from pipeline import metrics
-from pipeline.config import load_config, save_config
+from pipeline.config import DecodeConfig, load_config, save_config
+from pipeline.sources import load_checkpoint, save_checkpoint
+from tests.conftest import make_tokenizer, reset_accelerate_state
+from tests.decode.serving.test_gguf import vocabulary_gguf
+from tests.distill.test_step import SEQ
 from tests.distill.tiny_job import tiny_config
+from tests.families import FAMILIES, tiny_family
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -336,3 +349,120 @@ def test_the_job_key_follows_what_training_reads_and_not_later_decoding():
                      "traffic.heldout_fraction=0.2"):
         assert job_key(load_config(None, [override]), "data") != base, override
     assert job_key(load_config(None), "other data") != base
+
+
+# --------------------------------------------------------------------------- every family
+# Drafts from every supported family (tests.families: random weights, built from transformers' configs): the layer
+# draft and the feature draft distilled for two steps, evaluated, registered, decoded greedily as the target alone
+# decodes (chains and token trees), and exported in every format that applies, each loaded back. One module-scoped
+# job pair per family (one MLflow store for all).
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def jobs(request, tmp_path_factory, _migrated_mlflow_db):
+    """A random-weight target of the family, and a layer draft and a feature draft distilled from it for two steps
+    (responses generated once), each evaluated and registered in one shared MLflow store."""
+    family, root = request.param, tmp_path_factory.mktemp(request.param)
+    store = tmp_path_factory.getbasetemp() / "families-mlflow.db"
+    if not store.exists():
+        shutil.copy(_migrated_mlflow_db, store)
+    tokenizer = make_tokenizer(extra_words=40)
+    save_checkpoint(tiny_family(family, vocab_size=len(tokenizer), dtype=torch.float32), tokenizer, root / "target")
+    results = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DRAFTOPS_HOME", str(root / "home"))
+        torch.set_num_threads(1)
+        for kind in ("layers", "features"):
+            cfg = tiny_config(root, f"distill.family={kind}", "distill.max_steps=2", "distill.eval_every=2",
+                              "distill.ttt_steps=2", "decode.gamma=3", "distill.responses_per_prompt=1",
+                              "distill.max_new_tokens=8", "distill.eval_prompts=4", f"tracking.uri=sqlite:///{store}",
+                              f"tracking.registered_model=draft-{family}-{kind}", f"distill.output_dir={root}/{kind}")
+            reset_accelerate_state()  # the layer draft's job may have timed bf16 the faster, the feature draft's not
+            results[kind] = (cfg, run_distill(cfg))
+    return {"family": family, "root": root, "tokenizer": tokenizer, **results}
+
+
+def check_job(cfg, result, family: str) -> None:
+    assert len(result.history) == 2 and [e["step"] for e in result.evals] == [2]
+    assert torch.isfinite(torch.tensor([h["loss"] for h in result.history])).all()
+    assert 0 <= result.metrics["alpha_t0"] <= 1 and result.metrics["tau_t0"] >= 1
+    assert (result.version, result.alias) == ("1", "champion"), family
+
+
+def greedy_identity(cfg, source: str, *, trees: bool) -> None:
+    """The draft loaded back (as `draftops decode` loads it) decodes, in chains or in token trees, the target's greedy
+    output."""
+    target = load_model(cfg.target, device="cpu", cpu_linear="torch")
+    draft = load_draft(source, target, cpu_linear="torch")
+    prompt = target.tokenizer("the cat sat on", add_special_tokens=False)["input_ids"]
+    decode = DecodeConfig(gamma=3, suffix=False, **{"tree_budget": 6} if trees else {"tree_budget_schedule": None})
+    decoder = build_decoder(target, draft, decode)
+    expected = greedy_decode(ModelRunner(target.model), prompt, 12, decoder.eos_token_ids)
+    assert decoder.generate(prompt, max_new_tokens=12).token_ids == expected
+
+
+def test_both_distilled_drafts_decode_the_targets_greedy_output_in_token_trees(jobs):
+    for kind in ("layers", "features"):
+        cfg, result = jobs[kind]
+        greedy_identity(cfg, str(result.export_dir), trees=True)
+
+
+@torch.no_grad()
+def test_a_layer_draft_distills_decodes_and_exports_as_hf_vllm_and_gguf(jobs, tmp_path):
+    family, (cfg, result) = jobs["family"], jobs["layers"]
+    check_job(cfg, result, family)
+    assert result.token_ids is not None  # a reduced head, exported with its full-vocabulary copy
+    greedy_identity(cfg, str(result.export_dir), trees=False)
+    vocab, source = len(jobs["tokenizer"]), draft_source(str(result.export_dir))
+    kept = load_checkpoint(result.export_dir).eval()(SEQ).logits
+    for fmt in (HF, VLLM):
+        out = export_format(source, fmt, tmp_path / fmt, target_vocab_size=vocab)
+        assert json.loads((out / "config.json").read_text())["model_type"] == kept_type(family)
+        full = AutoModelForCausalLM.from_pretrained(out).eval()(SEQ).logits
+        torch.testing.assert_close(full[..., result.token_ids], kept, atol=1e-5, rtol=1e-5)
+    vocabulary = vocabulary_gguf(tmp_path / "target.gguf", jobs["tokenizer"].convert_ids_to_tokens(range(vocab)))
+    if family == "llama":  # read back through transformers' GGUF loader inside, to the copy's logits
+        out = export_format(source, GGUF, tmp_path / "gguf", vocabulary=vocabulary, gguf_dtype="f32")
+        assert [p.name for p in out.iterdir()] == ["draft-f32.gguf"]
+    else:
+        why = "rotary scaling 'llama3'" if family == "llama3" else f"model type '{kept_type(family)}'"
+        with pytest.raises(ExportError, match=why):
+            export_format(source, GGUF, tmp_path / "gguf", vocabulary=vocabulary)
+        assert not (tmp_path / "gguf").exists()
+
+
+def kept_type(family: str) -> str:
+    return {"llama3": "llama", "gemma3": "gemma3_text"}.get(family, family)
+
+
+@torch.no_grad()
+def test_a_feature_draft_distills_decodes_and_exports_as_speculators_and_vllm(jobs, tmp_path):
+    """The speculators folder loads back into draftops and into `speculators` itself, which computes the same
+    training-time-test logits over the target's features."""
+    speculators = pytest.importorskip("speculators")
+    family, (cfg, result) = jobs["family"], jobs["features"]
+    check_job(cfg, result, family)
+    greedy_identity(cfg, str(result.export_dir), trees=False)
+    target = AutoModelForCausalLM.from_pretrained(cfg.target).eval()
+    ours = load_speculators(result.export_dir, target)
+    assert isinstance(ours, FeatureDraft) and ours.feature_layers == (1, 2, 3)
+    source = draft_source(str(result.export_dir))
+    for fmt in (SPECULATORS, VLLM):
+        export_format(source, fmt, tmp_path / fmt, target_vocab_size=len(jobs["tokenizer"]))
+    with pytest.raises(ExportError, match="feature draft"):
+        export_format(source, HF, tmp_path / "hf")
+    layer = json.loads((tmp_path / VLLM / "config.json").read_text())["transformer_layer_config"]
+    assert (layer["model_type"], layer["num_hidden_layers"]) == ("llama", 1)
+
+    config = speculators.Eagle3SpeculatorConfig.from_pretrained(tmp_path / SPECULATORS)
+    config.transformer_layer_config._attn_implementation = "eager"
+    theirs = speculators.SpeculatorModel.from_pretrained(tmp_path / SPECULATORS, config=config).eval()
+    theirs.embed_tokens.weight.copy_(target.get_input_embeddings().weight)  # as tests/decode/test_speculators_format
+    logits = []
+    theirs.lm_head.register_forward_hook(lambda module, args, output: logits.append(output[0]))
+    seq = SEQ[:1]
+    features = target_features(target(input_ids=seq, output_hidden_states=True).hidden_states, ours.feature_layers)
+    input_ids = torch.cat([seq[0, 1:], seq.new_zeros(1)])[None]  # index i reads token i + 1, as in FeatureDraft
+    theirs(hidden_states=features, input_ids=input_ids, document_ids=torch.zeros_like(input_ids), ttt_steps=2)
+    unrolled = ours.unroll(features, seq, torch.ones_like(seq), 2)
+    for hidden, their in zip(unrolled, logits, strict=True):
+        torch.testing.assert_close(their, ours.logits(hidden)[0], atol=1e-4, rtol=1e-4)

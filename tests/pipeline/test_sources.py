@@ -1,8 +1,11 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
+from pipeline.cli import main
+from pipeline.families import supported_families
 from pipeline.sources import (
     SourceError,
     TokenizerMismatch,
@@ -14,6 +17,7 @@ from pipeline.sources import (
     save_checkpoint,
 )
 from tests.conftest import make_tiny_model, make_tokenizer
+from tests.families import TEXT, save_family
 
 
 def test_local_checkpoint_resolves_with_a_stable_fingerprint(tiny_checkpoint):
@@ -100,3 +104,39 @@ def test_a_gguf_is_parsed_once_while_it_is_dequantized_and_gguf_is_restored_afte
         arch = gguf.MODEL_ARCH.LLAMA
         assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
     assert gguf.GGUFReader is reader_class and gguf.get_tensor_name_map is name_map
+
+
+def test_an_unsupported_architecture_is_refused_before_loading(tmp_path, capsys):
+    neox, _ = save_family(tmp_path, "gpt_neox", draft=False)
+    capsys.readouterr()  # saving's progress bars
+    assert main(["decode", "--target", neox, "--draft", neox, "--prompt", "hello", "device=cpu"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"draftops: error: {neox}: architecture GPTNeoXForCausalLM (model_type 'gpt_neox') is not supported: "
+        f"draftops distills and decodes {supported_families()}"]
+    traffic = tmp_path / "traffic.jsonl"
+    traffic.write_text(json.dumps({"id": "r0", "category": "tiny", "prompt": TEXT}) + "\n")
+    out = tmp_path / "out"
+    assert main(["distill", f"target={neox}", f"traffic.path={traffic}", "device=cpu", f"distill.output_dir={out}",
+                 "distill.register_model=false"]) == 2
+    err = capsys.readouterr().err
+    assert "architecture GPTNeoXForCausalLM (model_type 'gpt_neox') is not supported" in err
+    assert "Traceback" not in err and not out.exists()  # refused before any response was generated
+
+
+def test_custom_code_is_refused_saying_why(tmp_path, capsys):
+    neox, _ = save_family(tmp_path, "gpt_neox", draft=False)
+    config = json.loads((Path(neox) / "config.json").read_text())
+    config.update(model_type="tiny_custom", auto_map={"AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM"})
+    (Path(neox) / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()  # saving's progress bars
+    assert main(["decode", "--target", neox, "--draft", neox, "--prompt", "hello", "device=cpu"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"draftops: error: {neox}: its config asks for custom code (auto_map, model_type "
+                           "'tiny_custom'): draftops does not set trust_remote_code, which would run Python shipped "
+                           "with the checkpoint")
+    # a supported family's checkpoint that also names custom code (as Phi-3's do) loads through transformers' class
+    phi3, _ = save_family(tmp_path, "phi3", draft=False)
+    config = json.loads((Path(phi3) / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM"}
+    (Path(phi3) / "config.json").write_text(json.dumps(config))
+    assert resolve_model(phi3, device="cpu", dtype="float32").model.config.model_type == "phi3"

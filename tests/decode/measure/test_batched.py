@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from decode.measure.batched import batched_greedy, batched_speculative
-from decode.runtime.lean import LeanLlama
+from decode.runtime.lean import LeanDecoder
 from tests.decode.tiny import greedy_reference
 
 PROMPTS = [[5, 9, 2, 77, 3, 8, 1], [3, 3, 8, 8, 3, 3, 8], [100, 4, 17, 17, 60, 2, 9]]
@@ -14,7 +14,7 @@ PROMPTS = [[5, 9, 2, 77, 3, 8, 1], [3, 3, 8, 8, 3, 3, 8], [100, 4, 17, 17, 60, 2
 
 @torch.inference_mode()
 def test_ragged_rows_each_see_their_own_slots(target):
-    lean = LeanLlama(target)
+    lean = LeanDecoder(target)
     tokens = torch.tensor(PROMPTS)
     cache = lean.new_cache(3)
     lean.forward_batch(tokens[:, :4], cache, 0, False)
@@ -31,7 +31,7 @@ def test_ragged_rows_each_see_their_own_slots(target):
 def test_a_grown_cache_holds_zeros_where_nothing_was_written(target):
     """A ragged row ends before the batch's last slot; its unwritten slots are masked, but their values still enter
     attention as 0 × value, so they must be numbers (fresh memory could hold NaN)."""
-    cache = LeanLlama(target).new_cache(2)
+    cache = LeanDecoder(target).new_cache(2)
     cache.reserve(300)
     assert cache.keys[0].shape[2] >= 300
     assert all(bool((entry == 0).all()) for entry in cache.keys + cache.values)

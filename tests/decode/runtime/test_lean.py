@@ -1,4 +1,5 @@
-"""decode.runtime.lean.LeanDecoder against its reference, the transformers forward with a DynamicCache."""
+"""decode.runtime.lean.LeanDecoder against its reference, the transformers forward with a DynamicCache, on Llama (the
+other families: tests/decode/runtime/test_lean_layers.py), and `lean_problem`, the one check of which models it runs."""
 from __future__ import annotations
 
 import copy
@@ -18,8 +19,10 @@ from decode.runtime.compiled_pass import (
     wide_pass_options,
 )
 from decode.runtime.forward import ModelRunner, forward_logits, greedy_decode, rollback
-from decode.runtime.lean import LeanDecoder, compiled_lean, use_compiled_passes
+from decode.runtime.lean import LeanDecoder, compiled_lean, lean_problem, use_compiled_passes
+from pipeline.families import FAMILY_NAMES
 from tests.decode.tiny import greedy_reference, tiny_llama
+from tests.families import FAMILIES, tiny_family
 
 
 @pytest.mark.parametrize("draft_vocab,compiled", [(None, False), (40, False), (None, True)],
@@ -28,7 +31,7 @@ from tests.decode.tiny import greedy_reference, tiny_llama
 def test_same_logits_as_the_transformers_forward_through_blocks_and_rollbacks(draft_vocab, compiled):
     model = tiny_llama(5, draft_vocab=draft_vocab)
     lean = LeanDecoder(model, compiled=compiled)
-    assert LeanDecoder.supports(model)
+    assert lean_problem(model) is None
     tokens = torch.randint(0, 128, (300,), generator=torch.Generator().manual_seed(0))
     ref_cache, cache = DynamicCache(config=model.config), lean.new_cache()
     position = 0
@@ -92,12 +95,32 @@ def test_decoder_output_is_the_same_with_and_without_it(target, close_draft):
                 == plain.generate(prompt, max_new_tokens=20, temperature=1.0, seed=seed).token_ids)
 
 
-def test_other_architectures_and_training_mode_keep_the_transformers_forward():
+def test_the_lean_forward_runs_every_family_and_says_why_not_of_other_models():
+    assert all(lean_problem(tiny_family(family)) is None for family in FAMILIES)
+    assert lean_problem(tiny_family("gpt_neox")) == f"the lean forward runs {FAMILY_NAMES} models"
     model = tiny_llama(6)
     model.train()
-    assert not LeanDecoder.supports(model)
-    model.config.model_type = "gpt2"
-    assert not LeanDecoder.supports(model.eval())
+    assert lean_problem(model) == "the lean forward runs models in eval mode, not in training mode"
+    model.eval().config.pretraining_tp = 2
+    assert lean_problem(model) == ("the lean forward runs whole projections, not 2 tensor-parallel slices "
+                                   "(pretraining_tp)")
+    model.config.pretraining_tp = 1
+    model.config._attn_implementation = "flex_attention"
+    assert lean_problem(model) == "the lean forward runs eager or sdpa attention, not flex_attention"
+
+
+def test_a_model_the_lean_forward_does_not_run_says_so_once_per_model(capsys):
+    model = tiny_family("gpt_neox")
+    runners = [ModelRunner(model), ModelRunner(model)]
+    assert all(runner.lean is None for runner in runners)
+    assert capsys.readouterr().err.splitlines() == [
+        "draftops: notice: this gpt_neox model runs on the transformers forward, not the lean one (the same tokens, "
+        f"more time per call): the lean forward runs {FAMILY_NAMES} models"]
+    ModelRunner(tiny_family("gpt_neox", seed=1))
+    assert "gpt_neox model runs on the transformers forward" in capsys.readouterr().err
+    ModelRunner(tiny_family("qwen2"))
+    ModelRunner(tiny_family("gpt_neox", seed=2), lean=False)  # asked for the transformers forward: nothing to say
+    assert capsys.readouterr().err == ""
 
 
 @torch.inference_mode()

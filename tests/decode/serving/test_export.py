@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from decode.drafters.suffix import SuffixIndex
 from decode.models.feature_draft import feature_draft_from_target
-from decode.models.layer_draft import draft_from_target_layers, reduce_vocabulary
+from decode.models.layer_draft import draft_from_target_layers, full_vocab_copy, reduce_vocabulary
 from decode.serving.export import (
     FEATURES,
     LAYERS,
@@ -33,6 +33,7 @@ from pipeline.cli import main
 from pipeline.config import load_config
 from pipeline.sources import load_checkpoint, save_checkpoint
 from tests.conftest import make_tiny_model, make_tokenizer
+from tests.families import tiny_family
 
 IDS = torch.tensor([[1, 5, 9, 3, 7, 12, 30, 2, 44, 17]])
 DRAFTOPS_FILES = {"draft_vocab.json", "suffix_index.json", "draftops_config.yaml", "hf_assistant"}
@@ -251,3 +252,17 @@ def test_draftops_export_resolves_a_registered_feature_draft(drafts, tmp_path, c
     assert '"method": "eagle3", "num_speculative_tokens": 4' in printed
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert load_speculators(out, drafts["target4"]).lm_head.out_features == len(drafts["token_ids"])
+
+
+def test_full_vocab_copy_of_a_tied_family_scores_the_kept_ids():
+    """Gemma 2 (tied head, soft-capped logits): the HF copy of a reduced draft gives the draft's logits at the kept
+    ids and leaves the draft's embeddings as they were."""
+    target, kept = tiny_family("gemma2"), torch.arange(0, 128, 3)
+    draft = draft_from_target_layers(target, [1]).eval()
+    reduce_vocabulary(draft, kept, target.get_output_embeddings().weight.detach())
+    embeddings = draft.get_input_embeddings().weight.clone()
+    full = full_vocab_copy(draft, kept)
+    with torch.no_grad():
+        torch.testing.assert_close(full(IDS).logits[..., kept], draft(IDS).logits, atol=1e-5, rtol=1e-5)
+    assert torch.equal(draft.get_input_embeddings().weight, embeddings)
+    assert torch.equal(full.get_input_embeddings().weight, embeddings)

@@ -1,77 +1,24 @@
-"""The model families the lean forward (`decode.runtime.lean`) runs, and what it reads off each one's decoder layers.
+"""The decoder layers of a model as the lean forward (`decode.runtime.lean`) runs them, read off each family's layers
+as its row of `pipeline.families.FAMILIES` says they differ from Llama's.
 
-Each family here has Llama's block (pre-norm attention with rotary positions and grouped KV heads, then a gated
-MLP) up to small differences, given per `model_type` by a `FamilySpec`: q/k/v biases (Qwen2/2.5: the stacked
-projection carries them), RMS norms on each query and key head before the rotation (Qwen3, Gemma 3), a sliding window
-(Mistral, Phi-3 on every layer; Qwen2/3, Gemma 2/3 on the layers `config.layer_types` marks), projections stored fused
-(Phi-3's `qkv_proj` and `gate_up_proj`), and Gemma's norms after attention and around the MLP, its attention and
-final logit soft-capping and (Gemma 3) a rotation per layer type. Gemma's scaled embeddings and (1 + w) norms are its
-own modules', which the lean forward calls. `lean_layers` turns a model's decoder layers into `LeanLayer`s, the one
-place the lean forward (eager and compiled) takes weights from. A sliding window is applied in the lean attention's
-mask (the KV cache keeps every position): a query at position p sees keys at positions p - window + 1 .. p, as
-transformers' sliding-window mask has it. Other architectures (GPT-NeoX, ...) run on the transformers forward;
-`notice_fallback` says so once per model.
+`lean_layers` turns a model's decoder layers into `LeanLayer`s, the one place the lean forward (eager and compiled)
+takes weights from: q/k/v and gate/up products stacked (`ConcatLinear`) or fused as stored (`FusedLinear`, Phi-3),
+the per-head q/k norms, Gemma's norms after attention and around the MLP, the attention soft-cap of the config (Gemma
+2) and the rotation of the layer's type (Gemma 3). Gemma's scaled embeddings and (1 + w) norms are its own modules',
+which the lean forward calls. A sliding window is applied in the lean attention's mask (`window_masks`; the KV cache
+keeps every position): a query at position p sees keys at positions p - window + 1 .. p, as transformers'
+sliding-window mask has it.
 """
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from decode.runtime.kernels import ConcatLinear
-
-FALLBACK_ATTRIBUTE = "_draftops_fallback_noticed"  # set on a model once its fallback notice is out
-
-
-@dataclass(frozen=True)
-class FamilySpec:
-    """How a family's decoder layer differs from Llama's. window: where its sliding window applies ("every" layer,
-    or the "layer_types" ones marked "sliding_attention"; None: no window)."""
-
-    fused_qkv: bool = False  # one qkv_proj (rows: q, then k, then v) instead of q_proj, k_proj, v_proj
-    fused_gate_up: bool = False  # one gate_up_proj (rows: gate, then up) instead of gate_proj, up_proj
-    qk_norm: bool = False  # q_norm and k_norm over each head's dimensions, before the rotation
-    window: str | None = None
-    activation: str = "act_fn"  # the MLP's attribute holding its activation
-    # Gemma's: post_attention_layernorm on the attention's output, pre_ and post_feedforward_layernorm around the MLP
-    sandwich_norms: bool = False
-    rotary_by_layer_type: bool = False  # rotary_emb(x, positions, layer_type): a rotation per layer type (Gemma 3)
-
-
-FAMILIES = {
-    "llama": FamilySpec(),
-    "qwen2": FamilySpec(window="layer_types"),  # q/k/v biases: the stacked q|k|v projection carries them
-    "qwen3": FamilySpec(qk_norm=True, window="layer_types"),
-    "mistral": FamilySpec(window="every"),
-    "phi3": FamilySpec(fused_qkv=True, fused_gate_up=True, window="every", activation="activation_fn"),
-    "gemma2": FamilySpec(window="layer_types", sandwich_norms=True),  # soft-capping: its config's
-    "gemma3_text": FamilySpec(qk_norm=True, window="layer_types", sandwich_norms=True, rotary_by_layer_type=True),
-}
-FAMILY_NAMES = "Llama, Qwen2/2.5, Qwen3, Mistral, Phi-3 or Gemma 2/3"  # for the errors of what needs the lean forward
-
-
-def supports(model) -> bool:
-    """Whether the lean forward computes `model`'s function: a family of `FAMILIES` in eval mode, with eager or SDPA
-    attention and no tensor-parallel slicing of its projections (`pretraining_tp`)."""
-    config = model.config
-    return (config.model_type in FAMILIES and not model.training and not getattr(config, "pretraining_tp", 1) > 1
-            and getattr(config, "_attn_implementation", "sdpa") in ("sdpa", "eager"))
-
-
-def notice_fallback(model, compiled: bool = False) -> None:
-    """One line on stderr, once per model, that `model` runs on the transformers forward (where `supports` says no):
-    the same tokens, with transformers' per-call cost; `compiled`: and that `decode.compiled` was asked for but does
-    not apply (the compiled passes are the lean forward's)."""
-    if model.__dict__.get(FALLBACK_ATTRIBUTE):
-        return
-    model.__dict__[FALLBACK_ATTRIBUTE] = True
-    extra = "; decode.compiled does not apply to it" if compiled else ""
-    print(f"draftops: notice: this {model.config.model_type} model runs on the transformers forward, not the lean one "
-          f"(the same tokens, more time per call{extra}): the lean forward runs {FAMILY_NAMES} models in eval mode, "
-          "attention eager or sdpa", file=sys.stderr, flush=True)
+from pipeline.families import FAMILIES, Family
 
 
 class FusedLinear:
@@ -152,44 +99,44 @@ class LeanLayer(torch.nn.Module):
         return x + (mlp if self.mlp_out_norm is None else self.mlp_out_norm(mlp))
 
 
-def _window(config, spec: FamilySpec, index: int) -> int | None:
+def _window(config, family: Family, index: int) -> int | None:
     window = getattr(config, "sliding_window", None)
-    if spec.window == "every":
+    if family.window == "every":
         return window
-    if spec.window == "layer_types" and (getattr(config, "layer_types", None) or [None] * (index + 1))[index] \
+    if family.window == "layer_types" and (getattr(config, "layer_types", None) or [None] * (index + 1))[index] \
             == "sliding_attention":
         return window
     return None
 
 
 def lean_layers(model) -> list[LeanLayer]:
-    """`model`'s decoder layers as `LeanLayer`s (a family of `FAMILIES`), in order."""
+    """`model`'s decoder layers as `LeanLayer`s (a family of `pipeline.families.FAMILIES`), in order."""
     config = model.config
-    spec = FAMILIES[config.model_type]
+    family = FAMILIES[config.model_type]
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     out = []
     for index, layer in enumerate(model.model.layers):
         attention, mlp = layer.self_attn, layer.mlp
         head_dim = attention.head_dim
-        if spec.fused_qkv:
+        if family.fused_qkv:
             qkv = FusedLinear(attention.qkv_proj, [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim])
         else:
             qkv = ConcatLinear([attention.q_proj, attention.k_proj, attention.v_proj])
-        if spec.fused_gate_up:
+        if family.fused_gate_up:
             gate_up = FusedLinear(mlp.gate_up_proj, [mlp.gate_up_proj.out_features // 2] * 2)
         else:
             gate_up = ConcatLinear([mlp.gate_proj, mlp.up_proj])
-        sandwich = spec.sandwich_norms
+        sandwich = family.sandwich_norms
         out.append(LeanLayer(
             input_norm=layer.input_layernorm, qkv=qkv, o_proj=attention.o_proj, gate_up=gate_up,
             mlp_norm=layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm,
-            down_proj=mlp.down_proj, act=getattr(mlp, spec.activation), scaling=attention.scaling,
-            window=_window(config, spec, index),
-            q_norm=attention.q_norm if spec.qk_norm else None, k_norm=attention.k_norm if spec.qk_norm else None,
+            down_proj=mlp.down_proj, act=getattr(mlp, family.activation), scaling=attention.scaling,
+            window=_window(config, family, index),
+            q_norm=attention.q_norm if family.qk_norm else None, k_norm=attention.k_norm if family.qk_norm else None,
             attention_out_norm=layer.post_attention_layernorm if sandwich else None,
             mlp_out_norm=layer.post_feedforward_layernorm if sandwich else None,
             softcap=getattr(config, "attn_logit_softcapping", None),
-            rotation=config.layer_types[index] if spec.rotary_by_layer_type else None))
+            rotation=config.layer_types[index] if family.rotary_by_layer_type else None))
     return out
 
 

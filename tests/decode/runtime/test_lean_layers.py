@@ -1,4 +1,5 @@
-"""The lean forward (`decode.runtime.lean.LeanDecoder`) on the families beyond Llama it runs, against transformers.
+"""The lean forward (`decode.runtime.lean.LeanDecoder`) on every family's layers (`decode.runtime.lean_layers`: Llama
+3's rotary scaling and the families beyond Llama), against transformers.
 
 The reference is each family's own transformers forward, with SDPA attention: transformers' eager attention takes its
 softmax in float32 (up to 1e-5 off in these float64 models), where SDPA, like the lean forward, stays in float64, and
@@ -17,7 +18,6 @@ from decode.factory import model_decoder
 from decode.runtime.compiled_pass import compile_options, wide_pass_options
 from decode.runtime.forward import ModelRunner, compact, greedy_decode, rollback
 from decode.runtime.lean import LeanDecoder, compiled_lean, use_compiled_passes
-from decode.runtime.lean_families import FAMILIES
 from decode.token_tree import ROOT, TokenTree
 from tests.decode.tiny import greedy_reference
 from tests.families import tiny_family
@@ -76,12 +76,6 @@ def close_copy(model: torch.nn.Module, seed: int, noise: float = 0.03) -> torch.
         for param in draft.parameters():
             param.add_(noise * param.std() * torch.randn(param.shape, generator=generator, dtype=param.dtype))
     return draft
-
-
-def test_the_lean_forward_runs_these_families():
-    assert {"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text"} <= set(FAMILIES)
-    assert all(LeanDecoder.supports(tiny_family(family)) for family in ("qwen2", "gemma3"))
-    assert not LeanDecoder.supports(tiny_family("gpt_neox"))
 
 
 @pytest.mark.parametrize("family,window", CASES, ids=IDS)
@@ -170,20 +164,6 @@ def test_speculative_decoding_on_the_lean_forward_gives_the_targets_greedy_token
         assert out.stats.accepted > 0
 
 
-def test_a_family_the_lean_forward_does_not_run_says_so_once_per_model(capsys):
-    model = tiny_family("gpt_neox")
-    runners = [ModelRunner(model), ModelRunner(model)]
-    assert all(runner.lean is None for runner in runners)
-    err = capsys.readouterr().err
-    assert err.count("draftops: notice: this gpt_neox model runs on the transformers forward") == 1
-    assert len(err.strip().splitlines()) == 1
-    ModelRunner(tiny_family("gpt_neox", seed=1))
-    assert "gpt_neox model runs on the transformers forward" in capsys.readouterr().err
-    ModelRunner(tiny_family("qwen2"))
-    ModelRunner(tiny_family("gpt_neox", seed=2), lean=False)  # asked for the transformers forward: nothing to say
-    assert capsys.readouterr().err == ""
-
-
 @torch.inference_mode()
 def test_compiled_passes_of_a_qwen2_with_windowed_layers_decode_what_the_eager_ones_do():
     """Greedy speculative decoding, trees and chains, with the target's passes compiled (float32: inductor's C++
@@ -206,7 +186,7 @@ def test_compiled_passes_of_a_qwen2_with_windowed_layers_decode_what_the_eager_o
 def test_a_soft_capped_attention_compiles_its_wide_passes_with_atens_products_too():
     """Gemma 2's soft-capped attention is batched products no C++ GEMM template takes: its wide graph may use ATen's
     (with C++ templates alone it failed to build, and the eager forward ran instead). Checked by hand: compiled
-    Gemma 2 and Gemma 3 passes (windows of 8) decode as the eager ones (docs/lean-families.md)."""
+    Gemma 2 and Gemma 3 passes (windows of 8) decode as the eager ones (docs/families.md)."""
     options = compile_options(torch.device("cpu"))
     gemma = LeanDecoder(tiny_family("gemma2", dtype=torch.float32), compiled=True).compiled
     qwen = LeanDecoder(tiny_family("qwen2", dtype=torch.float32), compiled=True).compiled
