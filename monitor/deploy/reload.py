@@ -3,11 +3,11 @@ is done, under one deadline.
 
 `plan_reload` expands the placeholders of `reload_command` ({path} {file} {version} {current}, and nothing else:
 `pipeline.config.deploy.expand_placeholders`) and fixes the requests, so that a command that cannot be built fails
-before `current` moves. `run_reload` runs the plan with a single deadline, `reload_timeout`, shared by the command and
-the requests: the command runs in a process group of its own (a new session), killed whole past the deadline, so
-neither it nor what it started is left behind; each request is cut off at the deadline however slowly its server
-answers (`monitor.deploy.runtime_reload`). A command that ends in time is never killed: a restart may leave its server
-running.
+before `current` moves. `ReloadPlan.run` runs the plan with a single deadline, `reload_timeout`, shared by the command
+and the requests. The command runs in a process group of its own (a new session), killed whole past the deadline
+(then waited for up to GROUP_GONE_SECONDS while its processes die), so neither it nor what it started is left
+behind; each request is cut off at the deadline however slowly its server answers (`monitor.deploy.runtime_reload`).
+A command that ends in time is never killed: a restart may leave its server running.
 """
 from __future__ import annotations
 
