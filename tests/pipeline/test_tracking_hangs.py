@@ -1,8 +1,8 @@
 """A tracking server that answers /health but hangs its API: every command that talks to it ends with one line on
-stderr (no traceback, no library warnings) and exit 2, within BOUND_S of its health check at these settings (one
-request may take HTTP_TIMEOUT_S × (HTTP_RETRIES + 1) seconds). A server whose API hangs altogether is caught by the
-check before any work; one that answers that check and then hangs (it went down mid-command) fails the command's
-first registry call, never as a version "not in the registry"."""
+stderr (no traceback, no library warnings) and exit 2, within BOUND_S of the first request the server holds: one
+request may take HTTP_TIMEOUT_S × (HTTP_RETRIES + 1) seconds, and the command gives up after it. A server whose API
+hangs altogether is caught by the check before any work; one that answers that check and then hangs (it went down
+mid-command) fails the command's first registry call, never as a version "not in the registry"."""
 from __future__ import annotations
 
 import os
@@ -20,7 +20,7 @@ from pipeline.tracking import API_PROBE
 
 REPO = Path(__file__).resolve().parents[2]
 HTTP_TIMEOUT_S, HTTP_RETRIES = 1, 1
-BOUND_S = 15.0  # a few requests of 2 s each, and mlflow's import on a loaded 2-core machine
+BOUND_S = HTTP_TIMEOUT_S * (HTTP_RETRIES + 1) + 10.0  # + the interpreter's exit on a loaded 2-core machine
 
 
 class HangingTracking:
@@ -28,16 +28,14 @@ class HangingTracking:
 
     def __init__(self, answers_probe: bool):
         released = self.released = threading.Event()
-        self.health_at: list[float] = []
-        health_at = self.health_at
+        self.held_at: list[float] = []
+        held_at = self.held_at
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):
                 pass
 
             def do_GET(self):
-                if self.path == "/health":
-                    health_at.append(time.monotonic())
                 if self.path == "/health" or (answers_probe and self.path == API_PROBE):
                     body = b"OK" if self.path == "/health" else b'{"experiments": []}'
                     self.send_response(200)
@@ -45,6 +43,7 @@ class HangingTracking:
                     self.end_headers()
                     self.wfile.write(body)
                     return
+                held_at.append(time.monotonic())
                 released.wait(120)
 
             do_POST = do_PATCH = do_DELETE = do_GET
@@ -77,8 +76,8 @@ COMMANDS = {
 
 
 def run(argv: list[str], server: HangingTracking, home: Path) -> tuple[int, str, float]:
-    """`draftops ARGV` in a fresh interpreter against `server`: its exit code, its stderr and the seconds from its
-    health check to its end. "TINY" in ARGV is a tiny target's folder."""
+    """`draftops ARGV` in a fresh interpreter against `server`: its exit code, its stderr and the seconds from the
+    first request the server held to its end. "TINY" in ARGV is a tiny target's folder."""
     if "TINY" in argv:
         from tests.distill.tiny_job import write_target
 
@@ -87,8 +86,8 @@ def run(argv: list[str], server: HangingTracking, home: Path) -> tuple[int, str,
            "MLFLOW_HTTP_REQUEST_TIMEOUT": str(HTTP_TIMEOUT_S), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(HTTP_RETRIES)}
     out = subprocess.run([sys.executable, "-m", "pipeline.cli", *argv], cwd=home, env=env, capture_output=True,
                          text=True, timeout=120)
-    assert server.health_at, out.stderr[-3000:]
-    return out.returncode, out.stderr, time.monotonic() - server.health_at[0]
+    assert server.held_at, out.stderr[-3000:]
+    return out.returncode, out.stderr, time.monotonic() - server.held_at[0]
 
 
 def one_line(err: str) -> str:
@@ -110,7 +109,7 @@ def hanging(request):
 def test_a_tracking_server_whose_api_hangs_is_one_line_before_any_work(hanging, command, tmp_path):
     code, err, seconds = run(COMMANDS[command], hanging, tmp_path)
     line = one_line(err)
-    assert code == 2 and seconds < BOUND_S, (seconds, line)
+    assert code == 2 and seconds < BOUND_S, (seconds, err[-2000:])
     assert f"the MLflow tracking server {hanging.uri} answers /health but not its API" in line
 
 
@@ -119,6 +118,6 @@ def test_a_tracking_server_whose_api_hangs_is_one_line_before_any_work(hanging, 
 def test_a_tracking_server_that_hangs_after_the_check_is_one_line_never_a_missing_version(hanging, command, tmp_path):
     code, err, seconds = run(COMMANDS[command], hanging, tmp_path)
     line = one_line(err)
-    assert code == 2 and seconds < BOUND_S, (seconds, line)
+    assert code == 2 and seconds < BOUND_S, (seconds, err[-2000:])
     assert f"the MLflow store {hanging.uri} failed" in line and "Read timed out" in line
     assert "not in the MLflow registry" not in line
