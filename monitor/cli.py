@@ -105,7 +105,7 @@ def simulate_command(args) -> int:
 def _simulate_server(cfg, windows, args) -> int:
     """`simulate --server`: the window test of the serving engine's counters, on the given windows, else on those the
     state file keeps (at least 2), else on synthetic ones."""
-    from monitor.engines.counters import recorded_windows
+    from monitor.engines.window_store import recorded_windows
     from monitor.service.scheduler import state_dir
     from monitor.stats.false_alarms import simulate_window_checks
 
