@@ -21,10 +21,12 @@ the recent windows against the pooled other replicas', z = (p_i - p_rest) / sqrt
 two-sided, with a quasi-binomial overdispersion phi >= 1 estimated from the windows themselves (the Pearson
 chi-square of every replica's baseline and recent windows around their own mean, over its degrees of freedom df) and
 p from Student's t with df: tokens of one window share requests and are not independent trials, and phi widens the
-test by as much as they are not. Bonferroni over the R replicas compared: a replica is named when p < level / R (with
-two replicas the two comparisons are one, and the lower replica is named). Windows of one time share the traffic's
-hour, which phi counts as noise too: the test is conservative. SGLang's gauge windows (weight 1) make it a test of
-mean window acceptance rates.
+test by as much as they are not. Bonferroni over the R replicas compared: a replica is named when p < level / R, step
+by step: the most significant one is named and left out, and the others are compared again among themselves (else one
+replica far below would pull the rest's mean down and make the others look high). With two replicas left the two
+comparisons are one, and only the lower one can be named. Windows of one time share the traffic's hour, which phi
+counts as noise too: the test is conservative. SGLang's gauge windows (weight 1) make it a test of mean window
+acceptance rates.
 """
 from __future__ import annotations
 
@@ -225,21 +227,36 @@ def outlier_tests(windows: dict[str, ReplicaWindows], level: float) -> dict[str,
         return {}
     phi = max(1.0, chi2 / df)
     totals = {name: (sum(w.accepted for w in ws), sum(w.draft_tokens for w in ws)) for name, ws in recent.items()}
-    all_acc, all_n = sum(a for a, _ in totals.values()), sum(n for _, n in totals.values())
     per_test = level / len(recent)
-    out = {}
-    for name, (acc, n) in totals.items():
-        rest_acc, rest_n = all_acc - acc, all_n - n
-        pooled = all_acc / all_n
-        se = math.sqrt(phi * pooled * (1 - pooled) * (1 / n + 1 / rest_n)) if 0 < pooled < 1 else math.nan
-        statistic = (acc / n - rest_acc / rest_n) / se if se > 0 else 0.0
-        p_value = float(2 * sps.t.sf(abs(statistic), df)) if math.isfinite(statistic) else 1.0
-        out[name] = OutlierTest(name, acc / n, rest_acc / rest_n, statistic, p_value, per_test, phi, df,
-                                p_value < per_test)
-    if len(out) == 2:  # one comparison: the lower replica is the one named
-        low = min(out.values(), key=lambda o: o.acceptance)
-        out = {k: (o if k == low.replica else OutlierTest(**{**asdict(o), "named": False})) for k, o in out.items()}
+    out: dict[str, OutlierTest] = {}
+    while len(totals) >= 2:  # step by step: the most significant replica named, then the rest compared again
+        tests = {name: _against_rest(name, totals, phi, df, per_test) for name in totals}
+        if len(tests) == 2:  # one comparison: only the lower replica can be named
+            high = max(tests.values(), key=lambda o: o.acceptance)
+            tests[high.replica] = OutlierTest(**{**asdict(high), "named": False})
+        for name, test in tests.items():
+            out.setdefault(name, test)
+        first = min(tests.values(), key=lambda o: o.p_value)
+        if not first.named:
+            break
+        out[first.replica] = first
+        del totals[first.replica]
+        for name in totals if len(totals) >= 2 else ():
+            out.pop(name)
     return out
+
+
+def _against_rest(name: str, totals: dict[str, tuple[float, float]], phi: float, df: int, level: float
+                  ) -> OutlierTest:
+    """One replica's recent (accepted, drafted) against the sum of the others' in `totals`."""
+    acc, n = totals[name]
+    rest_acc, rest_n = sum(a for k, (a, _) in totals.items() if k != name), \
+        sum(m for k, (_, m) in totals.items() if k != name)
+    pooled = (acc + rest_acc) / (n + rest_n)
+    se = math.sqrt(phi * pooled * (1 - pooled) * (1 / n + 1 / rest_n)) if 0 < pooled < 1 else math.nan
+    statistic = (acc / n - rest_acc / rest_n) / se if se > 0 else 0.0
+    p_value = float(2 * sps.t.sf(abs(statistic), df)) if math.isfinite(statistic) else 1.0
+    return OutlierTest(name, acc / n, rest_acc / rest_n, statistic, p_value, level, phi, df, p_value < level)
 
 
 def _replica(r: ReplicaWindows, cfg: DraftopsConfig, level: float | None) -> ReplicaReading:

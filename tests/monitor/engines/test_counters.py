@@ -105,6 +105,17 @@ def test_label_sets_are_summed_or_filtered_by_model_name():
         parse_spec_counters(LLAMACPP, "deepseek-v4-flash")
 
 
+def test_data_parallel_label_sets_are_read_per_engine_core_or_summed():
+    text = with_second_engine(VLLM, "deepseek-v4-flash")
+    cores = parse_per_core(text)
+    assert list(cores) == ["0", "1"] and cores["0"] == RECORDED
+    assert cores["1"] == SpecCounters("vllm", 2739 / 2, 13695 / 2, 6425 / 2, (1024.0, 794.0, 617.5, 451.5, 325.5))
+    assert parse_spec_counters(text).accepted == 6425 * 1.5
+    assert list(parse_per_core(LLAMACPP)) == [""]
+    with pytest.raises(ServerMetricsError, match="with prefix llamacpp"):
+        parse_spec_counters(VLLM, kind="llamacpp")
+
+
 def test_texts_without_counters_say_what_they_hold():
     no_spec = "\n".join(line for line in VLLM.splitlines() if "spec_decode" not in line) + "\n"
     with pytest.raises(ServerMetricsError, match=r"exports vllm metrics \(15 families, e\.g\. "
