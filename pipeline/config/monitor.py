@@ -69,7 +69,8 @@ class MonitorConfig(Section):
         "API (/api/v1/query_range, increase() over prometheus_window), so the first check already has a baseline's "
         "worth of them. null: the monitor scrapes the engines itself (scrape_interval_minutes)."))
     prometheus_window: str = Field("1h", description=(
-        "Length of one window read from Prometheus, also the query step (a duration: 15m, 1h, 1d; at least 1m)."))
+        "Length of one window read from Prometheus, also the query step (a duration: 15m, 1h, 1d): several of its "
+        "scrape intervals (increase() needs two samples in a window)."))
     prometheus_replica_label: str = Field("instance", description=(
         "The label that tells replicas apart in Prometheus (instance, pod, ...); its values are the replica names."))
     prometheus_selector: str = Field("", description=(
@@ -91,9 +92,9 @@ class MonitorConfig(Section):
     @model_validator(mode="after")
     def _fleet(self) -> MonitorConfig:
         seconds = duration_seconds(self.prometheus_window)
-        if seconds < 60:
-            raise ValueError(f"prometheus_window {self.prometheus_window!r}: at least 1m (Prometheus scrapes every "
-                             "15-60 s; a window needs several scrapes)")
+        if seconds < 10:
+            raise ValueError(f"prometheus_window {self.prometheus_window!r}: at least 10s (a window needs several of "
+                             "Prometheus' scrapes)")
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.prometheus_replica_label):
             raise ValueError(f"prometheus_replica_label {self.prometheus_replica_label!r} is not a label name")
         if self.engines and self.server_metrics_url:

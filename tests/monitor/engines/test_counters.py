@@ -30,7 +30,7 @@ from monitor.engines.counters import (
 from monitor.engines.fleet import read_fleet
 from monitor.engines.window_store import load_store, record, replica_state, store_path
 from monitor.stats.acceptance_tests import window_drop_test
-from monitor.stats.false_alarms import simulate_window_checks
+from monitor.stats.window_simulation import simulate_window_checks
 from pipeline import metrics as M
 from pipeline import registry
 from pipeline.config import load_config

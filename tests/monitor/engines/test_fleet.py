@@ -10,7 +10,8 @@ from monitor.check.decision import Decision, Status, with_fleet
 from monitor.engines.counters import ServerMetricsError, SpecCounters
 from monitor.engines.fleet import evaluate, outlier_tests, read_fleet
 from monitor.engines.window_store import ReplicaWindows, Window, load_store, scrape_due, scrape_fleet, store_path
-from monitor.stats.false_alarms import BetaBinomialTraffic, synthetic_windows
+from monitor.stats.false_alarms import BetaBinomialTraffic
+from monitor.stats.window_simulation import synthetic_windows
 from pipeline.config import load_config
 from tests.monitor.engines.test_counters import LLAMACPP, RECORDED, plus, vllm_text, with_second_engine
 from tests.monitor.engines.test_sglang import SGLANG
