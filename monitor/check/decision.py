@@ -21,6 +21,7 @@ retraining can fix an engine that does not run the draft); an ERROR outranks it.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -157,7 +158,7 @@ def challenger_gate(
                             n_bootstrap)
 
 
-def with_fleet(decision: Decision, fleet: FleetReading | None, mismatched: list[str] = ()) -> Decision:
+def with_fleet(decision: Decision, fleet: FleetReading | None, mismatched: Sequence[str] = ()) -> Decision:
     """The check's decision once the fleet's reading is in (monitor.engines.fleet): ERROR when no replica could be read
     (its other reasons kept as notes); the drifting replicas named beside those that did not drift; a replica down,
     idle, collecting windows, or parting from the others, noted. `mismatched`: the replicas the post-deploy engine

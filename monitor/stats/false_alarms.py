@@ -60,6 +60,13 @@ def thin(rng: np.random.Generator, values: PromptAcceptance, drop: float) -> Pro
     return PromptAcceptance.of(rng.binomial(np.rint(values.acc).astype(np.int64), keep), values.n)
 
 
+def as_json(result) -> dict:
+    """A simulation result as JSON: its fields, the power's drops as string keys."""
+    out = asdict(result)
+    out["power"] = {str(k): v for k, v in result.power.items()}
+    return out
+
+
 @dataclass
 class SimulationResult:
     n_prompts: int
@@ -76,9 +83,7 @@ class SimulationResult:
     power: dict[float, float] = field(default_factory=dict)  # drop -> alarm rate
 
     def to_dict(self) -> dict:
-        out = asdict(self)
-        out["power"] = {str(k): v for k, v in self.power.items()}
-        return out
+        return as_json(self)
 
     def summary(self) -> str:
         lo, hi = self.false_alarm_ci

@@ -20,13 +20,13 @@ tokens, clipped to [0, 1]):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 from scipy import stats as sps
 
 from monitor.stats.acceptance_tests import PromptAcceptance, window_drop_test
-from monitor.stats.false_alarms import BetaBinomialTraffic, measure, thin
+from monitor.stats.false_alarms import BetaBinomialTraffic, as_json, measure, thin
 
 TRAFFIC = BetaBinomialTraffic()  # the default synthetic traffic (frozen)
 
@@ -48,9 +48,7 @@ class WindowSimulationResult:
     window_hours: float = 1.0
 
     def to_dict(self) -> dict:
-        out = asdict(self)
-        out["power"] = {str(k): v for k, v in self.power.items()}
-        return out
+        return as_json(self)
 
     def summary(self) -> str:
         lo, hi = self.false_alarm_ci

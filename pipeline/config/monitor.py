@@ -52,11 +52,14 @@ class MonitorConfig(Section):
         "for monitor.engines=[{url: URL, model: monitor.server_model_name}]. null: off (unless monitor.engines)."))
     server_model_name: str | None = Field(None, description=(
         "Read only the counters labelled with this model_name (vLLM's served model name); null: the sum over all."))
-    server_baseline_windows: int = Field(7, ge=2, description=(
-        "Windows closed while a version is champion that form its server baseline (per replica)."))
-    server_recent_windows: int = Field(3, ge=2, description=(
+    server_baseline_windows: int = Field(24, ge=2, description=(
+        "Windows closed while a version is champion that form its server baseline (per replica): 24 hourly windows "
+        "are a day, so that a daily cycle of the traffic cannot pass for a drop (docs/deploy.md). With one window a "
+        "check (scrape_interval_minutes 0, no Prometheus), fewer: e.g. 7."))
+    server_recent_windows: int = Field(24, ge=2, description=(
         "Latest windows compared with the server baseline (permutation test over windows, at monitor.level and "
-        "monitor.margin); `draftops monitor simulate --server` shows its false-alarm rate and power."))
+        "monitor.margin, split over the replicas); a day of hourly windows by default (e.g. 3 with one window a "
+        "check); `draftops monitor simulate --server` shows its false-alarm rate and power."))
     server_timeout: float = Field(10.0, gt=0.0, description=(
         "Seconds the whole scrape of the metrics endpoint may take (connecting, headers and body): an endpoint "
         "that answers slowly is cut off at this deadline and the check goes on without it."))

@@ -168,7 +168,7 @@ def test_three_scrapes_make_two_windows_in_the_state_file(cfg):
     assert state["last"]["reading"]["accepted"] == third.accepted
     replica = two.replicas[0]
     assert two.test is None and replica.n_baseline_windows == 2 and replica.verdict == "collecting"
-    assert "2 of 7 baseline" in replica.notes[-1]
+    assert "2 of 24 baseline" in replica.notes[-1]
     # another server (or model) starts over
     store = load_store(store_path(config))
     assert replica_state(store, "serving.invalid", {"url": "http://other/metrics"})["versions"] == {}
@@ -370,4 +370,4 @@ def test_draftops_monitor_check_reads_a_local_vllm_server(tmp_path, mlflow_uri, 
     assert metrics["acceptance/server"] == 0.7
     assert [metrics[f"acceptance/server_pos_{i}"] for i in range(1, 6)] == [0.9, 0.75, 0.6, 0.45, 0.3]
     assert metrics["monitor/server/draft_tokens"] == 1000
-    assert "monitor/server/p_value" not in metrics  # 1 of 7 baseline windows: no test yet
+    assert "monitor/server/p_value" not in metrics  # 1 of 24 baseline windows: no test yet

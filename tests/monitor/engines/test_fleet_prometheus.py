@@ -80,12 +80,8 @@ class Prometheus:
         return f"http://127.0.0.1:{self.port}"
 
     def close(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        self.process.terminate()  # Prometheus shuts down cleanly on SIGTERM
+        self.process.wait(timeout=60)
         self.log.close()
 
 

@@ -53,6 +53,7 @@ def config(tmp_path, engines=None, **monitor):
         if engines is None else engines
     overrides = [f"monitor.state_dir={tmp_path}", "monitor.prometheus_url=http://prometheus.invalid:9090",
                  "monitor.prometheus_selector=job=~\"vllm|sglang\"", f"monitor.engines={json.dumps(engines)}",
+                 "monitor.server_baseline_windows=7", "monitor.server_recent_windows=3",
                  *(f"monitor.{k}={v}" for k, v in monitor.items())]
     return load_config(None, overrides)
 
