@@ -106,19 +106,23 @@ def simulate_command(args) -> int:
 
 
 def _simulate_server(cfg, windows, args) -> int:
-    """`simulate --server`: the window test of the serving engine's counters, on the given windows, else on those the
-    state file keeps (at least 2), else on synthetic ones."""
-    from monitor.engines.counters import recorded_windows
+    """`simulate --server`: the window test of the serving engines' counters, on the given windows, else on those the
+    window store keeps (at least 2), else on synthetic ones of --requests-per-window requests; with --replicas R at
+    monitor.level / (R + 1), as the check runs it for each of R replicas."""
+    from monitor.engines.window_store import recorded_windows
     from monitor.service.scheduler import state_dir
-    from monitor.stats.false_alarms import simulate_window_checks
+    from monitor.stats.window_simulation import simulate_window_checks
 
     m = cfg.monitor
-    if windows is None:
+    if windows is None and args.requests_per_window is None:
         windows = recorded_windows(cfg)
         windows = windows if len(windows) >= 2 else None
-    result = simulate_window_checks(m.server_baseline_windows, m.server_recent_windows, m.level, m.margin,
+    level = m.level / (args.replicas + 1) if args.replicas > 1 else m.level
+    result = simulate_window_checks(m.server_baseline_windows, m.server_recent_windows, level, m.margin,
                                     drops=m.simulate_drops, n_checks=args.checks or m.simulate_checks,
-                                    windows=windows, seed=cfg.seed)
+                                    windows=windows, seed=cfg.seed, requests_per_window=args.requests_per_window or 100,
+                                    window_sd=args.window_sd, daily_amplitude=args.daily_amplitude,
+                                    window_hours=args.window_hours)
     out = Path(args.out) if args.out else state_dir(cfg) / "simulation"
     out.mkdir(parents=True, exist_ok=True)
     (out / "server_simulation.json").write_text(json.dumps(result.to_dict(), indent=2))
@@ -282,9 +286,18 @@ def add_commands(subparsers) -> None:
                                           "beta-binomial model with per-prompt heterogeneity)")
     simulate.add_argument("--n", type=int, help="prompts per measurement (default monitor.heldout_requests)")
     simulate.add_argument("--server", action="store_true",
-                          help="simulate the window test of the serving engine's counters instead (monitor."
+                          help="simulate the window test of the serving engines' counters instead (monitor."
                                "server_*): windows resampled from --pairs (per-window accepted, draft tokens), else "
-                               "from the state file's recorded windows, else synthetic")
+                               "from the window store's recorded windows, else synthetic")
+    simulate.add_argument("--requests-per-window", type=int,
+                          help="--server: synthetic windows of this many requests (the traffic of one window length)")
+    simulate.add_argument("--window-sd", type=float, default=0.0,
+                          help="--server: each window's acceptance shifted by N(0, sd) (traffic mix between windows)")
+    simulate.add_argument("--daily-amplitude", type=float, default=0.0,
+                          help="--server: a daily cycle of the windows' acceptance, +-this (with --window-hours)")
+    simulate.add_argument("--window-hours", type=float, default=1.0, help="--server: hours per window (daily cycle)")
+    simulate.add_argument("--replicas", type=int, default=1,
+                          help="--server: each replica's test at monitor.level / (replicas + 1), as the check runs it")
     simulate.add_argument("--checks", type=int, help="simulated checks per point (default monitor.simulate_checks)")
     simulate.add_argument("--out", help="folder for simulation.json and power.png (default <state_dir>/simulation)")
     simulate.add_argument("--json", action="store_true")

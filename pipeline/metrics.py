@@ -226,6 +226,11 @@ def server_position(i: int) -> str:
     return f"acceptance/server_pos_{int(i)}"
 
 
+def replica_metric(replica: str, quantity: str) -> str:
+    """One serving replica's latest window acceptance or window test (`monitor/replica/<name>/drop`)."""
+    return f"monitor/replica/{_key(replica)}/{quantity}"
+
+
 def decoder_speedup(row: str) -> str:
     """Bench: the speedup of one of its other decoder rows (`chain`, `draft_only`, a --compare name, ...)."""
     return f"speed/{_key(row)}_speedup_vs_target"

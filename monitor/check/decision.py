@@ -8,6 +8,10 @@ with neither, a drop that only the serving engine saw is "server_acceptance_drop
 held-out traffic did not see it), any other "unexplained". A measurement that is not a finite number (NaN weights, an
 overflow) is an ERROR, never OK: the check cannot tell whether the champion pays.
 
+With several serving replicas (monitor.engines.fleet), `with_fleet` names the replicas that drifted, makes a fleet of
+which no replica could be read an ERROR (one down is a note), and notes a replica whose acceptance parts from the
+others'.
+
 DEPLOY_MISMATCH is the post-deploy check's outcome (monitor.check.engine_acceptance): the serving engine's acceptance
 after a deploy is clearly below what the deployed draft measured offline, so the engine does not run the draft that was
 measured (a wrong or stale file, a misaligned vocabulary, an engine not reloaded). It outranks OK and DRIFT (no
@@ -22,9 +26,13 @@ exit codes sees it.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+from monitor.engines.fleet import DEPLOY_MISMATCH, UNREACHABLE, FleetReading
+from monitor.engines.fleet import DRIFT as REPLICA_DRIFT
+from monitor.engines.fleet import ERROR as FLEET_ERROR
 from monitor.engines.offline_expectation import ENGINE_VS_OFFLINE
 from monitor.stats.acceptance_tests import AcceptanceCheck, DropTest, PromptAcceptance, TrafficDrift, paired_drop_test
 
@@ -154,3 +162,37 @@ def challenger_gate(
     """
     return paired_drop_test(challenger.acc, challenger.n, champion.acc, champion.n, margin, level, method, seed,
                             n_bootstrap)
+
+
+def with_fleet(decision: Decision, fleet: FleetReading | None, mismatched: Sequence[str] = ()) -> Decision:
+    """The check's decision once the fleet's reading is in (monitor.engines.fleet): ERROR when no replica could be read
+    (its other reasons kept as notes); the drifting replicas named beside those that did not drift; a replica down,
+    idle, collecting windows, or parting from the others, noted. `mismatched`: the replicas the post-deploy engine
+    check found clearly below the deployed draft's figure (their verdict becomes DEPLOY_MISMATCH)."""
+    if fleet is None:
+        return decision
+    for replica in fleet.replicas:
+        if replica.name in mismatched:
+            replica.verdict = DEPLOY_MISMATCH
+    notes = list(decision.notes)
+    if fleet.verdict == FLEET_ERROR:
+        why = fleet.error or "; ".join(f"{r.name}: {r.error}" for r in fleet.replicas)
+        reason = f"no serving replica could be read ({why})"
+        if decision.status is Status.ERROR:
+            return Decision(Status.ERROR, None, decision.reasons + [reason], notes)
+        return Decision(Status.ERROR, None, [reason], [f"also: {r}" for r in decision.reasons] + notes)
+    reasons = list(decision.reasons)
+    drifted = fleet.named(REPLICA_DRIFT)
+    if drifted and decision.status is Status.DRIFT:
+        steady = [r.name for r in fleet.replicas if r.verdict not in (REPLICA_DRIFT, UNREACHABLE)]
+        reasons.append(f"DRIFT on replica {', '.join(drifted)}" + (f", not on {', '.join(steady)}" if steady else ""))
+    for replica in fleet.replicas:
+        if replica.error:
+            notes.append(f"replica {replica.name} unreachable: {replica.error}")
+        notes.extend(f"replica {replica.name}: {note}" for note in replica.notes)
+    for outlier in fleet.outliers():
+        notes.append(f"replica {outlier.replica} parts from the others: acceptance {outlier.acceptance:.3f} vs "
+                     f"{outlier.rest_acceptance:.3f} over the recent windows (p={outlier.p_value:.2g} < "
+                     f"{outlier.level:.3g}; {outlier.method}): a stale target or an old draft file on that replica?")
+    notes.extend(f"engines: {note}" for note in fleet.notes)
+    return Decision(decision.status, decision.cause, reasons, notes)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from monitor.check.decision import Decision, Status
 from monitor.check.engine_acceptance import EngineCheck
 from monitor.deploy.rollout import FAILED, DeployResult
-from monitor.engines.counters import ServerReading
+from monitor.engines.fleet import FleetReading
 from monitor.stats.acceptance_tests import AcceptanceCheck, DropTest, TrafficDrift
 from pipeline import metrics as M
 
@@ -42,7 +42,7 @@ class CheckReport:
     n_recent_prompts: int = 0
     baseline_recorded: bool = False
     retrain: RetrainOutcome | None = None
-    server: ServerReading | None = None
+    server: FleetReading | None = None
     engine: EngineCheck | None = None
     deploys: list[DeployResult] = field(default_factory=list)  # catch-up, after promotion, rollback on mismatch
     timings: dict[str, float] = field(default_factory=dict)
@@ -168,9 +168,16 @@ def _engine_metrics(engine: EngineCheck) -> dict[str, float]:
     return out
 
 
-def _server_metrics(server: ServerReading) -> dict[str, float]:
-    """The serving engine's window (acceptance, by draft position, its size) and window test, when there are."""
+def _server_metrics(server: FleetReading) -> dict[str, float]:
+    """The fleet's latest window (acceptance, by draft position, its size) and decisive window test, when there are;
+    each replica's latest acceptance and window test."""
     out: dict[str, float] = {}
+    for replica in server.replicas:
+        if replica.latest is not None:
+            out[M.replica_metric(replica.name, "acceptance")] = replica.latest.counters.acceptance
+        if replica.test is not None:
+            out.update({M.replica_metric(replica.name, "drop"): replica.test.drop,
+                        M.replica_metric(replica.name, "p_value"): replica.test.p_value})
     if server.window is not None:
         c = server.window.counters
         out.update({M.ACCEPTANCE_SERVER: c.acceptance, M.monitor_test("server", "draft_tokens"): c.draft_tokens,

@@ -4,9 +4,8 @@
 2. No baseline yet: measure one on the most recent N held-out requests, record it, report OK.
 3. Else measure now: the champion on the baseline's own prompts (paired test) and on the most recent
    held-out requests the baseline has not seen (unpaired test, token drift); live acceptance on a
-   few requests when configured. With `monitor.server_metrics_url`, also read the serving engine's
-   counters: the window since the last check, and the window test once enough windows exist
-   (monitor.engines.counters).
+   few requests when configured. With `monitor.engines` (or `server_metrics_url`, or `prometheus_url`), also read
+   the serving replicas' windows and their window tests once enough windows exist (monitor.engines.fleet).
    With `monitor.deploy`, first deploy the champion if it is not (monitor.check.deploy_hooks); after a deploy (or with
    engine_check: always) read the engine's counters over a few windows and compare them with the offline figure of
    the draft it should run (monitor.check.engine_acceptance).
@@ -32,7 +31,7 @@ from dataclasses import dataclass, field
 
 from decode.serving.loading import load_draft, load_model
 from monitor.check import engine_acceptance
-from monitor.check.decision import EXIT_ERROR, Decision, Status, challenger_gate, decide, non_finite
+from monitor.check.decision import EXIT_ERROR, Decision, Status, challenger_gate, decide, non_finite, with_fleet
 from monitor.check.deploy_hooks import deploy_after, deploy_before, with_deploys
 from monitor.check.outcome import CheckReport, RetrainOutcome, _run_metrics, _run_tags
 from monitor.check.prompt_acceptance import (
@@ -44,7 +43,7 @@ from monitor.check.prompt_acceptance import (
     new_baseline,
 )
 from monitor.check.retrain import distill_challenger
-from monitor.engines.counters import read_server
+from monitor.engines import fleet
 from monitor.registry_report import monitor_checks, monitor_history_figure
 from monitor.stats.acceptance_tests import AcceptanceCheck, DropTest, TrafficDrift, acceptance_check, traffic_drift
 from pipeline import metrics as M
@@ -163,9 +162,9 @@ def _start(cfg: DraftopsConfig, load: Callable, wait: Callable[[float], None]) -
         raise TrafficError(f"{cfg.traffic.path}: the held-out split is empty at traffic.heldout_fraction="
                            f"{cfg.traffic.heldout_fraction}; the check measures held-out requests only")
     server = None
-    if m.server_metrics_url:
+    if fleet.configured(cfg):
         with timer("server_metrics"):
-            server = read_server(cfg, champ.version)
+            server = fleet.read_fleet(cfg, champ.version)
     engine = engine_acceptance.due(cfg, champ.version)
     if engine is not None:
         with timer("engine_windows"):
@@ -256,22 +255,19 @@ def _retrain_and_gate(check: _Check, retrain: Callable[[DraftopsConfig], str], l
         if report.retrain.promoted:
             check.to_record.append((version, challenger_baseline))
 
-
 def _complete_decision(check: _Check) -> None:
-    """The server reading's notes (counters that cannot be true: an ERROR), the traffic's size, and a deploy before
-    the check that failed (DEPLOY_FAILED)."""
+    """The fleet's reading (per-replica verdicts; counters that cannot be true: an ERROR), the traffic's size, and a
+    deploy before the check that failed (DEPLOY_FAILED)."""
     report, m = check.report, check.cfg.monitor
-    server, n_heldout = report.server, len(check.heldout)
-    if server is not None:
-        report.decision.notes.extend(f"server metrics: {note}" for note in
-                                     ([f"not read: {server.error}"] if server.error else server.notes))
-        if report.baseline_recorded and server.test is not None:
-            report.decision.notes.append("server metrics: the window test is logged, and decides once the champion "
-                                         "has its offline baseline")
-        if server.impossible:
-            report.decision = Decision(Status.ERROR, None, report.decision.reasons + [f"server metrics: "
-                                                                                      f"{server.error}"],
-                                       report.decision.notes)
+    server, engine, n_heldout = report.server, report.engine, len(check.heldout)
+    report.decision = with_fleet(report.decision, server, engine.mismatched if engine is not None else [])
+    if server is not None and report.baseline_recorded and server.test is not None:
+        report.decision.notes.append("server metrics: the window test is logged, and decides once the champion has "
+                                     "its offline baseline")
+    impossible = [f"replica {r.name}: {r.error}" for r in (server.replicas if server is not None else [])
+                  if r.error and "cannot be true" in r.error]
+    if impossible:
+        report.decision = Decision(Status.ERROR, None, report.decision.reasons + impossible, report.decision.notes)
     if n_heldout < m.heldout_requests:
         report.decision.notes.append(
             f"the traffic holds {n_heldout} held-out requests, fewer than monitor.heldout_requests="

@@ -5,7 +5,9 @@ path so it can be stored: `monitor.service.scheduler:run_scheduled_check(config_
 re-registers the job under the same id (`replace_existing=True`, so config changes apply) but keeps
 the stored next run time while the schedule is unchanged: a check missed while the service was
 down then runs once (`coalesce=True`) if it is less than `misfire_grace_time` late. A file lock
-keeps a scheduled check, a manual `draftops monitor check` and a retrain from ever overlapping.
+keeps a scheduled check, a manual `draftops monitor check` and a retrain from ever overlapping. Beside it, without
+Prometheus, an in-memory interval job scrapes the serving engines every `monitor.scrape_interval_minutes` into the
+window store (monitor.engines.window_store), on its own thread and without the lock.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from datetime import datetime
 from pathlib import Path
 
 from apscheduler.executors.pool import ThreadPoolExecutor
+from apscheduler.jobstores.memory import MemoryJobStore
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.schedulers.base import STATE_STOPPED
 from apscheduler.triggers.cron import CronTrigger
+from apscheduler.triggers.interval import IntervalTrigger
 from apscheduler.util import ref_to_obj
 
 from monitor.check.decision import EXIT_ERROR
@@ -38,6 +42,8 @@ log = logging.getLogger("draftops.monitor")
 JOB_ID = "draftops-monitor-check"
 SCHEDULED_JOB = "monitor.service.scheduler:run_scheduled_check"
 DEFAULT_CHECK = "monitor.check.run:scheduled_check"  # callable(cfg) -> exit code, run under the lock
+SCRAPE_JOB_ID = "draftops-engine-scrape"
+SCRAPE_JOB = "monitor.engines.window_store:scrape_job"  # the engines' windows between checks (no Prometheus)
 EXIT_BUSY = locks.EXIT_BUSY  # another check or retrain holds the lock; try again later
 
 
@@ -134,8 +140,9 @@ class MonitorService:
         self.cfg = load_config(self.config_path, self.overrides)
         self.check = check
         self.scheduler = _Scheduler(
-            jobstores={"default": SQLAlchemyJobStore(url=f"sqlite:///{jobstore_path(self.cfg)}")},
-            executors={"default": ThreadPoolExecutor(1)},
+            jobstores={"default": SQLAlchemyJobStore(url=f"sqlite:///{jobstore_path(self.cfg)}"),
+                       "memory": MemoryJobStore()},
+            executors={"default": ThreadPoolExecutor(1), "scrape": ThreadPoolExecutor(1)},
             timezone=self.cfg.monitor.timezone,
         )
 
@@ -145,6 +152,7 @@ class MonitorService:
     def start(self, *, run_now: bool = False) -> None:
         self.scheduler.start(paused=True)  # job stores open, nothing runs until the job is reconciled
         self._register_job()
+        self._register_scrape()
         if run_now:
             self.run_now()
         self.scheduler.resume()
@@ -164,6 +172,17 @@ class MonitorService:
             SCHEDULED_JOB, trigger=trigger, args=args, id=JOB_ID, name="draftops monitor check",
             replace_existing=True, coalesce=True, max_instances=1,
             misfire_grace_time=self.cfg.monitor.misfire_grace_time, **keep)
+
+    def _register_scrape(self) -> None:
+        """Scrape the engines every monitor.scrape_interval_minutes, from now on, in a thread of its own (a long check
+        never delays it), when the monitor scrapes them itself: engines listed, no Prometheus."""
+        m = self.cfg.monitor
+        if m.prometheus_url or not m.replica_endpoints() or m.scrape_interval_minutes <= 0:
+            return
+        self.scheduler.add_job(
+            SCRAPE_JOB, trigger=IntervalTrigger(minutes=m.scrape_interval_minutes), args=[self.config_path],
+            id=SCRAPE_JOB_ID, name="draftops engine scrape", jobstore="memory", executor="scrape",
+            replace_existing=True, coalesce=True, max_instances=1, next_run_time=datetime.now(self.scheduler.timezone))
 
     def run_now(self) -> None:
         """Make the scheduled job due now; afterwards it follows its schedule again."""

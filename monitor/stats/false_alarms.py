@@ -8,8 +8,7 @@ prompt i has its own alpha_i ~ Beta (heterogeneity between prompts), and one mea
 draws a continuation rate theta ~ Beta around alpha_i shared by all its drafted tokens
 (correlation within a prompt). A drop of d lowers every prompt's alpha by d.
 
-`simulate_window_checks` does the same for the window test of a serving engine's counters
-(monitor.engines.counters): windows resampled from recorded ones, or sums of beta-binomial requests.
+The window test of the serving engines' counters is simulated in monitor.stats.window_simulation.
 """
 
 from __future__ import annotations
@@ -20,13 +19,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from scipy import stats as sps
 
-from monitor.stats.acceptance_tests import (
-    Method,
-    PromptAcceptance,
-    acceptance_check,
-    naive_token_ztest,
-    window_drop_test,
-)
+from monitor.stats.acceptance_tests import Method, PromptAcceptance, acceptance_check, naive_token_ztest
 
 _EPS = 1e-4
 
@@ -67,6 +60,13 @@ def thin(rng: np.random.Generator, values: PromptAcceptance, drop: float) -> Pro
     return PromptAcceptance.of(rng.binomial(np.rint(values.acc).astype(np.int64), keep), values.n)
 
 
+def as_json(result) -> dict:
+    """A simulation result as JSON: its fields, the power's drops as string keys."""
+    out = asdict(result)
+    out["power"] = {str(k): v for k, v in result.power.items()}
+    return out
+
+
 @dataclass
 class SimulationResult:
     n_prompts: int
@@ -83,9 +83,7 @@ class SimulationResult:
     power: dict[float, float] = field(default_factory=dict)  # drop -> alarm rate
 
     def to_dict(self) -> dict:
-        out = asdict(self)
-        out["power"] = {str(k): v for k, v in self.power.items()}
-        return out
+        return as_json(self)
 
     def summary(self) -> str:
         lo, hi = self.false_alarm_ci
@@ -197,81 +195,3 @@ def power_figure(result: SimulationResult):
     ax.legend(fontsize=7, loc="center right")
     fig.tight_layout()
     return fig
-
-
-@dataclass
-class WindowSimulationResult:
-    n_baseline_windows: int
-    n_recent_windows: int
-    n_checks: int
-    level: float
-    margin: float
-    source: str  # "windows" (resampled recorded windows) or "beta-binomial" (synthetic windows)
-    false_alarm_rate: float
-    false_alarm_ci: tuple[float, float]
-    power: dict[float, float] = field(default_factory=dict)  # drop -> alarm rate
-
-    def to_dict(self) -> dict:
-        out = asdict(self)
-        out["power"] = {str(k): v for k, v in self.power.items()}
-        return out
-
-    def summary(self) -> str:
-        lo, hi = self.false_alarm_ci
-        lines = [f"{self.n_checks} simulated window tests, {self.n_recent_windows} recent vs {self.n_baseline_windows} "
-                 f"baseline windows, level={self.level}, margin={self.margin}, windows from {self.source}",
-                 f"false alarms when nothing changed: {self.false_alarm_rate:.3f} (95% CI {lo:.3f}-{hi:.3f})"]
-        lines += [f"power against a {100 * d:g}-point drop: {p:.3f}" for d, p in self.power.items()]
-        return "\n".join(lines)
-
-
-def synthetic_windows(rng: np.random.Generator, k: int, model: BetaBinomialTraffic = BetaBinomialTraffic(),
-                      requests_per_window: int = 100) -> PromptAcceptance:
-    """k serving windows, each the sum of `requests_per_window` requests drawn and measured as by `model`."""
-    alpha, drafted = model.draw_prompts(rng, k * requests_per_window)
-    requests = measure(rng, alpha, drafted, model.continuation_concentration)
-    return PromptAcceptance.of(requests.acc.reshape(k, -1).sum(axis=1), requests.n.reshape(k, -1).sum(axis=1))
-
-
-def simulate_window_checks(
-    n_baseline: int,
-    n_recent: int,
-    level: float,
-    margin: float,
-    drops: Sequence[float] = (0.02, 0.05, 0.10),
-    n_checks: int = 200,
-    windows: Sequence[tuple[float, float]] | None = None,
-    model: BetaBinomialTraffic = BetaBinomialTraffic(),
-    requests_per_window: int = 100,
-    pool_size: int = 500,
-    seed: int = 0,
-) -> WindowSimulationResult:
-    """False-alarm rate (no change) and power (each drop) of `stats.window_drop_test` as the check runs it.
-
-    Each simulated check resamples its baseline and recent windows with replacement from a pool: the given
-    (accepted, draft tokens) windows, else `pool_size` synthetic ones (`synthetic_windows`); a drop thins the
-    recent windows' accepted tokens (`thin`).
-    """
-    if n_checks < 1:
-        raise ValueError("n_checks must be >= 1")
-    rng = np.random.default_rng(seed)
-    if windows is not None:
-        arr = np.asarray(windows, dtype=np.float64)
-        if arr.ndim != 2 or arr.shape[1] != 2 or len(arr[arr[:, 1] > 0]) < 2:
-            raise ValueError("windows must be at least 2 (accepted, draft tokens) pairs with draft tokens")
-        arr = arr[arr[:, 1] > 0]
-        pool = PromptAcceptance.of(arr[:, 0], arr[:, 1])
-    else:
-        pool = synthetic_windows(rng, pool_size, model, requests_per_window)
-
-    def alarm(drop: float, i: int) -> bool:
-        base, recent = rng.integers(0, len(pool), size=n_baseline), rng.integers(0, len(pool), size=n_recent)
-        now = thin(rng, PromptAcceptance.of(pool.acc[recent], pool.n[recent]), drop)
-        return window_drop_test(pool.acc[base], pool.n[base], now.acc, now.n, margin, level, seed=seed + i).alarm
-
-    null_alarms = sum(alarm(0.0, i) for i in range(n_checks))
-    power = {float(d): sum(alarm(d, i) for i in range(n_checks)) / n_checks for d in drops}
-    ci = sps.binomtest(null_alarms, n_checks).proportion_ci(0.95, method="wilson")
-    return WindowSimulationResult(n_baseline, n_recent, n_checks, level, margin,
-                                  "windows" if windows is not None else "beta-binomial", null_alarms / n_checks,
-                                  (float(ci.low), float(ci.high)), power)

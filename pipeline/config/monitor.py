@@ -1,12 +1,14 @@
 """`monitor:` and `target_update:`: the nightly drift check, its retraining and gate, and the demo's target update."""
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from pipeline.config.base import Section
 from pipeline.config.deploy import DeployConfig
+from pipeline.config.fleet import EngineEndpoint, duration_seconds, unique_names
 
 SCHEDULE_YEARS = 5  # a schedule that does not fire within this many years is refused
 
@@ -48,20 +50,62 @@ class MonitorConfig(Section):
     simulate_checks: int = Field(200, ge=1, description="Simulated checks per point in `draftops monitor simulate`.")
     simulate_drops: list[float] = Field([0.02, 0.05, 0.10], description="Drops (absolute) whose power is simulated.")
     server_metrics_url: str | None = Field(None, description=(
-        "Prometheus endpoint of the engine serving the champion (vLLM /metrics, llama-server --metrics): each check "
-        "reads its speculative-decoding counters, logs the acceptance since the last check (one window) and tests "
-        "the recent windows against the champion's first ones. null: off."))
+        "Prometheus endpoint of the engine serving the champion (vLLM /metrics, llama-server --metrics): shorthand "
+        "for monitor.engines=[{url: URL, model: monitor.server_model_name}]. null: off (unless monitor.engines)."))
     server_model_name: str | None = Field(None, description=(
         "Read only the counters labelled with this model_name (vLLM's served model name); null: the sum over all."))
-    server_baseline_windows: int = Field(7, ge=2, description=(
-        "Windows (checks) closed while a version is champion that form its server baseline."))
-    server_recent_windows: int = Field(3, ge=2, description=(
+    server_baseline_windows: int = Field(24, ge=2, description=(
+        "Windows closed while a version is champion that form its server baseline (per replica): 24 hourly windows "
+        "are a day, so that a daily cycle of the traffic cannot pass for a drop (docs/deploy.md). With one window a "
+        "check (scrape_interval_minutes 0, no Prometheus), fewer: e.g. 7."))
+    server_recent_windows: int = Field(24, ge=2, description=(
         "Latest windows compared with the server baseline (permutation test over windows, at monitor.level and "
-        "monitor.margin); `draftops monitor simulate --server` shows its false-alarm rate and power."))
+        "monitor.margin, split over the replicas); a day of hourly windows by default (e.g. 3 with one window a "
+        "check); `draftops monitor simulate --server` shows its false-alarm rate and power."))
     server_timeout: float = Field(10.0, gt=0.0, description=(
         "Seconds the whole scrape of the metrics endpoint may take (connecting, headers and body): an endpoint "
         "that answers slowly is cut off at this deadline and the check goes on without it."))
+    engines: list[EngineEndpoint] = Field([], description=(
+        "The serving replicas, each {url, kind: auto|vllm|sglang|llamacpp, replica: NAME, model: NAME, per_core: "
+        "false}: every replica gets its own windows and verdict (OK, DRIFT, idle, unreachable, DEPLOY_MISMATCH), "
+        "the fleet an aggregate, and a replica whose acceptance parts from the others' is named (docs/deploy.md)."))
+    prometheus_url: str | None = Field(None, description=(
+        "Base URL of a Prometheus that scrapes the engines (e.g. http://prometheus:9090): windows come from its HTTP "
+        "API (/api/v1/query_range, increase() over prometheus_window), so the first check already has a baseline's "
+        "worth of them. null: the monitor scrapes the engines itself (scrape_interval_minutes)."))
+    prometheus_window: str = Field("1h", description=(
+        "Length of one window read from Prometheus, also the query step (a duration: 15m, 1h, 1d): several of its "
+        "scrape intervals (increase() needs two samples in a window)."))
+    prometheus_replica_label: str = Field("instance", description=(
+        "The label that tells replicas apart in Prometheus (instance, pod, ...); its values are the replica names."))
+    prometheus_selector: str = Field("", description=(
+        "Extra label matchers added to every Prometheus query, e.g. job=\"vllm\",namespace=\"prod\"."))
+    scrape_interval_minutes: float = Field(60.0, ge=0.0, description=(
+        "Without Prometheus, `monitor serve` scrapes the engines every this many minutes into the local window store "
+        "(<state_dir>/server_metrics.json), so windows are this long; a check scrapes too when the last scrape is "
+        "older. 0: only the checks scrape (one window per check)."))
     deploy: DeployConfig = DeployConfig()
+
+    def replica_endpoints(self) -> list[EngineEndpoint]:
+        """`engines`, or the one endpoint `server_metrics_url` stands for; empty when neither is set."""
+        if self.engines:
+            return list(self.engines)
+        if self.server_metrics_url:
+            return [EngineEndpoint(url=self.server_metrics_url, model=self.server_model_name)]
+        return []
+
+    @model_validator(mode="after")
+    def _fleet(self) -> MonitorConfig:
+        seconds = duration_seconds(self.prometheus_window)
+        if seconds < 10:
+            raise ValueError(f"prometheus_window {self.prometheus_window!r}: at least 10s (a window needs several of "
+                             "Prometheus' scrapes)")
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.prometheus_replica_label):
+            raise ValueError(f"prometheus_replica_label {self.prometheus_replica_label!r} is not a label name")
+        if self.engines and self.server_metrics_url:
+            raise ValueError("set monitor.engines or monitor.server_metrics_url (its one-engine shorthand), not both")
+        unique_names(self.engines, self.prometheus_url is not None)
+        return self
 
     @field_validator("timezone")
     @classmethod

@@ -60,6 +60,7 @@ def write_config(root: Path, mlflow_uri: str, traffic: Path, **deploy) -> Path:
         "device": "cpu", "traffic": {"path": str(traffic), "heldout_fraction": 0.5},
         "tracking": {"uri": mlflow_uri, "system_metrics": False},
         "monitor": {"heldout_requests": 30, "state_dir": str(root / "state"), "n_bootstrap": 300,
+                    "scrape_interval_minutes": 0,  # every check reads the engine (no service scrapes between)
                     "deploy": {"enabled": True, "dir": str(root / "deploy"), "format": "hf",
                                "reload_command": command, **deploy}}}))
     return path

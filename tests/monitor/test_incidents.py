@@ -15,7 +15,8 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from monitor.engines.counters import ServerMetricsError, read_server, scrape
+from monitor.engines.counters import ServerMetricsError, scrape
+from monitor.engines.fleet import read_fleet
 from pipeline import metrics as M
 from pipeline import registry
 from pipeline.cli import main
@@ -79,8 +80,8 @@ def test_the_check_reads_a_slow_endpoint_within_its_deadline_and_goes_on(trickli
     cfg = load_config(None, [f"monitor.server_metrics_url={trickling()}", "monitor.server_timeout=2",
                              f"monitor.state_dir={tmp_path}"])
     start = time.monotonic()
-    reading = read_server(cfg, "1")
-    assert time.monotonic() - start < 3.5 and "no complete answer within 2 s" in reading.error
+    reading = read_fleet(cfg, "1")
+    assert time.monotonic() - start < 3.5 and "no complete answer within 2 s" in reading.replicas[0].error
 
 
 def test_a_registration_waiting_for_a_busy_model_gives_up_with_one_line(mlflow_uri, tiny_checkpoint):

@@ -24,16 +24,15 @@ from monitor.engines.counters import (
     ImpossibleCounters,
     ServerMetricsError,
     SpecCounters,
-    load_state,
+    parse_per_core,
     parse_spec_counters,
-    read_server,
-    record,
     scrape,
-    state_path,
     window_between,
 )
+from monitor.engines.fleet import read_fleet
+from monitor.engines.window_store import load_store, record, replica_state, store_path
 from monitor.stats.acceptance_tests import window_drop_test
-from monitor.stats.false_alarms import simulate_window_checks
+from monitor.stats.window_simulation import simulate_window_checks
 from pipeline import metrics as M
 from pipeline import registry
 from pipeline.config import load_config
@@ -108,6 +107,17 @@ def test_label_sets_are_summed_or_filtered_by_model_name():
         parse_spec_counters(LLAMACPP, "deepseek-v4-flash")
 
 
+def test_data_parallel_label_sets_are_read_per_engine_core_or_summed():
+    text = with_second_engine(VLLM, "deepseek-v4-flash")
+    cores = parse_per_core(text)
+    assert list(cores) == ["0", "1"] and cores["0"] == RECORDED
+    assert cores["1"] == SpecCounters("vllm", 2739 / 2, 13695 / 2, 6425 / 2, (1024.0, 794.0, 617.5, 451.5, 325.5))
+    assert parse_spec_counters(text).accepted == 6425 * 1.5
+    assert list(parse_per_core(LLAMACPP)) == [""]
+    with pytest.raises(ServerMetricsError, match="with prefix llamacpp"):
+        parse_spec_counters(VLLM, kind="llamacpp")
+
+
 def test_texts_without_counters_say_what_they_hold():
     no_spec = "\n".join(line for line in VLLM.splitlines() if "spec_decode" not in line) + "\n"
     with pytest.raises(ServerMetricsError, match=r"exports vllm metrics \(15 families, e\.g\. "
@@ -159,15 +169,15 @@ def test_impossible_engine_counters_never_confirm_a_deployment(cfg):
 def test_impossible_server_counters_are_not_recorded(cfg):
     config = cfg()
     text = vllm_text(SpecCounters("vllm", 2739, 13695, 136950, RECORDED.accepted_per_pos))
-    reading = read_server(config, "1", fetch=lambda url, timeout: text)
-    assert reading.impossible and "cannot be true" in reading.error and reading.window is None
-    assert not state_path(config).exists()
+    reading = read_fleet(config, "1", fetch=lambda url, timeout: text)
+    (replica,) = reading.replicas
+    assert "cannot be true" in replica.error and reading.window is None
 
 
 @pytest.fixture
 def cfg(tmp_path):
     def make(**monitor):
-        return load_config(None, [f"monitor.state_dir={tmp_path / 'state'}",
+        return load_config(None, [f"monitor.state_dir={tmp_path / 'state'}", "monitor.scrape_interval_minutes=0",
                                   "monitor.server_metrics_url=http://serving.invalid/metrics",
                                   *(f"monitor.{k}={v}" for k, v in monitor.items())])
     return make
@@ -182,20 +192,31 @@ def test_three_scrapes_make_two_windows_in_the_state_file(cfg):
     def fetch(url, timeout):
         return next(texts)
 
-    first = read_server(config, "1", fetch=fetch)
-    assert first.window is None and first.error is None and "first reading" in first.notes[0]
-    one, two = read_server(config, "1", fetch=fetch), read_server(config, "1", fetch=fetch)
+    first = read_fleet(config, "1", fetch=fetch)
+    assert first.source == "scrape" and first.window is None and first.error is None
+    assert "first reading" in first.replicas[0].notes[0] and first.replicas[0].name == "serving.invalid"
+    one, two = read_fleet(config, "1", fetch=fetch), read_fleet(config, "1", fetch=fetch)
     assert one.window.counters == SpecCounters("vllm", 120, 600, 330, (100, 85, 70, 45, 30))
     assert one.window.counters.acceptance == 0.55
     assert two.window.counters == SpecCounters("vllm", 80, 400, 150, (60, 40, 25, 15, 10))
     assert two.window.counters.position_acceptance() == [0.75, 0.5, 0.3125, 0.1875, 0.125]
     assert two.window.start == one.window.end
-    state = json.loads(state_path(config).read_text())
+    state = json.loads(store_path(config).read_text())["replicas"]["serving.invalid"]
     assert [w["counters"]["accepted"] for w in state["versions"]["1"]["baseline"]] == [330, 150]
-    assert state["last"]["counters"]["accepted"] == third.accepted
-    assert two.test is None and two.n_baseline_windows == 2 and "2 of 7 baseline" in two.notes[-1]
+    assert state["last"]["reading"]["accepted"] == third.accepted
+    replica = two.replicas[0]
+    assert two.test is None and replica.n_baseline_windows == 2 and replica.verdict == "collecting"
+    assert "2 of 24 baseline" in replica.notes[-1]
     # another server (or model) starts over
-    assert load_state(state_path(config), "http://other/metrics", None)["versions"] == {}
+    store = load_store(store_path(config))
+    assert replica_state(store, "serving.invalid", {"url": "http://other/metrics"})["versions"] == {}
+
+
+def closing(state: dict, counters: SpecCounters, version: str, at: str, n_baseline: int = 2, n_recent: int = 2):
+    """`record` one scrape of counters, with the window it closes."""
+    last = state["last"]
+    window, restarted = window_between(SpecCounters.from_dict(last["reading"]) if last else None, counters)
+    return record(state, counters.to_dict(), window, restarted, version, at, n_baseline, n_recent)
 
 
 def test_a_window_spanning_a_change_of_champion_is_not_kept_and_a_rollback_keeps_the_baseline():
@@ -203,15 +224,15 @@ def test_a_window_spanning_a_change_of_champion_is_not_kept_and_a_rollback_keeps
     c = RECORDED
     for version, step in (("1", 0), ("1", 1), ("1", 2), ("1", 3), ("2", 4), ("2", 5), ("1", 6), ("1", 7)):
         c = plus(c, 10, 50, 20 + step, (10, 5, 3, 1, 1))
-        window, notes = record(state, c, version, f"t{step}", n_baseline=2, n_recent=2)
+        window, notes = closing(state, c, version, f"t{step}")
         if step in (4, 6):
             assert "spans a change of champion" in notes[0]
     v1, v2 = state["versions"]["1"], state["versions"]["2"]
     assert [w["counters"]["accepted"] for w in v1["baseline"]] == [21, 22]
     assert [w["counters"]["accepted"] for w in v1["recent"]] == [27]  # 23 was before the rollback: dropped
     assert [w["counters"]["accepted"] for w in v2["baseline"]] == [25]
-    idle, notes = record(state, c, "1", "t8", 2, 2)
-    assert idle.counters.draft_tokens == 0 and "no draft tokens" in notes[0]
+    idle, notes = closing(state, c, "1", "t8")
+    assert idle.counters.draft_tokens == 0 and "idle" in notes[0]
     assert len(state["versions"]["1"]["recent"]) == 1
 
 
@@ -301,7 +322,7 @@ def fake_check(tmp_path, mlflow_uri):
         "tracking": {"uri": mlflow_uri, "system_metrics": False},
         "monitor": {"heldout_requests": 30, "state_dir": str(tmp_path / "state"), "n_bootstrap": 500,
                     "server_metrics_url": "http://serving.invalid/metrics", "server_baseline_windows": 4,
-                    "server_recent_windows": 4}}))
+                    "server_recent_windows": 4, "scrape_interval_minutes": 0}}))
     client = MlflowClient()
     client.create_registered_model(NAME)
     client.create_model_version(NAME, source="file:///nonexistent", tags={M.TARGET_FINGERPRINT_TAG: "fp-A"})
@@ -311,38 +332,42 @@ def fake_check(tmp_path, mlflow_uri):
 
 def test_a_server_drop_is_a_drift_the_offline_check_does_not_see(fake_check, monkeypatch):
     cfg, world = fake_check
-    monkeypatch.setattr("monitor.engines.counters.scrape", lambda url, timeout: vllm_text(RECORDED))
+    monkeypatch.setattr("monitor.engines.window_store.scrape", lambda url, timeout: vllm_text(RECORDED))
     run_check(cfg, load=world.load, measure=world.measure)  # the offline baseline and the first scrape
-    state = load_state(state_path(cfg), cfg.monitor.server_metrics_url, None)
+    store = load_store(store_path(cfg))
+    state = store["replicas"]["serving.invalid"]
     c = RECORDED
     for step, accepted in enumerate([3250, 3180, 3320, 3205, 2900, 2880, 2950]):
         c = plus(c, 1000, 5000, accepted, (900, 800, 700, 500, 300))
-        record(state, c, "1", f"2026-10-0{step + 1}", 4, 4)
-    state_path(cfg).parent.mkdir(parents=True, exist_ok=True)
-    state_path(cfg).write_text(json.dumps(state))
+        closing(state, c, "1", f"2026-10-0{step + 1}", 4, 4)
+    store_path(cfg).write_text(json.dumps(store))
     last = plus(c, 1000, 5000, 2600, (800, 700, 600, 300, 200))
-    monkeypatch.setattr("monitor.engines.counters.scrape", lambda url, timeout: vllm_text(last))
+    monkeypatch.setattr("monitor.engines.window_store.scrape", lambda url, timeout: vllm_text(last))
     report = run_check(cfg, load=world.load, measure=world.measure)
     assert report.decision.status is Status.DRIFT and report.decision.cause is Cause.SERVER_ACCEPTANCE_DROPPED
     assert not report.acceptance.alarm  # the offline measurement saw nothing
     assert report.server.test.current_acceptance == pytest.approx((2900 + 2880 + 2950 + 2600) / 20000)
     assert report.server.test.p_value == pytest.approx(1 / 70)  # C(8, 4) splits, the observed one the most extreme
+    assert report.decision.reasons[-1] == "DRIFT on replica serving.invalid"
     run = MlflowClient().get_run(report.run_id)
     assert run.data.tags[M.MONITOR_CAUSE_TAG] == "server_acceptance_dropped"
     assert run.data.metrics["acceptance/server"] == pytest.approx(0.52)
     assert run.data.metrics["acceptance/server_pos_1"] == pytest.approx(0.8)
     assert run.data.metrics["monitor/server/p_value"] == pytest.approx(report.server.test.p_value)
     assert run.data.metrics["monitor/server/windows"] == 4
+    assert run.data.metrics["monitor/replica/serving.invalid/p_value"] == pytest.approx(report.server.test.p_value)
     assert "monitor/drop" in run.data.metrics and "monitor/server/drop" in run.data.metrics
 
     def unreachable(url, timeout):
         raise ServerMetricsError(f"{url}: server unreachable: [Errno 111] Connection refused")
 
-    monkeypatch.setattr("monitor.engines.counters.scrape", unreachable)
-    report = run_check(cfg, load=world.load, measure=world.measure)  # the offline check still runs and decides
-    assert report.decision.status is Status.OK and report.server.error.endswith("Connection refused")
-    assert "server metrics: not read: http://serving.invalid/metrics: server unreachable" in " ".join(
-        report.decision.notes)
+    monkeypatch.setattr("monitor.engines.window_store.scrape", unreachable)
+    report = run_check(cfg, load=world.load, measure=world.measure)  # the offline check still runs
+    assert report.decision.status is Status.ERROR and report.server.error is None  # its one replica down: ERROR
+    assert report.server.replicas[0].verdict == "unreachable"
+    assert report.decision.reasons == ["no serving replica could be read (serving.invalid: "
+                                       "http://serving.invalid/metrics: server unreachable: [Errno 111] Connection "
+                                       "refused)"]
 
 
 def test_draftops_monitor_check_reads_a_local_vllm_server(tmp_path, mlflow_uri, server, capsys):
@@ -364,7 +389,7 @@ def test_draftops_monitor_check_reads_a_local_vllm_server(tmp_path, mlflow_uri, 
         "decode": {"max_new_tokens": 6, "gamma": 3},
         "distill": {"generation_batch_size": 16},
         "monitor": {"heldout_requests": 8, "state_dir": str(tmp_path / "state"), "n_bootstrap": 200,
-                    "break_even_alpha": 0.0,
+                    "break_even_alpha": 0.0, "scrape_interval_minutes": 0,
                     "server_metrics_url": f"http://127.0.0.1:{server.server_port}/metrics"}}))
     mlflow.set_experiment("draftops-distill")
     with mlflow.start_run():
@@ -383,4 +408,4 @@ def test_draftops_monitor_check_reads_a_local_vllm_server(tmp_path, mlflow_uri, 
     assert metrics["acceptance/server"] == 0.7
     assert [metrics[f"acceptance/server_pos_{i}"] for i in range(1, 6)] == [0.9, 0.75, 0.6, 0.45, 0.3]
     assert metrics["monitor/server/draft_tokens"] == 1000
-    assert "monitor/server/p_value" not in metrics  # 1 of 7 baseline windows: no test yet
+    assert "monitor/server/p_value" not in metrics  # 1 of 24 baseline windows: no test yet

@@ -1,3 +1,4 @@
+import http.server
 import os
 import signal
 import sqlite3
@@ -10,9 +11,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from mlflow import MlflowClient
 
+from monitor.engines.window_store import load_store, store_path
 from monitor.service.scheduler import EXIT_BUSY, JOB_ID, MonitorService, jobstore_path, run_scheduled_check
+from pipeline import metrics as M
 from pipeline.config import ConfigError, load_config
+from tests.monitor.engines.test_counters import RECORDED, plus, vllm_text
 
 REPO = Path(__file__).resolve().parents[3]
 MARKER = "tests.monitor.jobs:append_marker"
@@ -205,3 +210,41 @@ def test_serve_without_a_config_uses_the_default_config(tmp_path, monkeypatch):
     finally:
         service.stop()
     assert (tmp_path / load_config(None).monitor.state_dir).is_dir()
+
+
+def test_the_service_scrapes_the_engines_between_checks_on_its_own_thread(tmp_path, mlflow_uri):
+    """Without Prometheus the service reads every listed engine every scrape_interval_minutes (here 0.6 s) into the
+    window store, whatever the check does; a busy check job never holds it up."""
+    served = []
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # each scrape finds 100 more drafts
+            served.append(1)
+            body = vllm_text(plus(RECORDED, 100 * len(served), 500 * len(served), 300 * len(served),
+                                  (0,) * 5)).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    client = MlflowClient()
+    client.create_registered_model("draftops-draft")
+    client.create_model_version("draftops-draft", source="file:///nonexistent")
+    client.set_registered_model_alias("draftops-draft", M.CHAMPION, "1")
+    cfg_path = write_config(tmp_path, scrape_interval_minutes=0.01,
+                            engines=[{"url": f"http://127.0.0.1:{httpd.server_port}/metrics", "replica": "a"}])
+    service = MonitorService(cfg_path, check=SLOW)
+    try:
+        service.start(run_now=True)  # the check job sleeps; the scrape job runs beside it
+        cfg = load_config(cfg_path)
+        assert wait_for(lambda: len(load_store(store_path(cfg))["replicas"].get("a", {}).get("versions", {})
+                                    .get("1", {}).get("baseline", [])) >= 2, timeout=20)
+    finally:
+        service.stop()
+        httpd.shutdown()
+        httpd.server_close()
