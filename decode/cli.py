@@ -28,6 +28,19 @@ def _common(parser, *, traffic: bool) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. device=cpu")
 
 
+def _positive(text: str) -> int:
+    value = int(text) if text.strip().isdigit() else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a positive whole number")
+    return value
+
+
+def _chain_k(parser) -> None:
+    parser.add_argument("--chain-k", type=_positive, default=3, metavar="K",
+                        help="greedy: also the draft's acceptance by position in chains of K drafts and their mean "
+                             "acceptance length, as vLLM counts them (its published figures use 3; default 3)")
+
+
 def _add_decode(subparsers) -> None:
     decode = subparsers.add_parser("decode", help="generate a reply with speculative decoding",
                                    description="Lossless speculative decoding of one chat prompt; prints the reply "
@@ -52,6 +65,7 @@ def _add_evaluate(subparsers) -> None:
                     "nearly ties, no draft agrees reliably); logged to MLflow experiment draftops-eval.")
     _common(evaluate, traffic=True)
     evaluate.add_argument("--temperature", type=float, default=None, help="0 is greedy (default: decode.temperature)")
+    _chain_k(evaluate)
     evaluate.set_defaults(handler=eval_command)
 
 
@@ -74,6 +88,7 @@ def _add_bench(subparsers) -> None:
     bench.add_argument("--llama-cpp", choices=["auto", "on", "off"], default="auto",
                        help="llama.cpp's rows (its target alone and with the draft exported as GGUF): auto runs them "
                             "where llama-server is built (make llama-cpp) and the draft is a layer draft")
+    _chain_k(bench)
     bench.set_defaults(handler=bench_command)
 
 

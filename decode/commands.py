@@ -159,6 +159,7 @@ def eval_command(args) -> int:
 
     from decode.drafters.protocol import DECODER, DRAFT
     from decode.measure.evaluate import evaluate, flat_metrics, per_category_figure, per_position_figure
+    from decode.measure.intervals import chain_text
     from pipeline.metrics import DRAFT_FINGERPRINT_TAG, DRAFT_SOURCE_TAG, LATEST_EVAL_RUN_TAG, TARGET_FINGERPRINT_TAG
     from pipeline.registry import link_run
     from pipeline.tracking import log_figure, start_run
@@ -172,7 +173,7 @@ def eval_command(args) -> int:
         traffic, requests = selected_requests(cfg, args)
         prompts, truncated = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
         report = evaluate(target, draft, prompts, [r.category for r in requests], decode_settings(cfg, args),
-                          gamma=args.gamma, seed=cfg.seed)
+                          gamma=args.gamma, seed=cfg.seed, chain_k=args.chain_k)
     except ValueError as exc:
         return error(exc)
     report.update(target=target.source, draft=draft.source, traffic=str(traffic.path), split=args.split,
@@ -203,6 +204,8 @@ def eval_command(args) -> int:
         predicted = report["predicted_tau"]["from_analytic_alpha"]
         print(f"τ of the draft alone: {report['live'][DRAFT]['tau']['value']:.2f} "
               f"(predicted from analytic α: {predicted:.2f})")
+        if report["chain"]:
+            print(f"the draft in chains of {chain_text(report['chain'])}")
         for name, summary in report["live"][DRAFT].get("per_category", {}).items():
             print(f"  {name:<16} α̂ {summary['acceptance_rate']['value']:.3f}  "
                   f"α {report['analytic']['per_category'][name]['value']:.3f}  τ {summary['tau']['value']:.2f}")

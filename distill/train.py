@@ -19,7 +19,9 @@ import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, is_bf16_available, set_seed
 
+from decode.chain_acceptance import ENGINE_CHAIN
 from decode.drafters.suffix import SuffixIndex
+from decode.measure.intervals import chain_text
 from decode.models.feature_draft import FEATURES, default_feature_layers
 from decode.models.layer_draft import frequent_token_ids
 from decode.serving.loading import load_model
@@ -274,7 +276,7 @@ def run_distill(cfg: DraftopsConfig, *, init_only: bool = False, register_only: 
         with timings.measure("eval"):
             if cfg.distill.family == FEATURES:  # exact at T=0 already: the target gives the features
                 exact = feature_eval(draft_module(cfg.distill, draft), target.model, data.heldout, data.token_ids,
-                                     cfg.decode.gamma, with_ranks=True)
+                                     cfg.decode.gamma, with_ranks=True, chain_k=ENGINE_CHAIN)
             else:
                 exact = exact_eval(target.model, draft, data.heldout, data.token_ids, cfg.decode.gamma,
                                    with_ranks=True)
@@ -336,6 +338,8 @@ def print_summary(cfg: DraftopsConfig, result: DistillResult) -> None:
     print(f"  best step {m['best_step']}: α(T=0) {m['alpha_t0']:.3f}{interval}  α(T=1) {m['alpha_t1']:.3f}  "
           f"τ(γ={cfg.decode.gamma}) T=0 {m['tau_t0']:.2f}, T=1 {m['tau_t1']:.2f}"
           + ("  (95% intervals over the held-out prompts)" if interval else ""))
+    if "chain" in m:
+        print(f"  chains of {chain_text(m['chain'])}")
     print("  time: " + "  ".join(f"{k} {v:.0f}s" for k, v in result.timings.items())
           + f"  (total {sum(result.timings.values()):.0f}s)")
     print(f"  draft:        {result.export_dir}  (also {Path(cfg.distill.output_dir) / 'latest'})")
