@@ -22,7 +22,7 @@ from accelerate.utils import DistributedType, is_bf16_available, set_seed
 from decode.chain_acceptance import ENGINE_CHAIN
 from decode.drafters.suffix import SuffixIndex
 from decode.measure.intervals import chain_text
-from decode.models.feature_draft import FEATURES, default_feature_layers
+from decode.models.feature_draft import FEATURES
 from decode.models.layer_draft import frequent_token_ids
 from decode.serving.loading import load_model
 from decode.tree_budget import TREE_BUDGETS, rank_acceptance
@@ -30,7 +30,7 @@ from distill.checkpoints import UnsafeCheckpoint, job_key, load_best, point_late
 from distill.data_generation.generate import engine_cached_responses
 from distill.features import cached_features
 from distill.heldout_eval import exact_eval, feature_eval
-from distill.init import init_draft
+from distill.init import feature_layers, init_draft
 from distill.loop import NonFiniteLoss, Timings, TrainingData, train_loop
 from distill.precision import fp32_attention, mixed_precision_choice
 from distill.register import export_draft, log_and_register
@@ -117,7 +117,7 @@ def prepare_data(cfg: DraftopsConfig, state: PartialState, target, timings: Timi
                   progress=state.is_local_main_process)
     with timings.measure("generation_with_teacher_topk"), state.main_process_first():
         prompts, _ = encode_prompts(train_requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
-        layers = default_feature_layers(target.model.config.num_hidden_layers) if d.family == FEATURES else ()
+        layers = feature_layers(d, target.model.config.num_hidden_layers) if d.family == FEATURES else ()
         if d.responses.engine == "openai":
             train, train_dir, hit, teacher = engine_train_responses(cfg, target, train_requests, prompts, **common)
         else:

@@ -78,6 +78,18 @@ def save_speculators(draft: FeatureDraft, path, *, verifier_name_or_path: str,
     return swap_dir(tmp, path)
 
 
+def saved_feature_layers(path) -> tuple[int, ...]:
+    """The target layers the Eagle3 folder at `path` reads (its `eagle_aux_hidden_state_layer_ids`), read from its
+    config alone; ValueError where it names none."""
+    path = Path(path)
+    if not is_speculators_dir(path):
+        raise ValueError(f"{path} is not a speculators export (no {CONFIG_FILE} naming a speculators_model_type)")
+    layers = tuple(json.loads((path / CONFIG_FILE).read_text()).get("eagle_aux_hidden_state_layer_ids") or ())
+    if not layers:
+        raise ValueError(f"{path} names no target layers to read (eagle_aux_hidden_state_layer_ids)")
+    return layers
+
+
 def load_speculators(path, target) -> FeatureDraft:
     """The `FeatureDraft` saved at `path`, over `target`'s embeddings, on its device and in its dtype (the draft reads
     the target's embeddings and features). ValueError when `path` is not an Eagle3 export `FeatureDraft` can run or
