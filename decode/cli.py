@@ -7,7 +7,14 @@ from __future__ import annotations
 import argparse
 
 from decode.bench_commands import bench_command, sweep_command
-from decode.commands import decode_command, eval_command, export_command, llama_cpp_command, models_info
+from decode.commands import (
+    decode_command,
+    eval_command,
+    export_command,
+    llama_cpp_command,
+    models_import,
+    models_info,
+)
 
 
 def _common(parser, *, traffic: bool) -> None:
@@ -176,6 +183,22 @@ def _add_models(subparsers) -> None:
                            "and the timings behind them (loads the model; measures what the cache lacks)")
     info.add_argument("--json", action="store_true")
     info.set_defaults(handler=models_info)
+    imported = models.add_parser(
+        "import", help="check an EAGLE-3 head made elsewhere against the target and register it",
+        description="Read a speculators Eagle3 folder (config.json with speculators_config, d2t/t2d) or EAGLE's own "
+                    "EAGLE-3 checkpoint (config.json and model.safetensors with fc, midlayer.*; a pickled "
+                    "pytorch_model.bin is refused), check it against the target (hidden size, the layers it reads, "
+                    "vocabulary map, tokenizer), write it as a draftops feature draft and register it with where it "
+                    "came from, so that monitor check, the engine counters, bench and export work on it.")
+    imported.add_argument("source", help="the head's folder")
+    imported.add_argument("--target", default=None, help="target model source (default: the config's target)")
+    imported.add_argument("--out", default=None, help="folder to write (default: outputs/imported/<source's name>)")
+    imported.add_argument("--alias", default=None,
+                          help="registry alias to give it (default: champion if the model has none, else challenger)")
+    imported.add_argument("--no-register", action="store_true", help="write the folder only")
+    imported.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
+    imported.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. tracking.uri=...")
+    imported.set_defaults(handler=models_import)
 
 
 def add_commands(subparsers) -> None:

@@ -1,5 +1,5 @@
-"""The handlers of `draftops decode | eval | export | llama-cpp | models info`, and the loading and traffic selection
-every decode command shares (`load_target`, `load_target_and_draft`, `selected_requests`).
+"""The handlers of `draftops decode | eval | export | llama-cpp | models info | models import`, and the loading and
+traffic selection every decode command shares (`load_target`, `load_target_and_draft`, `selected_requests`).
 
 Handlers import the modules their command runs when they run: the one documented exception to imports at the top, so
 that building `draftops`' parser loads neither torch, transformers nor mlflow (tests/test_layout.py)."""
@@ -115,6 +115,36 @@ def models_info_kernels(args, info: dict) -> int:
             first = (weight, shape["layers"]) if i == 0 else ("", "")
             print(f"{first[0]:>18} {first[1]:>6} {t['rows']:>5} {t['torch_ms']:>10.3f} {t['onednn_ms']:>10.3f}  "
                   f"{t['pick']}")
+    return 0
+
+
+def models_import(args) -> int:
+    """`draftops models import SOURCE`: check a head made elsewhere, write it as a draftops feature draft, register
+    it (`decode.serving.draft_import`)."""
+    from decode.serving.draft_import import HeadImportError, import_head, register_import
+    from pipeline import registry
+    from pipeline.tracking import TrackingUnavailable, check_tracking
+
+    cfg, target = load_target(args)
+    if args.target:
+        cfg = cfg.model_copy(update={"target": args.target})
+    try:
+        if not args.no_register:
+            check_tracking(cfg)  # before the work, not at registration after it
+        out = Path(args.out or Path("outputs/imported") / Path(args.source).resolve().name)
+        imported = import_head(args.source, target, out, cfg)
+    except (HeadImportError, TrackingUnavailable) as exc:
+        return error(exc)
+    print(f"imported the {imported.layout} head {imported.source} as a feature draft: {imported.path}")
+    for check in imported.checks:
+        print(f"  checked: {check}")
+    source = str(imported.path)
+    if not args.no_register:
+        version, alias = register_import(cfg, imported, target, alias=args.alias)
+        source = registry.version_uri(cfg.tracking.registered_model, version)
+        print(f"registered: {source}  alias {alias}")
+    print(f"next: draftops bench --draft {source}; draftops export {source} --format vllm --out DIR; "
+          "draftops monitor check (on the champion)")
     return 0
 
 

@@ -136,7 +136,11 @@ TARGET_SOURCE_TAG = "draftops.target_source"
 TARGET_FINGERPRINT_TAG = "draftops.target_fingerprint"  # the target a draft was distilled for, or a run measured
 DATA_FINGERPRINT_TAG = "draftops.data_fingerprint"
 TEACHER_TAG = "draftops.teacher"  # what generated the training responses and their top-k: builtin or an engine
-VERSION_SOURCE_TAG = "draftops.source"  # the stage that made a model version: "distill"
+VERSION_SOURCE_TAG = "draftops.source"  # the stage that made a model version: "distill", or "import"
+# a version made elsewhere (`draftops models import`): the folder it came from, its layout, the verifier it names
+IMPORTED_FROM_TAG = "draftops.imported_from"
+IMPORT_LAYOUT_TAG = "draftops.import_layout"  # speculators | eagle
+IMPORT_VERIFIER_TAG = "draftops.import_verifier"
 GAMMA_TAG = "gamma"  # the draft length γ a version's τ figure was measured at
 LOSS_KIND_TAG = "loss_kind"
 
