@@ -68,9 +68,10 @@ from pipeline.config import load_config
 from pipeline.sources import locate
 
 
-def job_config(args):
-    """The default job as `draftops distill` reads it, as a feature draft job (so its data carries the features)."""
-    overrides = ["distill.family=features", "device=cpu", *([f"tracking.uri={args.tracking_uri}"]
+def job_config(args, family: str = "features"):
+    """The default job as `draftops distill` reads it, as a feature draft job (so its data carries the features; for
+    evaluating only, as the layer job: the held-out responses are the same)."""
+    overrides = [f"distill.family={family}", "device=cpu", *([f"tracking.uri={args.tracking_uri}"]
                                                             if args.tracking_uri else []), *args.overrides]
     return load_config(args.config, overrides)
 
@@ -247,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     def log(line: str) -> None:
         print(f"[peer] {line}", file=sys.stderr, flush=True)
 
-    cfg = job_config(args)
+    cfg = job_config(args, "layers" if args.evaluate is not None else "features")
     target = load_model(cfg.target, device="cpu", dtype="float32", cpu_linear=cfg.cpu_linear)
     data = prepare_data(cfg, PartialState(cpu=True), target, Timings())
     if args.evaluate is None:
