@@ -60,7 +60,7 @@ def bench_command(args) -> int:
                                                  out / "llama.cpp", stack)
             report = run_bench(target, draft, prompts, [r.category for r in requests], decode, gamma=args.gamma,
                                seed=cfg.seed, llama_cpp=servers, compare=compare,
-                               challenger=challenger)
+                               challenger=challenger, chain_k=args.chain_k)
         if skipped:
             report["notes"].append(f"no llama_cpp rows: {skipped}")
     except (ValueError, LlamaCppError) as exc:

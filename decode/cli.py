@@ -7,7 +7,14 @@ from __future__ import annotations
 import argparse
 
 from decode.bench_commands import bench_command, sweep_command
-from decode.commands import decode_command, eval_command, export_command, llama_cpp_command, models_info
+from decode.commands import (
+    decode_command,
+    eval_command,
+    export_command,
+    llama_cpp_command,
+    models_import,
+    models_info,
+)
 
 
 def _common(parser, *, traffic: bool) -> None:
@@ -26,6 +33,19 @@ def _common(parser, *, traffic: bool) -> None:
                             help="use the first K requests of each category (before --limit)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. device=cpu")
+
+
+def _positive(text: str) -> int:
+    value = int(text) if text.strip().isdigit() else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a positive whole number")
+    return value
+
+
+def _chain_k(parser) -> None:
+    parser.add_argument("--chain-k", type=_positive, default=3, metavar="K",
+                        help="greedy: also the draft's acceptance by position in chains of K drafts and their mean "
+                             "acceptance length, as vLLM counts them (its published figures use 3; default 3)")
 
 
 def _add_decode(subparsers) -> None:
@@ -52,6 +72,7 @@ def _add_evaluate(subparsers) -> None:
                     "nearly ties, no draft agrees reliably); logged to MLflow experiment draftops-eval.")
     _common(evaluate, traffic=True)
     evaluate.add_argument("--temperature", type=float, default=None, help="0 is greedy (default: decode.temperature)")
+    _chain_k(evaluate)
     evaluate.set_defaults(handler=eval_command)
 
 
@@ -74,6 +95,7 @@ def _add_bench(subparsers) -> None:
     bench.add_argument("--llama-cpp", choices=["auto", "on", "off"], default="auto",
                        help="llama.cpp's rows (its target alone and with the draft exported as GGUF): auto runs them "
                             "where llama-server is built (make llama-cpp) and the draft is a layer draft")
+    _chain_k(bench)
     bench.set_defaults(handler=bench_command)
 
 
@@ -161,6 +183,22 @@ def _add_models(subparsers) -> None:
                            "and the timings behind them (loads the model; measures what the cache lacks)")
     info.add_argument("--json", action="store_true")
     info.set_defaults(handler=models_info)
+    imported = models.add_parser(
+        "import", help="check an EAGLE-3 head made elsewhere against the target and register it",
+        description="Read a speculators Eagle3 folder (config.json with speculators_config, d2t/t2d) or EAGLE's own "
+                    "EAGLE-3 checkpoint (config.json and model.safetensors with fc, midlayer.*; a pickled "
+                    "pytorch_model.bin is refused), check it against the target (hidden size, the layers it reads, "
+                    "vocabulary map, tokenizer), write it as a draftops feature draft and register it with where it "
+                    "came from, so that monitor check, the engine counters, bench and export work on it.")
+    imported.add_argument("source", help="the head's folder")
+    imported.add_argument("--target", default=None, help="target model source (default: the config's target)")
+    imported.add_argument("--out", default=None, help="folder to write (default: outputs/imported/<source's name>)")
+    imported.add_argument("--alias", default=None,
+                          help="registry alias to give it (default: champion if the model has none, else challenger)")
+    imported.add_argument("--no-register", action="store_true", help="write the folder only")
+    imported.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
+    imported.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. tracking.uri=...")
+    imported.set_defaults(handler=models_import)
 
 
 def add_commands(subparsers) -> None:

@@ -1,5 +1,5 @@
-"""The handlers of `draftops decode | eval | export | llama-cpp | models info`, and the loading and traffic selection
-every decode command shares (`load_target`, `load_target_and_draft`, `selected_requests`).
+"""The handlers of `draftops decode | eval | export | llama-cpp | models info | models import`, and the loading and
+traffic selection every decode command shares (`load_target`, `load_target_and_draft`, `selected_requests`).
 
 Handlers import the modules their command runs when they run: the one documented exception to imports at the top, so
 that building `draftops`' parser loads neither torch, transformers nor mlflow (tests/test_layout.py)."""
@@ -126,6 +126,36 @@ def models_info_kernels(args, info: dict) -> int:
     return 0
 
 
+def models_import(args) -> int:
+    """`draftops models import SOURCE`: check a head made elsewhere, write it as a draftops feature draft, register
+    it (`decode.serving.draft_import`)."""
+    from decode.serving.draft_import import HeadImportError, import_head, register_import
+    from pipeline import registry
+    from pipeline.tracking import TrackingUnavailable, check_tracking
+
+    cfg, target = load_target(args)
+    if args.target:
+        cfg = cfg.model_copy(update={"target": args.target})
+    try:
+        if not args.no_register:
+            check_tracking(cfg)  # before the work, not at registration after it
+        out = Path(args.out or Path("outputs/imported") / Path(args.source).resolve().name)
+        imported = import_head(args.source, target, out, cfg)
+    except (HeadImportError, TrackingUnavailable) as exc:
+        return error(exc)
+    print(f"imported the {imported.layout} head {imported.source} as a feature draft: {imported.path}")
+    for check in imported.checks:
+        print(f"  checked: {check}")
+    source = str(imported.path)
+    if not args.no_register:
+        version, alias = register_import(cfg, imported, target, alias=args.alias)
+        source = registry.version_uri(cfg.tracking.registered_model, version)
+        print(f"registered: {source}  alias {alias}")
+    print(f"next: draftops bench --draft {source}; draftops export {source} --format vllm --out DIR; "
+          "draftops monitor check (on the champion)")
+    return 0
+
+
 def decode_command(args) -> int:
     from decode.drafters.lookup import PROMPT_LOOKUP
     from decode.drafters.protocol import DECODER, LOOKUP
@@ -167,6 +197,7 @@ def eval_command(args) -> int:
 
     from decode.drafters.protocol import DECODER, DRAFT
     from decode.measure.evaluate import evaluate, flat_metrics, per_category_figure, per_position_figure
+    from decode.measure.intervals import chain_text
     from pipeline.metrics import DRAFT_FINGERPRINT_TAG, DRAFT_SOURCE_TAG, LATEST_EVAL_RUN_TAG, TARGET_FINGERPRINT_TAG
     from pipeline.registry import link_run
     from pipeline.tracking import log_figure, start_run
@@ -180,7 +211,7 @@ def eval_command(args) -> int:
         traffic, requests = selected_requests(cfg, args)
         prompts, truncated = encode_prompts(requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
         report = evaluate(target, draft, prompts, [r.category for r in requests], decode_settings(cfg, args),
-                          gamma=args.gamma, seed=cfg.seed)
+                          gamma=args.gamma, seed=cfg.seed, chain_k=args.chain_k)
     except ValueError as exc:
         return error(exc)
     report.update(target=target.source, draft=draft.source, traffic=str(traffic.path), split=args.split,
@@ -211,6 +242,8 @@ def eval_command(args) -> int:
         predicted = report["predicted_tau"]["from_analytic_alpha"]
         print(f"τ of the draft alone: {report['live'][DRAFT]['tau']['value']:.2f} "
               f"(predicted from analytic α: {predicted:.2f})")
+        if report["chain"]:
+            print(f"the draft in chains of {chain_text(report['chain'])}")
         for name, summary in report["live"][DRAFT].get("per_category", {}).items():
             print(f"  {name:<16} α̂ {summary['acceptance_rate']['value']:.3f}  "
                   f"α {report['analytic']['per_category'][name]['value']:.3f}  τ {summary['tau']['value']:.2f}")

@@ -1,5 +1,7 @@
 """How good a draft is as a speculator, on held-out target responses: acceptance α at T=0 and T=1 and the τ
-(tokens per target call) it would give with blocks of γ (`decode.acceptance.simulated_tau`, the decoder's walk).
+(tokens per target call) it would give with blocks of γ (`decode.acceptance.simulated_tau`, the decoder's walk); at
+the end of a job also the per-position acceptance of chains of k and their mean acceptance length as vLLM counts
+them (`decode.chain_acceptance`; the held-out responses are the target's greedy text, so T=0 chains are exact).
 
 `cached_eval` needs only the draft and the cached target top-k (cheap: run during training to pick the best
 checkpoint); `exact_eval` runs the target alongside (once, on the best draft at the end of a job).
@@ -11,7 +13,8 @@ import random
 import torch
 
 from decode.acceptance import analytic_acceptance, draft_rank, simulated_tau, token_mean
-from decode.measure.intervals import ratio_ci
+from decode.chain_acceptance import ENGINE_CHAIN, chains_from_matches, chains_from_steps
+from decode.measure.intervals import chain_summary, ratio_ci
 from decode.sampling import to_student_columns
 from distill.batches import collate
 from distill.responses import ResponseSet
@@ -63,8 +66,9 @@ def summarize_acceptance(greedy: list[list[float]], sampled: list[list[float]], 
 
 
 def exact_eval(target, draft, responses: ResponseSet, token_ids: torch.Tensor | None, gamma: int, *,
-               with_ranks: bool = False, by_turn: bool = False) -> dict:
-    """α at T=0 and T=1 and simulated τ with the target run alongside (decode.acceptance.analytic_acceptance).
+               with_ranks: bool = False, by_turn: bool = False, chain_k: int = ENGINE_CHAIN) -> dict:
+    """α at T=0 and T=1 and simulated τ with the target run alongside (decode.acceptance.analytic_acceptance), and
+    `chain`: chains of `chain_k` drafts at T=0 (`decode.measure.intervals.chain_summary`).
     with_ranks: also `ranks`, per response where the target's greedy token stands in the draft's order at each of its
     positions (what `decode.tree_budget_model.rank_acceptance` turns into a token tree's p_r). by_turn: the responses
     are the turns of held-out conversations (`pipeline.turns` ids): the intervals resample requests, the unit of
@@ -77,7 +81,8 @@ def exact_eval(target, draft, responses: ResponseSet, token_ids: torch.Tensor | 
     units = [request_of(i) for i in responses.request_ids] if by_turn else None
     summary = {**summarize_acceptance(greedy.per_position, sampled.per_position, gamma),
                **alpha_interval(greedy.per_position, "alpha_t0", units),
-               **alpha_interval(sampled.per_position, "alpha_t1", units)}
+               **alpha_interval(sampled.per_position, "alpha_t1", units),
+               "chain": chain_summary(chains_from_matches(greedy.per_position, chain_k))}
     if by_turn:
         positions = [turn_position(i) for i in responses.request_ids]
         for position in sorted(set(positions)):
@@ -102,7 +107,8 @@ def alpha_interval(per_response: list[list[float]], name: str, units: list[str] 
 
 @torch.no_grad()
 def feature_eval(step_logits, target, responses: ResponseSet, token_ids: torch.Tensor | None, gamma: int,
-                 batch_size: int = 4, rollouts: int = 16, seed: int = 0, with_ranks: bool = False) -> dict:
+                 batch_size: int = 4, rollouts: int = 16, seed: int = 0, with_ranks: bool = False,
+                 chain_k: int | None = None) -> dict:
     """`cached_eval` for a feature draft, whose j-th token past a verified prefix comes from its own features:
     acceptance by draft position and τ from walking each held-out response in rounds of γ, each round's drafts
     taken from the draft's unrolled steps at the round's start (what decoding proposes there).
@@ -110,12 +116,14 @@ def feature_eval(step_logits, target, responses: ResponseSet, token_ids: torch.T
     step_logits: a `distill.step.FeatureStepLogits` (or what accelerate prepared from it) unrolling at least γ steps;
     target: the HF target, which gives the features. α(T=0) is exact; at T=1 a draft position's acceptance is Σ over
     the cached top-k of min(p, q) along the response (a lower bound), and τ(T=1) is walked with those values.
-    with_ranks: also `ranks` (`exact_eval`'s), in the order of the first draft position.
+    with_ranks: also `ranks` (`exact_eval`'s), in the order of the first draft position. chain_k: also `chain`,
+    chains of that many drafts at T=0 (`exact_eval`'s), and the interval of α(T=0).
     """
     device = next(step_logits.parameters()).device
     module = getattr(step_logits, "module", step_logits)
     layers, k = module.draft.feature_layers, responses.topk_indices.shape[1]
-    chains = {0.0: [], 1.0: []}  # per response: [γ, positions] acceptance of draft position j at each round start
+    steps = max(gamma, chain_k or 0)
+    chains = {0.0: [], 1.0: []}  # per response: [steps, positions] acceptance of draft position j at each round start
     ranks: list[list[int]] = []
     for begin in range(0, len(responses), batch_size):
         rows = list(range(begin, min(begin + batch_size, len(responses))))
@@ -124,12 +132,12 @@ def feature_eval(step_logits, target, responses: ResponseSet, token_ids: torch.T
         mask = batch["loss_mask"].to(device)
         every = torch.ones_like(mask)
         per_step = step_logits(features=features, input_ids=batch["input_ids"].to(device),
-                               attention_mask=batch["attention_mask"].to(device), loss_mask=every, steps=gamma)
+                               attention_mask=batch["attention_mask"].to(device), loss_mask=every, steps=steps)
         top_p = batch["teacher"].logprobs.float().exp().to(device)  # [B, T, k]
         top_ids = batch["teacher"].indices.long().to(device)
         b, t = mask.shape
-        greedy = torch.zeros(gamma, b, t, device=device)
-        sampled = torch.zeros(gamma, b, t, device=device)
+        greedy = torch.zeros(steps, b, t, device=device)
+        sampled = torch.zeros(steps, b, t, device=device)
         for j, logits in enumerate(per_step):
             probs = torch.softmax(logits.float(), -1).view(b, t - 1 - j, -1)
             draft_ids = probs.argmax(-1) if token_ids is None else token_ids.to(device)[probs.argmax(-1)]
@@ -147,6 +155,9 @@ def feature_eval(step_logits, target, responses: ResponseSet, token_ids: torch.T
             chains[0.0].append((greedy[:, row, : end].cpu(), start, end))
             chains[1.0].append((sampled[:, row, : end].cpu(), start, end))
     summary = summarize_feature_acceptance(chains, gamma, rollouts, seed)
+    if chain_k:
+        first = [chain[0, max(start - 2, 0) : end - 2].tolist() for chain, start, end in chains[0.0]]
+        summary.update(alpha_interval(first, "alpha_t0"), chain=chain_summary(chains_from_steps(chains[0.0], chain_k)))
     return {**summary, "ranks": ranks} if with_ranks else summary
 
 
@@ -179,7 +190,7 @@ def summarize_feature_acceptance(chains: dict, gamma: int, rollouts: int, seed: 
         for chain, start, end in chains[temperature]:
             repeats = 1 if temperature == 0.0 else rollouts
             for _ in range(repeats):
-                n_calls, outcomes = walk_rounds(chain, start, end, rng)
+                n_calls, outcomes = walk_rounds(chain[:gamma], start, end, rng)
                 tokens, calls = tokens + end - start, calls + n_calls
                 for position, ok in outcomes:
                     tested[position] += 1

@@ -1,7 +1,10 @@
 """Where a draft starts: an existing checkpoint, a subset of the target's layers, or a random model from a config.
 
 An optional reduced vocabulary (`decode.models.layer_draft`): the draft's lm_head keeps only the rows of the N token
-ids the target itself emits most often on the training traffic, plus every special token.
+ids the target itself emits most often on the training traffic, plus every special token. A feature draft starts from
+the target's weights (`decode.models.feature_draft.feature_draft_from_target`) or from a checkpoint in the speculators
+format: a draftops feature draft (the champion a challenger warm-starts from) or a head made elsewhere
+(`draftops models import`), its vocabulary map carried over as a layer draft's head rows are.
 """
 from __future__ import annotations
 
@@ -10,10 +13,11 @@ import copy
 import torch
 from transformers import AutoModelForCausalLM
 
-from decode.models.feature_draft import feature_draft_from_target
+from decode.models.feature_draft import FEATURES, FeatureDraft, default_feature_layers, feature_draft_from_target
 from decode.models.layer_draft import draft_from_target_layers, reduce_vocabulary
+from decode.serving.speculators import load_speculators, saved_feature_layers
 from pipeline.config import DistillConfig
-from pipeline.sources import check_tokenizer_compat, resolve_model
+from pipeline.sources import check_tokenizer_compat, is_speculators_dir, locate, resolve_model
 
 
 def draft_from_config(target, overrides: dict):
@@ -31,9 +35,13 @@ def draft_from_config(target, overrides: dict):
 
 def remap_vocabulary(draft, draft_ids: torch.Tensor, token_ids: torch.Tensor, head_weight: torch.Tensor) -> None:
     """Give a reduced-vocabulary `draft` the head over `token_ids` (in place): rows of ids it already has are kept,
-    the others are head_weight[id] (the target's head)."""
+    the others are head_weight[id] (the target's head). A feature draft's `token_ids` follow (None again for the full
+    vocabulary)."""
     old_head = draft.get_output_embeddings().weight.detach()
     reduce_vocabulary(draft, token_ids, head_weight)
+    if isinstance(draft, FeatureDraft):
+        full = len(token_ids) == head_weight.shape[0] and torch.equal(token_ids.cpu(), torch.arange(len(token_ids)))
+        draft.token_ids = None if full else token_ids.to(head_weight.device).long()
     position = {int(t): row for row, t in enumerate(draft_ids)}
     kept = [(row, position[int(t)]) for row, t in enumerate(token_ids) if int(t) in position]
     if kept:
@@ -49,18 +57,22 @@ def init_draft(cfg: DistillConfig, target, *, token_ids: torch.Tensor | None = N
     With `token_ids`, the head is cut to those rows, taken from the target's head; a checkpoint with a reduced head
     over other ids keeps its rows for the ids both share (`remap_vocabulary`). `tokenizer`: the target's; a checkpoint
     to start from must map text to the same ids (`check_tokenizer_compat`), or its weights mean other tokens.
-    family "features": a `decode.models.feature_draft.FeatureDraft` from the target's weights (the init keys do not
-    apply).
+    family "features": a `decode.models.feature_draft.FeatureDraft` from the target's weights, or with
+    init=checkpoint from a speculators folder (`feature_draft_from_checkpoint`); init_layers and init_config do not
+    apply to it.
     """
-    if cfg.family == "features":
-        return float32_weights(feature_draft_from_target(target, token_ids), target).train()
+    if cfg.family == FEATURES:
+        draft = (feature_draft_from_checkpoint(cfg, target, token_ids) if cfg.init == "checkpoint"
+                 else feature_draft_from_target(target, token_ids))
+        return float32_weights(draft, target).train()
     if cfg.init == "target_layers":
         draft = draft_from_target_layers(target, cfg.init_layers)
     elif cfg.init == "config":
         draft = draft_from_config(target, cfg.init_config)
     else:
-        if not cfg.init_checkpoint:
-            raise ValueError("distill.init=checkpoint needs distill.init_checkpoint (a model source)")
+        if is_speculators_dir(checkpoint_folder(cfg)):
+            raise ValueError(f"distill.init_checkpoint {cfg.init_checkpoint} is a feature draft: it warm-starts "
+                             "distill.family=features")
         loaded = resolve_model(cfg.init_checkpoint, device=target.device, dtype=target.dtype)
         if tokenizer is not None:
             check_tokenizer_compat(tokenizer, loaded.tokenizer)
@@ -77,6 +89,37 @@ def init_draft(cfg: DistillConfig, target, *, token_ids: torch.Tensor | None = N
         # The target's head rows (identical to its embeddings when tied) are the best start for the kept ids.
         reduce_vocabulary(draft, token_ids, target.get_output_embeddings().weight.detach())
     return float32_weights(draft, target).train()
+
+
+def checkpoint_folder(cfg: DistillConfig):
+    """The local folder of `cfg.init_checkpoint` (a `models:/` version is downloaded once); ValueError without one."""
+    if not cfg.init_checkpoint:
+        raise ValueError("distill.init=checkpoint needs distill.init_checkpoint (a model source)")
+    return locate(cfg.init_checkpoint).path
+
+
+def feature_draft_from_checkpoint(cfg: DistillConfig, target, token_ids: torch.Tensor | None) -> FeatureDraft:
+    """The feature draft saved at `cfg.init_checkpoint` (a speculators Eagle3 folder, checked against the target by
+    `decode.serving.speculators.load_speculators`), with its head remapped to `token_ids` as `init_draft` does for a
+    layer draft: ids both heads hold keep the checkpoint's rows, the others start from the target's head."""
+    path = checkpoint_folder(cfg)
+    if not is_speculators_dir(path):
+        raise ValueError(f"distill.init_checkpoint {cfg.init_checkpoint} is not a feature draft (a speculators "
+                         "folder): distill.family=features starts from one, or from the target (init=target_layers)")
+    draft = load_speculators(path, target)
+    saved = draft.token_ids if draft.token_ids is not None else torch.arange(target.config.vocab_size)
+    wanted = token_ids if token_ids is not None else torch.arange(target.config.vocab_size)
+    if not torch.equal(saved.cpu(), wanted.cpu()):
+        remap_vocabulary(draft, saved, wanted, target.get_output_embeddings().weight.detach())
+    return draft
+
+
+def feature_layers(cfg: DistillConfig, num_layers: int) -> tuple[int, ...]:
+    """The target layers a feature draft job reads (and caches features of): its init checkpoint's, else the
+    default three (`decode.models.feature_draft.default_feature_layers`)."""
+    if cfg.init == "checkpoint":
+        return saved_feature_layers(checkpoint_folder(cfg))
+    return default_feature_layers(num_layers)
 
 
 def float32_weights(draft, target):

@@ -104,12 +104,14 @@ def describe_draft(cfg: DraftopsConfig, result, info: dict, *, target_fingerprin
 def version_figures(cfg: DraftopsConfig, result, info: dict) -> dict[str, float]:
     """The figures a version carries both as registration-run metrics and as version tags."""
     m = result.metrics
+    chain = metrics.chain_metrics(m["chain"]) if "chain" in m else {}
     return metrics.finite({
         metrics.ALPHA_T0: m["alpha_t0"], metrics.ALPHA_T1: m["alpha_t1"],
         metrics.tau_at(cfg.decode.gamma): m["tau"],
         metrics.TRAIN_FINAL_LOSS: m["loss"],
         metrics.DRAFT_PARAMS: info["parameters"], metrics.DRAFT_LAYERS: info["layers"],
         metrics.DRAFT_VOCAB_SIZE: info["draft_vocab_size"] or info["vocab_size"],
+        **chain,
     })
 
 

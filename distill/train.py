@@ -18,7 +18,9 @@ import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, is_bf16_available, set_seed
 
+from decode.chain_acceptance import ENGINE_CHAIN
 from decode.drafters.suffix import SuffixIndex
+from decode.measure.intervals import chain_text
 from decode.models.feature_draft import FEATURES
 from decode.serving.loading import load_model
 from decode.tree_budget_model import TREE_BUDGETS, rank_acceptance
@@ -204,7 +206,7 @@ def run_distill(cfg: DraftopsConfig, *, init_only: bool = False, register_only: 
         with timings.measure("eval"):
             if cfg.distill.family == FEATURES:  # exact at T=0 already: the target gives the features
                 exact = feature_eval(draft_module(cfg.distill, draft), target.model, data.heldout, data.token_ids,
-                                     cfg.decode.gamma, with_ranks=True)
+                                     cfg.decode.gamma, with_ranks=True, chain_k=ENGINE_CHAIN)
             else:
                 exact = exact_eval(target.model, draft, data.heldout, data.token_ids, cfg.decode.gamma,
                                    with_ranks=True, by_turn=data.by_turn)
@@ -271,6 +273,8 @@ def print_summary(cfg: DraftopsConfig, result: DistillResult) -> None:
     if by_turn:
         print(f"  turns: trained on {m['train_turns']} assistant turns ({m['train_responses']} responses); held-out "
               f"α(T=0) by turn position " + "  ".join(f"{p}: {v:.3f}" for p, v in by_turn))
+    if "chain" in m:
+        print(f"  chains of {chain_text(m['chain'])}")
     print("  time: " + "  ".join(f"{k} {v:.0f}s" for k, v in result.timings.items())
           + f"  (total {sum(result.timings.values()):.0f}s)")
     print(f"  draft:        {result.export_dir}  (also {Path(cfg.distill.output_dir) / 'latest'})")

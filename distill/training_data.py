@@ -10,10 +10,11 @@ import hashlib
 
 from accelerate import PartialState
 
-from decode.models.feature_draft import FEATURES, default_feature_layers
+from decode.models.feature_draft import FEATURES
 from decode.models.layer_draft import frequent_token_ids
 from distill.data_generation.generate import engine_cached_responses
 from distill.features import cached_features
+from distill.init import feature_layers
 from distill.loop import Timings, TrainingData
 from distill.recorded import check_served_by, recorded_responses
 from distill.responses import cached_responses, check_teacher, generation_model
@@ -47,7 +48,7 @@ def prepare_data(cfg: DraftopsConfig, state: PartialState, target, timings: Timi
         return target.tokenizer.decode(ids, skip_special_tokens=True).strip()
 
     with timings.measure("generation_with_teacher_topk"), state.main_process_first():
-        layers = default_feature_layers(target.model.config.num_hidden_layers) if d.family == FEATURES else ()
+        layers = feature_layers(d, target.model.config.num_hidden_layers) if d.family == FEATURES else ()
         if d.responses.source == "recorded":
             made, teacher = recorded_train_responses(cfg, target, train_requests, encode, reply_text)
         elif d.responses.engine == "openai":

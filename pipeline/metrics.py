@@ -15,6 +15,8 @@ names for the same quantities, so MLflow's compare view lines them up column by 
 | `acceptance/decoder` | the acceptance of the decoder users run: prompt lookup first, the draft elsewhere |
 | `acceptance/tau_gamma<γ>` | tokens per target call at γ draft tokens |
 | `acceptance/pos_<i>` | the draft's acceptance at draft position i (given the position was reached) |
+| `acceptance/chain<k>_pos_<i>` | in chains of k drafts: share of drafts whose tokens 1..i were all accepted (vLLM's) |
+| `acceptance/chain<k>_length` | their mean acceptance length 1 + Σ_i `chain<k>_pos_<i>` (vLLM's and SpecForge's AL) |
 | `acceptance/server` | accepted / draft tokens that the serving engine counted since the last monitor check |
 | `acceptance/server_pos_<i>` | share of the engine's drafts (same window) whose first i tokens were all accepted |
 | `speed/...` | tokens per second, speedup vs the target alone, cost ratios c and v |
@@ -134,7 +136,11 @@ TARGET_SOURCE_TAG = "draftops.target_source"
 TARGET_FINGERPRINT_TAG = "draftops.target_fingerprint"  # the target a draft was distilled for, or a run measured
 DATA_FINGERPRINT_TAG = "draftops.data_fingerprint"
 TEACHER_TAG = "draftops.teacher"  # what generated the training responses and their top-k: builtin or an engine
-VERSION_SOURCE_TAG = "draftops.source"  # the stage that made a model version: "distill"
+VERSION_SOURCE_TAG = "draftops.source"  # the stage that made a model version: "distill", or "import"
+# a version made elsewhere (`draftops models import`): the folder it came from, its layout, the verifier it names
+IMPORTED_FROM_TAG = "draftops.imported_from"
+IMPORT_LAYOUT_TAG = "draftops.import_layout"  # speculators | eagle
+IMPORT_VERIFIER_TAG = "draftops.import_verifier"
 GAMMA_TAG = "gamma"  # the draft length γ a version's τ figure was measured at
 LOSS_KIND_TAG = "loss_kind"
 
@@ -219,6 +225,27 @@ def tau_at(gamma: int) -> str:
 def position(i: int) -> str:
     """Acceptance at draft position i (1-based)."""
     return f"acceptance/pos_{int(i)}"
+
+
+def chain_position(k: int, i: int) -> str:
+    """In chains of k drafts, the share of drafts whose tokens 1..i (1-based) were all accepted, as vLLM counts
+    `spec_decode_num_accepted_tokens_per_pos` over its drafts (`decode.chain_acceptance`): `acceptance/chain3_pos_1`."""
+    return f"acceptance/chain{int(k)}_pos_{int(i)}"
+
+
+def acceptance_length(k: int) -> str:
+    """The mean acceptance length of chains of k drafts, 1 + Σ_i `chain_position(k, i)` (vLLM's and SpecForge's AL):
+    `acceptance/chain3_length`."""
+    return f"acceptance/chain{int(k)}_length"
+
+
+def chain_metrics(chain: dict) -> dict[str, float]:
+    """The figures of a `decode.measure.intervals.chain_summary` under these names (the length with its interval)."""
+    k = chain["k"]
+    out = {chain_position(k, i + 1): rate for i, rate in enumerate(chain["per_position"])}
+    out.update({acceptance_length(k): chain["length"], f"{acceptance_length(k)}_ci_low": chain["length_low"],
+                f"{acceptance_length(k)}_ci_high": chain["length_high"]})
+    return finite(out)
 
 
 def server_position(i: int) -> str:

@@ -28,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from decode.acceptance import break_even_alpha, expected_speedup
+from decode.chain_acceptance import ENGINE_CHAIN, greedy_chains
 from decode.drafters.chain import output_size
 from decode.drafters.lookup import lookup_max_ngram
 from decode.drafters.model_tree import TreeDrafter
@@ -47,7 +48,7 @@ from decode.measure.bench_rows import (
     describe_trees,
     draft_alpha_row,
 )
-from decode.measure.intervals import aggregate_stats, paired_speedup, ratio_ci
+from decode.measure.intervals import aggregate_stats, chain_summary, paired_speedup, ratio_ci
 from decode.models.feature_draft import FeatureDraft
 from decode.runtime.forward import ModelRunner, greedy_decode
 from decode.runtime.kernels import cpu_linear_of, torch_kernels
@@ -149,7 +150,7 @@ def decoder_summary(stats: Sequence, categories: Sequence[str], seed: int) -> di
 def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[str], decode: DecodeConfig, *,
               gamma: int | None = None, seed: int = 0, progress: bool = True,
               llama_cpp: dict[str, LlamaServer] | None = None, compare: dict[str, DecodeConfig] | None = None,
-              challenger=None) -> dict:
+              challenger=None, chain_k: int = ENGINE_CHAIN) -> dict:
     """target is a `pipeline.sources.ResolvedModel`, draft one too, or None to bench prompt lookup alone. Greedy
     throughout; `decode` (cfg.decode) describes the decoder, `gamma` overrides its γ policy with a fixed γ; the rows
     of `decoder_rows` run beside it. `compare`: more decoders to run beside it by row name (their own decode
@@ -159,7 +160,8 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
     the untimed warm-up run) and a `plain_eager` row runs plain greedy decoding through the eager lean forward, so
     that what compiling gains and what speculation gains stay apart. `challenger`: a second draft (a
     `ResolvedModel`) run in the rows of `challenger_rows`, its step costs and its own acceptance reported beside the
-    draft's (`report["challenger"]`).
+    draft's (`report["challenger"]`). `chain`: the draft's acceptance by position in chains of `chain_k` drafts and
+    their mean acceptance length, over the target's greedy text, as vLLM counts them (`decode.chain_acceptance`).
 
     With a γ schedule or adaptive γ, this decoder follows it; HF assisted generation and the cost model use its γ.
     """
@@ -196,8 +198,9 @@ def run_bench(target, draft, prompts: Sequence[list[int]], categories: Sequence[
         **acceptance_and_costs(decoder, target, prompts, stats, categories, rows, results[baseline], seed),
         "decoders": {name: decoder_summary(stats[name], categories, seed) for name in decoders},
         "llama_cpp": llama_cpp_summary(outputs, runs.seconds, completions, seed) if llama_cpp else None,
+        "chain": text_chains(target, draft, prompts, outputs[TARGET_ONLY], chain_k, seed),
         "challenger": challenger_report(challenger, second, decoder, decoders, target, prompts, stats, categories,
-                                        outputs, runs.seconds, seed) if second else None,
+                                        outputs, runs.seconds, seed, chain_k) if second else None,
         **paired_comparisons(outputs, runs.seconds, decoders, compare, seed),
         "notes": notes,
     }
@@ -343,7 +346,7 @@ def _paired(outputs: dict, seconds: dict, a: str, b: str, seed: int) -> dict:
 
 
 def challenger_report(challenger, second: dict, decoder, decoders: dict, target, prompts, stats: dict, categories,
-                      outputs: dict, seconds: dict, seed: int) -> dict:
+                      outputs: dict, seconds: dict, seed: int, chain_k: int = ENGINE_CHAIN) -> dict:
     """The challenger draft beside the draft: its step costs, its own α, and its decoder against the draft's."""
     run = draft_alpha_row(second)
     summary = aggregate_stats(stats[run], categories, seed=seed) if run else None
@@ -354,7 +357,19 @@ def challenger_report(challenger, second: dict, decoder, decoders: dict, target,
         "alpha_draft": summary["acceptance_rate"] if summary else None,
         "alpha_draft_at_position": summary["acceptance_at_position"] if summary else None,
         "vs_draft": _paired(outputs, seconds, CHALLENGER_ROWS["speculative"], "speculative", seed),
+        "chain": text_chains(target, challenger, prompts, outputs[TARGET_ONLY], chain_k, seed),
     }
+
+
+def text_chains(target, draft, prompts: Sequence[list[int]], responses: Sequence[list[int]], k: int,
+                seed: int) -> dict | None:
+    """`decode.measure.intervals.chain_summary` of `draft` in chains of k over the target's greedy responses (None
+    without a draft model)."""
+    if draft is None:
+        return None
+    chains = greedy_chains(target.model, draft.model, [p + r for p, r in zip(prompts, responses)],
+                           [len(p) for p in prompts], k, draft_token_ids=draft.token_ids)
+    return chain_summary(chains, seed=seed)
 
 
 def paired_comparisons(outputs: dict, seconds: dict, decoders: dict, compare: dict | None, seed: int) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from decode.measure.bench_llamacpp import LLAMA_CPP_SPECULATIVE, LLAMA_CPP_TARGET_ONLY
 from decode.measure.bench_rows import TARGET_ONLY, TARGET_ONLY_TORCH
+from decode.measure.intervals import chain_text
 from pipeline import metrics as M
 
 
@@ -69,6 +70,8 @@ def markdown(report: dict) -> str:
         lines.append(f"- acceptance of the draft model alone α̂ = {d['value']:.3f} [{d['low']:.3f}, {d['high']:.3f}]")
         lines.append("- its acceptance by draft position (given the earlier ones accepted): " + ", ".join(
             f"{a:.2f}" for a in report.get("alpha_draft_at_position") or []))
+    if report.get("chain"):
+        lines.append(f"- the draft model in chains of {chain_text(report['chain'])}, over target_only's text")
     if report.get("challenger"):
         ch = report["challenger"]
         costs = ch["costs"]
@@ -79,7 +82,8 @@ def markdown(report: dict) -> str:
                         + ", ".join(f"{a:.2f}" for a in ch["alpha_draft_at_position"])
                         if ch["alpha_draft"] else "")
                      + f"; its decoder over the draft's (paired over prompts): {ch['vs_draft']['value']:.2f}x "
-                       f"[{ch['vs_draft']['low']:.2f}, {ch['vs_draft']['high']:.2f}]")
+                       f"[{ch['vs_draft']['low']:.2f}, {ch['vs_draft']['high']:.2f}]"
+                     + (f"; in chains of {chain_text(ch['chain'])}" if ch.get("chain") else ""))
     if report.get("llama_cpp"):
         ll = report["llama_cpp"]
         speedup = ll["speedup_vs_llama_cpp_target_only"]
@@ -132,6 +136,8 @@ def flat_metrics(report: dict) -> dict[str, float]:
         out[M.VERIFY_RATIO_V_TREE] = costs["v_tree"]
     if report["alpha_draft"] is not None:
         out[M.ACCEPTANCE_DRAFT] = report["alpha_draft"]["value"]
+    if report.get("chain"):
+        out.update(M.chain_metrics(report["chain"]))
     if TARGET_ONLY_TORCH in methods:
         out[M.TARGET_TORCH_KERNELS_TOKENS_PER_S] = methods[TARGET_ONLY_TORCH]["tokens_per_s"]["value"]
     if "hf_assisted" in methods:

@@ -15,22 +15,25 @@ from decode.acceptance import (
     expected_tokens_from_positions,
     token_mean,
 )
+from decode.chain_acceptance import ENGINE_CHAIN, greedy_chains
 from decode.drafters.protocol import DECODER, DRAFT
 from decode.factory import build_decoder
-from decode.measure.intervals import aggregate_stats, ratio_ci
+from decode.measure.intervals import aggregate_stats, chain_summary, ratio_ci
 from pipeline import metrics as M
 from pipeline.config import DecodeConfig
 
 
 def evaluate(target, draft, prompts: Sequence[list[int]], categories: Sequence[str], decode: DecodeConfig, *,
-             gamma: int | None = None, seed: int = 0) -> dict:
+             gamma: int | None = None, seed: int = 0, chain_k: int = ENGINE_CHAIN) -> dict:
     """Decode every prompt speculatively, then score the same text analytically; prompt-level CIs throughout.
 
     target and draft are `pipeline.sources.ResolvedModel`s. The prompts are decoded with the draft model alone in
     chain rounds (its own acceptance α, what drift is about, and what the analytic α predicts) and, when the
     configured decoder also copies from the prompt or runs token trees, with that decoder too (the acceptance users
     see). `gamma` overrides the config's γ policy with a fixed γ. A progress bar per decoder goes to stderr when it
-    is a terminal.
+    is a terminal. Greedy (temperature 0), the report also has `chain`: the draft's acceptance by position in chains
+    of `chain_k` drafts and their mean acceptance length over the decoded text (the target's own), as vLLM counts
+    them (`decode.chain_acceptance`); None otherwise.
     """
     warp = dict(temperature=decode.temperature, top_k=decode.top_k, top_p=decode.top_p)
     decoders = eval_decoders(target, draft, decode, gamma)
@@ -43,11 +46,10 @@ def evaluate(target, draft, prompts: Sequence[list[int]], categories: Sequence[s
     }
     summaries = {kind: aggregate_stats([r.stats for r in rs], categories, seed=seed) for kind, rs in results.items()}
     summaries.setdefault(DECODER, summaries[DRAFT])
-    analytic = analytic_acceptance(
-        target.model, draft.model, [p + r.token_ids for p, r in zip(prompts, results[DRAFT])],
-        [len(p) for p in prompts],
-        draft_token_ids=draft.token_ids, **warp,
-    )
+    texts, starts = [p + r.token_ids for p, r in zip(prompts, results[DRAFT])], [len(p) for p in prompts]
+    analytic = analytic_acceptance(target.model, draft.model, texts, starts, draft_token_ids=draft.token_ids, **warp)
+    chain = None if decode.temperature else chain_summary(
+        greedy_chains(target.model, draft.model, texts, starts, chain_k, draft_token_ids=draft.token_ids), seed=seed)
     alpha = ratio_ci(analytic.sums, analytic.counts, seed=seed)
     by_category = {
         name: ratio_ci(
@@ -71,6 +73,7 @@ def evaluate(target, draft, prompts: Sequence[list[int]], categories: Sequence[s
             "by_target_confidence": alpha_by_target_confidence(analytic.per_position, analytic.target_confidence),
             "outside_draft_vocabulary": token_mean(analytic.outside_vocabulary),
         },
+        "chain": chain,
         "predicted_tau": {
             "from_analytic_alpha": expected_tokens(alpha.value, policy.gamma) if alpha.value == alpha.value else None,
             "from_live_positions": expected_tokens_from_positions(live_at, policy.gamma) if live_at else None,
@@ -177,4 +180,6 @@ def flat_metrics(report: dict) -> dict[str, float]:
     out[M.outside_draft_vocabulary(alpha)] = analytic["outside_draft_vocabulary"]
     for i, value in enumerate(live["acceptance_at_position"]):
         out[M.position(i + 1)] = value
+    if report.get("chain"):
+        out.update(M.chain_metrics(report["chain"]))
     return M.finite(out)

@@ -11,11 +11,15 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from scipy import stats as sps
 
 from decode.generation_stats import GenerationStats
+
+if TYPE_CHECKING:
+    from decode.chain_acceptance import ChainAcceptance
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,21 @@ def ratio_ci(
     ci = bootstrap_ci(sum_ratio, (num[counted], den[counted]), paired=True, confidence=confidence,
                       n_resamples=n_boot, seed=seed)
     return RatioCI(float(num.sum() / den.sum()), ci.low, ci.high, len(num))
+
+
+def chain_summary(chain: ChainAcceptance, *, seed: int = 0) -> dict:
+    """Chains of k as engines report them (`decode.chain_acceptance`): k, drafts, the rate at each position, and the
+    mean acceptance length with its 95% interval over prompts (1 + the bootstrapped accepted / drafts)."""
+    ci = ratio_ci([sum(row) for row in chain.accepted], [len(row) for row in chain.accepted], seed=seed)
+    return {"k": chain.k, "drafts": chain.drafts, "per_position": chain.per_position, "length": chain.length,
+            "length_low": 1 + ci.low, "length_high": 1 + ci.high}
+
+
+def chain_text(chain: dict) -> str:
+    """One line: `k=3 (vLLM's count): 0.73 / 0.52 / 0.35, acceptance length 2.60 [2.51, 2.69]`."""
+    rates = " / ".join(f"{rate:.2f}" for rate in chain["per_position"])
+    return (f"k={chain['k']} (vLLM's count, per draft): {rates}, acceptance length {chain['length']:.2f} "
+            f"[{chain['length_low']:.2f}, {chain['length_high']:.2f}]")
 
 
 def paired_speedup(tokens_a, seconds_a, tokens_b, seconds_b, *, seed: int = 0, n_boot: int = 2000) -> dict:

@@ -52,10 +52,12 @@ class FeatureDraft(nn.Module):
     """The EAGLE-3 draft head over a target of any supported family (see the module docstring)."""
 
     def __init__(self, target_config, embed_tokens: nn.Embedding, *, feature_layers: tuple[int, ...] | None = None,
-                 token_ids: torch.Tensor | None = None):
+                 token_ids: torch.Tensor | None = None, norm_before_residual: bool = False):
         """target_config: the target's config (the Llama layer takes its shapes, `draft_layer_config`), or a saved
         draft's layer config; embed_tokens: the target's embeddings (shared, not trained, not saved); token_ids: the
-        target ids of a reduced head's rows (None: full vocab)."""
+        target ids of a reduced head's rows (None: full vocab); norm_before_residual: the layer adds its attention
+        output to the normed features rather than to the features themselves (speculators' option of that name, its
+        trainer's default; EAGLE-3's own layer does not)."""
         super().__init__()
         config = draft_layer_config(target_config)
         hidden = config.hidden_size
@@ -79,6 +81,7 @@ class FeatureDraft(nn.Module):
         self.register_buffer("token_ids", None if token_ids is None else torch.as_tensor(token_ids).long(),
                              persistent=False)
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, head_dim
+        self.norm_before_residual = norm_before_residual
 
     @property
     def layer(self) -> LlamaDecoderLayer:
@@ -107,14 +110,15 @@ class FeatureDraft(nn.Module):
         residual the layer adds its attention output to."""
         layer, (b, n) = self.layer, tokens.shape
         embedded = F.embedding(tokens, self.embed_tokens.weight)  # plain rows: no family's embedding scale
-        x = torch.cat([layer.input_layernorm(embedded), layer.hidden_norm(hidden)], dim=-1)
+        normed = layer.hidden_norm(hidden)
+        x = torch.cat([layer.input_layernorm(embedded), normed], dim=-1)
         attention = layer.self_attn
         q = attention.q_proj(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
         k = attention.k_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
         v = attention.v_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = self.rotary_emb(x, positions)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        return q, k, v, hidden
+        return q, k, v, normed if self.norm_before_residual else hidden
 
     def finish(self, q, keys, values, mask, residual) -> torch.Tensor:
         """Attention of q over keys/values under mask, then the layer's residual and MLP -> output hidden."""

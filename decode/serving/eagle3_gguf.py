@@ -10,7 +10,8 @@ llama.cpp source tree that `draftops llama-cpp build` unpacked (the pinned sdist
 `decode.serving.llamacpp.converter_script`), with this Python (it needs `sentencepiece`), offline.
 
 llama.cpp's EAGLE-3 graph is a Llama layer with SiLU and plain or llama3-scaled rotary positions: a draft of another
-activation (a Gemma target's) or rotary scaling is refused. The file is read back (`check_eagle3_gguf`): its metadata
+activation (a Gemma target's) or rotary scaling, or one whose residual takes the normed features (speculators'
+`norm_before_residual`), is refused. The file is read back (`check_eagle3_gguf`): its metadata
 and every matrix must be the draft's.
 """
 from __future__ import annotations
@@ -38,6 +39,9 @@ def check_convertible(folder: Path) -> dict:
     layers = config.get("eagle_aux_hidden_state_layer_ids") or []
     if len(layers) != 3:
         raise GGUFExportError(f"llama.cpp's EAGLE-3 reads exactly three target layers; this draft reads {layers}")
+    if config.get("norm_before_residual"):
+        raise GGUFExportError("this draft adds its attention output to the normed features (norm_before_residual), "
+                              "which llama.cpp's EAGLE-3 layer is not known to compute")
     if (act := layer.get("hidden_act", "silu")) != "silu":
         raise GGUFExportError(f"llama.cpp's EAGLE-3 layer uses SiLU; this draft's MLP uses {act!r}")
     rope = (layer.get("rope_parameters") or layer.get("rope_scaling") or {}).get("rope_type", "default")

@@ -8,8 +8,9 @@ head also gets speculators' vocabulary maps: `d2t` [draft_vocab] int64 holds the
 id = row + d2t[row]) and `t2d` [target_vocab] bool marks the target ids the head covers; a full-vocabulary head has
 neither, as speculators saves it.
 
-`norm_before_residual`, `norm_before_fc`, `fc_norm` and `norm_output` are written false (what `FeatureDraft`
-computes; vLLM reads a missing `norm_before_residual` as true), and a folder that sets any of them is refused on load.
+`norm_before_residual` is written as the draft has it (`FeatureDraft`'s option; vLLM reads a missing one as true,
+speculators as false, so it is always written); `norm_before_fc`, `fc_norm` and `norm_output` are written false (what
+`FeatureDraft` computes), and a folder that sets any of those is refused on load.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from pipeline.sources import is_speculators_dir
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 SHARED = "embed_tokens.weight"  # the target's embeddings: never written, ignored when a folder has them
-UNSUPPORTED = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")  # variants FeatureDraft lacks
+UNSUPPORTED = ("norm_before_fc", "fc_norm", "norm_output")  # variants FeatureDraft lacks
 
 
 def increasing(layers) -> bool:
@@ -62,6 +63,7 @@ def save_speculators(draft: FeatureDraft, path, *, verifier_name_or_path: str,
         "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
         "transformer_layer_config": layer, "draft_vocab_size": rows, "target_hidden_size": config.hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(draft.feature_layers), **dict.fromkeys(UNSUPPORTED, False),
+        "norm_before_residual": bool(draft.norm_before_residual),
         "speculators_config": {
             "algorithm": "eagle3", "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
@@ -76,6 +78,18 @@ def save_speculators(draft: FeatureDraft, path, *, verifier_name_or_path: str,
     (tmp / CONFIG_FILE).write_text(json.dumps(speculator, indent=2, sort_keys=True) + "\n")
     save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
     return swap_dir(tmp, path)
+
+
+def saved_feature_layers(path) -> tuple[int, ...]:
+    """The target layers the Eagle3 folder at `path` reads (its `eagle_aux_hidden_state_layer_ids`), read from its
+    config alone; ValueError where it names none."""
+    path = Path(path)
+    if not is_speculators_dir(path):
+        raise ValueError(f"{path} is not a speculators export (no {CONFIG_FILE} naming a speculators_model_type)")
+    layers = tuple(json.loads((path / CONFIG_FILE).read_text()).get("eagle_aux_hidden_state_layer_ids") or ())
+    if not layers:
+        raise ValueError(f"{path} names no target layers to read (eagle_aux_hidden_state_layer_ids)")
+    return layers
 
 
 def load_speculators(path, target) -> FeatureDraft:
@@ -116,7 +130,8 @@ def load_speculators(path, target) -> FeatureDraft:
             t2d is not None and not torch.equal(t2d.nonzero().flatten(), token_ids)):
         raise ValueError(f"{path}: draft_vocab_size {saved.get('draft_vocab_size')}, d2t and t2d disagree")
     embed = target.get_input_embeddings()
-    draft = FeatureDraft(config, embed, feature_layers=layers, token_ids=token_ids)
+    draft = FeatureDraft(config, embed, feature_layers=layers, token_ids=token_ids,
+                         norm_before_residual=bool(saved.get("norm_before_residual", False)))
     verifier = saved.get("speculators_config", {}).get("verifier", {})
     draft.target_architectures = list(verifier.get("architectures") or [])
     missing, unexpected = draft.load_state_dict(tensors, strict=False)

@@ -20,13 +20,15 @@ class DistillConfig(Section):
     register_model: bool = Field(True, description="Log the run to MLflow and register the exported draft.")
     family: Literal["layers", "features"] = Field(
         "layers", description="layers: a small LM (init below) that reads tokens; features: an EAGLE-3 head that "
-        "reads the target's hidden states (one decoder layer from the target's weights; init keys do not apply).")
+        "reads the target's hidden states (one decoder layer from the target's weights, or with init=checkpoint from a "
+        "feature draft's speculators folder: a champion, an imported head).")
     ttt_steps: int = Field(3, ge=1, description="features only: draft steps unrolled in training (training-time "
                            "test), each fed the draft's own previous output.")
     # draft initialization
     init: Literal["target_layers", "checkpoint", "config"] = Field(
         "target_layers", description="target_layers: copy init_layers + embeddings, norm, head from the target; "
-        "checkpoint: start from init_checkpoint; config: random init from the target's config + init_config.")
+        "checkpoint: start from init_checkpoint (a feature draft: its speculators folder); config: random init from "
+        "the target's config + init_config.")
     init_layers: list[int] = Field([0, 1], min_length=1, description="Target layers the draft starts from.")
     init_checkpoint: str | None = Field(None, description="Model source for init=checkpoint.")
     init_config: dict[str, Any] = Field({}, description="Config overrides for init=config, e.g. num_hidden_layers: 2.")

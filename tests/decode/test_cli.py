@@ -268,6 +268,10 @@ def test_eval_bench_and_the_monitor_agree_on_each_acceptance_name(checkpoints, c
     assert 0 < live.acceptance < 1
     assert evaluated["drafters"]["decoder"] == benched["drafters"]["speculative"]
     assert evaluated["drafters"]["draft"] == benched["drafters"]["draft_only_chain"] == "draft"
+    # chains of 3 as vLLM counts them, over the same greedy text: the same figures in eval and bench
+    for name in ("acceptance/chain3_pos_1", "acceptance/chain3_pos_3", "acceptance/chain3_length"):
+        assert eval_metrics[name] == pytest.approx(bench_metrics[name], abs=1e-12)
+    assert evaluated["chain"]["per_position"] == benched["chain"]["per_position"]
 
 
 def test_eval_prints_both_acceptances_for_people(checkpoints, capsys):
@@ -278,6 +282,7 @@ def test_eval_prints_both_acceptances_for_people(checkpoints, capsys):
     assert "draft acceptance α̂:" in out and "(draft(min_confidence=0.4))" in out
     assert "decoder acceptance:" in out and f"({DEFAULT_DECODER})" in out
     assert "τ of the draft alone:" in out and "MLflow run:" in out
+    assert "the draft in chains of k=3 (vLLM's count, per draft): " in out
 
 
 def test_bench_runs_a_challenger_draft_in_the_rows_of_the_draft_it_stands_in_for(checkpoints, capsys, tmp_path):
@@ -306,6 +311,7 @@ def test_bench_runs_a_challenger_draft_in_the_rows_of_the_draft_it_stands_in_for
     assert challenger["source"] == str(feature_dir) and 0 < challenger["costs"]["c"] < 10
     chain = report["decoders"]["challenger_draft_only_chain"]
     assert challenger["alpha_draft"] == chain["acceptance_rate"]
+    assert challenger["chain"]["k"] == 3 and report["chain"]["k"] == 3
     assert len(challenger["alpha_draft_at_position"]) == 2  # γ positions
     paired = challenger["vs_draft"]
     assert paired["n_prompts"] == report["n_prompts"] and paired["low"] <= paired["value"] <= paired["high"]

@@ -68,6 +68,9 @@ def test_distill_end_to_end_exports_registers_and_serves_as_assistant(isolated_h
     run = MlflowClient().get_run(result.run_id)
     assert run.data.metrics[metrics.ALPHA_T0] == pytest.approx(result.metrics["alpha_t0"])
     assert run.data.metrics[metrics.DRAFT_VOCAB_SIZE] == len(result.token_ids)
+    # the draft in chains of 3 as vLLM counts them, on the run and the version
+    assert run.data.metrics[metrics.acceptance_length(3)] == pytest.approx(m["chain"]["length"])
+    assert float(version.tags[metrics.chain_position(3, 1)]) == pytest.approx(m["chain"]["per_position"][0], abs=1e-4)
 
     # the registered version resolves to the reduced-vocabulary draft
     draft = resolve_model(f"models:/{cfg.tracking.registered_model}@champion")
@@ -260,6 +263,9 @@ def test_a_feature_draft_job_exports_the_speculators_format_registers_and_decode
     result = run_distill(cfg)
     assert result.version == "1" and is_speculators_dir(result.export_dir)
     assert {f"alpha_t0_pos{j}" for j in (1, 2, 3)} <= set(result.metrics) and result.metrics["tau_t0"] >= 1
+    chain = result.metrics["chain"]  # chains of 3 as vLLM counts them, with the length's interval
+    assert chain["k"] == 3 and chain["length_low"] <= chain["length"] <= chain["length_high"] <= 4
+    assert result.metrics["alpha_t0_low"] <= result.metrics["alpha_t0"] <= result.metrics["alpha_t0_high"]
     p = load_rank_acceptance(result.export_dir)  # its first draft position's, for its EAGLE-2 trees
     assert len(p) == max(TREE_BUDGETS) and 0 < sum(p) <= 1 + 1e-9
     setup_mlflow(cfg)

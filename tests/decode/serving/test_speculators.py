@@ -25,11 +25,11 @@ def target():
     return make_tiny_model(VOCAB, seed=3, layers=4)
 
 
-def random_draft(target, token_ids=None, feature_layers=LAYERS) -> FeatureDraft:
+def random_draft(target, token_ids=None, feature_layers=LAYERS, norm_before_residual=False) -> FeatureDraft:
     """Every own parameter moved off its initial value, so a weight the format drops or swaps shows up."""
     torch.manual_seed(1)
     draft = FeatureDraft(target.config, target.get_input_embeddings(), feature_layers=feature_layers,
-                         token_ids=token_ids)
+                         token_ids=token_ids, norm_before_residual=norm_before_residual)
     with torch.no_grad():
         for name, parameter in draft.named_parameters():
             if not name.startswith("embed_tokens"):
@@ -152,7 +152,7 @@ def test_wrong_folders_and_targets_are_refused(target, tmp_path):
 
     config = json.loads((out / "config.json").read_text())
     for change, message in [({"speculators_model_type": "mtp"}, "not eagle3"),
-                            ({"norm_before_residual": True}, "does not compute"),
+                            ({"norm_output": True}, "does not compute"),
                             ({"draft_vocab_size": 8}, "disagree")]:
         (out / "config.json").write_text(json.dumps(config | change))
         with pytest.raises(ValueError, match=message):
@@ -160,18 +160,22 @@ def test_wrong_folders_and_targets_are_refused(target, tmp_path):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("token_ids", [None, REDUCED], ids=["full", "reduced"])
-def test_speculators_loads_the_export_and_computes_the_same_logits(target, tmp_path, token_ids):
+@pytest.mark.parametrize(("token_ids", "norm_before_residual"), [(None, False), (REDUCED, False), (REDUCED, True)],
+                         ids=["full", "reduced", "norm_before_residual"])
+def test_speculators_loads_the_export_and_computes_the_same_logits(target, tmp_path, token_ids, norm_before_residual):
     """`speculators`' own loader takes every saved weight, and with the target's embeddings its training forward over
-    3 steps gives the logits `FeatureDraft.unroll` gives, index for index."""
+    3 steps gives the logits `FeatureDraft.unroll` gives, index for index (also with its trainer's default
+    norm_before_residual, which draftops reads back as it is)."""
     speculators = pytest.importorskip("speculators")
     target.save_pretrained(tmp_path / "target")
-    draft = random_draft(target, token_ids)
+    draft = random_draft(target, token_ids, norm_before_residual=norm_before_residual)
     out = save_speculators(draft, tmp_path / "spec", verifier_name_or_path=str(tmp_path / "target"))
 
     config = speculators.Eagle3SpeculatorConfig.from_pretrained(out)
     assert (config.draft_vocab_size, config.eagle_aux_hidden_state_layer_ids) == (draft.lm_head.out_features,
                                                                                   list(LAYERS))
+    assert config.norm_before_residual is norm_before_residual
+    assert load_speculators(out, target).norm_before_residual is norm_before_residual
     config.transformer_layer_config._attn_implementation = "eager"  # flex attention's blocks outsize tiny sequences
     model = speculators.SpeculatorModel.from_pretrained(out, config=config).eval()
     assert isinstance(model, speculators.Eagle3DraftModel)
