@@ -9,7 +9,6 @@ The parts are in the other distill modules (distill/README.md lists them); this 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 from dataclasses import dataclass
@@ -20,28 +19,24 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, is_bf16_available, set_seed
 
 from decode.drafters.suffix import SuffixIndex
-from decode.models.feature_draft import FEATURES, default_feature_layers
-from decode.models.layer_draft import frequent_token_ids
+from decode.models.feature_draft import FEATURES
 from decode.serving.loading import load_model
 from decode.tree_budget import TREE_BUDGETS, rank_acceptance
 from distill.checkpoints import UnsafeCheckpoint, job_key, load_best, point_latest
-from distill.data_generation.generate import engine_cached_responses
-from distill.features import cached_features
 from distill.heldout_eval import exact_eval, feature_eval
 from distill.init import init_draft
 from distill.loop import NonFiniteLoss, Timings, TrainingData, train_loop
 from distill.precision import fp32_attention, mixed_precision_choice
 from distill.register import export_draft, log_and_register
-from distill.responses import cached_responses, generation_model
 from distill.step import ResponseLogits, draft_module
+from distill.training_data import prepare_data
 from pipeline.config import DraftopsConfig, load_config
 from pipeline.files import write_text_atomic
 from pipeline.locks import EXIT_BUSY, ModelBusy
 from pipeline.metrics import size_alias
 from pipeline.registry import set_alias, version_uri
-from pipeline.sources import HF_ASSISTANT_DIR, SourceError, eos_token_ids
+from pipeline.sources import HF_ASSISTANT_DIR, SourceError
 from pipeline.tracking import TrackingUnavailable, check_tracking, tracking_uri
-from pipeline.traffic import encode_prompts, load_traffic
 
 
 @dataclass
@@ -98,71 +93,6 @@ def distributed_as(accelerator: Accelerator) -> str:
     return "" if kind == DistributedType.NO else f", distributed as {kind.value}"
 
 
-def prepare_data(cfg: DraftopsConfig, state: PartialState, target, timings: Timings) -> TrainingData:
-    """Target responses on the train split (+ held-out ones for evaluation), cached; the draft vocabulary from them."""
-    d = cfg.distill
-    traffic = load_traffic(cfg.traffic.path, skip_malformed=cfg.traffic.skip_malformed,
-                           since=cfg.traffic.since, until=cfg.traffic.until)
-    train_requests = traffic.split("train", cfg.traffic.heldout_fraction)
-    if d.train_prompts:
-        train_requests = train_requests[:d.train_prompts]
-    heldout_requests = traffic.split("heldout", cfg.traffic.heldout_fraction)[:d.eval_prompts]
-    if not train_requests or not heldout_requests:
-        raise ValueError(f"{traffic.path}: need both train and held-out requests "
-                         f"(got {len(train_requests)} and {len(heldout_requests)})")
-    common = dict(max_new_tokens=d.max_new_tokens, temperature=d.generation_temperature,
-                  batch_size=d.generation_batch_size, seed=cfg.seed, topk=d.topk,
-                  progress=state.is_local_main_process)
-    with timings.measure("generation_with_teacher_topk"), state.main_process_first():
-        prompts, _ = encode_prompts(train_requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
-        layers = default_feature_layers(target.model.config.num_hidden_layers) if d.family == FEATURES else ()
-        if d.responses.engine == "openai":
-            train, train_dir, hit, teacher = engine_train_responses(cfg, target, train_requests, prompts, **common)
-        else:
-            generator = generation_model(target.model, d.generation_dtype, batch_size=d.generation_batch_size)
-            train, train_dir, hit = cached_responses(generator, target.tokenizer, target.fingerprint,
-                                                     train_requests, prompts, samples=d.responses_per_prompt,
-                                                     capture=layers, **common)
-            teacher = "builtin " + str(next(generator.parameters()).dtype).removeprefix("torch.")
-            del generator
-        prompts, _ = encode_prompts(heldout_requests, target.tokenizer, cfg.traffic.max_prompt_tokens)
-        heldout, _, _ = cached_responses(target.model, target.tokenizer, target.fingerprint, heldout_requests,
-                                         prompts, samples=1, **common)
-    state.print(f"draftops distill: {len(train)} target responses ({train.num_response_tokens} tokens, "
-                      f"{teacher}) {'from the cache' if hit else 'generated'} at {train_dir}")
-    if d.family == FEATURES:  # the feature draft's inputs, once for the data set (`distill.features`)
-        recorded = train.features is not None  # as the target generated them just now
-        with timings.measure("target_features"), state.main_process_first():
-            train.features, train.feature_offsets, hit = cached_features(
-                target.model, train, train_dir, layers, progress=state.is_local_main_process)
-        size = train.features.numel() * train.features.element_size() / 2**20
-        how = "from the cache" if hit else "recorded as the target generated" if recorded else "computed"
-        state.print(f"draftops distill: target features of layers {list(layers)} ({size:.0f} MiB fp16) {how}")
-    token_ids = None
-    if d.draft_vocab_size:
-        token_ids = frequent_token_ids(train.response_ids, d.draft_vocab_size, target.tokenizer.all_special_ids)
-    fingerprint = hashlib.sha256(
-        f"{traffic.fingerprint('train', cfg.traffic.heldout_fraction)}|{train_dir.name}|{d.responses_per_prompt}"
-            .encode()).hexdigest()[:16]
-    return TrainingData(train, heldout, token_ids, fingerprint, teacher)
-
-
-def engine_train_responses(cfg: DraftopsConfig, target, requests: list, prompts: list[list[int]], *,
-                           max_new_tokens: int, temperature: float, seed: int, topk: int, progress: bool,
-                           batch_size: int) -> tuple:
-    """The training responses generated by the servers of `distill.responses` (`distill.data_generation`):
-    (responses, cache dir, whether all came from the cache, the engine's lineage tag)."""
-    made = engine_cached_responses(
-        cfg.distill.responses, target.fingerprint, requests, prompts, samples=cfg.distill.responses_per_prompt,
-        max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, topk=topk,
-        stop_ids=eos_token_ids(target.model, target.tokenizer), vocab_size=target.model.config.vocab_size,
-        progress=progress)
-    if made.stats is not None and progress:
-        done = sum(made.stats.completed.values())
-        print(f"draftops distill: {done} responses from {len(made.stats.completed)} server(s) in "
-              f"{made.stats.seconds:.0f} s ({done / max(made.stats.seconds, 1e-9):.2f} responses/s, "
-              f"{made.stats.retries} retries)")
-    return made.responses, made.path, made.hit, f"engine {made.identity.tag()}"
 
 
 RESULT_FILE = "result.json"  # in the job folder: written when the draft is exported, again when it is registered
@@ -230,29 +160,57 @@ def run_distill(cfg: DraftopsConfig, *, init_only: bool = False, register_only: 
     if register_only and finished is None:
         raise NothingToRegister(f"no finished distill job for this config in {job_dir}: nothing to register")
     if finished is not None:
-        if state.is_main_process:
-            if cfg.distill.register_model:
-                register_once(cfg, finished, target, alias)
-            print(f"draftops distill: {job_dir} had finished; nothing trained again")
-            print_summary(cfg, finished)
-        state.wait_for_everyone()
-        state.destroy_process_group()
-        return finished
+        return conclude_finished(cfg, state, target, finished, alias)
     set_seed(cfg.seed)
     draft = init_draft(cfg.distill, target.model, token_ids=data.token_ids, tokenizer=target.tokenizer)
     if init_only:
-        export_dir = job_dir / "init"
-        if state.is_main_process:
-            export_draft(draft.eval(), target.tokenizer, export_dir, token_ids=data.token_ids, cfg=cfg)
-            print(f"draftops distill: untrained draft ({cfg.distill.init}) exported to {export_dir}; "
-                  "nothing trained or registered")
-        return DistillResult(export_dir, job_dir, {}, [], [], timings.seconds, data.token_ids, data.fingerprint)
+        return export_untrained(cfg, state, target, draft, data, job_dir, timings)
+    accelerator, history, evals, best = train(cfg, state, target, draft, data, job_dir, timings)
+    result = DistillResult(job_dir / "draft", job_dir, {}, history, evals, timings.seconds, data.token_ids,
+                           data.fingerprint, teacher=data.teacher, mixed_precision=accelerator.mixed_precision)
+    if accelerator.is_main_process:
+        export_best(cfg, target, data, result, best, timings)
+        if cfg.distill.register_model:
+            with timings.measure("register"):
+                register_once(cfg, result, target, alias)
+        print_summary(cfg, result)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # tears the process group down cleanly (gloo ranks abort at exit otherwise)
+    return result
+
+
+def conclude_finished(cfg: DraftopsConfig, state: PartialState, target, finished: DistillResult,
+                      alias: str | None) -> DistillResult:
+    """A job that had run to its export: its draft registered (once), nothing trained again."""
+    if state.is_main_process:
+        if cfg.distill.register_model:
+            register_once(cfg, finished, target, alias)
+        print(f"draftops distill: {finished.job_dir} had finished; nothing trained again")
+        print_summary(cfg, finished)
+    state.wait_for_everyone()
+    state.destroy_process_group()
+    return finished
+
+
+def export_untrained(cfg: DraftopsConfig, state: PartialState, target, draft, data: TrainingData, job_dir: Path,
+                     timings: Timings) -> DistillResult:
+    """`--init-only`: the initialized draft exported to `<job>/init`, nothing trained or registered."""
+    export_dir = job_dir / "init"
+    if state.is_main_process:
+        export_draft(draft.eval(), target.tokenizer, export_dir, token_ids=data.token_ids, cfg=cfg)
+        print(f"draftops distill: untrained draft ({cfg.distill.init}) exported to {export_dir}; "
+              "nothing trained or registered")
+    return DistillResult(export_dir, job_dir, {}, [], [], timings.seconds, data.token_ids, data.fingerprint)
+
+
+def train(cfg: DraftopsConfig, state: PartialState, target, draft, data: TrainingData, job_dir: Path,
+          timings: Timings) -> tuple[Accelerator, list[dict], list[dict], dict]:
+    """The training loop in the resolved precision -> (the accelerator, history, evaluations, best evaluation)."""
     embeddings = draft.get_input_embeddings().weight
     if draft.get_output_embeddings().weight is not embeddings and cfg.distill.family != FEATURES:
         # a tied head is trained, and its embeddings with it; a feature draft's embeddings are the target's
         embeddings.requires_grad_(cfg.distill.train_embeddings)
-    precision = training_precision(cfg, state, draft, data)
-    accelerator = make_accelerator(cfg, precision)
+    accelerator = make_accelerator(cfg, training_precision(cfg, state, draft, data))
     mixed = accelerator.mixed_precision
     accelerator.print(f"draftops distill: draft of {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M parameters "
                       f"({sum(p.numel() for p in draft.parameters() if p.requires_grad) / 1e6:.1f}M trained), "
@@ -265,39 +223,34 @@ def run_distill(cfg: DraftopsConfig, *, init_only: bool = False, register_only: 
         history, evals, best = train_loop(cfg, accelerator, target.model, target.tokenizer, draft, data, job_dir,
                                           timings)
     accelerator.wait_for_everyone()
+    return accelerator, history, evals, best
 
-    export_dir = job_dir / "draft"
-    result = DistillResult(export_dir, job_dir, {}, history, evals, timings.seconds, data.token_ids, data.fingerprint,
-                           teacher=data.teacher, mixed_precision=mixed)
-    if accelerator.is_main_process:
-        draft = load_best(cfg, target.model, data.token_ids, job_dir / "best")
-        with timings.measure("eval"):
-            if cfg.distill.family == FEATURES:  # exact at T=0 already: the target gives the features
-                exact = feature_eval(draft_module(cfg.distill, draft), target.model, data.heldout, data.token_ids,
-                                     cfg.decode.gamma, with_ranks=True)
-            else:
-                exact = exact_eval(target.model, draft, data.heldout, data.token_ids, cfg.decode.gamma,
-                                   with_ranks=True)
-            ranks = exact.pop("ranks")
-        select = "tau_t0" if cfg.decode.temperature == 0 else "tau_t1"
-        result.metrics = {**exact, "tau": exact[select], "best_step": best["step"],
-                          "loss": history[best["step"] - 1]["loss"],
-                          "train_responses": len(data.train), "train_tokens": data.train.num_response_tokens}
-        with timings.measure("export"):
-            # the draft travels with a suffix index of the target's train responses (`decode.drafters.suffix`)
-            # ... and the rank acceptance its token trees' node budget is chosen from (`decode.tree_budget_auto`)
-            export_draft(draft, target.tokenizer, export_dir, token_ids=data.token_ids, cfg=cfg,
-                         suffix_index=SuffixIndex(data.train.response_ids),
-                         rank_acceptance=(rank_acceptance(ranks, max(TREE_BUDGETS)), sum(map(len, ranks))))
-            point_latest(Path(cfg.distill.output_dir) / "latest", export_dir)
-        save_result(result)  # finished: a re-run after a failed registration only registers
-        if cfg.distill.register_model:
-            with timings.measure("register"):
-                register_once(cfg, result, target, alias)
-        print_summary(cfg, result)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()  # tears the process group down cleanly (gloo ranks abort at exit otherwise)
-    return result
+
+def export_best(cfg: DraftopsConfig, target, data: TrainingData, result: DistillResult, best: dict,
+                timings: Timings) -> None:
+    """The best weights by τ evaluated exactly (the target alongside) into `result.metrics`, exported to
+    `result.export_dir` with the draft's suffix index and rank acceptance, and the result saved: the job has
+    finished."""
+    draft = load_best(cfg, target.model, data.token_ids, result.job_dir / "best")
+    with timings.measure("eval"):
+        if cfg.distill.family == FEATURES:  # exact at T=0 already: the target gives the features
+            exact = feature_eval(draft_module(cfg.distill, draft), target.model, data.heldout, data.token_ids,
+                                 cfg.decode.gamma, with_ranks=True)
+        else:
+            exact = exact_eval(target.model, draft, data.heldout, data.token_ids, cfg.decode.gamma, with_ranks=True)
+        ranks = exact.pop("ranks")
+    select = "tau_t0" if cfg.decode.temperature == 0 else "tau_t1"
+    result.metrics = {**exact, "tau": exact[select], "best_step": best["step"],
+                      "loss": result.history[best["step"] - 1]["loss"],
+                      "train_responses": len(data.train), "train_tokens": data.train.num_response_tokens}
+    with timings.measure("export"):
+        # the draft travels with a suffix index of the target's train responses (`decode.drafters.suffix`)
+        # ... and the rank acceptance its token trees' node budget is chosen from (`decode.tree_budget_auto`)
+        export_draft(draft, target.tokenizer, result.export_dir, token_ids=data.token_ids, cfg=cfg,
+                     suffix_index=SuffixIndex(data.train.response_ids),
+                     rank_acceptance=(rank_acceptance(ranks, max(TREE_BUDGETS)), sum(map(len, ranks))))
+        point_latest(Path(cfg.distill.output_dir) / "latest", result.export_dir)
+    save_result(result)  # finished: a re-run after a failed registration only registers
 
 
 def sizes_config(cfg: DraftopsConfig, layers: int) -> DraftopsConfig:
