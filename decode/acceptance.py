@@ -16,7 +16,7 @@ import torch
 
 from decode.models.feature_draft import FeatureDraft
 from decode.runtime.forward import target_features
-from decode.sampling import to_student_columns, to_target_vocab, warp_logits
+from decode.sampling import Warp, to_student_columns, to_target_vocab
 
 
 @dataclass
@@ -73,55 +73,67 @@ def analytic_acceptance(
     if len(sequences) != len(response_starts):
         raise ValueError(f"{len(sequences)} sequences but {len(response_starts)} response starts")
     device = next(target.parameters()).device
-    if draft_token_ids is not None:
+    if isinstance(draft, FeatureDraft):
+        draft_token_ids = draft.token_ids
+    elif draft_token_ids is not None:
         draft_token_ids = torch.as_tensor(draft_token_ids, dtype=torch.long, device=device)
-    per_position: list[list[float]] = []
-    ranks: list[list[int]] = []
-    confidence: list[list[float]] = []
-    outside: list[list[float]] = []
+    warp = Warp(temperature, top_k, top_p)
+    columns: tuple[list, ...] = ([], [], [], [])  # per sequence: α, target confidence, outside vocabulary, ranks
     for begin in range(0, len(sequences), batch_size):
         batch = [list(s) for s in sequences[begin : begin + batch_size]]
         starts = response_starts[begin : begin + batch_size]
-        width = max(len(s) for s in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long, device=device)
-        mask = torch.zeros(len(batch), width, dtype=torch.long, device=device)
-        for row, seq in enumerate(batch):
-            ids[row, : len(seq)] = torch.tensor(seq, device=device)
-            mask[row, : len(seq)] = 1
+        ids, mask = _right_padded(batch, device)
         # Logits at position j predict token j+1: response tokens start..len-1 are scored at start-1..len-2.
         first = min(max(start, 1) - 1 for start in starts)
-        if isinstance(draft, FeatureDraft):
-            draft_token_ids = draft.token_ids
-            out = target(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-            p_logits = out.logits[:, first:]
-            steps = draft.logits(draft.unroll(target_features(out.hidden_states, draft.feature_layers), ids, mask,
-                                              steps=1)[0])
-            # index i predicts token i + 2, so position j's prediction (of token j + 1) is index j - 1's
-            q_logits = torch.cat([torch.zeros_like(steps[:, :1]), steps[:, :-1]], 1)[:, first:]
-        else:
-            p_logits = target(input_ids=ids, attention_mask=mask, logits_to_keep=width - first).logits
-            q_logits = draft(input_ids=ids, attention_mask=mask, logits_to_keep=width - first).logits
+        p_logits, q_logits = _both_logits(target, draft, ids, mask, first)
         for row, (seq, start) in enumerate(zip(batch, starts)):
             scored = slice(max(start, 1) - 1 - first, len(seq) - 1 - first)
-            if scored.start >= scored.stop:
-                per_position.append([])
-                ranks.append([])
-                confidence.append([])
-                outside.append([])
-                continue
-            p = warp_logits(p_logits[row, scored], temperature, top_k, top_p)
-            q = warp_logits(q_logits[row, scored], temperature, top_k, top_p)
-            q = to_target_vocab(q, draft_token_ids, p.shape[-1])
-            per_position.append(torch.minimum(p, q).sum(-1).tolist())
-            confidence.append(p_logits[row, scored].float().softmax(-1).amax(-1).tolist())
-            if draft_token_ids is None:
-                outside.append([0.0] * p.shape[0])
-            else:
-                outside.append((1 - p.index_select(-1, draft_token_ids).sum(-1)).clamp(min=0).tolist())
-            if greedy_ranks:
-                ranks.append(greedy_rank(p_logits[row, scored], q_logits[row, scored], draft_token_ids))
+            scores = ([], [], [], []) if scored.start >= scored.stop else _scored_positions(
+                p_logits[row, scored], q_logits[row, scored], warp, draft_token_ids, greedy_ranks)
+            for column, values in zip(columns, scores):
+                column.append(values)
+    per_position, confidence, outside, ranks = columns
     per_sequence = [sum(a) / len(a) if a else float("nan") for a in per_position]
     return AnalyticAcceptance(per_sequence, per_position, confidence, outside, ranks if greedy_ranks else None)
+
+
+def _right_padded(batch: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) [len(batch), longest], right-padded with id 0."""
+    width = max(len(s) for s in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long, device=device)
+    mask = torch.zeros(len(batch), width, dtype=torch.long, device=device)
+    for row, seq in enumerate(batch):
+        ids[row, : len(seq)] = torch.tensor(seq, device=device)
+        mask[row, : len(seq)] = 1
+    return ids, mask
+
+
+def _both_logits(target, draft, ids: torch.Tensor, mask: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's and the draft's logits at positions first.. of one batch, each position's prediction of the next
+    token ([B, width - first, V] each); a feature draft reads the target's features from the same pass."""
+    if not isinstance(draft, FeatureDraft):
+        keep = ids.shape[1] - first
+        return (target(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits,
+                draft(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits)
+    out = target(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    steps = draft.logits(draft.unroll(target_features(out.hidden_states, draft.feature_layers), ids, mask,
+                                      steps=1)[0])
+    # index i predicts token i + 2, so position j's prediction (of token j + 1) is index j - 1's
+    return out.logits[:, first:], torch.cat([torch.zeros_like(steps[:, :1]), steps[:, :-1]], 1)[:, first:]
+
+
+def _scored_positions(p_logits: torch.Tensor, q_logits: torch.Tensor, warp: Warp, draft_token_ids: torch.Tensor | None,
+                      greedy_ranks: bool) -> tuple[list[float], list[float], list[float], list[int]]:
+    """One sequence's α, target confidence, target probability outside the draft's vocabulary and (with
+    greedy_ranks) greedy ranks at its scored positions, from both models' logits there [n, V]."""
+    p = warp(p_logits)
+    q = to_target_vocab(warp(q_logits), draft_token_ids, p.shape[-1])
+    if draft_token_ids is None:
+        outside = [0.0] * p.shape[0]
+    else:
+        outside = (1 - p.index_select(-1, draft_token_ids).sum(-1)).clamp(min=0).tolist()
+    return (torch.minimum(p, q).sum(-1).tolist(), p_logits.float().softmax(-1).amax(-1).tolist(), outside,
+            greedy_rank(p_logits, q_logits, draft_token_ids) if greedy_ranks else [])
 
 
 def token_mean(rows: Sequence[Sequence[float]]) -> float:

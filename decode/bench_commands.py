@@ -88,16 +88,11 @@ def _int_list(text: str) -> list[int]:
 
 
 def sweep_command(args) -> int:
-    import mlflow
-
     from decode.measure.sweep import run_sweep
     from decode.measure.sweep_axes import llama_cpp_target_server
     from decode.measure.sweep_drafts import load_drafts
-    from decode.measure.sweep_figures import figures
     from decode.measure.sweep_report import markdown, write_decode_config
     from decode.serving.llamacpp import LlamaCppError
-    from pipeline import metrics as M
-    from pipeline.tracking import log_figure, start_run
     from pipeline.traffic import encode_prompts
 
     cfg, target = load_target(args, tracked=True)
@@ -132,6 +127,24 @@ def sweep_command(args) -> int:
     report["recommendation"]["config_path"] = str(config_path)
     (out / "sweep.json").write_text(json.dumps(report, indent=2))
     (out / "sweep.md").write_text(markdown(report))
+    report["mlflow_run_id"] = _log_sweep(cfg, report, target, out)
+    (out / "sweep.json").write_text(json.dumps(report, indent=2))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(markdown(report) + f"\nwritten to {out}; MLflow run {report['mlflow_run_id']}")
+    return 0
+
+
+def _log_sweep(cfg, report: dict, target, out: Path) -> str:
+    """The sweep's MLflow run: its settings and recommendation, `sweep_metrics`, the files in `out` and the figures
+    (also saved there) -> the run's id."""
+    import mlflow
+
+    from decode.measure.sweep_figures import figures
+    from pipeline import metrics as M
+    from pipeline.tracking import log_figure, start_run
+
     tags = {M.TARGET_FINGERPRINT_TAG: target.fingerprint, M.DRAFTS_TAG: ",".join(report["drafts"])}
     with start_run(cfg, "sweep", run_name="sweep", tags=tags) as run:
         s = report["settings"]
@@ -140,20 +153,13 @@ def sweep_command(args) -> int:
                            "measure_prompts": s["measure_prompts"],
                            "recommended_draft": report["recommendation"]["draft"],
                            "gamma_schedule": report["recommendation"]["gamma_schedule"]})
-        metrics = sweep_metrics(report)
-        mlflow.log_metrics(M.finite(metrics))
+        mlflow.log_metrics(M.finite(sweep_metrics(report)))
         for name in ("sweep.json", "sweep.md", "decode_config.yaml"):
             mlflow.log_artifact(str(out / name), "sweep")
         for name, fig in figures(report).items():
             fig.savefig(out / name, dpi=120)
             log_figure(fig, f"sweep/{name}")
-        report["mlflow_run_id"] = run.info.run_id
-    (out / "sweep.json").write_text(json.dumps(report, indent=2))
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(markdown(report) + f"\nwritten to {out}; MLflow run {report['mlflow_run_id']}")
-    return 0
+        return run.info.run_id
 
 
 def sweep_metrics(report: dict) -> dict[str, float]:

@@ -15,6 +15,7 @@ from decode.commands import (
     models_import,
     models_info,
 )
+from pipeline.command_options import config_options
 
 
 def _common(parser, *, traffic: bool) -> None:
@@ -22,17 +23,21 @@ def _common(parser, *, traffic: bool) -> None:
     parser.add_argument("--draft", required=True, help="draft model source (checkpoint dir, models:/NAME@ALIAS, ...; "
                                                        "`decode` and `bench` also take prompt-lookup: "
                                                        "n-gram drafting, no model)")
-    parser.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
     parser.add_argument("--gamma", type=int, default=None, help="draft tokens per target call (default: decode.gamma)")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     if traffic:
-        parser.add_argument("--traffic", default=None, help="traffic JSONL (default: the config's traffic.path)")
-        parser.add_argument("--split", choices=["heldout", "train", "all"], default="heldout")
-        parser.add_argument("--limit", type=int, default=None, help="use the first N requests of the split")
+        _traffic_options(parser, split="heldout")
         parser.add_argument("--per-category", type=int, default=None,
                             help="use the first K requests of each category (before --limit)")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. device=cpu")
+    config_options(parser)
+
+
+def _traffic_options(parser, *, split: str) -> None:
+    """Which traffic requests a measuring command reads: a file, its split, the first N of it."""
+    parser.add_argument("--traffic", default=None, help="traffic JSONL (default: the config's traffic.path)")
+    parser.add_argument("--split", choices=["heldout", "train", "all"], default=split)
+    parser.add_argument("--limit", type=int, default=None, help="use the first N requests of the split")
 
 
 def _positive(text: str) -> int:
@@ -112,10 +117,7 @@ def _add_sweep(subparsers) -> None:
                        help="comma-separated: model sources, target-layers:N[:V] (the target's first N layers; "
                             "V: keep the V most frequent traffic prompt tokens in the head), prompt-lookup (n-gram "
                             "drafting); a trailing ? skips a source that does not resolve")
-    sweep.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
-    sweep.add_argument("--traffic", default=None, help="traffic JSONL (default: the config's traffic.path)")
-    sweep.add_argument("--split", choices=["heldout", "train", "all"], default="all")
-    sweep.add_argument("--limit", type=int, default=None, help="use the first N requests of the split")
+    _traffic_options(sweep, split="all")
     sweep.add_argument("--gammas", default="1,2,3,4,6,8")
     sweep.add_argument("--contexts", default="128,512,1024,2048", help="prompt lengths (tokens) of the cells")
     sweep.add_argument("--max-new-tokens", default="32,128,512", help="generation lengths of the cells")
@@ -132,7 +134,7 @@ def _add_sweep(subparsers) -> None:
                             "built (make llama-cpp) and the target has a GGUF")
     sweep.add_argument("--out", default="outputs/sweep", help="folder for sweep.md/json, plots, decode_config.yaml")
     sweep.add_argument("--json", action="store_true")
-    sweep.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. device=cpu")
+    config_options(sweep)
     sweep.set_defaults(handler=sweep_command)
 
 
@@ -156,8 +158,7 @@ def _add_export(subparsers) -> None:
                              "config's); a local folder's vocabulary size is checked against the draft's")
     export.add_argument("--gamma", type=int, default=None,
                         help="draft tokens per round in the printed commands (default: the draft's decode.gamma)")
-    export.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
-    export.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. tracking.uri=...")
+    config_options(export, overrides="config overrides, e.g. tracking.uri=...")
     export.set_defaults(handler=export_command)
 
 

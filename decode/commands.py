@@ -193,14 +193,7 @@ def decode_command(args) -> int:
 
 
 def eval_command(args) -> int:
-    import mlflow
-
-    from decode.drafters.protocol import DECODER, DRAFT
-    from decode.measure.evaluate import evaluate, flat_metrics, per_category_figure, per_position_figure
-    from decode.measure.intervals import chain_text
-    from pipeline.metrics import DRAFT_FINGERPRINT_TAG, DRAFT_SOURCE_TAG, LATEST_EVAL_RUN_TAG, TARGET_FINGERPRINT_TAG
-    from pipeline.registry import link_run
-    from pipeline.tracking import log_figure, start_run
+    from decode.measure.evaluate import evaluate
     from pipeline.traffic import encode_prompts
 
     try:
@@ -216,46 +209,68 @@ def eval_command(args) -> int:
         return error(exc)
     report.update(target=target.source, draft=draft.source, traffic=str(traffic.path), split=args.split,
                   truncated_prompts=truncated)
+    report["mlflow_run_id"] = _log_eval(cfg, report, target, draft,
+                                        traffic.fingerprint(args.split, cfg.traffic.heldout_fraction))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_eval(report)
+    return 0
+
+
+def _log_eval(cfg, report: dict, target, draft, traffic_fingerprint: str) -> str:
+    """eval's MLflow run (its settings, `flat_metrics`, the report and its figures), linked from the draft's registry
+    version -> the run's id."""
+    import mlflow
+
+    from decode.measure.evaluate import flat_metrics, per_category_figure, per_position_figure
+    from pipeline.metrics import DRAFT_FINGERPRINT_TAG, DRAFT_SOURCE_TAG, LATEST_EVAL_RUN_TAG, TARGET_FINGERPRINT_TAG
+    from pipeline.registry import link_run
+    from pipeline.tracking import log_figure, start_run
+
     tags = {DRAFT_SOURCE_TAG: draft.source, DRAFT_FINGERPRINT_TAG: draft.fingerprint,
             TARGET_FINGERPRINT_TAG: target.fingerprint}
     with start_run(cfg, "eval", run_name=f"eval-{Path(draft.source).name}", tags=tags) as run:
-        mlflow.log_params({"split": args.split, "n_prompts": report["n_prompts"], **report["settings"],
+        mlflow.log_params({"split": report["split"], "n_prompts": report["n_prompts"], **report["settings"],
                            **{f"drafter_{kind}": name for kind, name in report["drafters"].items()},
-                           "traffic_fingerprint": traffic.fingerprint(args.split, cfg.traffic.heldout_fraction)})
+                           "traffic_fingerprint": traffic_fingerprint})
         mlflow.log_metrics(flat_metrics(report))
         mlflow.log_dict(report, "eval/report.json")
         log_figure(per_position_figure(report), "eval/per_position.png")
         if report["analytic"]["per_category"]:
             log_figure(per_category_figure(report), "eval/per_category.png")
-        report["mlflow_run_id"] = run.info.run_id
         link_run(draft.source, LATEST_EVAL_RUN_TAG, run.info.run_id)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        analytic, drafters = report["analytic"]["alpha"], report["drafters"]
-        print(f"prompts: {report['n_prompts']} ({args.split})")
-        for kind, label in ((DRAFT, "draft acceptance α̂:  "), (DECODER, "decoder acceptance: ")):
-            live = report["live"][kind]["acceptance_rate"]
-            print(f"{label} {live['value']:.3f} [{live['low']:.3f}, {live['high']:.3f}]  "
-                  f"({drafters.get(kind, drafters[DRAFT])})")
-        print(f"analytic α:          {analytic['value']:.3f} [{analytic['low']:.3f}, {analytic['high']:.3f}]")
-        predicted = report["predicted_tau"]["from_analytic_alpha"]
-        print(f"τ of the draft alone: {report['live'][DRAFT]['tau']['value']:.2f} "
-              f"(predicted from analytic α: {predicted:.2f})")
-        if report["chain"]:
-            print(f"the draft in chains of {chain_text(report['chain'])}")
-        for name, summary in report["live"][DRAFT].get("per_category", {}).items():
-            print(f"  {name:<16} α̂ {summary['acceptance_rate']['value']:.3f}  "
-                  f"α {report['analytic']['per_category'][name]['value']:.3f}  τ {summary['tau']['value']:.2f}")
-        print("analytic α by the target's own confidence (its top probability):")
-        for band in report["analytic"]["by_target_confidence"]:
-            print(f"  [{band['low']:.1f}, {band['high']:.1f}{']' if band['high'] == 1 else ')'}  "
-                  f"{band['share']:6.1%} of tokens  α {band['alpha']:.3f}")
-        outside = report["analytic"]["outside_draft_vocabulary"]
-        print(f"the target's probability outside the draft's vocabulary: {outside:.1%} (α can reach {1 - outside:.3f} "
-              f"at most)")
-        print(f"MLflow run: {report['mlflow_run_id']}")
-    return 0
+        return run.info.run_id
+
+
+def _print_eval(report: dict) -> None:
+    """eval's report for people: both acceptances with their intervals, τ, per category and by target confidence."""
+    from decode.drafters.protocol import DECODER, DRAFT
+    from decode.measure.intervals import chain_text
+
+    analytic, drafters = report["analytic"]["alpha"], report["drafters"]
+    print(f"prompts: {report['n_prompts']} ({report['split']})")
+    for kind, label in ((DRAFT, "draft acceptance α̂:  "), (DECODER, "decoder acceptance: ")):
+        live = report["live"][kind]["acceptance_rate"]
+        print(f"{label} {live['value']:.3f} [{live['low']:.3f}, {live['high']:.3f}]  "
+              f"({drafters.get(kind, drafters[DRAFT])})")
+    print(f"analytic α:          {analytic['value']:.3f} [{analytic['low']:.3f}, {analytic['high']:.3f}]")
+    predicted = report["predicted_tau"]["from_analytic_alpha"]
+    print(f"τ of the draft alone: {report['live'][DRAFT]['tau']['value']:.2f} "
+          f"(predicted from analytic α: {predicted:.2f})")
+    if report["chain"]:
+        print(f"the draft in chains of {chain_text(report['chain'])}")
+    for name, summary in report["live"][DRAFT].get("per_category", {}).items():
+        print(f"  {name:<16} α̂ {summary['acceptance_rate']['value']:.3f}  "
+              f"α {report['analytic']['per_category'][name]['value']:.3f}  τ {summary['tau']['value']:.2f}")
+    print("analytic α by the target's own confidence (its top probability):")
+    for band in report["analytic"]["by_target_confidence"]:
+        print(f"  [{band['low']:.1f}, {band['high']:.1f}{']' if band['high'] == 1 else ')'}  "
+              f"{band['share']:6.1%} of tokens  α {band['alpha']:.3f}")
+    outside = report["analytic"]["outside_draft_vocabulary"]
+    print(f"the target's probability outside the draft's vocabulary: {outside:.1%} (α can reach {1 - outside:.3f} "
+          f"at most)")
+    print(f"MLflow run: {report['mlflow_run_id']}")
 
 
 def export_command(args) -> int:

@@ -2,7 +2,8 @@
 (`GenerationStats`); `decode.measure.intervals` aggregates them over prompts with intervals."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 
@@ -84,3 +85,27 @@ class GenerationStats:
         for name in ("acceptance_rate", "draft_efficiency", "tau", "overhead_s", "tokens_per_s"):
             out[name] = getattr(self, name)
         return out
+
+
+class PhaseClock:
+    """Times one generation's phases into its stats: `clock("draft")` adds the seconds since the last mark to
+    `stats.draft_s` (after `sync`, which waits for the device); `restart()` marks without charging a phase (what
+    falls between phases is overhead); `total()` is the seconds since the clock started."""
+
+    def __init__(self, stats: GenerationStats, sync: Callable[[], None]):
+        self.stats, self.sync = stats, sync
+        sync()
+        self.started = self.mark = time.perf_counter()
+
+    def __call__(self, phase: str) -> None:
+        self.sync()
+        now = time.perf_counter()
+        setattr(self.stats, f"{phase}_s", getattr(self.stats, f"{phase}_s") + now - self.mark)
+        self.mark = now
+
+    def restart(self) -> None:
+        self.mark = time.perf_counter()
+
+    def total(self) -> float:
+        self.sync()
+        return time.perf_counter() - self.started

@@ -13,9 +13,8 @@ proposes many continuations at once, the target verifies them in one pass with a
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -23,7 +22,7 @@ import torch
 from decode.drafters.chain import model_context, output_size
 from decode.drafters.model_tree import TreeDrafter
 from decode.drafters.protocol import Drafter
-from decode.generation_stats import GenerationStats
+from decode.generation_stats import GenerationStats, PhaseClock
 from decode.runtime.forward import ModelRunner, compact, rollback
 from decode.sampling import Warp, sample
 from decode.token_tree import accept
@@ -330,48 +329,24 @@ class SpeculativeDecoder:
     ) -> GenerationResult:
         """Generate for one prompt; each of max_new_tokens, temperature, top_k and top_p left None is the decoder's
         own (`sampling`, from the config it was built from)."""
-        d = self.sampling
-        max_new_tokens = d.max_new_tokens if max_new_tokens is None else max_new_tokens
-        temperature, top_k, top_p = (d.temperature if temperature is None else temperature,
-                                     d.top_k if top_k is None else top_k, d.top_p if top_p is None else top_p)
-        input_ids = torch.as_tensor(input_ids)
-        if input_ids.ndim > 2 or (input_ids.ndim == 2 and input_ids.shape[0] != 1):
-            raise ValueError(f"batch size 1 only: got input_ids of shape {tuple(input_ids.shape)}")
-        prompt = input_ids.reshape(-1).tolist()
-        self._check(prompt, max_new_tokens)
-        warp = Warp(temperature, top_k, top_p)
+        given = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
+        sampling = replace(self.sampling, **{key: value for key, value in given.items() if value is not None})
+        prompt = self._prompt(input_ids, sampling.max_new_tokens)
+        warp = Warp(sampling.temperature, sampling.top_k, sampling.top_p)
         generator = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
-        limit = len(prompt) + max_new_tokens
-        if self.context is not None:
-            limit = min(limit, self.context)
-        stats = GenerationStats(stop_reason="max_new_tokens" if len(prompt) + max_new_tokens <= limit else "context")
-        clock = [time.perf_counter()]
-
-        def lap(phase: str) -> None:
-            self._sync()
-            now = time.perf_counter()
-            setattr(stats, f"{phase}_s", getattr(stats, f"{phase}_s") + now - clock[0])
-            clock[0] = now
-
-        self._sync()
-        start = clock[0] = time.perf_counter()
-        target_cache = self.target_runner.new_cache()
-        draft_state = self.drafter.start(prompt)
-        layers = self.drafter.feature_layers
-        if len(prompt) > 1 and layers:
-            _, features = self.target_runner.forward_features(torch.tensor(prompt[:-1], device=self.device),
-                                                              target_cache, 0, layers)
-            self.drafter.observe(draft_state, features)
-        elif len(prompt) > 1:
-            self.target_runner.forward(torch.tensor(prompt[:-1], device=self.device), target_cache, 0, True)
-        lap("prefill")
+        wanted = len(prompt) + sampling.max_new_tokens
+        limit = wanted if self.context is None else min(wanted, self.context)
+        stats = GenerationStats(stop_reason="max_new_tokens" if wanted <= limit else "context")
+        clock = PhaseClock(stats, self._sync)
+        target_cache, draft_state = self._prefill(prompt)
+        clock("prefill")
 
         seq, gamma = list(prompt), self.gamma.first(len(prompt))
+        run = tree_round if isinstance(self.drafter, TreeDrafter) else speculative_round
         while len(seq) < limit:
-            clock[0] = time.perf_counter()  # bookkeeping between rounds counts as overhead, not as drafting
+            clock.restart()  # bookkeeping between rounds counts as overhead, not as drafting
             k = min(gamma, limit - len(seq) - 1)
-            run = tree_round if isinstance(self.drafter, TreeDrafter) else speculative_round
-            step = run(self.target_runner, target_cache, self.drafter, draft_state, seq, k, warp, generator, lap)
+            step = run(self.target_runner, target_cache, self.drafter, draft_state, seq, k, warp, generator, clock)
             step.record(stats)
             n_old = len(seq) - len(prompt)
             seq.extend(step.tokens)
@@ -381,7 +356,28 @@ class SpeculativeDecoder:
                 stats.stop_reason = reason
                 break
 
-        self._sync()
-        stats.total_s = time.perf_counter() - start
+        stats.total_s = clock.total()
         stats.new_tokens = len(seq) - len(prompt)
         return GenerationResult(seq[len(prompt) :], stats)
+
+    def _prompt(self, input_ids: Sequence[int] | torch.Tensor, max_new_tokens: int) -> list[int]:
+        input_ids = torch.as_tensor(input_ids)
+        if input_ids.ndim > 2 or (input_ids.ndim == 2 and input_ids.shape[0] != 1):
+            raise ValueError(f"batch size 1 only: got input_ids of shape {tuple(input_ids.shape)}")
+        prompt = input_ids.reshape(-1).tolist()
+        self._check(prompt, max_new_tokens)
+        return prompt
+
+    def _prefill(self, prompt: list[int]) -> tuple:
+        """The target fed every prompt token but the last (the pending one), the drafter started on the prompt (and
+        given the target's features, for a feature draft) -> (the target's cache, the drafter's state)."""
+        target_cache = self.target_runner.new_cache()
+        draft_state = self.drafter.start(prompt)
+        layers = self.drafter.feature_layers
+        if len(prompt) > 1 and layers:
+            _, features = self.target_runner.forward_features(torch.tensor(prompt[:-1], device=self.device),
+                                                              target_cache, 0, layers)
+            self.drafter.observe(draft_state, features)
+        elif len(prompt) > 1:
+            self.target_runner.forward(torch.tensor(prompt[:-1], device=self.device), target_cache, 0, True)
+        return target_cache, draft_state

@@ -158,7 +158,14 @@ def measure_costs(target_model, proposers: Mapping[str, object], tokens: list[in
                 run = (lambda d, st, sq, g: lambda: d.propose(st, sq, g, warp, None))(drafter, state, seq, gamma)
                 undo_draft = (lambda d, st, n: lambda: d.rollback(st, n))(drafter, state, length)
                 timers[(f"{name}|{gamma}", i)] = (run, undo_draft)
-    samples = time_rounds(timers, device, reps)
+    return cost_table(time_rounds(timers, device, reps), prefill_s, contexts, list(proposers), gammas, tree_budgets)
+
+
+def cost_table(samples: dict, prefill_s: dict[str, list[float]], contexts: Sequence[int], names: list[str],
+               gammas: Sequence[int], tree_budgets: Sequence[int]) -> dict:
+    """`measure_costs`' result from its timed samples: medians per context, and c and v as medians of the
+    per-repetition ratios to that repetition's target step."""
+    max_gamma = max(gammas)
 
     def seconds_of(key: str) -> list[float]:
         return [statistics.median(samples[(key, i)]) for i in range(len(contexts))]
@@ -175,7 +182,7 @@ def measure_costs(target_model, proposers: Mapping[str, object], tokens: list[in
               "v_tree": {str(b): ratio_to_step(f"tree{b}") for b in tree_budgets}}
     per_draft = {name: {"prefill_s": prefill_s[name],
                         "round_s": {str(g): seconds_of(f"{name}|{g}") for g in gammas},
-                        "c": {str(g): ratio_to_step(f"{name}|{g}", g) for g in gammas}} for name in proposers}
+                        "c": {str(g): ratio_to_step(f"{name}|{g}", g) for g in gammas}} for name in names}
     return {"contexts": list(contexts), "target": target, "drafts": per_draft}
 
 

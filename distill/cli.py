@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pipeline.command_options import config_options
+
 
 def distill_command(args) -> int:
     flags = ((["--config", args.config] if args.config else []) + (["--init-only"] if args.init_only else [])
@@ -73,12 +75,18 @@ def engine_serve_command(args) -> int:
 
 
 def add_commands(subparsers) -> None:
+    """The distill package's subcommands (the `draftops.commands` entry point `distill`)."""
+    _add_distill(subparsers)
+    _add_suffix_index(subparsers)
+    _add_engine_serve(subparsers)
+
+
+def _add_distill(subparsers) -> None:
     parser = subparsers.add_parser(
         "distill", help="train a draft from the target's own responses and logits, export and register it",
         description="Generate (or reuse) the target's responses to the train split of the traffic, distill a draft "
                     "on them with accelerate, keep the best checkpoint by simulated τ on held-out requests, export "
                     "it and register a new version in MLflow. Killed runs resume from their last checkpoint.")
-    parser.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
     parser.add_argument("--accelerate-config", default=None, metavar="FILE",
                         help="run under `accelerate launch --config_file FILE` "
                              "(e.g. configs/accelerate/cpu_2proc.yaml)")
@@ -92,23 +100,26 @@ def add_commands(subparsers) -> None:
                         help="a family of drafts at one budget, for `draftops sweep` to compare: one job per layer "
                              "count (the target's first N layers, everything else from the config), each registered "
                              "with the alias layers-N; e.g. --sizes 1,2,4,6 (make distill-sizes)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. distill.loss=tvd distill.epochs=2")
+    config_options(parser, overrides="e.g. distill.loss=tvd distill.epochs=2")
     parser.set_defaults(handler=distill_command)
 
+
+def _add_suffix_index(subparsers) -> None:
     index = subparsers.add_parser(
         "suffix-index", help="a suffix index over the target's responses to a traffic file (for suffix decoding)",
         description="Generate (or reuse from the cache) the target's greedy responses to a split of a traffic file, "
                     "with distill's generation settings, and save a suffix index over them. `make distill` ships "
                     "one beside every draft; this builds one for other traffic (decode.suffix_index=FILE).")
     index.add_argument("--out", required=True, help="the index file to write (JSON)")
-    index.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
     index.add_argument("--target", default=None, help="target model source (default: the config's target)")
     index.add_argument("--traffic", default=None, help="traffic JSONL (default: the config's traffic.path)")
     index.add_argument("--split", choices=["heldout", "train", "all"], default="train")
     index.add_argument("--limit", type=int, default=None, help="the first N requests of the split")
-    index.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. device=cpu")
+    config_options(index)
     index.set_defaults(handler=suffix_index_command)
 
+
+def _add_engine_serve(subparsers) -> None:
     engine = subparsers.add_parser(
         "engine", help="inference servers that generate distill's training data (docs/engines.md)").add_subparsers(
         dest="action", required=True)
@@ -119,7 +130,7 @@ def add_commands(subparsers) -> None:
                     "distill.responses.concurrency slots. They run until interrupted, or until the command after "
                     "`--` ends: draftops engine serve --config configs/engine_llamacpp.yaml -- draftops distill "
                     "--config configs/engine_llamacpp.yaml")
-    serve.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
+    config_options(serve, overrides=None)
     serve.add_argument("--replicas", type=int, default=None, help="start N servers on ports --port, --port + 1, ...")
     serve.add_argument("--port", type=int, default=8081, help="the first port with --replicas (default 8081)")
     serve.add_argument("--slots", type=int, default=None,

@@ -107,37 +107,104 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def train_loop(cfg: DraftopsConfig, accelerator, target, tokenizer, draft, data: TrainingData, job_dir: Path,
-               timings: Timings) -> tuple[list[dict], list[dict], dict | None]:
-    """Train `draft` in place; returns (per-step history, evaluations, best evaluation). The best weights by τ are
-    in job_dir/best."""
-    d = cfg.distill
-    P, rank = accelerator.num_processes, accelerator.process_index
-    n = len(data.train)
-    global_batch, total_steps = global_batch_and_steps(d, n, P)
-    select = "tau_t0" if cfg.decode.temperature == 0 else "tau_t1"
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids(target, tokenizer)[0]
+@dataclass
+class Prepared:
+    """What accelerate prepared: the draft's training module, its optimizer, the lr schedule (stepped here, once per
+    optimizer step) and the parameters clipped."""
 
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    trainable: list[torch.nn.Parameter]
+
+
+def prepare_training(d: DistillConfig, accelerator, draft, total_steps: int) -> Prepared:
+    """AdamW and the warmup-cosine schedule over `total_steps`, the draft's training module prepared by accelerate."""
     parameters = trainable_parameters(draft)
-    # one fused kernel per step instead of a loop of small ops over every parameter (docs/results.md#the-cpu-runtime);
-    # left to torch's default where accelerate shards or moves the parameters (FSDP, DDP)
-    fused = P == 1 and all(p.device.type in ("cpu", "cuda") for p in parameters)
+    # one fused kernel per step instead of a loop of small ops; left to torch's default where accelerate shards or
+    # moves the parameters (FSDP, DDP)
+    fused = accelerator.num_processes == 1 and all(p.device.type in ("cpu", "cuda") for p in parameters)
     optimizer = torch.optim.AdamW(parameters, lr=d.learning_rate, weight_decay=d.weight_decay, fused=fused or None)
     # Not passed to prepare(): accelerate would step it once per process and change the schedule with the world size.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(
         s, warmup=d.warmup_steps, total=total_steps, min_ratio=d.min_lr_ratio))
     model, optimizer = accelerator.prepare(draft_module(d, draft), optimizer)
-    features = d.family == "features"
-    trainable = trainable_parameters(model)
     accelerator.register_for_checkpointing(scheduler)
+    return Prepared(model, optimizer, scheduler, trainable_parameters(model))
 
-    checkpoints, best_dir = job_dir / "checkpoints", job_dir / "best"
-    state = {"step": 0, "history": [], "evals": [], "best": None}
-    last = latest_checkpoint(checkpoints) if d.resume else None
-    if last is not None:
-        state = load_training_state(accelerator, last, job_dir)
-        accelerator.print(f"draftops distill: resuming from {last} (step {state['step']} of {total_steps})")
 
+def resumed_state(d: DistillConfig, accelerator, job_dir: Path, total_steps: int) -> dict:
+    """The loop's state (step, history, evaluations, best evaluation): the last checkpoint's with `resume`, else new."""
+    last = latest_checkpoint(job_dir / "checkpoints") if d.resume else None
+    if last is None:
+        return {"step": 0, "history": [], "evals": [], "best": None}
+    state = load_training_state(accelerator, last, job_dir)
+    accelerator.print(f"draftops distill: resuming from {last} (step {state['step']} of {total_steps})")
+    return state
+
+
+def optimizer_step(d: DistillConfig, accelerator, prepared: Prepared, target, draft, data: TrainingData,
+                   batches: list[dict], step: int) -> tuple[float, float, int]:
+    """Accumulate the gradients of this process's micro-batches, clip and step -> (loss over the global batch,
+    gradient norm, loss tokens in the global batch)."""
+    model, P = prepared.model, accelerator.num_processes
+    local_tokens = sum(int(b["loss_mask"].sum()) for b in batches)
+    global_tokens = accelerator.reduce(torch.tensor(local_tokens, device=accelerator.device), "sum")
+    step_loss = torch.zeros((), device=accelerator.device)
+    for micro, batch in enumerate(batches):
+        # Gradients are synchronized across processes once, on the last micro-batch.
+        with nullcontext() if micro == d.grad_accum - 1 else accelerator.no_sync(model):
+            if d.family == "features":
+                loss = feature_loss_step(model, batch, d, target=target, layers=draft.feature_layers,
+                                         num_tokens=global_tokens, token_ids=data.token_ids, device=accelerator.device)
+            else:
+                loss = loss_step(model, batch, d, num_tokens=global_tokens, token_ids=data.token_ids,
+                                 device=accelerator.device, target=target)
+            # DDP averages gradients over processes; the loss is already a share of the global token mean.
+            accelerator.backward(loss * P)
+        step_loss += loss.detach()
+    step_loss = accelerator.reduce(step_loss, "sum").item()
+    if not math.isfinite(step_loss):
+        raise NonFiniteLoss(f"training loss is {step_loss} at step {step + 1}; stopping without exporting or "
+                            "registering anything (try a lower distill.learning_rate or mixed_precision=no)")
+    grad_norm = float(accelerator.clip_grad_norm_(prepared.trainable, d.max_grad_norm))
+    prepared.optimizer.step()
+    prepared.scheduler.step()
+    prepared.optimizer.zero_grad(set_to_none=True)
+    return step_loss, grad_norm, int(global_tokens)
+
+
+def heldout_metrics(cfg: DraftopsConfig, model, target, data: TrainingData, step: int) -> dict:
+    """α and τ on the held-out responses at `step`. Every rank evaluates (identical inputs) through the prepared
+    model: with FSDP the forward gathers the sharded parameters from all of them."""
+    model.eval()
+    if cfg.distill.family == "features":
+        measured = feature_eval(model, target, data.heldout, data.token_ids, cfg.decode.gamma)
+    else:
+        measured = cached_eval(model, data.heldout, data.token_ids, cfg.decode.gamma)
+    model.train()
+    return {"step": step, **measured}
+
+
+def evaluation_line(metrics: dict, gamma: int) -> str:
+    by_position = "  ".join(f"{metrics[f'alpha_t0_pos{j}']:.2f}" for j in range(1, gamma + 1)
+                            if f"alpha_t0_pos{j}" in metrics)
+    return (f"step {metrics['step']}: α(T=0) {metrics['alpha_t0']:.3f}  α(T=1) ≥ {metrics['alpha_t1']:.3f}  "
+            f"τ(γ={gamma}, T=0) {metrics['tau_t0']:.2f}"
+            + (f"  α(T=0) by draft position {by_position}" if by_position else ""))
+
+
+def train_loop(cfg: DraftopsConfig, accelerator, target, tokenizer, draft, data: TrainingData, job_dir: Path,
+               timings: Timings) -> tuple[list[dict], list[dict], dict | None]:
+    """Train `draft` in place; returns (per-step history, evaluations, best evaluation). The best weights by τ are
+    in job_dir/best."""
+    d = cfg.distill
+    n = len(data.train)
+    global_batch, total_steps = global_batch_and_steps(d, n, accelerator.num_processes)
+    select = "tau_t0" if cfg.decode.temperature == 0 else "tau_t1"
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids(target, tokenizer)[0]
+    prepared = prepare_training(d, accelerator, draft, total_steps)
+    state = resumed_state(d, accelerator, job_dir, total_steps)
     bar = tqdm(total=total_steps, initial=state["step"], desc="distill", unit="step",
                disable=not accelerator.is_main_process, dynamic_ncols=True)
     lengths = [len(p) + len(r) for p, r in zip(data.train.prompt_ids, data.train.response_ids)]
@@ -145,63 +212,26 @@ def train_loop(cfg: DraftopsConfig, accelerator, target, tokenizer, draft, data:
     for step in range(state["step"], total_steps):
         with timings.measure("training"):
             indices = global_batch_indices(n, step, global_batch, cfg.seed, lengths)
-            batches, onpolicy = step_batches(cfg, draft, tokenizer, data, indices, step, rank=rank,
-                                             num_processes=P, pad_id=pad_id)
-            local_tokens = sum(int(b["loss_mask"].sum()) for b in batches)
-            global_tokens = accelerator.reduce(torch.tensor(local_tokens, device=accelerator.device), "sum")
-            step_loss = torch.zeros((), device=accelerator.device)
-            for micro, batch in enumerate(batches):
-                # Gradients are synchronized across processes once, on the last micro-batch.
-                with nullcontext() if micro == d.grad_accum - 1 else accelerator.no_sync(model):
-                    if features:
-                        loss = feature_loss_step(model, batch, d, target=target, layers=draft.feature_layers,
-                                                 num_tokens=global_tokens, token_ids=data.token_ids,
-                                                 device=accelerator.device)
-                    else:
-                        loss = loss_step(model, batch, d, num_tokens=global_tokens, token_ids=data.token_ids,
-                                         device=accelerator.device, target=target)
-                    # DDP averages gradients over processes; the loss is already a share of the global token mean.
-                    accelerator.backward(loss * P)
-                step_loss += loss.detach()
-            step_loss = accelerator.reduce(step_loss, "sum").item()
-            if not math.isfinite(step_loss):
-                raise NonFiniteLoss(f"training loss is {step_loss} at step {step + 1}; stopping without exporting or "
-                                    "registering anything (try a lower distill.learning_rate or mixed_precision=no)")
-            grad_norm = accelerator.clip_grad_norm_(trainable, d.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-        tokens_seen += int(global_tokens)
+            batches, onpolicy = step_batches(cfg, draft, tokenizer, data, indices, step, rank=accelerator.process_index,
+                                             num_processes=accelerator.num_processes, pad_id=pad_id)
+            loss, grad_norm, tokens = optimizer_step(d, accelerator, prepared, target, draft, data, batches, step)
+        tokens_seen += tokens
         state["step"] = step + 1
-        state["history"].append({"step": step + 1, "loss": step_loss, "lr": scheduler.get_last_lr()[0],
-                                 "grad_norm": float(grad_norm), "tokens": int(global_tokens), "onpolicy": onpolicy})
-        elapsed = time.perf_counter() - started
-        bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tokens_seen / max(elapsed, 1e-9):.0f}")
+        state["history"].append({"step": step + 1, "loss": loss, "lr": prepared.scheduler.get_last_lr()[0],
+                                 "grad_norm": grad_norm, "tokens": tokens, "onpolicy": onpolicy})
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_seen / max(time.perf_counter() - started, 1e-9):.0f}")
         bar.update(1)
-
         if state["step"] % d.eval_every == 0 or state["step"] == total_steps:
             with timings.measure("eval"):
-                # Every rank evaluates (identical inputs) through the prepared model: with FSDP the forward
-                # gathers the sharded parameters from all of them.
-                model.eval()
-                if features:
-                    measured = feature_eval(model, target, data.heldout, data.token_ids, cfg.decode.gamma)
-                else:
-                    measured = cached_eval(model, data.heldout, data.token_ids, cfg.decode.gamma)
-                metrics = {"step": state["step"], **measured}
-                model.train()
+                metrics = heldout_metrics(cfg, prepared.model, target, data, state["step"])
                 state["evals"].append(metrics)
                 if state["best"] is None or metrics[select] > state["best"][select]:
                     state["best"] = metrics
-                    save_best(accelerator, model, best_dir)
+                    save_best(accelerator, prepared.model, job_dir / "best")
                 if accelerator.is_main_process:
-                    by_position = "  ".join(f"{metrics[f'alpha_t0_pos{j}']:.2f}" for j in
-                                            range(1, cfg.decode.gamma + 1) if f"alpha_t0_pos{j}" in metrics)
-                    bar.write(f"step {state['step']}: α(T=0) {metrics['alpha_t0']:.3f}  α(T=1) ≥ "
-                              f"{metrics['alpha_t1']:.3f}  τ(γ={cfg.decode.gamma}, T=0) {metrics['tau_t0']:.2f}"
-                              + (f"  α(T=0) by draft position {by_position}" if by_position else ""))
+                    bar.write(evaluation_line(metrics, cfg.decode.gamma))
         if state["step"] % d.checkpoint_every == 0 and state["step"] < total_steps:
             with timings.measure("checkpoints"):
-                save_training_state(accelerator, checkpoints, state["step"], state, d.keep_checkpoints)
+                save_training_state(accelerator, job_dir / "checkpoints", state["step"], state, d.keep_checkpoints)
     bar.close()
     return state["history"], state["evals"], state["best"]

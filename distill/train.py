@@ -97,6 +97,8 @@ def distributed_as(accelerator: Accelerator) -> str:
     return "" if kind == DistributedType.NO else f", distributed as {kind.value}"
 
 
+
+
 RESULT_FILE = "result.json"  # in the job folder: written when the draft is exported, again when it is registered
 
 
@@ -162,29 +164,57 @@ def run_distill(cfg: DraftopsConfig, *, init_only: bool = False, register_only: 
     if register_only and finished is None:
         raise NothingToRegister(f"no finished distill job for this config in {job_dir}: nothing to register")
     if finished is not None:
-        if state.is_main_process:
-            if cfg.distill.register_model:
-                register_once(cfg, finished, target, alias)
-            print(f"draftops distill: {job_dir} had finished; nothing trained again")
-            print_summary(cfg, finished)
-        state.wait_for_everyone()
-        state.destroy_process_group()
-        return finished
+        return conclude_finished(cfg, state, target, finished, alias)
     set_seed(cfg.seed)
     draft = init_draft(cfg.distill, target.model, token_ids=data.token_ids, tokenizer=target.tokenizer)
     if init_only:
-        export_dir = job_dir / "init"
-        if state.is_main_process:
-            export_draft(draft.eval(), target.tokenizer, export_dir, token_ids=data.token_ids, cfg=cfg)
-            print(f"draftops distill: untrained draft ({cfg.distill.init}) exported to {export_dir}; "
-                  "nothing trained or registered")
-        return DistillResult(export_dir, job_dir, {}, [], [], timings.seconds, data.token_ids, data.fingerprint)
+        return export_untrained(cfg, state, target, draft, data, job_dir, timings)
+    accelerator, history, evals, best = train(cfg, state, target, draft, data, job_dir, timings)
+    result = DistillResult(job_dir / "draft", job_dir, {}, history, evals, timings.seconds, data.token_ids,
+                           data.fingerprint, teacher=data.teacher, mixed_precision=accelerator.mixed_precision)
+    if accelerator.is_main_process:
+        export_best(cfg, target, data, result, best, timings)
+        if cfg.distill.register_model:
+            with timings.measure("register"):
+                register_once(cfg, result, target, alias)
+        print_summary(cfg, result)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # tears the process group down cleanly (gloo ranks abort at exit otherwise)
+    return result
+
+
+def conclude_finished(cfg: DraftopsConfig, state: PartialState, target, finished: DistillResult,
+                      alias: str | None) -> DistillResult:
+    """A job that had run to its export: its draft registered (once), nothing trained again."""
+    if state.is_main_process:
+        if cfg.distill.register_model:
+            register_once(cfg, finished, target, alias)
+        print(f"draftops distill: {finished.job_dir} had finished; nothing trained again")
+        print_summary(cfg, finished)
+    state.wait_for_everyone()
+    state.destroy_process_group()
+    return finished
+
+
+def export_untrained(cfg: DraftopsConfig, state: PartialState, target, draft, data: TrainingData, job_dir: Path,
+                     timings: Timings) -> DistillResult:
+    """`--init-only`: the initialized draft exported to `<job>/init`, nothing trained or registered."""
+    export_dir = job_dir / "init"
+    if state.is_main_process:
+        export_draft(draft.eval(), target.tokenizer, export_dir, token_ids=data.token_ids, cfg=cfg)
+        print(f"draftops distill: untrained draft ({cfg.distill.init}) exported to {export_dir}; "
+              "nothing trained or registered")
+    return DistillResult(export_dir, job_dir, {}, [], [], timings.seconds, data.token_ids, data.fingerprint)
+
+
+def train(cfg: DraftopsConfig, state: PartialState, target, draft, data: TrainingData, job_dir: Path,
+          timings: Timings) -> tuple[Accelerator, list[dict], list[dict], dict]:
+    """The training loop in the resolved precision -> (the accelerator, history, evaluations, best evaluation)."""
     embeddings = draft.get_input_embeddings().weight
     if draft.get_output_embeddings().weight is not embeddings and cfg.distill.family != FEATURES:
         # a tied head is trained, and its embeddings with it; a feature draft's embeddings are the target's
         embeddings.requires_grad_(cfg.distill.train_embeddings)
-    precision = training_precision(cfg, state, draft, data)
-    accelerator = make_accelerator(cfg, precision)
+    accelerator = make_accelerator(cfg, training_precision(cfg, state, draft, data))
     mixed = accelerator.mixed_precision
     accelerator.print(f"draftops distill: draft of {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M parameters "
                       f"({sum(p.numel() for p in draft.parameters() if p.requires_grad) / 1e6:.1f}M trained), "
@@ -197,40 +227,36 @@ def run_distill(cfg: DraftopsConfig, *, init_only: bool = False, register_only: 
         history, evals, best = train_loop(cfg, accelerator, target.model, target.tokenizer, draft, data, job_dir,
                                           timings)
     accelerator.wait_for_everyone()
+    return accelerator, history, evals, best
 
-    export_dir = job_dir / "draft"
-    result = DistillResult(export_dir, job_dir, {}, history, evals, timings.seconds, data.token_ids, data.fingerprint,
-                           teacher=data.teacher, mixed_precision=mixed)
-    if accelerator.is_main_process:
-        draft = load_best(cfg, target.model, data.token_ids, job_dir / "best")
-        with timings.measure("eval"):
-            if cfg.distill.family == FEATURES:  # exact at T=0 already: the target gives the features
-                exact = feature_eval(draft_module(cfg.distill, draft), target.model, data.heldout, data.token_ids,
-                                     cfg.decode.gamma, with_ranks=True, chain_k=ENGINE_CHAIN)
-            else:
-                exact = exact_eval(target.model, draft, data.heldout, data.token_ids, cfg.decode.gamma,
-                                   with_ranks=True, by_turn=data.by_turn)
-            ranks = exact.pop("ranks")
-        select = "tau_t0" if cfg.decode.temperature == 0 else "tau_t1"
-        result.metrics = {**exact, "tau": exact[select], "best_step": best["step"],
-                          "loss": history[best["step"] - 1]["loss"],
-                          "train_responses": len(data.train), "train_tokens": data.train.num_response_tokens,
-                          **({"train_turns": data.train_turns} if data.by_turn else {})}
-        with timings.measure("export"):
-            # the draft travels with a suffix index of the target's train responses (`decode.drafters.suffix`)
-            # ... and the rank acceptance its token trees' node budget is chosen from (`decode.tree_budget_measured`)
-            export_draft(draft, target.tokenizer, export_dir, token_ids=data.token_ids, cfg=cfg,
-                         suffix_index=SuffixIndex(data.train.response_ids),
-                         rank_acceptance=(rank_acceptance(ranks, max(TREE_BUDGETS)), sum(map(len, ranks))))
-            point_latest(Path(cfg.distill.output_dir) / "latest", export_dir)
-        save_result(result)  # finished: a re-run after a failed registration only registers
-        if cfg.distill.register_model:
-            with timings.measure("register"):
-                register_once(cfg, result, target, alias)
-        print_summary(cfg, result)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()  # tears the process group down cleanly (gloo ranks abort at exit otherwise)
-    return result
+
+def export_best(cfg: DraftopsConfig, target, data: TrainingData, result: DistillResult, best: dict,
+                timings: Timings) -> None:
+    """The best weights by τ evaluated exactly (the target alongside) into `result.metrics`, exported to
+    `result.export_dir` with the draft's suffix index and rank acceptance, and the result saved: the job has
+    finished."""
+    draft = load_best(cfg, target.model, data.token_ids, result.job_dir / "best")
+    with timings.measure("eval"):
+        if cfg.distill.family == FEATURES:  # exact at T=0 already: the target gives the features
+            exact = feature_eval(draft_module(cfg.distill, draft), target.model, data.heldout, data.token_ids,
+                                 cfg.decode.gamma, with_ranks=True, chain_k=ENGINE_CHAIN)
+        else:
+            exact = exact_eval(target.model, draft, data.heldout, data.token_ids, cfg.decode.gamma, with_ranks=True,
+                               by_turn=data.by_turn)
+        ranks = exact.pop("ranks")
+    select = "tau_t0" if cfg.decode.temperature == 0 else "tau_t1"
+    result.metrics = {**exact, "tau": exact[select], "best_step": best["step"],
+                      "loss": result.history[best["step"] - 1]["loss"],
+                      "train_responses": len(data.train), "train_tokens": data.train.num_response_tokens,
+                      **({"train_turns": data.train_turns} if data.by_turn else {})}
+    with timings.measure("export"):
+        # the draft travels with a suffix index of the target's train responses (`decode.drafters.suffix`)
+        # ... and the rank acceptance its token trees' node budget is chosen from (`decode.tree_budget_measured`)
+        export_draft(draft, target.tokenizer, result.export_dir, token_ids=data.token_ids, cfg=cfg,
+                     suffix_index=SuffixIndex(data.train.response_ids),
+                     rank_acceptance=(rank_acceptance(ranks, max(TREE_BUDGETS)), sum(map(len, ranks))))
+        point_latest(Path(cfg.distill.output_dir) / "latest", result.export_dir)
+    save_result(result)  # finished: a re-run after a failed registration only registers
 
 
 def sizes_config(cfg: DraftopsConfig, layers: int) -> DraftopsConfig:

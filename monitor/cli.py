@@ -6,7 +6,6 @@ top, so that building `draftops`' parser loads neither torch, transformers nor m
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -14,6 +13,7 @@ import sys
 from pathlib import Path
 
 from pipeline import metrics as M
+from pipeline.command_options import config_options
 from pipeline.locks import ModelBusy
 from pipeline.registry import RegistryError
 
@@ -261,27 +261,34 @@ def report_command(args) -> int:
 
 
 def add_commands(subparsers) -> None:
+    """The monitor package's subcommands (the `draftops.commands` entry point `monitor`)."""
     monitor = subparsers.add_parser("monitor", help="check the champion draft for drift, on demand or nightly")
     actions = monitor.add_subparsers(dest="action", required=True)
+    for add in (_add_check, _add_serve, _add_simulate, _add_demo, _add_rollback, _add_deploy):
+        add(actions)
+    _add_target_finetune(subparsers)
+    _add_report(subparsers)
 
-    def with_config(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        parser.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
-        parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
-        return parser
 
-    check = with_config(actions.add_parser(
+def _add_check(actions) -> None:
+    check = actions.add_parser(
         "check", help="measure the champion now; exit 0 OK, 3 DRIFT, 4 DEPLOY_MISMATCH (the engine does not show the "
                       "deployed draft's acceptance), 5 DEPLOY_FAILED (a deploy it ran failed), 2 error, 75 another "
-                      "check running"))
+                      "check running")
     check.add_argument("--json", action="store_true")
+    config_options(check)
     check.set_defaults(handler=check_command)
 
-    serve = with_config(actions.add_parser("serve", help="run the check on the configured cron schedule"))
+
+def _add_serve(actions) -> None:
+    serve = config_options(actions.add_parser("serve", help="run the check on the configured cron schedule"))
     serve.add_argument("--run-now", action="store_true", help="also run one check right away")
     serve.set_defaults(handler=serve_command)
 
-    simulate = with_config(actions.add_parser(
-        "simulate", help="false-alarm rate and power of the check at the configured N and level"))
+
+def _add_simulate(actions) -> None:
+    simulate = actions.add_parser(
+        "simulate", help="false-alarm rate and power of the check at the configured N and level")
     simulate.add_argument("--pairs", help="JSON per-prompt (accepted, drafted) pairs to resample (default: a "
                                           "beta-binomial model with per-prompt heterogeneity)")
     simulate.add_argument("--n", type=int, help="prompts per measurement (default monitor.heldout_requests)")
@@ -301,11 +308,14 @@ def add_commands(subparsers) -> None:
     simulate.add_argument("--checks", type=int, help="simulated checks per point (default monitor.simulate_checks)")
     simulate.add_argument("--out", help="folder for simulation.json and power.png (default <state_dir>/simulation)")
     simulate.add_argument("--json", action="store_true")
+    config_options(simulate)
     simulate.set_defaults(handler=simulate_command)
 
-    demo = with_config(actions.add_parser(
+
+def _add_demo(actions) -> None:
+    demo = actions.add_parser(
         "demo", help="drift demo: distill a champion, check, update the target, check (DRIFT), retrain, promote, "
-                     "check (`make drift-demo`)"))
+                     "check (`make drift-demo`)")
     demo.add_argument("--out", default="outputs/drift-demo", help="folder for its configs, drafts, target, state")
     demo.add_argument("--serve", action="store_true",
                       help="through a running llama-server (`make serve-demo`, configs/serve_demo.yaml): deploy to it, "
@@ -316,20 +326,29 @@ def add_commands(subparsers) -> None:
     demo.add_argument("--no-speed", action="store_true", help="--serve: skip llama.cpp with/without the draft")
     demo.add_argument("--window-requests", type=int, default=6,
                       help="--serve: replayed requests per engine-check window")
+    config_options(demo)
     demo.set_defaults(handler=demo_command)
 
-    rollback = with_config(actions.add_parser("rollback", help="move the champion alias back to the previous one"))
+
+def _add_rollback(actions) -> None:
+    rollback = actions.add_parser("rollback", help="move the champion alias back to the previous one")
     rollback.add_argument("--to-version", help="a specific version instead of the previous champion")
+    config_options(rollback)
     rollback.set_defaults(handler=rollback_command)
 
-    deploy = with_config(actions.add_parser(
+
+def _add_deploy(actions) -> None:
+    deploy = actions.add_parser(
         "deploy", help="export the champion into monitor.deploy.dir, switch `current` to it and reload the engine "
-                       "(nothing when it is deployed); exit 0 done, 2 failed, 75 busy"))
+                       "(nothing when it is deployed); exit 0 done, 2 failed, 75 busy")
     deploy.add_argument("--force", action="store_true", help="export and reload again even where it is deployed")
     deploy.add_argument("--rollback", action="store_true",
                         help="switch `current` back to the previous deployment instead (the registry is unchanged)")
+    config_options(deploy)
     deploy.set_defaults(handler=deploy_command)
 
+
+def _add_target_finetune(subparsers) -> None:
     target = subparsers.add_parser("target", help="target model updates (to rehearse a target change)")
     actions = target.add_subparsers(dest="action", required=True)
     finetune = actions.add_parser(
@@ -337,17 +356,16 @@ def add_commands(subparsers) -> None:
         description="The configured target answers prompts (target_update.prompts; distill's response cache is "
                     "reused), the responses are restyled (target_update.style), a LoRA adapter is trained on them "
                     "and merged, and the result is saved to target_update.output_dir as a new checkpoint.")
-    finetune.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
-    finetune.add_argument("overrides", nargs="*", metavar="key=value",
-                          help="e.g. target_update.steps=60 target_update.style=prefix")
+    config_options(finetune, overrides="e.g. target_update.steps=60 target_update.style=prefix")
     finetune.set_defaults(handler=target_finetune_command)
 
+
+def _add_report(subparsers) -> None:
     report = subparsers.add_parser(
         "report", help="all versions of the registered draft side by side, and the monitor's last checks")
     report.add_argument("--model", default=None, help="registered model (default: tracking.registered_model)")
     report.add_argument("--format", choices=("md", "html"), default="md")
     report.add_argument("--out", default=None, help="write to this file instead of stdout")
     report.add_argument("--checks", type=int, default=10, help="how many monitor checks to list")
-    report.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
-    report.add_argument("overrides", nargs="*", metavar="key=value")
+    config_options(report)
     report.set_defaults(handler=report_command)

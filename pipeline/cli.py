@@ -12,6 +12,8 @@ from importlib.metadata import entry_points
 
 import numpy as np
 
+from pipeline.command_options import config_options
+
 # The entry-point group through which each package contributes subcommands: `add_commands(subparsers)`.
 COMMANDS_GROUP = "draftops.commands"
 
@@ -108,9 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     stats.set_defaults(handler=traffic_stats)
 
     config = sub.add_parser("config", help="show the resolved config, or the reference of every key")
-    config.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
     config.add_argument("--reference", action="store_true", help="Markdown table of every key, default and meaning")
-    config.add_argument("overrides", nargs="*", metavar="key=value")
+    config_options(config)
     config.set_defaults(handler=config_show)
 
     for command in sorted(entry_points(group=COMMANDS_GROUP), key=lambda ep: ep.name):

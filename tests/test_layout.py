@@ -1,5 +1,5 @@
-"""The code's shape, checked: imports at the top of modules, nothing loaded by name, modules of at most 400 lines, and
-a command line that starts without heavy libraries.
+"""The code's shape, checked: imports at the top of modules, nothing loaded by name, modules of at most 400 lines,
+functions of at most 80, and a command line that starts without heavy libraries.
 
 The layering between packages (pipeline <- decode <- distill <- monitor) and inside decode (runtime <- sampling <-
 models <- the algorithm <- serving <- measure <- the command line) is import-linter's contract in pyproject.toml, run
@@ -16,6 +16,7 @@ PACKAGES = ("pipeline", "decode", "distill", "monitor")
 # the command-line modules: their handlers import what their command runs when it runs
 COMMAND_MODULES = ("cli.py", "commands.py", "bench_commands.py")
 MAX_LINES = 400
+MAX_FUNCTION_LINES = 80
 
 
 def package_modules() -> list[Path]:
@@ -54,6 +55,24 @@ def test_no_module_loads_a_draftops_package_by_name():
 def test_every_module_holds_one_job_of_at_most_400_lines():
     lines = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in package_modules()}
     long = {path: n for path, n in lines.items() if n > MAX_LINES}
+    assert long == {}
+
+
+def long_functions(path: Path) -> dict[str, int]:
+    """`file:function` -> lines (from `def` to its last line, docstring included), for every function or method of
+    `path` over MAX_FUNCTION_LINES."""
+    found = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > MAX_FUNCTION_LINES:
+                found[f"{path.relative_to(REPO).as_posix()}:{node.name}"] = lines
+    return found
+
+
+def test_every_function_reads_in_at_most_80_lines():
+    """A function that does several things reads as named steps, each a function of its own."""
+    long = {name: n for path in package_modules() for name, n in long_functions(path).items()}
     assert long == {}
 
 

@@ -5,12 +5,20 @@ from __future__ import annotations
 from decode.measure.bench_llamacpp import LLAMA_CPP_SPECULATIVE, LLAMA_CPP_TARGET_ONLY
 from decode.measure.bench_rows import TARGET_ONLY, TARGET_ONLY_TORCH
 from decode.measure.intervals import chain_text
+from decode.measure.markdown import interval, table
 from pipeline import metrics as M
 
 
 def markdown(report: dict) -> str:
+    lines = [*_heading(report), *_methods_table(report), "", *_speculative_figures(report), *_draft_lines(report),
+             *_llama_cpp_lines(report), *_decoders_table(report), *_categories_table(report)]
+    lines += [f"- note: {n}" for n in report["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def _heading(report: dict) -> list[str]:
     s, baseline = report["settings"], report["baseline"]
-    lines = [
+    return [
         "# draftops bench",
         "",
         f"{report['n_prompts']} prompts, greedy, γ={s['gamma']}, max_new_tokens={s['max_new_tokens']}, "
@@ -21,33 +29,31 @@ def markdown(report: dict) -> str:
            else f"generate on {s['device']}")
         + (", target_only_torch on torch's stock kernels." if TARGET_ONLY_TORCH in report["methods"] else "."),
         "",
-        f"| method | new tokens | seconds | tokens/s | speedup vs {baseline} | same output as target_only |",
-        "|---|---:|---:|---|---|---:|",
     ]
-    for name, r in report["methods"].items():
-        tps = r["tokens_per_s"]
-        speedup = r.get("speedup")
-        speedup_text = (f"{speedup['value']:.2f}x [{speedup['low']:.2f}, {speedup['high']:.2f}]" if speedup
-                        else "1 (denominator)")
-        lines.append(f"| {name} | {r['new_tokens']} | {r['seconds']:.2f} | {tps['value']:.1f} "
-                     f"[{tps['low']:.1f}, {tps['high']:.1f}] | {speedup_text} | "
-                     f"{r['same_output_as_target']}/{report['n_prompts']} |")
+
+
+def _methods_table(report: dict) -> list[str]:
+    rows = [[name, r["new_tokens"], f"{r['seconds']:.2f}", interval(r["tokens_per_s"], 1),
+             interval(r["speedup"], 2, "x") if r.get("speedup") else "1 (denominator)",
+             f"{r['same_output_as_target']}/{report['n_prompts']}"] for name, r in report["methods"].items()]
+    return table(["method", "new tokens", "seconds", "tokens/s", f"speedup vs {report['baseline']}",
+                  "same output as target_only"], rows, "lrrllr")
+
+
+def _speculative_figures(report: dict) -> list[str]:
+    """The speculative decoder against plain and chain decoding, its acceptance, its costs and the bounds on them."""
     a, t, k, r = report["alpha"], report["tau"], report["costs"], report["in_run_costs"]
     speculative = report["methods"]["speculative"]
     time_s = report["speculative_time_s"]
-    lines += [
-        "",
+    return [
         f"- speculative / plain (the same forward without a draft): "
         f"{speculative['tokens_per_s']['value'] / report['methods']['plain']['tokens_per_s']['value']:.2f}x",
         *([f"- speculative (trees) / chain (the same decoder in chain rounds, paired over prompts): "
-           f"{report['trees_vs_chain']['value']:.2f}x [{report['trees_vs_chain']['low']:.2f}, "
-           f"{report['trees_vs_chain']['high']:.2f}]"] if report.get("trees_vs_chain") else []),
-        *[f"- {name} (--compare) / {against.removeprefix('vs_')}, paired over prompts: {r['value']:.2f}x "
-          f"[{r['low']:.2f}, {r['high']:.2f}]"
+           f"{interval(report['trees_vs_chain'], 2, 'x')}"] if report.get("trees_vs_chain") else []),
+        *[f"- {name} (--compare) / {against.removeprefix('vs_')}, paired over prompts: {interval(r, 2, 'x')}"
           for name, ratios in report.get("compared", {}).items() for against, r in ratios.items()],
-        f"- acceptance of this decoder ({report['drafters']['speculative']}) α̂ = {a['value']:.3f} "
-        f"[{a['low']:.3f}, {a['high']:.3f}]; tokens per target call τ = {t['value']:.2f} "
-        f"[{t['low']:.2f}, {t['high']:.2f}]",
+        f"- acceptance of this decoder ({report['drafters']['speculative']}) α̂ = {interval(a, 3)}; tokens per "
+        f"target call τ = {interval(t, 2)}",
         f"- step costs: target {k['target_step_s'] * 1e3:.2f} ms, draft {k['draft_step_s'] * 1e3:.2f} ms, "
         f"verify of γ+1 tokens {k['verify_s'] * 1e3:.2f} ms -> c = {k['c']:.3f}, v = {k['v']:.3f}",
         *([f"- tree verify of {k['tree_budget']} nodes (the first prompt's budget) {k['tree_verify_s'] * 1e3:.2f} ms "
@@ -65,9 +71,13 @@ def markdown(report: dict) -> str:
         f"- speculative time split: draft {time_s['draft_s']:.2f} s, verify {time_s['verify_s']:.2f} s, "
         f"prefill {time_s['prefill_s']:.2f} s, overhead {time_s['overhead_s']:.2f} s",
     ]
+
+
+def _draft_lines(report: dict) -> list[str]:
+    """The draft model alone, and a challenger draft beside it."""
+    lines = []
     if report["alpha_draft"] is not None:
-        d = report["alpha_draft"]
-        lines.append(f"- acceptance of the draft model alone α̂ = {d['value']:.3f} [{d['low']:.3f}, {d['high']:.3f}]")
+        lines.append(f"- acceptance of the draft model alone α̂ = {interval(report['alpha_draft'], 3)}")
         lines.append("- its acceptance by draft position (given the earlier ones accepted): " + ", ".join(
             f"{a:.2f}" for a in report.get("alpha_draft_at_position") or []))
     if report.get("chain"):
@@ -77,35 +87,37 @@ def markdown(report: dict) -> str:
         costs = ch["costs"]
         lines.append(f"- challenger draft {ch['source']}: draft step {costs['draft_step_s'] * 1e3:.2f} ms, "
                      f"c = {costs['c']:.3f}"
-                     + (f"; alone α̂ = {ch['alpha_draft']['value']:.3f} [{ch['alpha_draft']['low']:.3f}, "
-                        f"{ch['alpha_draft']['high']:.3f}], by draft position "
-                        + ", ".join(f"{a:.2f}" for a in ch["alpha_draft_at_position"])
-                        if ch["alpha_draft"] else "")
-                     + f"; its decoder over the draft's (paired over prompts): {ch['vs_draft']['value']:.2f}x "
-                       f"[{ch['vs_draft']['low']:.2f}, {ch['vs_draft']['high']:.2f}]"
+                     + (f"; alone α̂ = {interval(ch['alpha_draft'], 3)}, by draft position "
+                        + ", ".join(f"{a:.2f}" for a in ch["alpha_draft_at_position"]) if ch["alpha_draft"] else "")
+                     + f"; its decoder over the draft's (paired over prompts): {interval(ch['vs_draft'], 2, 'x')}"
                      + (f"; in chains of {chain_text(ch['chain'])}" if ch.get("chain") else ""))
-    if report.get("llama_cpp"):
-        ll = report["llama_cpp"]
-        speedup = ll["speedup_vs_llama_cpp_target_only"]
-        lines.append(f"- llama.cpp: speculative / its target alone {speedup['value']:.2f}x [{speedup['low']:.2f}, "
-                     f"{speedup['high']:.2f}], acceptance {ll['acceptance']:.3f} ({ll['accepted']} of "
-                     f"{ll['drafted']} drafted tokens), same output as its target alone "
-                     f"{ll['same_output_as_llama_cpp_target_only']}/{report['n_prompts']}")
-    if len(report["decoders"]) > 1:
-        lines += ["", "| decoder | drafter | α̂ | τ | accepted tokens by tree source |", "|---|---|---|---|---|"]
-        for name, d in report["decoders"].items():
-            a, t = d["acceptance_rate"], d["tau"]
-            sources = ", ".join(f"{source} {n}" for source, n in sorted(d["accepted_by_source"].items())) or "–"
-            lines.append(f"| {name} | {report['drafters'][name]} | {a['value']:.3f} [{a['low']:.3f}, "
-                         f"{a['high']:.3f}] | {t['value']:.2f} [{t['low']:.2f}, {t['high']:.2f}] | {sources} |")
-    if report["per_category"]:
-        lines += ["", "| category | prompts | α̂ | τ |", "|---|---:|---|---|"]
-        for name, c in report["per_category"].items():
-            lines.append(f"| {name} | {c['n_prompts']} | {c['acceptance_rate']['value']:.3f} "
-                         f"[{c['acceptance_rate']['low']:.3f}, {c['acceptance_rate']['high']:.3f}] | "
-                         f"{c['tau']['value']:.2f} |")
-    lines += [f"- note: {n}" for n in report["notes"]]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _llama_cpp_lines(report: dict) -> list[str]:
+    if not report.get("llama_cpp"):
+        return []
+    ll = report["llama_cpp"]
+    return [f"- llama.cpp: speculative / its target alone {interval(ll['speedup_vs_llama_cpp_target_only'], 2, 'x')}"
+            f", acceptance {ll['acceptance']:.3f} ({ll['accepted']} of {ll['drafted']} drafted tokens), same output "
+            f"as its target alone {ll['same_output_as_llama_cpp_target_only']}/{report['n_prompts']}"]
+
+
+def _decoders_table(report: dict) -> list[str]:
+    if len(report["decoders"]) <= 1:
+        return []
+    rows = [[name, report["drafters"][name], interval(d["acceptance_rate"], 3), interval(d["tau"], 2),
+             ", ".join(f"{source} {n}" for source, n in sorted(d["accepted_by_source"].items())) or "–"]
+            for name, d in report["decoders"].items()]
+    return ["", *table(["decoder", "drafter", "α̂", "τ", "accepted tokens by tree source"], rows, "lllll")]
+
+
+def _categories_table(report: dict) -> list[str]:
+    if not report["per_category"]:
+        return []
+    rows = [[name, c["n_prompts"], interval(c["acceptance_rate"], 3), f"{c['tau']['value']:.2f}"]
+            for name, c in report["per_category"].items()]
+    return ["", *table(["category", "prompts", "α̂", "τ"], rows, "lrll")]
 
 
 def flat_metrics(report: dict) -> dict[str, float]:

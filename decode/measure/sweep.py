@@ -45,12 +45,6 @@ from decode.tree_budget_model import (
 )
 from pipeline.traffic import encode_prompts
 
-# --------------------------------------------------------------------------- prompts
-
-
-# --------------------------------------------------------------------------- acceptance
-
-
 # --------------------------------------------------------------------------- choosing
 
 
@@ -210,26 +204,22 @@ def run_sweep(target, drafts: Sequence[Draft], requests: Sequence, *, gammas: Se
     server; CPU only, a note elsewhere)."""
     gammas, contexts, lengths = sorted(set(gammas)), sorted(set(contexts)), sorted(set(lengths))
     tree_budgets, batches = sorted(set(tree_budgets)), sorted(set(batches))
-    check_settings(target.model, drafts, gammas, contexts, lengths, tree_budgets, batches, batch_context)
-    names = [d.name for d in drafts]
-    picked = spread(requests, analytic_prompts + measure_prompts)
-    prompts, _ = encode_prompts(picked, target.tokenizer, max_prompt_tokens)
+    model, names = target.model, [d.name for d in drafts]
+    check_settings(model, drafts, gammas, contexts, lengths, tree_budgets, batches, batch_context)
+    prompts, _ = encode_prompts(spread(requests, analytic_prompts + measure_prompts), target.tokenizer,
+                                max_prompt_tokens)
     analytic, measured = prompts[:analytic_prompts], prompts[analytic_prompts:] or prompts[:measure_prompts]
     filler = [t for p in prompts[::-1] for t in p]
-    model = target.model
     phase = Phases(log)
     phase("responses", f"target-only greedy responses: {len(analytic)} prompts x {max(lengths)} tokens")
     responses = greedy_responses(target, analytic, max(lengths))
-    acceptance = {}
     phase("acceptance", f"acceptance walks: {', '.join(names)}")
     tree_drafts = [d.name for d in drafts if d.grows_trees] if tree_budgets else []
-    for d in drafts:
-        acceptance[d.name] = acceptance_table(model, d, analytic, responses, gammas, lengths, seed=seed,
-                                              max_rank=max(tree_budgets) if d.name in tree_drafts else 0)
+    acceptance = {d.name: acceptance_table(model, d, analytic, responses, gammas, lengths, seed=seed,
+                                           max_rank=max(tree_budgets) if d.name in tree_drafts else 0) for d in drafts}
     phase("costs", f"step costs at contexts {contexts}")
     cost_tokens = at_context([], filler, max(contexts) + max(gammas) + 1)
-    proposers = {d.name: d.drafter(model) for d in drafts}
-    costs = measure_costs(model, proposers, cost_tokens, contexts, gammas, reps=reps,
+    costs = measure_costs(model, {d.name: d.drafter(model) for d in drafts}, cost_tokens, contexts, gammas, reps=reps,
                           tree_budgets=tree_budgets if tree_drafts else ())
     cells = predict_cells(costs, acceptance, gammas, contexts, lengths)
     trees = tree_axis(costs, acceptance, tree_drafts, tree_budgets, max(gammas))
@@ -242,19 +232,11 @@ def run_sweep(target, drafts: Sequence[Draft], requests: Sequence, *, gammas: Se
     phase("measured", f"decoding {len(plan)} cells for real on {len(measured)} prompts")
     measured_cells = measure_cells(model, drafts, plan, measured, filler, seed=seed)
     quantized, notes = None, []
-    if quantization and next(model.parameters()).device.type == "cpu":
-        middle = lengths[len(lengths) // 2]
-        phase("quantization", f"int8 target beside {recommendation['draft']}: {len(measured)} prompts x {middle} "
-                              "tokens")
-        gamma = recommendation["gamma_schedule"][0][1]
-        quantized = measure_quantization(model, next(d for d in drafts if d.name == recommendation["draft"]), gamma,
-                                         measured, middle, analytic, responses, llama_cpp=llama_cpp, seed=seed)
-    elif quantization:
-        notes.append("quantization: int8 dynamic quantization runs on CPU targets only")
+    if quantization:
+        quantized, notes = quantization_axis(model, drafts, recommendation, measured, lengths[len(lengths) // 2],
+                                             analytic, responses, llama_cpp=llama_cpp, seed=seed, phase=phase)
     phase("done", "sweep measured")
     del phase.seconds["done"]
-    gaps = measured_gaps(cells, measured_cells)
-    sizes = draft_size_axis(drafts, cells, measured_cells, acceptance, contexts, lengths)
     return {
         "settings": {"gammas": gammas, "contexts": contexts, "max_new_tokens": lengths, "tree_budgets": tree_budgets,
                      "batches": batches, "batch_context": batch_context,
@@ -263,20 +245,28 @@ def run_sweep(target, drafts: Sequence[Draft], requests: Sequence, *, gammas: Se
         "phase_seconds": phase.seconds,
         "drafts": {d.name: {"kind": "model" if d.is_model else "lookup",
                             "reduced_vocab": None if d.token_ids is None else len(d.token_ids)} for d in drafts},
-        "costs": costs,
-        "acceptance": acceptance,
-        "cells": cells,
-        "best": best_per_cell(cells, names),
-        "measured": measured_cells,
-        "gap": gaps,
-        "tree_budgets": trees,
-        "draft_sizes": sizes,
-        "batch": batch,
-        "quantization": quantized,
-        "notes": notes,
+        "costs": costs, "acceptance": acceptance, "cells": cells, "best": best_per_cell(cells, names),
+        "measured": measured_cells, "gap": measured_gaps(cells, measured_cells), "tree_budgets": trees,
+        "draft_sizes": draft_size_axis(drafts, cells, measured_cells, acceptance, contexts, lengths),
+        "batch": batch, "quantization": quantized, "notes": notes,
         "recommendation": {**recommendation,
                            **(recommend_tree_budget(trees["rows"], contexts) if trees["rows"] else {})},
     }
+
+
+def quantization_axis(model, drafts: Sequence[Draft], recommendation: dict, prompts: Sequence[list[int]],
+                      new_tokens: int, analytic: Sequence[list[int]], responses, *, llama_cpp: LlamaServer | None,
+                      seed: int, phase: Phases) -> tuple[dict | None, list[str]]:
+    """The int8 target beside the recommended draft at its first γ (`measure_quantization`) -> (its table, notes):
+    CPU targets only, a note elsewhere."""
+    if next(model.parameters()).device.type != "cpu":
+        return None, ["quantization: int8 dynamic quantization runs on CPU targets only"]
+    draft = recommendation["draft"]
+    phase("quantization", f"int8 target beside {draft}: {len(prompts)} prompts x {new_tokens} tokens")
+    quantized = measure_quantization(model, next(d for d in drafts if d.name == draft),
+                                     recommendation["gamma_schedule"][0][1], prompts, new_tokens, analytic, responses,
+                                     llama_cpp=llama_cpp, seed=seed)
+    return quantized, []
 
 
 def check_settings(model, drafts: Sequence[Draft], gammas, contexts, lengths, tree_budgets, batches,

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from decode.measure.markdown import interval, table
 from pipeline.config import DecodeConfig, save_config
 
 QUANTIZATION_LABELS = {"target_only": "fp32 target alone", "int8_target_only": "int8 target alone",
                        "speculative": "speculative (fp32 target)", "llama_cpp_target_only": "llama.cpp, target GGUF"}
 
 
-
-
 def markdown(report: dict) -> str:
-    s, costs = report["settings"], report["costs"]
+    s = report["settings"]
     lines = [
         "# draftops sweep",
         "",
@@ -23,63 +22,89 @@ def markdown(report: dict) -> str:
         "",
         "## Costs (ms) by context length",
         "",
+        *costs_table(report),
+        "",
+        "c(γ) = one round of γ proposals / (γ target steps); v(n) = verify round of n tokens / target step.",
+        "",
+        "## Acceptance on the traffic (walk over target-greedy responses)",
+        "",
+        *acceptance_table(report),
+        "",
+        "## Best (draft, γ) per context and generation length (predicted)",
+        "",
+        *best_table(report),
+        "",
+        "## Measured vs predicted",
+        "",
+        *measured_table(report),
     ]
-    top = str(max(int(n) for n in costs["target"]["v"]))
-    g_low, g_high = str(min(s["gammas"])), str(max(s["gammas"]))
-    lines += [
-        f"| context | target prefill | target step | v(2) | v({top}) | "
-        + " | ".join(f"{d}: prefill, c(γ={g_low}), c(γ={g_high})" for d in report["drafts"]) + " |",
-        "|---:|---:|---:|---:|---:|" + "---|" * len(report["drafts"]),
-    ]
-    for i, context in enumerate(costs["contexts"]):
-        t = costs["target"]
-        lines.append(f"| {context} | {t['prefill_s'][i] * 1e3:.1f} | {t['step_s'][i] * 1e3:.2f} | "
-                     f"{t['v']['2'][i]:.2f} | {t['v'][top][i]:.2f} | " + " | ".join(
-                         f"{c['prefill_s'][i] * 1e3:.1f}, {c['c'][g_low][i]:.3f}, {c['c'][g_high][i]:.3f}"
-                         for c in costs["drafts"].values()) + " |")
-    lines += ["", "c(γ) = one round of γ proposals / (γ target steps); v(n) = verify round of n tokens / target step.",
-              "", "## Acceptance on the traffic (walk over target-greedy responses)", "",
-              "| draft | γ | " + " | ".join(f"α / τ, {n} tok" for n in s["max_new_tokens"]) + " |",
-              "|---|---:|" + "---|" * len(s["max_new_tokens"])]
-    for d, table in report["acceptance"].items():
-        for gamma, rows in table["per_gamma"].items():
-            lines.append(f"| {d} | {gamma} | " + " | ".join(
-                f"{rows[str(n)]['alpha']['value']:.3f} / {rows[str(n)]['tau']['value']:.2f}"
-                for n in s["max_new_tokens"]) + " |")
-    lines += ["", "## Best (draft, γ) per context and generation length (predicted)", "",
-              "| context | new tokens | best draft | γ | speedup | α | break-even α | "
-              + " | ".join(f"{d}: γ, speedup, break-even α" for d in report["drafts"]) + " |",
-              "|---:|---:|---|---:|---:|---:|---:|" + "---|" * len(report["drafts"])]
-    for b in report["best"]:
-        lines.append(f"| {b['context']} | {b['max_new_tokens']} | {b['draft']} | {b['gamma']} | "
-                     f"{b['predicted_speedup']:.2f}x | {b['alpha']:.3f} | {b['break_even_alpha']:.3f} | "
-                     + " | ".join(f"{p['gamma']}, {p['predicted_speedup']:.2f}x, {p['break_even_alpha']:.3f}"
-                                  for p in b["per_draft"].values()) + " |")
-    lines += ["", "## Measured vs predicted", "",
-              "| draft | γ | context | new tokens | measured | predicted | gap | live α̂ | live τ | same output |",
-              "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
-    for m in report["measured"]:
-        sp = m["speedup"]
-        lines.append(f"| {m['draft']} | {m['gamma']} | {m['context']} | {m['max_new_tokens']} | "
-                     f"{sp['value']:.2f}x [{sp['low']:.2f}, {sp['high']:.2f}] | {m['predicted_speedup']:.2f}x | "
-                     f"{m['gap']:+.0%} | {m['live_alpha']['value']:.3f} | {m['live_tau']['value']:.2f} | "
-                     f"{m['same_output_as_target']}/{m['n_prompts']} |")
-    g, r = report["gap"], report["recommendation"]
+    g = report["gap"]
     lines += ["", f"Gap measured/predicted − 1: mean {g['mean']:+.1%}, mean |gap| {g['mean_abs']:.1%}, "
               f"max |gap| {g['max_abs']:.1%}.", ""]
     lines += tree_markdown(report)
     lines += size_markdown(report)
     lines += batch_markdown(report)
     lines += quantization_markdown(report)
-    lines += [f"## Recommendation: --draft {r['draft']} with decode.gamma_schedule {r['gamma_schedule']}", ""]
+    lines += recommendation_markdown(report["recommendation"])
+    lines += [f"- note: {n}" for n in report.get("notes", [])]
+    return "\n".join(lines) + "\n"
+
+
+def costs_table(report: dict) -> list[str]:
+    """The target's prefill, step and verify costs and each draft's prefill and c(γ), by context length."""
+    s, costs, t = report["settings"], report["costs"], report["costs"]["target"]
+    top = str(max(int(n) for n in t["v"]))
+    g_low, g_high = str(min(s["gammas"])), str(max(s["gammas"]))
+    header = ["context", "target prefill", "target step", "v(2)", f"v({top})",
+              *(f"{d}: prefill, c(γ={g_low}), c(γ={g_high})" for d in report["drafts"])]
+    rows = [[context, f"{t['prefill_s'][i] * 1e3:.1f}", f"{t['step_s'][i] * 1e3:.2f}", f"{t['v']['2'][i]:.2f}",
+             f"{t['v'][top][i]:.2f}",
+             *(f"{c['prefill_s'][i] * 1e3:.1f}, {c['c'][g_low][i]:.3f}, {c['c'][g_high][i]:.3f}"
+               for c in costs["drafts"].values())]
+            for i, context in enumerate(costs["contexts"])]
+    return table(header, rows, "rrrrr" + "l" * len(report["drafts"]))
+
+
+def acceptance_table(report: dict) -> list[str]:
+    """α and τ of every draft and γ, by generation length."""
+    lengths = report["settings"]["max_new_tokens"]
+    rows = [[d, gamma, *(f"{rows[str(n)]['alpha']['value']:.3f} / {rows[str(n)]['tau']['value']:.2f}"
+                         for n in lengths)]
+            for d, per_draft in report["acceptance"].items() for gamma, rows in per_draft["per_gamma"].items()]
+    return table(["draft", "γ", *(f"α / τ, {n} tok" for n in lengths)], rows, "lr" + "l" * len(lengths))
+
+
+def best_table(report: dict) -> list[str]:
+    """The best (draft, γ) of every cell, and each draft's best γ there."""
+    header = ["context", "new tokens", "best draft", "γ", "speedup", "α", "break-even α",
+              *(f"{d}: γ, speedup, break-even α" for d in report["drafts"])]
+    rows = [[b["context"], b["max_new_tokens"], b["draft"], b["gamma"], f"{b['predicted_speedup']:.2f}x",
+             f"{b['alpha']:.3f}", f"{b['break_even_alpha']:.3f}",
+             *(f"{p['gamma']}, {p['predicted_speedup']:.2f}x, {p['break_even_alpha']:.3f}"
+               for p in b["per_draft"].values())] for b in report["best"]]
+    return table(header, rows, "rrlrrrr" + "l" * len(report["drafts"]))
+
+
+def measured_table(report: dict) -> list[str]:
+    """The cells decoded for real, beside their prediction."""
+    rows = [[m["draft"], m["gamma"], m["context"], m["max_new_tokens"], interval(m["speedup"], 2, "x"),
+             f"{m['predicted_speedup']:.2f}x", f"{m['gap']:+.0%}", f"{m['live_alpha']['value']:.3f}",
+             f"{m['live_tau']['value']:.2f}", f"{m['same_output_as_target']}/{m['n_prompts']}"]
+            for m in report["measured"]]
+    return table(["draft", "γ", "context", "new tokens", "measured", "predicted", "gap", "live α̂", "live τ",
+                  "same output"], rows, "lrrrlrrrrr")
+
+
+def recommendation_markdown(r: dict) -> list[str]:
+    """The recommended draft and γ schedule, and the token trees' node budgets where the sweep recommends them."""
+    lines = [f"## Recommendation: --draft {r['draft']} with decode.gamma_schedule {r['gamma_schedule']}", ""]
     if "tree_budget_schedule" in r:
         shapes = ", ".join(f"budget {e['budget']} at context {e['context']}: {e['nodes']} nodes in {e['depth']} "
                            f"levels, widest {e['width']}" for e in r["tree_shapes"])
         lines += [f"Token trees: --draft {r['tree_draft']} with decode.tree_budget_schedule "
                   f"{r['tree_budget_schedule']} (best trees {shapes}; the decoder's tree reaches a shape with "
                   "decode.gamma ≥ its levels and decode.tree_branching ≥ its widest level).", ""]
-    lines += [f"- note: {n}" for n in report.get("notes", [])]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def tree_markdown(report: dict) -> list[str]:
@@ -89,30 +114,27 @@ def tree_markdown(report: dict) -> list[str]:
         return []
     budgets = trees["budgets"]
     lines = ["## Token trees: node budget by context (predicted)", "",
-             "| context | " + " | ".join(f"v_tree({b})" for b in budgets) + " |",
-             "|---:|" + "---:|" * len(budgets)]
-    for i, context in enumerate(costs["contexts"]):
-        lines.append(f"| {context} | " + " | ".join(f"{costs['target']['v_tree'][str(b)][i]:.2f}" for b in budgets)
-                     + " |")
+             *table(["context", *(f"v_tree({b})" for b in budgets)],
+                    [[context, *(f"{costs['target']['v_tree'][str(b)][i]:.2f}" for b in budgets)]
+                     for i, context in enumerate(costs["contexts"])], "r" * (len(budgets) + 1))]
     lines += ["", "v_tree(B) = verify of the pending token and B tree nodes / target step. p_r: share of response "
               "positions where the target's token is the draft's r-th choice.", ""]
     for draft in dict.fromkeys(row["draft"] for row in trees["rows"]):
         p = report["acceptance"][draft]["rank_acceptance"]
         lines.append(f"- {draft}: p_1..p_{min(len(p), 6)} = " + ", ".join(f"{x:.3f}" for x in p[:6]))
-    lines += ["", f"Predicted tokens/s of the best tree of B nodes, at most {trees['max_depth']} levels (in brackets: "
-              "nodes that can be accepted, levels × widest level); the chain column is the best γ under the same "
-              "acceptance model.", "",
-              "| draft | context | target alone | chain: γ, tok/s | " + " | ".join(f"B={b}" for b in budgets) + " |",
-              "|---|---:|---:|---|" + "---|" * len(budgets)]
+    rows = []
     for chain in trees["chains"]:
         draft, context = chain["draft"], chain["context"]
         i = s["contexts"].index(context)
-        rows = [row for row in trees["rows"] if row["draft"] == draft and row["context"] == context]
-        lines.append(f"| {draft} | {context} | {1 / costs['target']['step_s'][i]:.1f} | {chain['gamma']}, "
-                     f"{chain['predicted_tokens_per_s']:.1f} | " + " | ".join(
-                         f"{row['predicted_tokens_per_s']:.1f} ({row['nodes']}: {row['depth']}×{row['width']})"
-                         for row in rows)
-                     + " |")
+        rows.append([draft, context, f"{1 / costs['target']['step_s'][i]:.1f}",
+                     f"{chain['gamma']}, {chain['predicted_tokens_per_s']:.1f}",
+                     *(f"{row['predicted_tokens_per_s']:.1f} ({row['nodes']}: {row['depth']}×{row['width']})"
+                       for row in trees["rows"] if row["draft"] == draft and row["context"] == context)])
+    lines += ["", f"Predicted tokens/s of the best tree of B nodes, at most {trees['max_depth']} levels (in brackets: "
+              "nodes that can be accepted, levels × widest level); the chain column is the best γ under the same "
+              "acceptance model.", "",
+              *table(["draft", "context", "target alone", "chain: γ, tok/s", *(f"B={b}" for b in budgets)], rows,
+                     "lrrl" + "l" * len(budgets))]
     return lines + [""]
 
 
@@ -121,24 +143,23 @@ def size_markdown(report: dict) -> list[str]:
     sizes = report.get("draft_sizes")
     if not sizes:
         return []
-    lines = [f"## Draft size: acceptance against cost (context {sizes['context']}, {sizes['max_new_tokens']} new "
-             "tokens)", "",
-             "| draft | layers | parameters | α (T=0) | c | v | best γ | break-even α | predicted | mean predicted "
-             "(all cells) | measured (γ, context, tokens) | its prediction | gap | same output |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+    rows = []
     for r in sizes["rows"]:
-        a, m = r["alpha"], r["measured"]
-        measured = (f"{m['speedup']['value']:.2f}x [{m['speedup']['low']:.2f}, {m['speedup']['high']:.2f}] "
-                    f"(γ={m['gamma']}, {m['context']}, {m['max_new_tokens']}) | {m['predicted_speedup']:.2f}x | "
-                    f"{m['gap']:+.0%} | {m['same_output_as_target']}/{m['n_prompts']}") if m else "- | - | - | -"
-        lines.append(f"| {r['draft']} | {r['layers']} | {r['parameters'] / 1e6:.1f}M | {a['value']:.3f} "
-                     f"[{a['low']:.3f}, {a['high']:.3f}] | {r['c']:.3f} | {r['v']:.2f} | {r['gamma']} | "
-                     f"{r['break_even_alpha']:.3f} | {r['predicted_speedup']:.2f}x | "
-                     f"{r['mean_predicted_speedup']:.2f}x | {measured} |")
+        m = r["measured"]
+        measured = ([f"{interval(m['speedup'], 2, 'x')} (γ={m['gamma']}, {m['context']}, {m['max_new_tokens']})",
+                     f"{m['predicted_speedup']:.2f}x", f"{m['gap']:+.0%}",
+                     f"{m['same_output_as_target']}/{m['n_prompts']}"] if m else ["-"] * 4)
+        rows.append([r["draft"], r["layers"], f"{r['parameters'] / 1e6:.1f}M", interval(r["alpha"], 3), f"{r['c']:.3f}",
+                     f"{r['v']:.2f}", r["gamma"], f"{r['break_even_alpha']:.3f}", f"{r['predicted_speedup']:.2f}x",
+                     f"{r['mean_predicted_speedup']:.2f}x", *measured])
+    header = ["draft", "layers", "parameters", "α (T=0)", "c", "v", "best γ", "break-even α", "predicted",
+              "mean predicted (all cells)", "measured (γ, context, tokens)", "its prediction", "gap", "same output"]
     best = sizes["recommended"]
-    return lines + ["", f"Recommended draft size on this machine: **{best['layers']} layers** ({best['draft']}): the "
-                    "best mean predicted speedup over every context and generation length, each at its best γ. A "
-                    "fair comparison of sizes needs one training budget for all (`draftops distill --sizes`).", ""]
+    return [f"## Draft size: acceptance against cost (context {sizes['context']}, {sizes['max_new_tokens']} new "
+            "tokens)", "", *table(header, rows, "lrrlrrrrrrlrrr"),
+            "", f"Recommended draft size on this machine: **{best['layers']} layers** ({best['draft']}): the "
+            "best mean predicted speedup over every context and generation length, each at its best γ. A "
+            "fair comparison of sizes needs one training budget for all (`draftops distill --sizes`).", ""]
 
 
 def batch_markdown(report: dict) -> list[str]:
@@ -149,34 +170,29 @@ def batch_markdown(report: dict) -> list[str]:
     costs, batches = batch["costs"], batch["costs"]["batches"]
     t = costs["target"]
     widths = sorted(t["v"], key=int)
+    rows = [[b, f"{t['step_s'][i] * 1e3:.2f}", f"{t['step_s'][i] * 1e3 / b:.2f}",
+             *(f"{t['v'][n][i]:.2f}" for n in widths), *(f"{d['c'][i]:.3f}" for d in costs["drafts"].values())]
+            for i, b in enumerate(batches)]
     lines = [f"## Batch size: B sequences of {costs['context']} tokens decoded together (predicted)", "",
-             "| B | target step (ms) | per sequence (ms) | " + " | ".join(f"v_B({n})" for n in widths) + " | "
-             + " | ".join(f"c_B {d}" for d in costs["drafts"]) + " |",
-             "|---:|---:|---:|" + "---:|" * (len(widths) + len(costs["drafts"]))]
-    for i, b in enumerate(batches):
-        lines.append(f"| {b} | {t['step_s'][i] * 1e3:.2f} | {t['step_s'][i] * 1e3 / b:.2f} | "
-                     + " | ".join(f"{t['v'][n][i]:.2f}" for n in widths) + " | "
-                     + " | ".join(f"{d['c'][i]:.3f}" for d in costs["drafts"].values()) + " |")
-    drafts = list(dict.fromkeys(r["draft"] for r in batch["rows"]))
+             *table(["B", "target step (ms)", "per sequence (ms)", *(f"v_B({n})" for n in widths),
+                     *(f"c_B {d}" for d in costs["drafts"])], rows, "r" * (3 + len(widths) + len(costs["drafts"])))]
+    rows = []
+    for d in dict.fromkeys(r["draft"] for r in batch["rows"]):
+        stop = batch["stops_paying_at"][d]
+        rows.append([d, *(f"{r['predicted_speedup']:.2f}x (γ={r['gamma']}, break-even α {r['break_even_alpha']:.2f})"
+                          for r in batch["rows"] if r["draft"] == d),
+                     f"B={stop}" if stop else f"pays at every B ≤ {max(batches)}"])
     lines += ["", "Predicted speedup against the target alone at the same B (best γ, steady state: acceptance from the "
               f"walk over {max(report['settings']['max_new_tokens'])} new tokens, prefills left out).", "",
-              "| draft | " + " | ".join(f"B={b}" for b in batches) + " | stops paying at |",
-              "|---|" + "---|" * len(batches) + "---:|"]
-    for d in drafts:
-        rows = [r for r in batch["rows"] if r["draft"] == d]
-        stop = batch["stops_paying_at"][d]
-        lines.append(f"| {d} | " + " | ".join(f"{r['predicted_speedup']:.2f}x (γ={r['gamma']}, break-even α "
-                                              f"{r['break_even_alpha']:.2f})" for r in rows)
-                     + f" | {'B=' + str(stop) if stop else f'pays at every B ≤ {max(batches)}'} |")
+              *table(["draft", *(f"B={b}" for b in batches), "stops paying at"], rows, "l" * (len(batches) + 1) + "r")]
     if batch.get("measured"):
+        rows = [[m["draft"], m["batch"], m["gamma"], m["new_tokens"], f"{m['measured_speedup']:.2f}x",
+                 f"{m['predicted_speedup']:.2f}x", f"{m['gap']:+.0%}", f"{m['acceptance']:.3f}",
+                 f"{m['same_output_as_target']}/{m['batch']}"] for m in batch["measured"]]
         lines += ["", "Decoded for real (`decode.measure.batched`: B sequences of the traffic at this context, the "
                   "target alone and speculative, decoding after the prefill timed once each):", "",
-                  "| draft | B | γ | new tokens | measured | predicted | gap | acceptance | same output |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for m in batch["measured"]:
-            lines.append(f"| {m['draft']} | {m['batch']} | {m['gamma']} | {m['new_tokens']} | "
-                         f"{m['measured_speedup']:.2f}x | {m['predicted_speedup']:.2f}x | {m['gap']:+.0%} | "
-                         f"{m['acceptance']:.3f} | {m['same_output_as_target']}/{m['batch']} |")
+                  *table(["draft", "B", "γ", "new tokens", "measured", "predicted", "gap", "acceptance", "same output"],
+                         rows, "lrrrrrrrr")]
     skipped = costs["skipped"]
     lines += [""] + ([f"Not on the batch axis (the lean forward does not run them): {', '.join(skipped)}.", ""]
                      if skipped else [])
@@ -188,15 +204,13 @@ def quantization_markdown(report: dict) -> list[str]:
     q = report.get("quantization")
     if not q:
         return []
+    rows = [[QUANTIZATION_LABELS[name], f"{row['tokens_per_s']:.1f}", interval(row["speedup"], 2, "x"),
+             f"{row['same_output_as_target']}/{q['n_prompts']}", f"{row['mean_shared_prefix']:.0f}"]
+            for name, row in q["methods"].items()]
     lines = [f"## Quantized or drafted: the int8 target beside {q['draft']} at γ={q['gamma']} (measured)", "",
              f"{q['n_prompts']} prompts, {q['new_tokens']} new tokens each, interleaved; greedy.", "",
-             "| method | tokens/s | speedup vs fp32 target | same output as fp32 target | mean shared prefix |",
-             "|---|---:|---|---:|---:|"]
-    for name, row in q["methods"].items():
-        sp = row["speedup"]
-        lines.append(f"| {QUANTIZATION_LABELS[name]} | {row['tokens_per_s']:.1f} | {sp['value']:.2f}x "
-                     f"[{sp['low']:.2f}, {sp['high']:.2f}] | {row['same_output_as_target']}/{q['n_prompts']} | "
-                     f"{row['mean_shared_prefix']:.0f} |")
+             *table(["method", "tokens/s", "speedup vs fp32 target", "same output as fp32 target",
+                     "mean shared prefix"], rows, "lrlrr")]
     quality = q["int8_quality"]
     kl, agreement = quality["kl"], quality["agreement"]
     lines += ["", f"int8 quality on {quality['positions']} held-out response positions (the fp32 target's greedy "

@@ -72,6 +72,147 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+class _Prefills:
+    """Prefilled prompts -> (keys and values per layer [kv_heads, n, head_dim], last logits [1, V], with `capture` the
+    features [n, F] fp16 on the CPU): jobs sharing a prompt prefill it once. Kept up to `budget` bytes, the least
+    recently used dropped first."""
+
+    def __init__(self, lean: LeanDecoder, device: torch.device, capture: tuple[int, ...], budget: int):
+        self.lean, self.device, self.capture, self.budget = lean, device, capture, budget
+        self.kept: OrderedDict[tuple[int, ...], tuple] = OrderedDict()
+        self.kept_bytes = 0
+
+    def __call__(self, prompt: list[int]) -> tuple:
+        key = tuple(prompt)
+        if key in self.kept:
+            self.kept.move_to_end(key)
+            return self.kept[key]
+        entry = self._prefill(prompt)
+        self._keep(key, entry)
+        return entry
+
+    def _prefill(self, prompt: list[int]) -> tuple:
+        alone = self.lean.new_cache(1)
+        tokens = torch.tensor(prompt, dtype=torch.long, device=self.device)
+        if self.capture:
+            logits, features = self.lean.forward_features(tokens, alone, 0, self.capture, keep_last=True)
+            features = features.half().cpu()
+        else:
+            logits, features = self.lean.forward_logits(tokens, alone, 0, keep_last=True), None
+        n = len(prompt)
+        return ([k[0, :, :n].clone() for k in alone.keys], [v[0, :, :n].clone() for v in alone.values], logits,
+                features)
+
+    def _keep(self, key: tuple[int, ...], entry: tuple) -> None:
+        size = _entry_bytes(entry)
+        if size > self.budget:
+            return
+        self.kept[key], self.kept_bytes = entry, self.kept_bytes + size
+        while self.kept_bytes > self.budget:
+            self.kept_bytes -= _entry_bytes(self.kept.popitem(last=False)[1])
+
+
+def _entry_bytes(entry: tuple) -> int:
+    keys, values, _, features = entry
+    return _nbytes(keys + values + [features])
+
+
+class _ContinuousBatch:
+    """The rows of one preallocated cache, each holding one job's sequence at its own length: a row whose job ends is
+    refilled at once with the next job of the queue."""
+
+    def __init__(self, lean: LeanDecoder, jobs: Sequence[Job], *, max_new_tokens: int, stop_ids: Sequence[int],
+                 batch_size: int, topk: int, capture: tuple[int, ...], prefills: _Prefills,
+                 on_done: Callable[[int, Generated], None] | None, bar):
+        self.lean, self.jobs, self.max_new_tokens, self.stops = lean, jobs, max_new_tokens, set(stop_ids)
+        self.topk, self.capture, self.prefills, self.on_done, self.bar = topk, capture, prefills, on_done, bar
+        self.rows = [_Row() for _ in range(min(batch_size, len(jobs)))]
+        self.cache = lean.new_cache(len(self.rows))
+        self.cache.reserve(max(len(job.prompt) for job in jobs) + max_new_tokens + 1)
+        self.results: list[Generated | None] = [None] * len(jobs)
+        self.lengths = torch.zeros(len(self.rows), dtype=torch.long, device=prefills.device)  # cache slots filled
+        self.last = torch.zeros(len(self.rows), dtype=torch.long, device=prefills.device)  # the token fed next
+        self.queue = iter(range(len(jobs)))
+
+    def busy(self) -> bool:
+        return any(row.job >= 0 for row in self.rows)
+
+    def step(self) -> None:
+        """Feed every row its last token: rows whose job had ended are refilled, the others take their next token."""
+        logits, features = self.lean.forward_ragged_features(self.last[:, None], self.cache, self.lengths,
+                                                             self.capture)
+        active = [r for r, row in enumerate(self.rows) if row.job >= 0]
+        self.lengths[active] += 1
+        if self.capture:
+            step_features = features[:, 0].half().cpu()
+            for r in active:
+                self.rows[r].features.append(step_features[r : r + 1])
+        live = [r for r in active if not self.rows[r].ended]
+        for r in active:
+            if self.rows[r].ended:
+                self.finish(r)
+                self.refill(r)
+        for r, token in zip(live, self.choose(logits[live, -1], live)):
+            if self.advance(r, token):
+                self.refill(r)
+
+    def refill(self, r: int) -> None:
+        """Start jobs in free row `r` until one outlives its first token (or no job is left)."""
+        for index in self.queue:
+            prompt = self.jobs[index].prompt
+            keys, values, logits, features = self.prefills(prompt)
+            for store, own in ((self.cache.keys, keys), (self.cache.values, values)):
+                for entry, layer in zip(store, own):
+                    entry[r, :, : len(prompt)] = layer
+            self.rows[r].job, self.lengths[r] = index, len(prompt)
+            if self.capture:
+                self.rows[r].features.append(features)
+            if not self.advance(r, self.choose(logits, [r])[0]):
+                return
+        self.lengths[r] = 0
+
+    def choose(self, logits: torch.Tensor, live: list[int]) -> list[int]:
+        """The next token of each live row from its logits [len(live), V], its top-k recorded."""
+        logits = logits.float()
+        values, indices = topk_log_probs(logits, self.topk)
+        values, indices = values.half().cpu(), indices.int().cpu()
+        jobs = [self.jobs[self.rows[r].job] for r in live]
+        temperatures = torch.tensor([job.temperature for job in jobs])
+        sampled = temperatures > 0
+        every = bool(sampled.all())
+        chosen = torch.empty(len(live), dtype=torch.long) if every else logits.argmax(-1).cpu()
+        if sampled.any():
+            uniforms = torch.tensor([_uniform(job, len(self.rows[r].tokens))
+                                     for job, r, s in zip(jobs, live, sampled.tolist()) if s], dtype=torch.float64)
+            drawn_from = logits if every else logits[sampled.to(logits.device)]
+            chosen[sampled] = inverse_cdf_sample(drawn_from, temperatures[sampled], uniforms).cpu()
+        for i, r in enumerate(live):
+            self.rows[r].topk.append((values[i], indices[i]))
+        return chosen.tolist()
+
+    def advance(self, r: int, token: int) -> bool:
+        """Append `token` to the row's job; True if the row is free again (its job ended and needs no last feed)."""
+        row = self.rows[r]
+        row.tokens.append(token)
+        self.last[r] = token
+        if token not in self.stops and len(row.tokens) < self.max_new_tokens:
+            return False
+        if self.capture:  # the last token is fed once more, for its features
+            row.ended = True
+            return False
+        self.finish(r)
+        return True
+
+    def finish(self, r: int) -> None:
+        row = self.rows[r]
+        generated = Generated(row.tokens, torch.stack([v for v, _ in row.topk]), torch.stack([i for _, i in row.topk]),
+                              torch.cat(row.features) if self.capture else None)
+        self.results[row.job], self.rows[r] = generated, _Row()
+        self.bar.update()
+        if self.on_done is not None:
+            self.on_done(row.job, generated)
+
+
 @torch.inference_mode()
 def generate(model, jobs: Sequence[Job], *, max_new_tokens: int, stop_ids: Sequence[int], batch_size: int, topk: int,
              capture: tuple[int, ...] = (), on_done: Callable[[int, Generated], None] | None = None,
@@ -87,118 +228,12 @@ def generate(model, jobs: Sequence[Job], *, max_new_tokens: int, stop_ids: Seque
     if not jobs:
         return []
     lean = LeanDecoder(model, cache_dtype=attention_dtype(model))
-    device = next(model.parameters()).device
-    rows = [_Row() for _ in range(min(batch_size, len(jobs)))]
-    cache = lean.new_cache(len(rows))
-    cache.reserve(max(len(job.prompt) for job in jobs) + max_new_tokens + 1)
-    stops = set(stop_ids)
-    results: list[Generated | None] = [None] * len(jobs)
-    lengths = torch.zeros(len(rows), dtype=torch.long, device=device)  # cache slots each row has filled
-    last = torch.zeros(len(rows), dtype=torch.long, device=device)  # the token each row feeds next
-    queue = iter(range(len(jobs)))
-    prefixes: OrderedDict[tuple[int, ...], tuple] = OrderedDict()  # prompt -> (keys, values, logits, features)
-    kept = 0  # bytes held by `prefixes`
-    bar = tqdm(total=len(jobs), desc="target responses", unit="seq", disable=not progress)
-
-    def prefill(prompt: list[int]) -> tuple:
-        """The prompt's keys and values per layer ([kv_heads, n, head_dim]), its last logits [1, V] and, with
-        `capture`, its features [n, F] (fp16, CPU)."""
-        nonlocal kept
-        key = tuple(prompt)
-        if key in prefixes:
-            prefixes.move_to_end(key)
-            return prefixes[key]
-        alone = lean.new_cache(1)
-        tokens = torch.tensor(prompt, dtype=torch.long, device=device)
-        if capture:
-            logits, features = lean.forward_features(tokens, alone, 0, capture, keep_last=True)
-            features = features.half().cpu()
-        else:
-            logits, features = lean.forward_logits(tokens, alone, 0, keep_last=True), None
-        n = len(prompt)
-        entry = ([k[0, :, :n].clone() for k in alone.keys], [v[0, :, :n].clone() for v in alone.values], logits,
-                 features)
-        size = _nbytes(entry[0] + entry[1] + [features])
-        if size <= prefix_bytes:
-            prefixes[key], kept = entry, kept + size
-            while kept > prefix_bytes:
-                old_keys, old_values, _, old_features = prefixes.popitem(last=False)[1]
-                kept -= _nbytes(old_keys + old_values + [old_features])
-        return entry
-
-    def choose(logits: torch.Tensor, live: list[int]) -> list[int]:
-        """The next token of each live row from its logits [len(live), V], its top-k recorded."""
-        logits = logits.float()
-        values, indices = topk_log_probs(logits, topk)
-        values, indices = values.half().cpu(), indices.int().cpu()
-        temperatures = torch.tensor([jobs[rows[r].job].temperature for r in live])
-        sampled = temperatures > 0
-        every = bool(sampled.all())
-        chosen = torch.empty(len(live), dtype=torch.long) if every else logits.argmax(-1).cpu()
-        if sampled.any():
-            uniforms = torch.tensor([_uniform(jobs[rows[r].job], len(rows[r].tokens))
-                                     for r, s in zip(live, sampled.tolist()) if s], dtype=torch.float64)
-            drawn_from = logits if every else logits[sampled.to(logits.device)]
-            chosen[sampled] = inverse_cdf_sample(drawn_from, temperatures[sampled], uniforms).cpu()
-        for i, r in enumerate(live):
-            rows[r].topk.append((values[i], indices[i]))
-        return chosen.tolist()
-
-    def finish(r: int) -> None:
-        row = rows[r]
-        results[row.job] = Generated(row.tokens, torch.stack([v for v, _ in row.topk]),
-                                     torch.stack([i for _, i in row.topk]),
-                                     torch.cat(row.features) if capture else None)
-        index, rows[r] = row.job, _Row()
-        bar.update()
-        if on_done is not None:
-            on_done(index, results[index])
-
-    def advance(r: int, token: int) -> bool:
-        """Append `token` to the row's job; True if the row is free again (its job ended and needs no last feed)."""
-        row = rows[r]
-        row.tokens.append(token)
-        last[r] = token
-        if token not in stops and len(row.tokens) < max_new_tokens:
-            return False
-        if capture:  # the last token is fed once more, for its features
-            row.ended = True
-            return False
-        finish(r)
-        return True
-
-    def refill(r: int) -> None:
-        """Start jobs in a free row until one outlives its first token (or no job is left)."""
-        for index in queue:
-            keys, values, logits, features = prefill(jobs[index].prompt)
-            n = len(jobs[index].prompt)
-            for store, own in ((cache.keys, keys), (cache.values, values)):
-                for entry, layer in zip(store, own):
-                    entry[r, :, :n] = layer
-            rows[r].job, lengths[r] = index, n
-            if capture:
-                rows[r].features.append(features)
-            if not advance(r, choose(logits, [r])[0]):
-                return
-        lengths[r] = 0
-
-    for r in range(len(rows)):
-        refill(r)
-    while any(row.job >= 0 for row in rows):
-        logits, features = lean.forward_ragged_features(last[:, None], cache, lengths, capture)
-        active = [r for r, row in enumerate(rows) if row.job >= 0]
-        lengths[active] += 1
-        if capture:
-            step_features = features[:, 0].half().cpu()
-            for r in active:
-                rows[r].features.append(step_features[r : r + 1])
-        live = [r for r in active if not rows[r].ended]
-        for r in active:
-            if rows[r].ended:
-                finish(r)
-                refill(r)
-        for r, token in zip(live, choose(logits[live, -1], live)):
-            if advance(r, token):
-                refill(r)
-    bar.close()
-    return results
+    prefills = _Prefills(lean, next(model.parameters()).device, capture, prefix_bytes)
+    with tqdm(total=len(jobs), desc="target responses", unit="seq", disable=not progress) as bar:
+        batch = _ContinuousBatch(lean, jobs, max_new_tokens=max_new_tokens, stop_ids=stop_ids, batch_size=batch_size,
+                                 topk=topk, capture=capture, prefills=prefills, on_done=on_done, bar=bar)
+        for r in range(len(batch.rows)):
+            batch.refill(r)
+        while batch.busy():
+            batch.step()
+    return batch.results

@@ -25,6 +25,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,22 +127,60 @@ def claim_model(name: str) -> bool:
     return tags is not None
 
 
-def _decision(report) -> str:
+def start_afresh(cfg: DraftopsConfig, out: Path, owned: Sequence[str], config_file: str) -> None:
+    """Refuse the production registered model; claim `out` (`claim_out`) and empty the folders the demo owns in it: a
+    fresh demo, no resumed distill job, no earlier monitor state."""
+    if cfg.tracking.registered_model == PRODUCTION_MODEL:
+        raise ValueError(f"the demo starts its registered model afresh: give it a name of its own, not "
+                         f"'{PRODUCTION_MODEL}' ({config_file}: tracking.registered_model)")
+    claim_out(out)
+    for folder in owned:
+        shutil.rmtree(out / folder, ignore_errors=True)
+
+
+class Phases:
+    """A demo's numbered phases: `phases(title, fn)` announces the phase, runs `fn` and prints its time and the
+    total so far; `times` holds each phase's (title, seconds)."""
+
+    def __init__(self, tag: str, count: int, echo, times: list[tuple[str, float]]):
+        self.tag, self.count, self.echo, self.times = tag, count, echo, times
+        self.started = time.perf_counter()
+
+    def __call__(self, title: str, fn):
+        self.echo(f"\n[{self.tag}] phase {len(self.times) + 1}/{self.count}: {title}")
+        began = time.perf_counter()
+        value = fn()
+        self.times.append((title, time.perf_counter() - began))
+        self.echo(f"[{self.tag}] phase {len(self.times)}/{self.count} done in {self.times[-1][1]:.0f}s "
+                  f"(total {self.elapsed():.0f}s)")
+        return value
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def summary(self) -> list[str]:
+        """The time of each phase, then the total."""
+        return [f"  {seconds:7.0f}s  {title}" for title, seconds in self.times] + [f"  {self.elapsed():7.0f}s  total"]
+
+
+def locked_check(cfg: DraftopsConfig, echo, **options):
+    """A monitor check under the registered model's check lock (`run_check` with `options`), its summary printed."""
+    with check_lock(cfg):
+        report = run_check(cfg, **options)
+    echo(report.summary())
+    return report
+
+
+def decision_label(report) -> str:
+    """A check's decision as the demos list it: `OK`, `DRIFT(target_changed)`, ..."""
     d = report.decision
     return d.status.value + (f"({d.cause.value})" if d.cause else "")
 
 
 def run_demo(cfg: DraftopsConfig, out: str | Path = DEFAULT_OUT, *, echo=print) -> DemoResult:
     """The five phases; prints each phase's outcome and time, the checks, and the re-check command last."""
-
-    name = cfg.tracking.registered_model
-    if name == PRODUCTION_MODEL:
-        raise ValueError(f"the demo starts its registered model afresh: give it a name of its own, not "
-                         f"'{PRODUCTION_MODEL}' (configs/drift_demo.yaml: tracking.registered_model)")
-    out = Path(out)
-    claim_out(out)
-    for owned in OWNED_DIRS:  # a fresh demo: no resumed distill job, no earlier monitor state
-        shutil.rmtree(out / owned, ignore_errors=True)
+    name, out = cfg.tracking.registered_model, Path(out)
+    start_afresh(cfg, out, OWNED_DIRS, "configs/drift_demo.yaml")
     original, updated = demo_configs(cfg, out, str(out / OWNED_DIRS[2]))
     original_path = save_config(original, out / "config-original-target.yaml")
     updated_path = save_config(updated, out / "config-updated-target.yaml")
@@ -151,23 +190,12 @@ def run_demo(cfg: DraftopsConfig, out: str | Path = DEFAULT_OUT, *, echo=print) 
         echo(f"[demo] registered model '{name}' from an earlier demo at {tracking_uri(original)}: deleted, starting "
              "afresh")
     echo(f"[demo] configs: {original_path} (original target), {updated_path} (updated target)")
-    start = time.perf_counter()
-
-    def phase(title: str, fn):
-        echo(f"\n[demo] phase {len(result.phases) + 1}/5: {title}")
-        began = time.perf_counter()
-        value = fn()
-        result.phases.append((title, time.perf_counter() - began))
-        echo(f"[demo] phase {len(result.phases)}/5 done in {result.phases[-1][1]:.0f}s "
-             f"(total {time.perf_counter() - start:.0f}s)")
-        return value
+    phase = Phases("demo", 5, echo, result.phases)
 
     def check(config: DraftopsConfig):
-        with check_lock(config):
-            report = run_check(config)
-        echo(report.summary())
+        report = locked_check(config, echo)
         echo("  time: " + "  ".join(f"{k} {v:.0f}s" for k, v in report.timings.items()))
-        result.decisions.append(_decision(report))
+        result.decisions.append(decision_label(report))
         return report
 
     distilled = phase(f"distill a champion against the original target ({original.target})",
@@ -188,14 +216,16 @@ def run_demo(cfg: DraftopsConfig, out: str | Path = DEFAULT_OUT, *, echo=print) 
     result.acceptance_after = third.current_acceptance
     result.champion_after = registry.champion(name).version
     result.versions = registry.version_numbers(name)
+    _print_outcome(result, phase, name, tracking_uri(original), echo)
+    return result
 
+
+def _print_outcome(result: DemoResult, phase: Phases, name: str, uri: str, echo) -> None:
     echo("\n[demo] time per phase:")
-    for title, seconds in result.phases:
-        echo(f"  {seconds:7.0f}s  {title}")
-    echo(f"  {time.perf_counter() - start:7.0f}s  total")
+    for line in phase.summary():
+        echo(line)
     echo(f"\n[demo] decisions: {' -> '.join(result.decisions)}; {name}@{M.CHAMPION}: version "
-         f"{result.champion_before} -> {result.champion_after}; versions {', '.join(result.versions)} in "
-         f"{tracking_uri(original)}")
+         f"{result.champion_before} -> {result.champion_after}; versions {', '.join(result.versions)} in {uri}")
     fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
     echo(f"[demo] acceptance: old champion on the old target {fmt(result.acceptance_before)}; drop on the updated "
          f"target {fmt(result.acceptance_drop)}; new champion on the updated target {fmt(result.acceptance_after)}")
@@ -203,5 +233,3 @@ def run_demo(cfg: DraftopsConfig, out: str | Path = DEFAULT_OUT, *, echo=print) 
         echo(f"  [{'x' if passed else ' '}] {title}")
     echo(f"[demo] {'done' if result.ok else 'FINISHED WITH FAILED CHECKS'}; re-check the state it leaves with:")
     echo(result.recheck_command)
-    return result
-

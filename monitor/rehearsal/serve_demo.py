@@ -21,10 +21,9 @@ summary) are in MLflow. Like `make drift-demo`, it owns `--out` and its register
 from __future__ import annotations
 
 import json
-import shutil
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -33,14 +32,19 @@ from decode.serving.export import draft_source, export_format, target_gguf
 from distill.train import run_distill
 from monitor.check.decision import Status
 from monitor.check.prompt_acceptance import heldout_by_recency
-from monitor.check.run import run_check
 from monitor.deploy.layout import CURRENT, linked, root_of
 from monitor.deploy.rollout import ensure_deployed
 from monitor.engines.speed import measure_speed, settings_for, speed_table
 from monitor.rehearsal.demo_engine import Replayer, ServedEngine, write_target_gguf
-from monitor.rehearsal.drift_demo import PRODUCTION_MODEL, claim_model, claim_out, demo_configs
+from monitor.rehearsal.drift_demo import (
+    Phases,
+    claim_model,
+    decision_label,
+    demo_configs,
+    locked_check,
+    start_afresh,
+)
 from monitor.rehearsal.target_update import run_finetune
-from monitor.service.scheduler import check_lock
 from pipeline import metrics as M
 from pipeline import registry
 from pipeline.config import DraftopsConfig, save_config
@@ -114,11 +118,6 @@ def replayed_prompts(cfg: DraftopsConfig) -> list[list[int]]:
     return encode_prompts(requests, tokenizer, cfg.traffic.max_prompt_tokens)[0]
 
 
-def _decision(report) -> str:
-    d = report.decision
-    return d.status.value + (f"({d.cause.value})" if d.cause else "")
-
-
 def _distilled(cfg: DraftopsConfig) -> str:
     return str(run_distill(cfg).version)
 
@@ -130,28 +129,13 @@ def run_serve_demo(cfg: DraftopsConfig, out: str | Path = DEFAULT_OUT, *, champi
     """The phases of the module docstring. `champion(cfg)` and `retrain(cfg)` make and register a draft (default:
     distill; a test passes cheaper ones); `threads`: llama-server's (default: every core). Returns the result whose
     `checks` the summary prints."""
-    name = cfg.tracking.registered_model
-    if name == PRODUCTION_MODEL:
-        raise ValueError(f"the demo starts its registered model afresh: give it a name of its own, not "
-                         f"'{PRODUCTION_MODEL}' (configs/serve_demo.yaml: tracking.registered_model)")
-    out = Path(out).resolve()
-    claim_out(out)
-    for owned in OWNED_DIRS:
-        shutil.rmtree(out / owned, ignore_errors=True)
+    name, out = cfg.tracking.registered_model, Path(out).resolve()
+    start_afresh(cfg, out, OWNED_DIRS, "configs/serve_demo.yaml")
     original, updated = demo_configs(cfg, out, str(out / "target-updated"))
     setup_mlflow(original)
     claim_model(name)
-    result, start = ServeDemoResult(), time.perf_counter()
-    n_phases = 7 + rehearse_mismatch
-
-    def phase(title: str, fn):
-        echo(f"\n[serve-demo] phase {len(result.phases) + 1}/{n_phases}: {title}")
-        began = time.perf_counter()
-        value = fn()
-        result.phases.append((title, time.perf_counter() - began))
-        echo(f"[serve-demo] done in {result.phases[-1][1]:.0f}s (total {time.perf_counter() - start:.0f}s)")
-        return value
-
+    result = ServeDemoResult()
+    phase = Phases("serve-demo", 6 + rehearse_mismatch + speed, echo, result.phases)
     served_target = target_gguf(original.target)
     version = phase(f"distill a champion against the original target ({original.target})",
                     lambda: (champion or _distilled)(original))
@@ -162,30 +146,14 @@ def run_serve_demo(cfg: DraftopsConfig, out: str | Path = DEFAULT_OUT, *, champi
         save_config(original, out / "config-original-target.yaml")
         save_config(updated, out / "config-updated-target.yaml")
         replayer = Replayer(engine, replayed_prompts(original), original.decode.max_new_tokens, per_window)
-
-        def check(config: DraftopsConfig, label: str, **kw):
-            with check_lock(config):
-                report = run_check(config, wait=replayer.window, **kw)
-            echo(report.summary())
-            result.decisions.append(_decision(report))
-            if report.engine is not None:
-                result.windows[label] = [w.acceptance for w in report.engine.windows]
-                result.offline[label] = report.engine.expected
-            return report
-
+        check = partial(_engine_check, result, replayer, echo)
         deployed = phase(f"llama-server on {served_target.name}; deploy version {version} to it",
                          lambda: ensure_deployed(original))
         echo(deployed.summary())
         phase("check, original target (expect OK: the deployed draft confirmed in the engine)",
               lambda: check(original, f"original target, version {version}"))
-
-        def roll_out_update():
-            finetuned = run_finetune(original)
-            served = write_target_gguf(finetuned.path, served_target, out / "target-updated.gguf")
-            engine.restart(target=served)
-            echo(f"[serve-demo] updated target {finetuned.path} -> {served.name}, served by llama-server")
-
-        phase("target update (LoRA, merged), written as GGUF and rolled out to the engine", roll_out_update)
+        phase("target update (LoRA, merged), written as GGUF and rolled out to the engine",
+              lambda: _roll_out_update(original, engine, served_target, out, echo))
         drift = phase("check, updated target (expect DRIFT from the engine's counters; retrain, gate, promote, "
                       "deploy)", lambda: check(updated, f"updated target, version {version}",
                                                **({"retrain": retrain} if retrain else {})))
@@ -204,8 +172,27 @@ def run_serve_demo(cfg: DraftopsConfig, out: str | Path = DEFAULT_OUT, *, champi
         if speed:
             result.speed = phase("llama.cpp with the draft against llama.cpp alone (tokens/s)",
                                  lambda: _speed(updated, engine, replayer.prompts, out))
-    _summary(result, updated, time.perf_counter() - start, echo)
+    _summary(result, updated, phase, echo)
     return result
+
+
+def _engine_check(result: ServeDemoResult, replayer: Replayer, echo, cfg: DraftopsConfig, label: str, **options):
+    """A check whose engine windows are the replayed prompts: its decision and the engine's acceptance per window
+    (beside the draft's offline figure) recorded under `label`."""
+    report = locked_check(cfg, echo, wait=replayer.window, **options)
+    result.decisions.append(decision_label(report))
+    if report.engine is not None:
+        result.windows[label] = [w.acceptance for w in report.engine.windows]
+        result.offline[label] = report.engine.expected
+    return report
+
+
+def _roll_out_update(cfg: DraftopsConfig, engine: ServedEngine, served_target: Path, out: Path, echo) -> None:
+    """The target update (`run_finetune`) written as the served GGUF, the engine restarted on it."""
+    finetuned = run_finetune(cfg)
+    served = write_target_gguf(finetuned.path, served_target, out / "target-updated.gguf")
+    engine.restart(target=served)
+    echo(f"[serve-demo] updated target {finetuned.path} -> {served.name}, served by llama-server")
 
 
 def _rehearse(cfg: DraftopsConfig, engine: ServedEngine, check) -> bool:
@@ -233,7 +220,7 @@ def _speed(cfg: DraftopsConfig, engine: ServedEngine, prompts: list[list[int]], 
                          threads=engine.threads, log_dir=out / "speed")
 
 
-def _summary(result: ServeDemoResult, cfg: DraftopsConfig, seconds: float, echo) -> None:
+def _summary(result: ServeDemoResult, cfg: DraftopsConfig, phase: Phases, echo) -> None:
     import mlflow
 
     echo("\n[serve-demo] engine acceptance per window (llama-server's counters: accepted / drafted tokens):")
@@ -244,9 +231,8 @@ def _summary(result: ServeDemoResult, cfg: DraftopsConfig, seconds: float, echo)
     echo(f"[serve-demo] decisions: {' -> '.join(result.decisions)}; champion {result.champion_before} -> "
          f"{result.champion_after}; deployed {result.deployed_after}")
     echo("[serve-demo] time per phase:")
-    for title, took in result.phases:
-        echo(f"  {took:7.0f}s  {title}")
-    echo(f"  {seconds:7.0f}s  total")
+    for line in phase.summary():
+        echo(line)
     if result.speed:
         echo("[serve-demo] llama.cpp with the draft vs alone (same server binary, target and prompts):")
         for line in speed_table(result.speed):

@@ -142,26 +142,8 @@ def paired_drop_test(
     bootstrap: resample prompts with replacement, keeping each prompt's baseline and current
     values together; delta: normal approximation with the paired linearized ratio.
     """
-    acc0, n0 = _validated(baseline_acc, baseline_n, "baseline")
-    acc1, n1 = _validated(current_acc, current_n, "current")
-    if acc0.size != acc1.size:
-        raise ValueError(f"paired test needs the same prompts: {acc0.size} baseline vs {acc1.size} current")
-    a0, a1 = _ratio(acc0, n0), _ratio(acc1, n1)
-    drop = a0 - a1
-    if method == "delta":
-        diffs = _linearized(acc0, n0) - _linearized(acc1, n1)
-        se = float(np.sqrt(diffs.var(ddof=1) / diffs.size))
-        p_value, ci_low, ci_high = _delta_result(drop, se, margin, level)
-    elif method == "bootstrap":
-        def paired_drop(acc0, n0, acc1, n1, axis=-1):
-            return _ratios(acc0, n0, axis) - _ratios(acc1, n1, axis)
-
-        p_value, ci_low, ci_high = _bootstrap_result(paired_drop, (acc0, n0, acc1, n1), True, margin, level, seed,
-                                                     n_bootstrap)
-    else:
-        raise ValueError(f"unknown method {method!r}")
-    return DropTest(method, a0, a1, drop, ci_low, ci_high, p_value, p_value < level, margin, level,
-                    acc0.size, acc1.size)
+    return _drop_test(baseline_acc, baseline_n, current_acc, current_n, True, margin, level, method, seed,
+                      n_bootstrap)
 
 
 def unpaired_drop_test(
@@ -176,20 +158,40 @@ def unpaired_drop_test(
     n_bootstrap: int = 2000,
 ) -> DropTest:
     """Drop in acceptance between two independent prompt sets (e.g. baseline vs recent traffic)."""
+    return _drop_test(baseline_acc, baseline_n, current_acc, current_n, False, margin, level, method, seed,
+                      n_bootstrap)
+
+
+def _drop_test(baseline_acc: ArrayLike, baseline_n: ArrayLike, current_acc: ArrayLike, current_n: ArrayLike,
+               paired: bool, margin: float, level: float, method: Method, seed: int, n_bootstrap: int) -> DropTest:
+    """The paired or unpaired test: the same ratio drop, its variance from pairs of one prompt or from two samples."""
     acc0, n0 = _validated(baseline_acc, baseline_n, "baseline")
     acc1, n1 = _validated(current_acc, current_n, "current")
+    if paired and acc0.size != acc1.size:
+        raise ValueError(f"paired test needs the same prompts: {acc0.size} baseline vs {acc1.size} current")
     a0, a1 = _ratio(acc0, n0), _ratio(acc1, n1)
     drop = a0 - a1
     if method == "delta":
         u0, u1 = _linearized(acc0, n0), _linearized(acc1, n1)
-        se = float(np.sqrt(u0.var(ddof=1) / u0.size + u1.var(ddof=1) / u1.size))
+        if paired:
+            diffs = u0 - u1
+            se = float(np.sqrt(diffs.var(ddof=1) / diffs.size))
+        else:
+            se = float(np.sqrt(u0.var(ddof=1) / u0.size + u1.var(ddof=1) / u1.size))
         p_value, ci_low, ci_high = _delta_result(drop, se, margin, level)
     elif method == "bootstrap":
-        def unpaired_drop(i0, i1, axis=-1):  # resampled prompt indices of each side
-            return _ratios(acc0[i0], n0[i0], axis) - _ratios(acc1[i1], n1[i1], axis)
+        if paired:
+            def resampled_drop(acc0, n0, acc1, n1, axis=-1):
+                return _ratios(acc0, n0, axis) - _ratios(acc1, n1, axis)
 
-        p_value, ci_low, ci_high = _bootstrap_result(unpaired_drop, (np.arange(acc0.size), np.arange(acc1.size)),
-                                                     False, margin, level, seed, n_bootstrap)
+            samples = (acc0, n0, acc1, n1)
+        else:
+            def resampled_drop(i0, i1, axis=-1):  # resampled prompt indices of each side
+                return _ratios(acc0[i0], n0[i0], axis) - _ratios(acc1[i1], n1[i1], axis)
+
+            samples = (np.arange(acc0.size), np.arange(acc1.size))
+        p_value, ci_low, ci_high = _bootstrap_result(resampled_drop, samples, paired, margin, level, seed,
+                                                     n_bootstrap)
     else:
         raise ValueError(f"unknown method {method!r}")
     return DropTest(method, a0, a1, drop, ci_low, ci_high, p_value, p_value < level, margin, level,

@@ -67,8 +67,23 @@ def as_json(result) -> dict:
     return out
 
 
+class _PowerCurve:
+    """What a simulation result with a power curve (`power`: drop -> alarm rate) says of it: JSON with the drops as
+    keys, and a summary line a drop."""
+
+    power: dict[float, float]
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["power"] = {str(k): v for k, v in self.power.items()}
+        return out
+
+    def power_lines(self) -> list[str]:
+        return [f"power against a {100 * d:g}-point drop: {p:.3f}" for d, p in self.power.items()]
+
+
 @dataclass
-class SimulationResult:
+class SimulationResult(_PowerCurve):
     n_prompts: int
     n_checks: int
     level: float
@@ -82,9 +97,6 @@ class SimulationResult:
     naive_false_alarm_rate: float  # naive token z-test, baseline vs recent prompts, at `level`
     power: dict[float, float] = field(default_factory=dict)  # drop -> alarm rate
 
-    def to_dict(self) -> dict:
-        return as_json(self)
-
     def summary(self) -> str:
         lo, hi = self.false_alarm_ci
         lines = [
@@ -94,8 +106,7 @@ class SimulationResult:
             f"paired {self.paired_false_alarm_rate:.3f}, unpaired {self.unpaired_false_alarm_rate:.3f})",
             f"naive token z-test (anti-example) false alarms: {self.naive_false_alarm_rate:.3f}",
         ]
-        lines += [f"power against a {100 * d:g}-point drop: {p:.3f}" for d, p in self.power.items()]
-        return "\n".join(lines)
+        return "\n".join(lines + self.power_lines())
 
 
 class _Prompts:

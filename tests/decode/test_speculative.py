@@ -161,7 +161,7 @@ def test_clear_errors(target, random_draft, reduced_draft):
 def test_timings_split_prefill_drafting_and_verifying(target, close_draft, monkeypatch):
     """On a clock that only the models move (a target pass costs 10, a proposal 1): each phase gets its own time."""
     clock = [0.0]
-    monkeypatch.setattr("decode.speculative.time.perf_counter", lambda: clock[0])
+    monkeypatch.setattr("decode.generation_stats.time.perf_counter", lambda: clock[0])
     decoder = model_decoder(target, close_draft, 3)
     forward, propose = decoder.target_runner.forward, decoder.drafter.propose
 
