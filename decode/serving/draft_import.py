@@ -25,9 +25,12 @@ from pathlib import Path
 
 from decode.models.feature_draft import FeatureDraft, default_feature_layers
 from decode.serving.speculators import WEIGHTS_FILE, load_speculators, save_speculators
+from pipeline import metrics as M
+from pipeline import registry
 from pipeline.config import DraftopsConfig, save_config
 from pipeline.files import swap_dir, temporary_sibling
 from pipeline.sources import CONFIG_FILE, ResolvedModel, check_tokenizer_compat, is_speculators_dir
+from pipeline.tracking import git_sha, start_run
 
 SPECULATORS, EAGLE = "speculators", "eagle"  # the layouts read
 PROVENANCE_FILE = "imported.json"
@@ -138,10 +141,6 @@ def register_import(cfg: DraftopsConfig, imported: ImportedDraft, target: Resolv
     with its provenance in tags (`pipeline.metrics.IMPORTED_FROM_TAG`, ...; `draftops.source` says import, not
     distill) and the target it was checked against: champion when the model has none, else challenger (or `alias`),
     as `pipeline.registry.register` decides. Returns (version, alias)."""
-    from pipeline import metrics as M
-    from pipeline import registry
-    from pipeline.tracking import git_sha, start_run
-
     lineage = {M.TARGET_FINGERPRINT_TAG: target.fingerprint, M.TARGET_SOURCE_TAG: cfg.target}
     provenance = {M.VERSION_SOURCE_TAG: "import", M.IMPORTED_FROM_TAG: imported.source,
                   M.IMPORT_LAYOUT_TAG: imported.layout, M.IMPORT_VERIFIER_TAG: imported.verifier or "-"}
