@@ -23,11 +23,17 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from safetensors import safe_open
+from transformers import AutoTokenizer
+
 from decode.models.feature_draft import FeatureDraft, default_feature_layers
 from decode.serving.speculators import WEIGHTS_FILE, load_speculators, save_speculators
+from pipeline import metrics as M
+from pipeline import registry
 from pipeline.config import DraftopsConfig, save_config
 from pipeline.files import swap_dir, temporary_sibling
 from pipeline.sources import CONFIG_FILE, ResolvedModel, check_tokenizer_compat, is_speculators_dir
+from pipeline.tracking import git_sha, start_run
 
 SPECULATORS, EAGLE = "speculators", "eagle"  # the layouts read
 PROVENANCE_FILE = "imported.json"
@@ -63,8 +69,6 @@ def head_layout(path: Path) -> str:
         raise HeadImportError(f"{path}: no {WEIGHTS_FILE}")
     if is_speculators_dir(path):
         return SPECULATORS
-    from safetensors import safe_open
-
     with safe_open(path / WEIGHTS_FILE, framework="pt") as f:
         names = set(f.keys())
     if all(key in names for key in EAGLE_KEYS):
@@ -90,8 +94,6 @@ def convert_eagle(path: Path, out: Path, target: ResolvedModel) -> Path:
 def tokenizer_checks(path: Path, verifier: str, target: ResolvedModel) -> list[str]:
     """Check the tokenizer the head carries, or its verifier's where that is a local folder, against the target's
     (`check_tokenizer_compat`); the words for what was checked."""
-    from transformers import AutoTokenizer
-
     for folder, what in ((path, "the head's own tokenizer"), (Path(verifier), f"its verifier {verifier}'s tokenizer")):
         if (folder / "tokenizer_config.json").is_file() or (folder / "tokenizer.json").is_file():
             check_tokenizer_compat(target.tokenizer, AutoTokenizer.from_pretrained(folder))
@@ -138,10 +140,6 @@ def register_import(cfg: DraftopsConfig, imported: ImportedDraft, target: Resolv
     with its provenance in tags (`pipeline.metrics.IMPORTED_FROM_TAG`, ...; `draftops.source` says import, not
     distill) and the target it was checked against: champion when the model has none, else challenger (or `alias`),
     as `pipeline.registry.register` decides. Returns (version, alias)."""
-    from pipeline import metrics as M
-    from pipeline import registry
-    from pipeline.tracking import git_sha, start_run
-
     lineage = {M.TARGET_FINGERPRINT_TAG: target.fingerprint, M.TARGET_SOURCE_TAG: cfg.target}
     provenance = {M.VERSION_SOURCE_TAG: "import", M.IMPORTED_FROM_TAG: imported.source,
                   M.IMPORT_LAYOUT_TAG: imported.layout, M.IMPORT_VERIFIER_TAG: imported.verifier or "-"}
