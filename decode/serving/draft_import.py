@@ -23,6 +23,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from safetensors import safe_open
+from transformers import AutoTokenizer
+
 from decode.models.feature_draft import FeatureDraft, default_feature_layers
 from decode.serving.speculators import WEIGHTS_FILE, load_speculators, save_speculators
 from pipeline import metrics as M
@@ -66,8 +69,6 @@ def head_layout(path: Path) -> str:
         raise HeadImportError(f"{path}: no {WEIGHTS_FILE}")
     if is_speculators_dir(path):
         return SPECULATORS
-    from safetensors import safe_open
-
     with safe_open(path / WEIGHTS_FILE, framework="pt") as f:
         names = set(f.keys())
     if all(key in names for key in EAGLE_KEYS):
@@ -93,8 +94,6 @@ def convert_eagle(path: Path, out: Path, target: ResolvedModel) -> Path:
 def tokenizer_checks(path: Path, verifier: str, target: ResolvedModel) -> list[str]:
     """Check the tokenizer the head carries, or its verifier's where that is a local folder, against the target's
     (`check_tokenizer_compat`); the words for what was checked."""
-    from transformers import AutoTokenizer
-
     for folder, what in ((path, "the head's own tokenizer"), (Path(verifier), f"its verifier {verifier}'s tokenizer")):
         if (folder / "tokenizer_config.json").is_file() or (folder / "tokenizer.json").is_file():
             check_tokenizer_compat(target.tokenizer, AutoTokenizer.from_pretrained(folder))
