@@ -5,6 +5,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from pipeline.config.alerts import AlertsConfig
 from pipeline.config.base import Section
 from pipeline.config.deploy import DeployConfig
 
@@ -62,6 +63,11 @@ class MonitorConfig(Section):
         "Seconds the whole scrape of the metrics endpoint may take (connecting, headers and body): an endpoint "
         "that answers slowly is cut off at this deadline and the check goes on without it."))
     deploy: DeployConfig = DeployConfig()
+    alerts: AlertsConfig = AlertsConfig()
+    metrics_port: int = Field(9464, ge=0, le=65535, description=(
+        "Port of `draftops monitor serve`'s own Prometheus /metrics and /healthz; 0: off."))
+    metrics_bind: str = Field("127.0.0.1", description=(
+        "Address the service's /metrics listens on (0.0.0.0 to let a remote Prometheus scrape it)."))
 
     @field_validator("timezone")
     @classmethod
