@@ -58,11 +58,10 @@ def free_port() -> int:
 
 
 def drift_report(**fields) -> CheckReport:
-    fields.setdefault("decision", Decision(Status.DRIFT, Cause.TRAFFIC_SHIFTED,
-                                           reasons=["acceptance dropped 0.10 (p=0.001)"]))
-    return CheckReport(registered_model="draftops-draft", champion_version="3",
-                       target_fingerprint="abc", champion_target_fingerprint="abc", current_acceptance=0.52,
-                       break_even=0.4, **fields)
+    report = {"decision": Decision(Status.DRIFT, Cause.TRAFFIC_SHIFTED, reasons=["acceptance dropped 0.10 (p=0.001)"]),
+              "registered_model": "draftops-draft", "champion_version": "3", "target_fingerprint": "abc",
+              "champion_target_fingerprint": "abc", "current_acceptance": 0.52, "break_even": 0.4}
+    return CheckReport(**{**report, **fields})
 
 
 def drift_check(cfg) -> CheckReport:
