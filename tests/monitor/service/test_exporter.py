@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from monitor.service.exporter import MetricsServer, ServiceMetrics
@@ -71,8 +72,6 @@ def test_a_report_without_replicas_or_baseline_exposes_what_it_has():
 
 
 def metrics_text(metrics: ServiceMetrics) -> str:
-    from prometheus_client import generate_latest
-
     return generate_latest(metrics.registry).decode()
 
 
