@@ -26,6 +26,7 @@ def _setup_logging() -> None:
 def check_command(args) -> int:
     from monitor.check.decision import EXIT_ERROR
     from monitor.check.run import run_check
+    from monitor.service.alerts import failed_check_alert, report_alerts, send_within_deadline
     from monitor.service.scheduler import EXIT_BUSY, check_lock, log_failed_check
     from pipeline.config import load_config
     from pipeline.tracking import TrackingUnavailable, check_tracking, store_error_line
@@ -51,8 +52,10 @@ def check_command(args) -> int:
         first = (str(exc).strip().splitlines() or [""])[0][:500]
         print(f"draftops: error: monitor check failed: {type(exc).__name__}: {first} (traceback: {where})",
               file=sys.stderr)
+        send_within_deadline(cfg, [failed_check_alert(cfg.tracking.registered_model, f"{type(exc).__name__}: {first}")])
         return EXIT_ERROR
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.summary())
+    send_within_deadline(cfg, report_alerts(report))  # the lock is released; the verdict is already printed
     return report.exit_code
 
 
@@ -161,6 +164,7 @@ def rollback_command(args) -> int:
     from monitor.check.run import rollback
     from monitor.deploy.layout import DeployError
     from monitor.deploy.rollout import ensure_deployed
+    from monitor.service.alerts import rollback_alert, send_within_deadline
     from monitor.service.scheduler import EXIT_BUSY
     from pipeline.config import load_config
     from pipeline.tracking import check_tracking
@@ -173,6 +177,7 @@ def rollback_command(args) -> int:
         print(f"draftops: {exc}; not rolling back (try again when it is free)", file=sys.stderr)
         return EXIT_BUSY
     print(f"{cfg.tracking.registered_model}@{M.CHAMPION} -> version {version}")
+    send_within_deadline(cfg, [rollback_alert(cfg.tracking.registered_model, version)])
     if cfg.monitor.deploy.enabled:  # the rolled-back champion deployed too (its kept folder when there is one)
         try:
             result = ensure_deployed(cfg)

@@ -332,10 +332,11 @@ def gate_challenger(cfg: DraftopsConfig, target, champion_draft, challenger_vers
             new_baseline(target.fingerprint, challenger_m))
 
 
-def scheduled_check(cfg: DraftopsConfig) -> int:
-    """What the service runs (under its lock): a check with retraining as configured; returns the exit code."""
+def scheduled_check(cfg: DraftopsConfig) -> CheckReport | int:
+    """What the service runs (under its lock): a check with retraining as configured; its report (the service
+    records and alerts on it), or the exit code of a check that could not report."""
     try:
-        return run_check(cfg).exit_code
+        return run_check(cfg)
     except registry.RegistryError as exc:
         log.error("monitor check: %s", exc)
         return EXIT_ERROR

@@ -8,6 +8,9 @@ down then runs once (`coalesce=True`) if it is less than `misfire_grace_time` la
 keeps a scheduled check, a manual `draftops monitor check` and a retrain from ever overlapping. Beside it, without
 Prometheus, an in-memory interval job scrapes the serving engines every `monitor.scrape_interval_minutes` into the
 window store (monitor.engines.window_store), on its own thread and without the lock.
+
+After each check, with the lock released, the running service records its figures on its own /metrics
+(monitor.service.exporter) and sends the alerts it is worth (monitor.service.alerts) from a background thread.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 
@@ -30,7 +34,10 @@ from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 from apscheduler.util import ref_to_obj
 
-from monitor.check.decision import EXIT_ERROR
+from monitor.check.decision import EXIT_ERROR, Status
+from monitor.check.outcome import CheckReport
+from monitor.service import alerts
+from monitor.service.exporter import MetricsServer, ServiceMetrics
 from pipeline import locks
 from pipeline import metrics as M
 from pipeline.config import DraftopsConfig, load_config
@@ -41,10 +48,14 @@ log = logging.getLogger("draftops.monitor")
 
 JOB_ID = "draftops-monitor-check"
 SCHEDULED_JOB = "monitor.service.scheduler:run_scheduled_check"
-DEFAULT_CHECK = "monitor.check.run:scheduled_check"  # callable(cfg) -> exit code, run under the lock
+DEFAULT_CHECK = "monitor.check.run:scheduled_check"  # callable(cfg) -> CheckReport or exit code, under the lock
 SCRAPE_JOB_ID = "draftops-engine-scrape"
 SCRAPE_JOB = "monitor.engines.window_store:scrape_job"  # the engines' windows between checks (no Prometheus)
 EXIT_BUSY = locks.EXIT_BUSY  # another check or retrain holds the lock; try again later
+STALE_POLL_SECONDS = 60.0  # how often the service looks whether no check has succeeded for too long
+
+AfterCheck = Callable[[DraftopsConfig, "CheckReport | None", int, float], None]  # (cfg, report, exit code, seconds)
+_after_check_hooks: list[AfterCheck] = []  # the running service's: its /metrics and its alerts
 
 
 def state_dir(cfg: DraftopsConfig) -> Path:
@@ -93,26 +104,34 @@ def run_scheduled_check(config_path: str | None, check: str = DEFAULT_CHECK, ove
     Never raises: a busy lock returns EXIT_BUSY, any failure is logged (and tracked) and returns EXIT_ERROR,
     so the scheduler, and the service with it, stays up.
     """
-    cfg = None
+    cfg, report, started = None, None, time.monotonic()
     try:
         cfg = load_config(config_path, overrides)
         check_tracking(cfg)
         with check_lock(cfg):
             log.info("monitor check starting (%s)", check)
-            code = int(ref_to_obj(check)(cfg))
+            result = ref_to_obj(check)(cfg)
+            report = result if isinstance(result, CheckReport) else None
+            code = report.exit_code if report is not None else int(result)
             log.info("monitor check finished with exit code %d", code)
-            return code
     except ModelBusy as exc:
         log.warning("monitor check skipped: %s", exc)
         return EXIT_BUSY
     except TrackingUnavailable as exc:  # nowhere to track the failure either
         log.error("monitor check failed: %s", exc)
-        return EXIT_ERROR
+        code = EXIT_ERROR
     except Exception as exc:
         log.exception("monitor check failed")
         if cfg is not None:
             log_failed_check(cfg, exc)
-        return EXIT_ERROR
+        code = EXIT_ERROR
+    if cfg is not None:  # the lock is released: the service's metrics and alerts never hold it
+        for hook in list(_after_check_hooks):
+            try:
+                hook(cfg, report, code, time.monotonic() - started)
+            except Exception:
+                log.exception("recording the check's metrics and alerts failed")
+    return code
 
 
 class _Scheduler(BackgroundScheduler):
@@ -145,6 +164,10 @@ class MonitorService:
             executors={"default": ThreadPoolExecutor(1), "scrape": ThreadPoolExecutor(1)},
             timezone=self.cfg.monitor.timezone,
         )
+        self.metrics = ServiceMetrics(self.cfg.tracking.registered_model)
+        self.stale = alerts.StaleWatch(state_dir(self.cfg), self.cfg.tracking.registered_model,
+                                       self.cfg.monitor.alerts.stale_after_hours)
+        self.metrics_server: MetricsServer | None = None
 
     def trigger(self) -> CronTrigger:
         return CronTrigger.from_crontab(self.cfg.monitor.schedule, timezone=self.cfg.monitor.timezone)
@@ -153,6 +176,8 @@ class MonitorService:
         self.scheduler.start(paused=True)  # job stores open, nothing runs until the job is reconciled
         self._register_job()
         self._register_scrape()
+        _after_check_hooks.append(self.after_check)
+        self._serve_metrics()
         if run_now:
             self.run_now()
         self.scheduler.resume()
@@ -184,6 +209,38 @@ class MonitorService:
             id=SCRAPE_JOB_ID, name="draftops engine scrape", jobstore="memory", executor="scrape",
             replace_existing=True, coalesce=True, max_instances=1, next_run_time=datetime.now(self.scheduler.timezone))
 
+    def _serve_metrics(self) -> None:
+        """Serve /metrics and /healthz unless `monitor.metrics_port` is 0; a taken port is logged, the checks go on."""
+        m = self.cfg.monitor
+        if m.metrics_port:
+            try:
+                self.metrics_server = MetricsServer(self.metrics, self.healthy, m.metrics_bind, m.metrics_port)
+            except OSError as exc:
+                log.error("monitor metrics not served on %s:%d: %s", m.metrics_bind, m.metrics_port, exc)
+
+    def healthy(self) -> bool:
+        return bool(self.scheduler.running)
+
+    def after_check(self, cfg: DraftopsConfig, report: CheckReport | None, code: int, seconds: float) -> None:
+        """A check ended (lock released): record its figures, send its alerts (and a stale one) in the background."""
+        self.metrics.record_check(report, code, seconds)
+        pending = alerts.report_alerts(report) if report is not None else []
+        if report is not None and report.decision.status is not Status.ERROR:
+            self.stale.succeeded()
+        elif report is None and code == EXIT_ERROR:
+            pending.append(alerts.failed_check_alert(cfg.tracking.registered_model, "see the service's log and the "
+                                                     "check's FAILED run in the draftops-monitor experiment"))
+        stale = self.stale.due()
+        if stale is not None:
+            pending.append(stale)
+        if pending:
+            alerts.dispatch(cfg, pending, self.metrics.record_alert)
+
+    def alert_if_stale(self) -> None:
+        stale = self.stale.due()
+        if stale is not None:
+            alerts.dispatch(self.cfg, [stale], self.metrics.record_alert)
+
     def run_now(self) -> None:
         """Make the scheduled job due now; afterwards it follows its schedule again."""
         self.scheduler.modify_job(JOB_ID, next_run_time=datetime.now(self.scheduler.timezone))
@@ -198,6 +255,11 @@ class MonitorService:
         """Stop scheduling; a check already running is allowed to finish."""
         if self.scheduler.running:
             self.scheduler.shutdown(wait=True)
+        if self.after_check in _after_check_hooks:
+            _after_check_hooks.remove(self.after_check)
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+            self.metrics_server = None
 
 
 def serve(config_path: str | Path | None, *, run_now: bool = False, check: str = DEFAULT_CHECK,
@@ -211,8 +273,11 @@ def serve(config_path: str | Path | None, *, run_now: bool = False, check: str =
     service = MonitorService(config_path, check=check, overrides=overrides)
     try:
         service.start(run_now=run_now)
+        last_poll = time.monotonic()
         while not stop.wait(0.5):
-            pass
+            if time.monotonic() - last_poll >= STALE_POLL_SECONDS:
+                last_poll = time.monotonic()
+                service.alert_if_stale()
         log.info("monitor service stopping")
     finally:
         service.stop()

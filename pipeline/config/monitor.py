@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from pipeline.config.alerts import AlertsConfig
 from pipeline.config.base import Section
 from pipeline.config.deploy import DeployConfig
 from pipeline.config.fleet import EngineEndpoint, duration_seconds, unique_names
@@ -85,6 +86,11 @@ class MonitorConfig(Section):
         "(<state_dir>/server_metrics.json), so windows are this long; a check scrapes too when the last scrape is "
         "older. 0: only the checks scrape (one window per check)."))
     deploy: DeployConfig = DeployConfig()
+    alerts: AlertsConfig = AlertsConfig()
+    metrics_port: int = Field(9464, ge=0, le=65535, description=(
+        "Port of `draftops monitor serve`'s own Prometheus /metrics and /healthz; 0: off."))
+    metrics_bind: str = Field("127.0.0.1", description=(
+        "Address the service's /metrics listens on (0.0.0.0 to let a remote Prometheus scrape it)."))
 
     def replica_endpoints(self) -> list[EngineEndpoint]:
         """`engines`, or the one endpoint `server_metrics_url` stands for; empty when neither is set."""

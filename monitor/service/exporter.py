@@ -1,0 +1,140 @@
+"""The monitor service's own Prometheus endpoint: the last check's figures, its verdict, the alerts sent and failed,
+and /healthz (`monitor.metrics_bind`:`monitor.metrics_port`; port 0: off).
+
+The metrics live in a registry of their own (never prometheus_client's global one), so two services in one process, or
+a test beside a service, never share series. Per-replica figures are read from the report with getattr, so a report
+without them (one engine) exposes the model-wide series alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app
+
+from monitor.check.decision import Status
+from monitor.check.outcome import CheckReport
+
+log = logging.getLogger("draftops.monitor")
+
+PREFIX = "draftops_monitor_"
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 - a scrape every few seconds is not worth a log line
+        pass
+
+
+def _version_number(version: str | None) -> float:
+    try:
+        return float(version)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+class ServiceMetrics:
+    """The gauges and counters of one monitor service, in their own CollectorRegistry."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, m = self.registry, ["model"]
+        self.acceptance = Gauge(PREFIX + "acceptance", "Champion's acceptance at the last check", m, registry=r)
+        self.baseline = Gauge(PREFIX + "acceptance_baseline", "Champion's baseline acceptance", m, registry=r)
+        self.break_even = Gauge(PREFIX + "break_even_acceptance", "Acceptance below which drafting does not pay", m,
+                                registry=r)
+        self.replica_acceptance = Gauge(PREFIX + "replica_acceptance", "A serving replica's acceptance at the last "
+                                        "check", ["model", "replica"], registry=r)
+        self.verdict = Gauge(PREFIX + "verdict", "1 for the last check's verdict, 0 for the others",
+                             ["model", "verdict"], registry=r)
+        self.champion = Gauge(PREFIX + "champion_version", "Registered version behind the champion alias", m,
+                              registry=r)
+        self.duration = Gauge(PREFIX + "check_duration_seconds", "Wall time of the last check", m, registry=r)
+        self.last_check = Gauge(PREFIX + "last_check_timestamp_seconds", "When the last check ended", m, registry=r)
+        self.last_success = Gauge(PREFIX + "last_success_timestamp_seconds", "When the last check that reached a "
+                                  "verdict other than ERROR ended", m, registry=r)
+        self.checks = Counter(PREFIX + "checks", "Checks run, by exit code", ["model", "exit_code"], registry=r)
+        self.alerts_sent = Counter(PREFIX + "alerts_sent", "Alert batches delivered", ["model", "target"], registry=r)
+        self.alerts_failed = Counter(PREFIX + "alerts_failed", "Alert batches not delivered after every try",
+                                     ["model", "target"], registry=r)
+
+    def record_alert(self, target: str, delivered: bool) -> None:
+        (self.alerts_sent if delivered else self.alerts_failed).labels(self.model, target).inc()
+
+    def record_check(self, report: CheckReport | None, exit_code: int, seconds: float, ended: float | None = None
+                     ) -> None:
+        """The figures of a finished check; `report` None: it crashed (or the lock was busy) before reporting."""
+        ended = time.time() if ended is None else ended
+        self.checks.labels(self.model, str(exit_code)).inc()
+        self.duration.labels(self.model).set(seconds)
+        self.last_check.labels(self.model).set(ended)
+        if report is None:
+            return
+        status = report.decision.status
+        for s in Status:
+            self.verdict.labels(self.model, s.value).set(float(s is status))
+        if status is not Status.ERROR:
+            self.last_success.labels(self.model).set(ended)
+        self.champion.labels(self.model).set(_version_number(report.champion_version))
+        if report.current_acceptance is not None:
+            self.acceptance.labels(self.model).set(report.current_acceptance)
+        baseline = _baseline(report)
+        if baseline is not None:
+            self.baseline.labels(self.model).set(baseline)
+        self.break_even.labels(self.model).set(report.break_even)
+        for replica, acceptance in _replica_acceptances(report):
+            self.replica_acceptance.labels(self.model, replica).set(acceptance)
+
+
+def _baseline(report: CheckReport) -> float | None:
+    if report.baseline_recorded:
+        return report.current_acceptance
+    for test in (report.acceptance and report.acceptance.paired, report.acceptance and report.acceptance.unpaired):
+        if test is not None:
+            return test.baseline_acceptance
+    return None
+
+
+def _replica_acceptances(report: CheckReport) -> list[tuple[str, float]]:
+    """(replica name, acceptance) for each replica the report (or its engine check) names; [] with one engine."""
+    replicas = getattr(report, "replicas", None) or getattr(report.engine, "replicas", None) or []
+    out = []
+    for index, replica in enumerate(replicas):
+        name = getattr(replica, "name", None) or getattr(replica, "replica", None) or str(index)
+        acceptance = getattr(replica, "acceptance", None)
+        if isinstance(acceptance, (int, float)):
+            out.append((str(name), float(acceptance)))
+    return out
+
+
+def service_app(metrics: ServiceMetrics, healthy: Callable[[], bool]):
+    """WSGI app: /healthz (200 while `healthy()`, else 503), anything else prometheus_client's metrics app."""
+    metrics_app = make_wsgi_app(metrics.registry)
+
+    def app(environ, start_response):
+        if environ.get("PATH_INFO") == "/healthz":
+            ok = healthy()
+            start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
+            return [b"ok\n" if ok else b"scheduler not running\n"]
+        return metrics_app(environ, start_response)
+
+    return app
+
+
+class MetricsServer:
+    """The WSGI app served from a daemon thread; `stop()` closes the socket."""
+
+    def __init__(self, metrics: ServiceMetrics, healthy: Callable[[], bool], bind: str, port: int):
+        self.httpd: WSGIServer = make_server(bind, port, service_app(metrics, healthy), handler_class=_QuietHandler)
+        self.port = self.httpd.server_port
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="draftops-metrics", daemon=True)
+        self.thread.start()
+        log.info("monitor metrics on http://%s:%d/metrics", bind, self.port)
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

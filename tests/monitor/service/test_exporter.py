@@ -1,0 +1,117 @@
+import configparser
+import shutil
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from monitor.service.exporter import MetricsServer, ServiceMetrics
+from monitor.service.scheduler import MonitorService
+from tests.monitor.service.fake_endpoints import drift_report, free_port
+
+REPO = Path(__file__).resolve().parents[3]
+UNIT = REPO / "configs" / "draftops-monitor.service"
+
+
+def scrape(port: int, path: str = "/metrics") -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_hold_the_last_check_its_verdict_replicas_and_alerts():
+    metrics = ServiceMetrics("draftops-draft")
+    report = drift_report()
+    report.replicas = [SimpleNamespace(name="gpu-a", acceptance=0.61), SimpleNamespace(name="gpu-b", acceptance=0.4)]
+    metrics.record_check(report, 3, 12.5, ended=1700000000.0)
+    metrics.record_alert("alertmanager", True)
+    metrics.record_alert("webhook", False)
+    healthy = [True]
+    server = MetricsServer(metrics, lambda: healthy[0], "127.0.0.1", 0)
+    try:
+        status, text = scrape(server.port)
+        assert status == 200
+        got = samples(text)
+        model = ("model", "draftops-draft")
+        assert got[("draftops_monitor_acceptance", (model,))] == 0.52
+        assert got[("draftops_monitor_verdict", (model, ("verdict", "DRIFT")))] == 1.0
+        assert got[("draftops_monitor_verdict", (model, ("verdict", "OK")))] == 0.0
+        assert got[("draftops_monitor_champion_version", (model,))] == 3.0
+        assert got[("draftops_monitor_check_duration_seconds", (model,))] == 12.5
+        assert got[("draftops_monitor_last_success_timestamp_seconds", (model,))] == 1700000000.0
+        assert got[("draftops_monitor_replica_acceptance", (model, ("replica", "gpu-a")))] == 0.61
+        assert got[("draftops_monitor_alerts_sent_total", (model, ("target", "alertmanager")))] == 1.0
+        assert got[("draftops_monitor_alerts_failed_total", (model, ("target", "webhook")))] == 1.0
+        assert scrape(server.port, "/healthz")[0] == 200
+        healthy[0] = False
+        assert scrape(server.port, "/healthz")[0] == 503
+    finally:
+        server.stop()
+
+
+def test_a_report_without_replicas_or_baseline_exposes_what_it_has():
+    metrics = ServiceMetrics("m")
+    metrics.record_check(None, 2, 0.1)  # a crashed check: its time and exit code, no verdict
+    metrics.record_check(drift_report(registered_model="m"), 3, 1.0)
+    got = samples(metrics_text(metrics))
+    assert ("draftops_monitor_replica_acceptance", (("model", "m"), ("replica", "0"))) not in got
+    assert got[("draftops_monitor_checks_total", (("exit_code", "2"), ("model", "m")))] == 1.0
+
+
+def metrics_text(metrics: ServiceMetrics) -> str:
+    return generate_latest(metrics.registry).decode()
+
+
+def test_the_service_serves_healthz_while_its_scheduler_runs(tmp_path):
+    port = free_port()
+    path = tmp_path / "monitor.yaml"
+    path.write_text(yaml.safe_dump({"tracking": {"uri": f"sqlite:///{tmp_path}/mlflow.db", "system_metrics": False},
+                                    "monitor": {"state_dir": str(tmp_path / "state"), "metrics_port": port}}))
+    service = MonitorService(path)
+    service.start()
+    try:
+        assert scrape(port, "/healthz") == (200, "ok\n")
+        assert "draftops_monitor_alerts_failed" in scrape(port)[1]
+    finally:
+        service.stop()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2)
+
+
+def test_the_systemd_unit_runs_the_service_hardened():
+    unit = configparser.ConfigParser(interpolation=None, strict=False)
+    unit.optionxform = str
+    unit.read(UNIT)
+    service = unit["Service"]
+    assert service["ExecStart"].endswith("draftops monitor serve --config /etc/draftops/monitor.yaml")
+    assert service["Restart"] == "on-failure" and service["User"] == "draftops"
+    assert "\nEnvironment=MLFLOW_TRACKING_URI=http" in UNIT.read_text()  # several Environment= lines: read the text
+    assert service["NoNewPrivileges"] == "yes" and service["ProtectSystem"] == "strict"
+    assert unit["Install"]["WantedBy"] == "multi-user.target"
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze here")
+def test_systemd_analyze_verifies_the_unit(tmp_path):
+    true = shutil.which("true")
+    copy = tmp_path / UNIT.name  # the installed binary's path does not exist here: verify runs /bin/true instead
+    copy.write_text(UNIT.read_text().replace("/opt/draftops/.venv/bin/draftops", true))
+    done = subprocess.run(["systemd-analyze", "verify", str(copy)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_container_recipe_runs_the_service_on_cpu_torch():
+    text = (REPO / "configs" / "Containerfile.monitor").read_text()
+    assert "download.pytorch.org/whl/cpu" in text and 'ENTRYPOINT ["draftops", "monitor", "serve"]' in text
