@@ -82,7 +82,9 @@ def run(argv: list[str], server: HangingTracking, home: Path) -> tuple[int, str,
         from tests.distill.tiny_job import write_target
 
         argv = [str(write_target(home / "target")) if word == "TINY" else word for word in argv]
-    env = {**os.environ, "MLFLOW_TRACKING_URI": server.uri, "PYTHONPATH": str(REPO), "DRAFTOPS_HOME": str(home),
+    # the registry too: an MLFLOW_REGISTRY_URI an earlier test of this process left in os.environ would win
+    env = {**os.environ, "MLFLOW_TRACKING_URI": server.uri, "MLFLOW_REGISTRY_URI": server.uri,
+           "PYTHONPATH": str(REPO), "DRAFTOPS_HOME": str(home),
            "MLFLOW_HTTP_REQUEST_TIMEOUT": str(HTTP_TIMEOUT_S), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(HTTP_RETRIES)}
     out = subprocess.run([sys.executable, "-m", "pipeline.cli", *argv], cwd=home, env=env, capture_output=True,
                          text=True, timeout=120)
