@@ -132,7 +132,8 @@ def wait_for_text(driver, *texts: str, timeout: float = PAGE_TIMEOUT_S) -> str:
     except TimeoutException:
         body = driver.find_element(By.TAG_NAME, "body").text
         screenshot(driver, "timeout")
-        pytest.fail(f"page {driver.current_url} never showed {texts}; it shows:\n{body[:2000]}")
+        missing = [t for t in texts if t not in body]
+        pytest.fail(f"page {driver.current_url} never showed {missing}; it shows:\n{body[:800]}\n[...]\n{body[-1500:]}")
     return driver.find_element(By.TAG_NAME, "body").text
 
 
@@ -145,20 +146,35 @@ def close_assistant(driver) -> None:
             button.click()
 
 
-def metric_values(text: str, name: str, n_runs: int) -> list[float]:
-    """One metric's values, a column per run, from the compare view's Metrics grid. The grid renders its name column
-    first (rows sorted by name), then the values row by row."""
-    section = text.split("\nMetrics\nShow diff only\n", 1)[1].split("\nArtifacts\n", 1)[0].split("\n")
-    names = []
-    for line in section:
-        try:
-            float(line)
-            break
-        except ValueError:
-            names.append(line)
-    values = section[len(names):]
-    row = names.index(name)
-    return [float(v) for v in values[row * n_runs:(row + 1) * n_runs]]
+GRID_ROWS_JS = """
+const box = arguments[0].closest('.du-bois-light-collapse-content-box');
+const [names, values] = box.querySelectorAll('.ReactVirtualized__Grid');
+const rows = {};
+for (const cell of names.children[0].children) rows[cell.style.top] = [cell.textContent.trim()];
+const cells = Array.from(values.children[0].children).sort(
+    (a, b) => parseFloat(a.style.left) - parseFloat(b.style.left));
+for (const cell of cells) if (rows[cell.style.top]) rows[cell.style.top].push(cell.textContent.trim());
+return [Object.values(rows), values.scrollTop + values.clientHeight >= values.scrollHeight];
+"""
+
+
+def compare_metrics(driver) -> dict[str, list[float]]:
+    """Every metric of the compare view's Metrics grid, a value per run. The grid is virtualized (only the rows in its
+    300-pixel window exist in the page), so it is scrolled through a window at a time and read from the DOM."""
+    from selenium.webdriver.common.by import By
+
+    switch = driver.find_element(By.CSS_SELECTOR, "button[aria-label='Metrics - Show diff only']")
+    grid = driver.execute_script("return arguments[0].closest('.du-bois-light-collapse-content-box')"
+                                 ".querySelectorAll('.ReactVirtualized__Grid')[1]", switch)
+    metrics: dict[str, list[float]] = {}
+    for _ in range(200):
+        rows, at_end = driver.execute_script(GRID_ROWS_JS, switch)
+        metrics.update({row[0]: [float(v) for v in row[1:]] for row in rows if len(row) > 1})
+        if at_end:
+            return metrics
+        driver.execute_script("arguments[0].scrollTop += arguments[0].clientHeight / 2", grid)
+        time.sleep(0.3)
+    return metrics
 
 
 def screenshot(driver, name: str) -> Path:
@@ -193,13 +209,13 @@ def test_compare_view_of_the_two_distill_runs_shows_acceptance(store, server, br
     runs = urllib.parse.quote(json.dumps([first.run_id, second.run_id]))
     experiments = urllib.parse.quote(json.dumps([experiment]))
     browser.get(f"{server}/#/compare-runs?runs={runs}&experiments={experiments}")
-    text = wait_for_text(browser, M.ALPHA_T0, M.tau_at(cfg.decode.gamma), M.DRAFT_VOCAB_SIZE,
-                         "draft-v1-forward_kl", "draft-v2-forward_kl")
+    wait_for_text(browser, M.ALPHA_T0, "draft-v1-forward_kl", "draft-v2-forward_kl")
     close_assistant(browser)
+    metrics = compare_metrics(browser)
+    assert {M.ALPHA_T0, M.tau_at(cfg.decode.gamma), M.DRAFT_VOCAB_SIZE} <= set(metrics), sorted(metrics)
     # one column per run, in the order asked for; MLflow shows 3 decimals
-    assert metric_values(text, M.ALPHA_T1, 2) == pytest.approx(
-        [first.metrics["alpha_t1"], second.metrics["alpha_t1"]], abs=6e-4)
-    assert metric_values(text, M.tau_at(cfg.decode.gamma), 2) == pytest.approx(
+    assert metrics[M.ALPHA_T1] == pytest.approx([first.metrics["alpha_t1"], second.metrics["alpha_t1"]], abs=6e-4)
+    assert metrics[M.tau_at(cfg.decode.gamma)] == pytest.approx(
         [first.metrics["tau"], second.metrics["tau"]], abs=6e-4)
     section = browser.find_elements(By.XPATH, "//*[normalize-space(text())='Metrics']")[-1]
     browser.execute_script("arguments[0].scrollIntoView(true);", section)
