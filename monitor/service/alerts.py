@@ -22,6 +22,7 @@ from pathlib import Path
 
 from monitor.check.decision import Status
 from monitor.check.outcome import CheckReport
+from monitor.engines.fleet import DRIFT, fleet_verdict
 from pipeline.config import DraftopsConfig
 from pipeline.config.alerts import AlertsConfig, AlertTarget
 
@@ -58,9 +59,15 @@ def report_alerts(report: CheckReport) -> list[Alert]:
     status = report.decision.status
     if status in ALERT_NAMES:
         cause = f" ({report.decision.cause.value})" if report.decision.cause else ""
-        out.append(Alert(ALERT_NAMES[status], SEVERITY[status], model,
-                         f"{status.value}{cause}: {model}@champion = version {report.champion_version}",
-                         "\n".join(report.decision.reasons), {"version": report.champion_version}))
+        summary = f"{status.value}{cause}: {model}@champion = version {report.champion_version}"
+        labels = {"version": report.champion_version}
+        # one alert per drifting replica, labelled with its name (Alertmanager groups them); else one for the model
+        drifting = [name for name, verdict in fleet_verdict(report.server)[1].items() if verdict == DRIFT]
+        for replica in (drifting if status is Status.DRIFT and drifting else [None]):
+            out.append(Alert(ALERT_NAMES[status], SEVERITY[status], model,
+                             summary + (f" on replica {replica}" if replica else ""),
+                             "\n".join(report.decision.reasons),
+                             {**labels, **({"replica": replica} if replica else {})}))
     if report.retrain is not None and report.retrain.promoted:
         r = report.retrain
         out.append(Alert("ChallengerPromoted", "info", model,

@@ -2,8 +2,8 @@
 and /healthz (`monitor.metrics_bind`:`monitor.metrics_port`; port 0: off).
 
 The metrics live in a registry of their own (never prometheus_client's global one), so two services in one process, or
-a test beside a service, never share series. Per-replica figures are read from the report with getattr, so a report
-without them (one engine) exposes the model-wide series alone.
+a test beside a service, never share series. Per-replica figures come from the report's fleet reading; a check that
+read no engine exposes the model-wide series alone.
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app
 
 from monitor.check.decision import Status
 from monitor.check.outcome import CheckReport
+from monitor.engines.fleet import COLLECTING, DRIFT, IDLE, OK, UNREACHABLE
 
 log = logging.getLogger("draftops.monitor")
 
 PREFIX = "draftops_monitor_"
+REPLICA_VERDICTS = (OK, DRIFT, IDLE, UNREACHABLE, COLLECTING)
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -49,6 +51,10 @@ class ServiceMetrics:
                                 registry=r)
         self.replica_acceptance = Gauge(PREFIX + "replica_acceptance", "A serving replica's acceptance at the last "
                                         "check", ["model", "replica"], registry=r)
+        self.replica_baseline = Gauge(PREFIX + "replica_acceptance_baseline", "A serving replica's baseline "
+                                      "acceptance (its baseline windows)", ["model", "replica"], registry=r)
+        self.replica_verdict = Gauge(PREFIX + "replica_verdict", "1 for a replica's verdict at the last check, 0 for "
+                                     "the others", ["model", "replica", "verdict"], registry=r)
         self.verdict = Gauge(PREFIX + "verdict", "1 for the last check's verdict, 0 for the others",
                              ["model", "verdict"], registry=r)
         self.champion = Gauge(PREFIX + "champion_version", "Registered version behind the champion alias", m,
@@ -86,8 +92,13 @@ class ServiceMetrics:
         if baseline is not None:
             self.baseline.labels(self.model).set(baseline)
         self.break_even.labels(self.model).set(report.break_even)
-        for replica, acceptance in _replica_acceptances(report):
-            self.replica_acceptance.labels(self.model, replica).set(acceptance)
+        for replica, acceptance, baseline, verdict in _replica_figures(report):
+            if acceptance is not None:
+                self.replica_acceptance.labels(self.model, replica).set(acceptance)
+            if baseline is not None:
+                self.replica_baseline.labels(self.model, replica).set(baseline)
+            for name in REPLICA_VERDICTS:
+                self.replica_verdict.labels(self.model, replica, name).set(float(name == verdict))
 
 
 def _baseline(report: CheckReport) -> float | None:
@@ -99,15 +110,18 @@ def _baseline(report: CheckReport) -> float | None:
     return None
 
 
-def _replica_acceptances(report: CheckReport) -> list[tuple[str, float]]:
-    """(replica name, acceptance) for each replica the report (or its engine check) names; [] with one engine."""
-    replicas = getattr(report, "replicas", None) or getattr(report.engine, "replicas", None) or []
+def _replica_figures(report: CheckReport) -> list[tuple[str, float | None, float | None, str]]:
+    """(replica, recent acceptance, baseline acceptance, verdict) for each replica of the report's fleet reading; []
+    when the check read no engine. The acceptance is the recent windows' where the replica was tested, else its
+    latest window's."""
+    if report.server is None:
+        return []
     out = []
-    for index, replica in enumerate(replicas):
-        name = getattr(replica, "name", None) or getattr(replica, "replica", None) or str(index)
-        acceptance = getattr(replica, "acceptance", None)
-        if isinstance(acceptance, (int, float)):
-            out.append((str(name), float(acceptance)))
+    for replica in report.server.replicas:
+        test = replica.test
+        latest = replica.latest.counters.acceptance if replica.latest is not None else None
+        out.append((replica.name, test.current_acceptance if test is not None else latest,
+                    test.baseline_acceptance if test is not None else None, replica.verdict))
     return out
 
 

@@ -7,6 +7,7 @@ import yaml
 
 from monitor.check.decision import EXIT_DRIFT, Decision, Status
 from monitor.check.outcome import RetrainOutcome
+from monitor.engines.fleet import DRIFT, OK, FleetReading, ReplicaReading
 from monitor.service import alerts
 from monitor.service.scheduler import MonitorService, run_scheduled_check
 from pipeline.config import ConfigError, load_config
@@ -71,6 +72,18 @@ def test_an_ok_check_alerts_nobody_a_promotion_does():
     ok.retrain = RetrainOutcome("4", gate, promoted=True, previous_champion="3")
     (promoted,) = alerts.report_alerts(ok)
     assert (promoted.name, promoted.severity, promoted.labels) == ("ChallengerPromoted", "info", {"version": "4"})
+
+
+def test_a_fleet_drift_alerts_once_per_drifting_replica_by_name():
+    fleet = FleetReading("prometheus", [ReplicaReading("a", None, "llamacpp", OK),
+                                        ReplicaReading("b", None, "llamacpp", DRIFT),
+                                        ReplicaReading("c", None, "llamacpp", DRIFT)])
+    found = alerts.report_alerts(drift_report(server=fleet))
+    assert [(a.name, a.labels.get("replica")) for a in found] == [("DraftDrift", "b"), ("DraftDrift", "c")]
+    assert found[0].summary.endswith("on replica b")
+    pooled_only = FleetReading("prometheus", [ReplicaReading("a", None, "llamacpp", OK)])
+    (alert,) = alerts.report_alerts(drift_report(server=pooled_only))
+    assert "replica" not in alert.labels
 
 
 @pytest.mark.parametrize("kind", ["down", "500", "slow"])

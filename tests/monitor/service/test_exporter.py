@@ -4,15 +4,18 @@ import subprocess
 import urllib.error
 import urllib.request
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from monitor.engines.counters import SpecCounters
+from monitor.engines.fleet import COLLECTING, DRIFT, OK, FleetReading, ReplicaReading
+from monitor.engines.window_store import Window
 from monitor.service.exporter import MetricsServer, ServiceMetrics
 from monitor.service.scheduler import MonitorService
+from monitor.stats.acceptance_tests import DropTest
 from tests.monitor.service.fake_endpoints import drift_report, free_port
 
 REPO = Path(__file__).resolve().parents[3]
@@ -32,10 +35,18 @@ def samples(text: str) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+def drop_test(baseline: float, current: float) -> DropTest:
+    return DropTest("windows", baseline, current, baseline - current, 0.0, 0.0, 0.01, current < baseline - 0.1, 0.0,
+                    0.05, 8, 3)
+
+
 def test_metrics_hold_the_last_check_its_verdict_replicas_and_alerts():
     metrics = ServiceMetrics("draftops-draft")
-    report = drift_report()
-    report.replicas = [SimpleNamespace(name="gpu-a", acceptance=0.61), SimpleNamespace(name="gpu-b", acceptance=0.4)]
+    report = drift_report(server=FleetReading("prometheus", [
+        ReplicaReading("gpu-a", None, "vllm", OK, test=drop_test(0.62, 0.61)),
+        ReplicaReading("gpu-b", None, "vllm", DRIFT, test=drop_test(0.62, 0.4)),
+        ReplicaReading("gpu-c", None, "vllm", COLLECTING,
+                       latest=Window("t0", "t1", "3", SpecCounters("vllm", 4, 20, 10)))]))
     metrics.record_check(report, 3, 12.5, ended=1700000000.0)
     metrics.record_alert("alertmanager", True)
     metrics.record_alert("webhook", False)
@@ -53,6 +64,10 @@ def test_metrics_hold_the_last_check_its_verdict_replicas_and_alerts():
         assert got[("draftops_monitor_check_duration_seconds", (model,))] == 12.5
         assert got[("draftops_monitor_last_success_timestamp_seconds", (model,))] == 1700000000.0
         assert got[("draftops_monitor_replica_acceptance", (model, ("replica", "gpu-a")))] == 0.61
+        assert got[("draftops_monitor_replica_acceptance", (model, ("replica", "gpu-c")))] == 0.5  # its last window
+        assert got[("draftops_monitor_replica_acceptance_baseline", (model, ("replica", "gpu-b")))] == 0.62
+        assert got[("draftops_monitor_replica_verdict", (model, ("replica", "gpu-b"), ("verdict", "DRIFT")))] == 1.0
+        assert got[("draftops_monitor_replica_verdict", (model, ("replica", "gpu-a"), ("verdict", "DRIFT")))] == 0.0
         assert got[("draftops_monitor_alerts_sent_total", (model, ("target", "alertmanager")))] == 1.0
         assert got[("draftops_monitor_alerts_failed_total", (model, ("target", "webhook")))] == 1.0
         assert scrape(server.port, "/healthz")[0] == 200
