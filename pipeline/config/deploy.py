@@ -81,6 +81,12 @@ class DeployConfig(Section):
     rollback_on_mismatch: bool = Field(False, description=(
         "On DEPLOY_MISMATCH, switch `current` back to the previous deployment and run the reload action again."))
 
+    @field_validator("engine_check", mode="before")
+    @classmethod
+    def _off_is_not_false(cls, value):
+        """YAML reads a bare `off` (in a file or as `monitor.deploy.engine_check=off`) as false: it means "off"."""
+        return "off" if value is False else value
+
     @field_validator("reload_command")
     @classmethod
     def _documented_placeholders(cls, argv: list[str]) -> list[str]:

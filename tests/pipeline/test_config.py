@@ -75,3 +75,8 @@ def test_docs_config_reference_is_current():
     """docs/configuration.md's table is `draftops config --reference`; regenerate it when the schema changes."""
     page = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     assert reference_markdown() in page
+
+
+def test_a_bare_off_reads_as_the_word_not_as_false():
+    """YAML 1.1 reads `off` as false; `monitor.deploy.engine_check=off` means the choice "off"."""
+    assert load_config(None, ["monitor.deploy.engine_check=off"]).monitor.deploy.engine_check == "off"
