@@ -4,6 +4,7 @@ means the same decoder everywhere. `model_decoder` builds one from a draft model
 the sweep's fixed-γ cells, and tests."""
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from decode.drafters.protocol import DECODER, DRAFT, LOOKUP, SUFFIX
 from decode.drafters.suffix import SuffixIndex, load_suffix_index
 from decode.runtime.lean import lean_problem, notice_fallback, use_compiled_passes
 from decode.speculative import GREEDY, GammaPolicy, Sampling, SpeculativeDecoder
-from decode.tree_budget_measured import BudgetChoice, ModelFreeTrees, auto_budget_schedule
+from decode.tree_budget_measured import BudgetChoice, ModelFreeTrees, auto_budget_schedule, decoder_drafters
 from pipeline.config import AUTO, DecodeConfig
 from pipeline.sources import eos_token_ids as target_eos_ids
 
@@ -49,7 +50,7 @@ def build_decoder(target, draft, decode: DecodeConfig, *, kind: str = DECODER, g
     lookup_min_ngram = decode.lookup_min_ngram if kind in (DECODER, LOOKUP) else None
     suffix = (decode.suffix and kind in (DECODER, LOOKUP)) or kind == SUFFIX
     if decode.tree_rounds:
-        choice = tree_budget_choice(decode, target, draft, kind)
+        kind, choice = tree_drafters(decode, target, draft, kind)
         drafter = make_tree_drafter(kind, target.model, draft_model, budget=decode.tree_budget,
                                     budget_schedule=None if choice is None else choice.schedule,
                                     branching=decode.tree_branching,
@@ -125,6 +126,29 @@ def tree_budget_choice(decode: DecodeConfig, target, draft, kind: str = DECODER)
                                 lookup_min_ngram=decode.lookup_min_ngram if kind == LOOKUP else None,
                                 branching=decode.tree_branching)
     return auto_budget_schedule(target, None, decode.gamma, model_free=model_free)
+
+
+def tree_drafters(decode: DecodeConfig, target, draft, kind: str = DECODER) -> tuple[str, BudgetChoice | None]:
+    """(the tree drafter kind to build, its budget schedule): `kind` and `tree_budget_choice`, except that the default
+    decoder under `decode.use_draft: auto` (with the auto schedule) leaves its draft model out where it does not pay
+    on this machine (`decode.tree_budget_measured.decoder_drafters`), said once per process on stderr."""
+    # the decoder's trees without the draft: lookup's and suffix decoding's, or suffix decoding's where lookup is off
+    without = LOOKUP if decode.lookup_min_ngram is not None else SUFFIX if decode.suffix else None
+    if not (kind == DECODER and draft is not None and without is not None and decode.use_draft == AUTO
+            and not decode.tree_budget and decode.tree_budget_schedule == AUTO):
+        return kind, tree_budget_choice(decode, target, draft, kind)
+    trees = ModelFreeTrees(without, suffix_index_of(decode, draft), suffix=decode.suffix,
+                           lookup_min_ngram=decode.lookup_min_ngram, branching=decode.tree_branching)
+    choice = decoder_drafters(target, draft, trees, decode.gamma)
+    said = (target.fingerprint, draft.fingerprint, choice.reason)
+    if said not in _said:
+        _said.add(said)
+        print(f"decoder drafters auto: {choice.reason} (decode.use_draft=always keeps the draft)", file=sys.stderr,
+              flush=True)
+    return choice.kind, choice.budget
+
+
+_said: set[tuple] = set()  # the drafter choices already said in this process
 
 
 def suffix_index_of(decode: DecodeConfig, draft) -> SuffixIndex | None:

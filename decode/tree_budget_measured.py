@@ -32,7 +32,7 @@ import torch
 
 from decode.drafters.chain import make_drafter
 from decode.drafters.model_tree import make_tree_drafter
-from decode.drafters.protocol import DRAFT
+from decode.drafters.protocol import DECODER, DRAFT, LOOKUP
 from decode.drafters.suffix import SuffixIndex
 from decode.runtime.kernels import cpu_linear_of
 from decode.runtime.lean import COMPILED_MAX_TOKENS, compiled_lean
@@ -109,6 +109,46 @@ def auto_budget_schedule(target, draft, max_depth: int, *, model_free: ModelFree
     rows, _ = predict_tree_budgets(costs, DRAFT, p, TREE_BUDGETS, max_depth)
     schedule = recommend_tree_budget(rows, costs["contexts"])["tree_budget_schedule"]
     return BudgetChoice([(int(m), int(b)) for m, b in schedule], "measured on this machine")
+
+
+@dataclass(frozen=True)
+class DecoderChoice:
+    """What `decode.use_draft: auto` gives the default decoder: the tree drafter kind it builds (DECODER: prompt lookup,
+    suffix decoding and the draft model; LOOKUP or SUFFIX: the trees without the draft), its budget schedule, each
+    candidate's mean predicted speedup over the target alone, and why."""
+
+    kind: str
+    budget: BudgetChoice
+    predicted: dict[str, float]
+    reason: str
+
+
+def decoder_drafters(target, draft, trees: ModelFreeTrees, max_depth: int, *, reps: int = REPS,
+                     log: Callable[[str], None] | None = None) -> DecoderChoice:
+    """Whether the draft model pays in the default decoder's trees on this machine: its tree (its rank acceptance
+    over this machine's draft and verify costs, `predict_tree_budgets`) against the trees of prompt lookup and suffix
+    decoding alone (`trees`, τ(B) replayed over the same verify costs, no draft cost), the better mean predicted
+    speedup over the measured contexts winning (`recommend_tree_budget`). Where a half cannot be predicted (no rank
+    acceptance, too small a suffix index) the draft stays, with `auto_budget_schedule`'s budgets."""
+    p = load_rank_acceptance(draft.path) if draft.path is not None else None
+    sequences = 0 if trees.index is None else len(trees.index)
+    if p is None or sequences < MIN_REPLAY_SEQUENCES:
+        missing = "the draft carries no rank acceptance" if p is None else "too small a suffix index to replay"
+        return DecoderChoice(DECODER, auto_budget_schedule(target, draft, max_depth, reps=reps, log=log), {},
+                             f"draft kept: {missing}")
+    costs = tree_costs(target, draft, max_depth, reps=reps, log=log)
+    tau = cached_replayed_tau(target, trees, max_depth, log=log)
+    rows = predict_tree_budgets(costs, DRAFT, p, TREE_BUDGETS, max_depth)[0]
+    rows += predict_model_free_budgets(costs, trees.kind, tau)
+    pick = recommend_tree_budget(rows, costs["contexts"])
+    predicted = pick["tree_mean_predicted_speedup"]
+    budget = BudgetChoice([(int(m), int(b)) for m, b in pick["tree_budget_schedule"]], "measured on this machine")
+    with_draft, without = predicted[DRAFT], predicted[trees.kind]
+    alone = "prompt lookup and suffix decoding" if trees.kind == LOOKUP else "suffix decoding"
+    figures = f"predicted {with_draft:.2f}x with the draft model, {without:.2f}x with {alone} alone"
+    if pick["tree_draft"] == DRAFT:
+        return DecoderChoice(DECODER, budget, predicted, f"draft kept: {figures}")
+    return DecoderChoice(trees.kind, budget, predicted, f"draft left out: {figures}")
 
 
 def model_free_schedule(target, trees: ModelFreeTrees | None, max_depth: int, *, reps: int = REPS,

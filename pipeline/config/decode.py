@@ -41,6 +41,12 @@ class DecodeConfig(Section):
         f"{[list(e) for e in DEFAULT_TREE_BUDGET_SCHEDULE]}, one 2-core CPU's (docs/concepts.md#token-trees). "
         "null with "
         "tree_budget 0: chain rounds."))
+    use_draft: Literal["auto", "always"] = Field(AUTO, description=(
+        "Tree rounds with tree_budget_schedule auto: whether the decoder's trees (prompt lookup, suffix decoding and "
+        "the draft model) use the draft model. auto: only where, on this machine's measured costs, the draft's tree "
+        "is predicted faster than prompt lookup's and suffix decoding's alone (their rounds replayed on the suffix "
+        "index; measured once and cached, and said on stderr); where that cannot be predicted, the draft stays. "
+        "always: the draft is used (docs/concepts.md#token-trees)."))
     suffix: bool = Field(True, description=(
         "Tree rounds: suffix decoding's candidates join the tree after prompt lookup's, before the draft model's: "
         "continuations of the text's last tokens in the target's earlier outputs (the suffix index `make distill` "

@@ -185,3 +185,31 @@ def test_the_suffix_only_decoder_runs_the_replayed_schedule(models, target, monk
     decoder = build_decoder(models[0], None, decode, kind="suffix")
     assert decoder.drafter.schedule == [(128, 2)]
     assert decoder.generate(TEXT[:3], max_new_tokens=20).token_ids == greedy_reference(target, TEXT[:3], 20)
+
+
+def draft_costs(level: float):
+    """`flat_costs` with tree verifies of 1 + 0.02 B target steps and a draft level costing `level` target steps."""
+    costs = flat_costs(lambda b: 1.0 + 0.02 * b)
+    costs["drafts"]["draft"]["c"] = {"1": [level], "5": [level]}
+    return costs
+
+
+@pytest.mark.parametrize(("level", "index", "sources"), [
+    # a draft level as dear as a target step, and responses suffix decoding finds again: the draft is left out
+    (1.0, [TEXT] * 10, "lookup+suffix"),
+    # a cheap draft, and responses that never repeat: the draft stays
+    (0.02, [[100 + 20 * i + j for j in range(20)] for i in range(10)], "lookup+suffix+draft"),
+])
+def test_the_decoder_leaves_out_a_draft_that_costs_more_than_it_brings(models, target, monkeypatch, tmp_path, capsys,
+                                                                       level, index, sources):
+    monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: draft_costs(level))
+    SuffixIndex(index).save(tmp_path / "index.json")
+    decode = DecodeConfig(suffix_index=str(tmp_path / "index.json"))
+    decoder = build_decoder(*models, decode)
+    names = [s.name.split("(")[0] for s in decoder.drafter.sources]
+    assert "+".join(names) == sources, decoder.drafter.name
+    said = capsys.readouterr().err
+    assert ("draft left out" if "draft" not in names else "draft kept") in said
+    assert decoder.generate(TEXT[:3], max_new_tokens=12).token_ids == greedy_reference(target, TEXT[:3], 12)
+    always = build_decoder(*models, DecodeConfig(suffix_index=str(tmp_path / "index.json"), use_draft="always"))
+    assert always.drafter.sources[-1].name.startswith("draft")
