@@ -131,7 +131,8 @@ def tree_budget_choice(decode: DecodeConfig, target, draft, kind: str = DECODER)
 def tree_drafters(decode: DecodeConfig, target, draft, kind: str = DECODER) -> tuple[str, BudgetChoice | None]:
     """(the tree drafter kind to build, its budget schedule): `kind` and `tree_budget_choice`, except that the default
     decoder under `decode.use_draft: auto` (with the auto schedule) leaves its draft model out where it does not pay
-    on this machine (`decode.tree_budget_measured.decoder_drafters`), said once per process on stderr."""
+    on this machine (`decode.tree_budget_measured.decoder_drafters`); a measured choice is said once per process on
+    stderr."""
     # the decoder's trees without the draft: lookup's and suffix decoding's, or suffix decoding's where lookup is off
     without = LOOKUP if decode.lookup_min_ngram is not None else SUFFIX if decode.suffix else None
     if not (kind == DECODER and draft is not None and without is not None and decode.use_draft == AUTO
@@ -140,15 +141,14 @@ def tree_drafters(decode: DecodeConfig, target, draft, kind: str = DECODER) -> t
     trees = ModelFreeTrees(without, suffix_index_of(decode, draft), suffix=decode.suffix,
                            lookup_min_ngram=decode.lookup_min_ngram, branching=decode.tree_branching)
     choice = decoder_drafters(target, draft, trees, decode.gamma)
-    said = (target.fingerprint, draft.fingerprint, choice.reason)
-    if said not in _said:
-        _said.add(said)
+    if choice.predicted and choice.reason not in _said:  # a measured choice; an unmeasurable one keeps the draft
+        _said.add(choice.reason)
         print(f"decoder drafters auto: {choice.reason} (decode.use_draft=always keeps the draft)", file=sys.stderr,
               flush=True)
     return choice.kind, choice.budget
 
 
-_said: set[tuple] = set()  # the drafter choices already said in this process
+_said: set[str] = set()  # the drafter choices already said in this process
 
 
 def suffix_index_of(decode: DecodeConfig, draft) -> SuffixIndex | None:
