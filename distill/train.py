@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
+from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType, is_bf16_available, set_seed
 
 from decode.chain_acceptance import ENGINE_CHAIN
@@ -75,6 +76,11 @@ def make_accelerator(cfg: DraftopsConfig, mixed: str) -> Accelerator:
     usable = {"no": True, "fp16": not cpu, "bf16": is_bf16_available()}[mixed]
     if not usable:
         print(f"draftops distill: mixed_precision={mixed} is not available here; training in full precision")
+    one_process = PartialState._shared_state.get("distributed_type") == DistributedType.NO
+    if AcceleratorState._shared_state and one_process:
+        # a later job in this process (a size family, the monitor's retraining) whose timed precision may differ:
+        # accelerate keeps one state per process and refuses another precision, so this job's starts afresh
+        AcceleratorState._reset_state()
     return Accelerator(cpu=cpu, mixed_precision=mixed if usable else "no")
 
 

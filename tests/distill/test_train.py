@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from accelerate.state import AcceleratorState
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -24,7 +25,15 @@ from decode.tree_budget_model import TREE_BUDGETS, load_rank_acceptance
 from distill.checkpoints import latest_checkpoint
 from distill.loop import NonFiniteLoss
 from distill.onpolicy import draft_continuations
-from distill.train import DistillResult, layer_counts, print_summary, run_distill, run_sizes, sizes_config
+from distill.train import (
+    DistillResult,
+    layer_counts,
+    make_accelerator,
+    print_summary,
+    run_distill,
+    run_sizes,
+    sizes_config,
+)
 from pipeline import metrics
 from pipeline.config import DecodeConfig, load_config, save_config
 from pipeline.sources import load_checkpoint, save_checkpoint
@@ -472,3 +481,13 @@ def test_a_feature_draft_distills_decodes_and_exports_as_speculators_and_vllm(jo
     unrolled = ours.unroll(features, seq, torch.ones_like(seq), 2)
     for hidden, their in zip(unrolled, logits, strict=True):
         torch.testing.assert_close(their, ours.logits(hidden)[0], atol=1e-4, rtol=1e-4)
+
+
+def test_jobs_of_different_timed_precision_run_in_one_process():
+    """A size family or the monitor's retraining runs several jobs in one process, and `mixed_precision: auto` times
+    each draft shape afresh: a later job's precision may differ from an earlier one's, which accelerate's one state
+    per process would refuse."""
+    cfg = load_config(None, ["device=cpu"])
+    assert make_accelerator(cfg, "no").mixed_precision == "no"
+    later = make_accelerator(cfg, "bf16").mixed_precision
+    assert later in ("bf16", "no") and AcceleratorState().mixed_precision == later
