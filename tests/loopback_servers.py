@@ -77,15 +77,17 @@ class LoopbackServer:
 
 
 class TrackingServer(LoopbackServer):
-    """`mlflow server` as a team runs it: a sqlite backend and a local artifact folder it serves (mlflow-artifacts:)."""
+    """`mlflow server` as a team runs it: a sqlite backend (`folder`/mlflow.db, or an existing store's URI) and a local
+    artifact folder it serves (mlflow-artifacts:)."""
 
     ready_path = "/health"
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, backend_uri: str | None = None):
         port = free_port()
         folder.mkdir(parents=True, exist_ok=True)
         super().__init__([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
-                          f"sqlite:///{folder / 'mlflow.db'}", "--artifacts-destination", str(folder / "artifacts"),
+                          backend_uri or f"sqlite:///{folder / 'mlflow.db'}",
+                          "--artifacts-destination", str(folder / "artifacts"),
                           "--host", "127.0.0.1", "--port", str(port), "--workers", "1"], folder, port, "mlflow")
 
 

@@ -6,14 +6,9 @@ Screenshots land in test-artifacts/. Run with `make test-browser` (pytest -m bro
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.parse
@@ -23,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import metrics as M
+from tests.loopback_servers import TrackingServer
 
 pytestmark = pytest.mark.browser
 
@@ -30,14 +26,6 @@ REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "test-artifacts"
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 PAGE_TIMEOUT_S = 60
-SERVER_TIMEOUT_S = 90
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
@@ -64,37 +52,9 @@ def store(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(store):
     cfg, _, _ = store
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tempfile.TemporaryFile()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", cfg.tracking.uri, "--host", "127.0.0.1",
-         "--port", str(port), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT, cwd=cfg.distill.output_dir,
-        start_new_session=True)  # its own process group: the server's workers and job consumers go with it
-    try:
-        deadline = time.monotonic() + SERVER_TIMEOUT_S
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                pytest.fail(f"mlflow server did not come up at {url}:\n{log.read().decode()[-3000:]}")
-            time.sleep(0.5)
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            pass
-        with contextlib.suppress(ProcessLookupError):  # whatever of the group outlived the TERM
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=15)
-        log.close()
+    tracking = TrackingServer(Path(cfg.distill.output_dir) / "tracking-server", backend_uri=cfg.tracking.uri)
+    yield tracking.url
+    tracking.close()
 
 
 @pytest.fixture(scope="module")
