@@ -14,9 +14,9 @@ from decode.drafters.chain import make_drafter
 from decode.drafters.model_tree import make_tree_drafter
 from decode.drafters.protocol import DECODER, DRAFT, LOOKUP, SUFFIX
 from decode.drafters.suffix import SuffixIndex, load_suffix_index
-from decode.runtime.lean import lean_problem, notice_fallback, use_compiled_passes
+from decode.runtime.lean import compiled_lean, lean_problem, notice_fallback, use_compiled_passes
 from decode.speculative import GREEDY, GammaPolicy, Sampling, SpeculativeDecoder
-from decode.tree_budget_measured import BudgetChoice, ModelFreeTrees, auto_budget_schedule, decoder_drafters
+from decode.tree_budget_measured import BudgetChoice, DecoderChoice, ModelFreeTrees, choose_trees
 from pipeline.config import AUTO, DecodeConfig
 from pipeline.sources import eos_token_ids as target_eos_ids
 
@@ -37,8 +37,9 @@ def build_decoder(target, draft, decode: DecodeConfig, *, kind: str = DECODER, g
 
     target: a `pipeline.sources.ResolvedModel` (its generation config and tokenizer give the EOS ids); draft: one too,
     or None for the "lookup" and "suffix" drafters. `decode.tree_budget` > 0 or `decode.tree_budget_schedule` gives
-    tree rounds (`decode.drafters.model_tree`) with the budgets of `tree_budget_choice`; `decode.drafters.suffix`
-    adds suffix decoding to the trees of "decoder" and "lookup", with the suffix index of `suffix_index_of`.
+    tree rounds (`decode.drafters.model_tree`) with the drafters and budgets of `tree_drafters`;
+    `decode.drafters.suffix` adds suffix decoding to the trees of "decoder" and "lookup", with the suffix index of
+    `suffix_index_of`.
     `decode.compiled` compiles the target's and a layer draft's passes (`decode.runtime.lean.use_compiled_passes`: for
     every decoder of them in this process).
     """
@@ -47,12 +48,14 @@ def build_decoder(target, draft, decode: DecodeConfig, *, kind: str = DECODER, g
         compile_where_supported(target.model)
         if hasattr(draft_model, "config") and lean_problem(draft_model) is None:  # a layer draft (a feature one: eager)
             use_compiled_passes(draft_model)
+    compiled = lean and compiled_lean(target.model) is not None  # by this decoder or an earlier one in this process
     lookup_min_ngram = decode.lookup_min_ngram if kind in (DECODER, LOOKUP) else None
     suffix = (decode.suffix and kind in (DECODER, LOOKUP)) or kind == SUFFIX
     if decode.tree_rounds:
-        kind, choice = tree_drafters(decode, target, draft, kind)
-        drafter = make_tree_drafter(kind, target.model, draft_model, budget=decode.tree_budget,
-                                    budget_schedule=None if choice is None else choice.schedule,
+        choice = tree_drafters(decode, target, draft, kind, compiled=compiled)
+        drafter = make_tree_drafter(kind if choice is None else choice.kind, target.model, draft_model,
+                                    budget=decode.tree_budget,
+                                    budget_schedule=None if choice is None else choice.budget.schedule,
                                     branching=decode.tree_branching,
                                     draft_token_ids=token_ids, lookup_min_ngram=lookup_min_ngram, suffix=suffix,
                                     suffix_index=suffix_index_of(decode, draft) if suffix else None,
@@ -110,42 +113,42 @@ def compile_where_supported(model) -> bool:
     return False
 
 
-def tree_budget_choice(decode: DecodeConfig, target, draft, kind: str = DECODER) -> BudgetChoice | None:
-    """The node budget schedule of `decode`'s tree rounds for the tree `kind` grows, "auto" resolved
-    (`decode.tree_budget_measured`: from the draft where its model grows the tree, else from prompt lookup's and suffix
-    decoding's trees replayed on the suffix index of `suffix_index_of`); None for a fixed `tree_budget` or chain
-    rounds."""
+def tree_drafters(decode: DecodeConfig, target, draft, kind: str = DECODER, *,
+                  compiled: bool = False) -> DecoderChoice | None:
+    """The tree drafter kind `decode`'s tree rounds build for `kind`, and its node budget schedule, "auto" resolved
+    (`decode.tree_budget_measured.choose_trees`: from the draft's rank acceptance where its model grows the tree,
+    from prompt lookup's and suffix decoding's trees replayed on the suffix index of `suffix_index_of` where they
+    grow it). Under `decode.use_draft: auto` the default decoder's draft model competes with the decoder's trees
+    without it and is left out where it does not pay on this machine; a measured choice is said once per process on
+    stderr. compiled: whether the target's passes are compiled (its costs are those passes'). None for a fixed
+    `tree_budget` or chain rounds."""
     schedule = decode.tree_budget_schedule
     if decode.tree_budget or schedule is None:
         return None
     if schedule != AUTO:
-        return BudgetChoice([tuple(e) for e in schedule], "configured")
-    if kind in (DECODER, DRAFT):
-        return auto_budget_schedule(target, draft, decode.gamma)
-    model_free = ModelFreeTrees(kind, suffix_index_of(decode, draft), suffix=decode.suffix or kind == SUFFIX,
-                                lookup_min_ngram=decode.lookup_min_ngram if kind == LOOKUP else None,
-                                branching=decode.tree_branching)
-    return auto_budget_schedule(target, None, decode.gamma, model_free=model_free)
-
-
-def tree_drafters(decode: DecodeConfig, target, draft, kind: str = DECODER) -> tuple[str, BudgetChoice | None]:
-    """(the tree drafter kind to build, its budget schedule): `kind` and `tree_budget_choice`, except that the default
-    decoder under `decode.use_draft: auto` (with the auto schedule) leaves its draft model out where it does not pay
-    on this machine (`decode.tree_budget_measured.decoder_drafters`); a measured choice is said once per process on
-    stderr."""
-    # the decoder's trees without the draft: lookup's and suffix decoding's, or suffix decoding's where lookup is off
-    without = LOOKUP if decode.lookup_min_ngram is not None else SUFFIX if decode.suffix else None
-    if not (kind == DECODER and draft is not None and without is not None and decode.use_draft == AUTO
-            and not decode.tree_budget and decode.tree_budget_schedule == AUTO):
-        return kind, tree_budget_choice(decode, target, draft, kind)
-    trees = ModelFreeTrees(without, suffix_index_of(decode, draft), suffix=decode.suffix,
-                           lookup_min_ngram=decode.lookup_min_ngram, branching=decode.tree_branching)
-    choice = decoder_drafters(target, draft, trees, decode.gamma)
-    if choice.predicted and choice.reason not in _said:  # a measured choice; an unmeasurable one keeps the draft
+        return DecoderChoice(kind, BudgetChoice([tuple(e) for e in schedule], "configured"), {}, "")
+    choice = choose_trees(target, draft if kind in (DECODER, DRAFT) else None, model_free_trees(decode, draft, kind),
+                          decode.gamma, draft_kind=kind, compiled=compiled)
+    if len(choice.predicted) > 1 and choice.reason not in _said:  # a measured choice between candidates
         _said.add(choice.reason)
         print(f"decoder drafters auto: {choice.reason} (decode.use_draft=always keeps the draft)", file=sys.stderr,
               flush=True)
-    return choice.kind, choice.budget
+    return choice
+
+
+def model_free_trees(decode: DecodeConfig, draft, kind: str) -> ModelFreeTrees | None:
+    """The trees without a draft model that `tree_drafters` weighs for `kind`: prompt lookup's or suffix decoding's
+    own; for the default decoder under `decode.use_draft: auto`, its trees without the draft (lookup's and suffix
+    decoding's, or suffix decoding's where lookup is off); None where there are none to weigh."""
+    if kind in (LOOKUP, SUFFIX):
+        return ModelFreeTrees(kind, suffix_index_of(decode, draft), suffix=decode.suffix or kind == SUFFIX,
+                              lookup_min_ngram=decode.lookup_min_ngram if kind == LOOKUP else None,
+                              branching=decode.tree_branching)
+    without = LOOKUP if decode.lookup_min_ngram is not None else SUFFIX if decode.suffix else None
+    if kind != DECODER or draft is None or without is None or decode.use_draft != AUTO:
+        return None
+    return ModelFreeTrees(without, suffix_index_of(decode, draft), suffix=decode.suffix,
+                          lookup_min_ngram=decode.lookup_min_ngram, branching=decode.tree_branching)
 
 
 _said: set[str] = set()  # the drafter choices already said in this process

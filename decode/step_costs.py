@@ -30,20 +30,9 @@ from decode.runtime.forward import ModelRunner, rollback
 from decode.runtime.lean import LeanDecoder, lean_problem, require_lean
 from decode.runtime.timing import timed
 from decode.speculative import Warp, check_drafts
-from decode.token_tree import ROOT, TokenTree, accept
+from decode.token_tree import TokenTree, accept
 
 # --------------------------------------------------------------------------- measured costs
-
-
-def representative_tree(budget: int, vocab_size: int) -> TokenTree:
-    """A tree of `budget` nodes to time the tree verify with: breadth-first, two children per node (siblings hold
-    different tokens, so none merge). A tree pass costs the same for any shape of the same size (every node attends
-    through one dense masked attention); the shape only sets the positions, here at most log2(budget + 2) levels
-    past the context."""
-    tree = TokenTree()
-    for i in range(budget):
-        tree.add(ROOT if i < 2 else (i - 2) // 2, i % vocab_size, "timing")
-    return tree
 
 
 def time_rounds(timers: Mapping[tuple[str, int], tuple[Callable, Callable]], device: torch.device,
@@ -98,17 +87,17 @@ def measure_costs(target_model, proposers: Mapping[str, object], tokens: list[in
     Target: prefill of L tokens, one greedy step, and a verify round of n = 2..γmax+1 tokens (forward with every
     logit, the decoder's acceptance test `check_drafts`, the one sync). Per draft: its prefill (`start`) and one
     round of γ proposals (`propose`: forwards, warps and sampling of a draft model, or one lookup) for every γ.
-    Per tree budget B: a tree round's verify on `representative_tree(B)` as the decoder runs it (`tree_round`: the
+    Per tree budget B: a tree round's verify on `TokenTree.breadth_first(B)` as the decoder runs it (`tree_round`: the
     attention mask, the target's tree forward of the pending token and B nodes, the greedy walk `accept`).
     Every repetition times every quantity once, so a burst of load on the shared machine hits them alike; c and v
     are medians of the per-repetition ratios to that repetition's target step.
     """
+    proposers = {name: FeatureRounds(d, target_model, tokens) if getattr(d, "feature_layers", ()) else d
+                 for name, d in proposers.items()}
     device = next(target_model.parameters()).device
     vocab_size = target_model.get_output_embeddings().weight.shape[0]
     warp, max_gamma = Warp(), max(gammas)
     runner = ModelRunner(target_model)  # the decoder's own target forward
-    proposers = {name: FeatureRounds(d, target_model, tokens) if getattr(d, "feature_layers", ()) else d
-                 for name, d in proposers.items()}
 
     def prefill(start: Callable[[], object]) -> tuple[object, float]:
         runs = [timed(start, device) for _ in range(prefill_reps)]
@@ -134,7 +123,7 @@ def measure_costs(target_model, proposers: Mapping[str, object], tokens: list[in
         return run
 
     def tree_verify(cache, length: int, budget: int) -> Callable[[], object]:
-        tree = representative_tree(budget, vocab_size)
+        tree = TokenTree.breadth_first(budget, vocab_size)
         fed, positions, mask = tree.pass_inputs(tokens[length], length, device)
         return lambda: accept(tree, runner.forward_tree(fed, cache, length, positions, mask), warp, None)
 
@@ -158,14 +147,15 @@ def measure_costs(target_model, proposers: Mapping[str, object], tokens: list[in
                 run = (lambda d, st, sq, g: lambda: d.propose(st, sq, g, warp, None))(drafter, state, seq, gamma)
                 undo_draft = (lambda d, st, n: lambda: d.rollback(st, n))(drafter, state, length)
                 timers[(f"{name}|{gamma}", i)] = (run, undo_draft)
-    return cost_table(time_rounds(timers, device, reps), prefill_s, contexts, list(proposers), gammas, tree_budgets)
+    samples = time_rounds(timers, device, reps)
+    return {"contexts": list(contexts), **cost_table(samples, prefill_s, list(proposers), gammas, tree_budgets)}
 
 
-def cost_table(samples: dict, prefill_s: dict[str, list[float]], contexts: Sequence[int], names: list[str],
-               gammas: Sequence[int], tree_budgets: Sequence[int]) -> dict:
-    """`measure_costs`' result from its timed samples: medians per context, and c and v as medians of the
-    per-repetition ratios to that repetition's target step."""
-    max_gamma = max(gammas)
+def cost_table(samples: dict, prefill_s: dict[str, list[float]], names: list[str], gammas: Sequence[int],
+               tree_budgets: Sequence[int]) -> dict:
+    """`measure_costs`' result from its timed samples (one prefill per context): medians per context, and c and v
+    as medians of the per-repetition ratios to that repetition's target step."""
+    max_gamma, contexts = max(gammas), prefill_s["target"]
 
     def seconds_of(key: str) -> list[float]:
         return [statistics.median(samples[(key, i)]) for i in range(len(contexts))]
@@ -183,7 +173,7 @@ def cost_table(samples: dict, prefill_s: dict[str, list[float]], contexts: Seque
     per_draft = {name: {"prefill_s": prefill_s[name],
                         "round_s": {str(g): seconds_of(f"{name}|{g}") for g in gammas},
                         "c": {str(g): ratio_to_step(f"{name}|{g}", g) for g in gammas}} for name in names}
-    return {"contexts": list(contexts), "target": target, "drafts": per_draft}
+    return {"target": target, "drafts": per_draft}
 
 
 @torch.inference_mode()
@@ -264,7 +254,7 @@ def costed_drafter(drafter, vocab_size: int):
 def step_costs(target: ModelRunner, draft, prompt: list[int], gamma: int, reps: int = 20,
                tree_budget: int = 0) -> dict[str, float]:
     """Median seconds of one cached target step, one draft step and one (γ+1)-token verify; c and v as ratios. With
-    `tree_budget` nodes also a tree verify of that many (`decode.step_costs.representative_tree`) and v_tree.
+    `tree_budget` nodes also a tree verify of that many (`decode.token_tree.TokenTree.breadth_first`) and v_tree.
 
     Timed the way the decoder runs them: target is its `ModelRunner`, draft its `ModelDrafter` or a
     `PromptLookupDrafter`, whose step is one lookup of γ tokens divided by γ (one lookup per round).
@@ -293,7 +283,7 @@ def step_costs(target: ModelRunner, draft, prompt: list[int], gamma: int, reps: 
 
     def tree_cost(budget: int) -> float:
         device = _device(target.model)
-        tree = representative_tree(budget, output_size(target.model))
+        tree = TokenTree.breadth_first(budget, output_size(target.model))
         tokens, positions, mask = tree.pass_inputs(prompt[-1], len(prompt), device)
         cache = target.new_cache()
         target.forward(torch.tensor(prompt, device=device), cache, 0, True)

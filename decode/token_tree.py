@@ -70,6 +70,17 @@ class TokenTree:
     def trials(self, parent: int) -> list[Trial]:
         return self._trials[parent]
 
+    @classmethod
+    def breadth_first(cls, budget: int, vocab_size: int, source: str = "timing") -> TokenTree:
+        """A tree of `budget` nodes, breadth-first, two children per node (siblings hold different tokens, so none
+        merge): what the step-cost timer verifies (`decode.step_costs`). A tree pass costs the same for any shape of
+        the same size (every node attends through one dense masked attention); the shape only sets the positions,
+        here at most log2(budget + 2) levels past the context."""
+        tree = cls()
+        for i in range(budget):
+            tree.add(ROOT if i < 2 else (i - 2) // 2, i % vocab_size, source)
+        return tree
+
     def add(self, parent: int, token: int, source: str, q: torch.Tensor | None = None) -> int:
         """Propose `token` under `parent` (drawn from q, or deterministic when q is None); returns its node, a new one
         unless that token is already a child there. A deterministic trial of a token that already had one under this

@@ -35,7 +35,7 @@ from decode.drafters.model_tree import make_tree_drafter
 from decode.drafters.protocol import DECODER, DRAFT, LOOKUP
 from decode.drafters.suffix import SuffixIndex
 from decode.runtime.kernels import cpu_linear_of
-from decode.runtime.lean import COMPILED_MAX_TOKENS, compiled_lean
+from decode.runtime.lean import COMPILED_MAX_TOKENS
 from decode.runtime.machine_choice import cache_file, measured_once
 from decode.sampling import Warp
 from decode.step_costs import measure_costs
@@ -93,29 +93,11 @@ class ModelFreeTrees:
                 "branching": self.branching, "index": digest}
 
 
-def auto_budget_schedule(target, draft, max_depth: int, *, model_free: ModelFreeTrees | None = None,
-                         reps: int = REPS, log: Callable[[str], None] | None = None) -> BudgetChoice:
-    """The node budget by context length for trees of at most `max_depth` levels grown by `draft`, or without a draft
-    model (draft None) by `model_free`.
-
-    target, draft: `pipeline.sources.ResolvedModel`s. log: where the line announcing a measurement goes (stderr by
-    default)."""
-    if draft is None:
-        return model_free_schedule(target, model_free, max_depth, reps=reps, log=log)
-    p = load_rank_acceptance(draft.path) if draft.path is not None else None
-    if p is None:
-        return default_choice(f"{draft.source} carries no rank acceptance (distilled before draftops stored it)")
-    costs = tree_costs(target, draft, max_depth, reps=reps, log=log)
-    rows, _ = predict_tree_budgets(costs, DRAFT, p, TREE_BUDGETS, max_depth)
-    schedule = recommend_tree_budget(rows, costs["contexts"])["tree_budget_schedule"]
-    return BudgetChoice([(int(m), int(b)) for m, b in schedule], "measured on this machine")
-
-
 @dataclass(frozen=True)
 class DecoderChoice:
-    """What `decode.use_draft: auto` gives the default decoder: the tree drafter kind it builds (DECODER: prompt lookup,
-    suffix decoding and the draft model; LOOKUP or SUFFIX: the trees without the draft), its budget schedule, each
-    candidate's mean predicted speedup over the target alone, and why."""
+    """What `auto` gives a tree decoder: the tree drafter kind it builds (the draft model's kind, DECODER or DRAFT, or
+    the model-free trees' LOOKUP or SUFFIX where the draft model is left out or absent), its budget schedule, each
+    measured candidate's mean predicted speedup over the target alone, and why."""
 
     kind: str
     budget: BudgetChoice
@@ -123,48 +105,69 @@ class DecoderChoice:
     reason: str
 
 
-def decoder_drafters(target, draft, trees: ModelFreeTrees, max_depth: int, *, reps: int = REPS,
-                     log: Callable[[str], None] | None = None) -> DecoderChoice:
-    """Whether the draft model pays in the default decoder's trees on this machine: its tree (its rank acceptance
-    over this machine's draft and verify costs, `predict_tree_budgets`) against the trees of prompt lookup and suffix
-    decoding alone (`trees`, τ(B) replayed over the same verify costs, no draft cost), the better mean predicted
-    speedup over the measured contexts winning (`recommend_tree_budget`). Where a half cannot be predicted (no rank
-    acceptance, too small a suffix index) the draft stays, with `auto_budget_schedule`'s budgets."""
-    p = load_rank_acceptance(draft.path) if draft.path is not None else None
-    sequences = 0 if trees.index is None else len(trees.index)
-    if p is None or sequences < MIN_REPLAY_SEQUENCES:
-        missing = "the draft carries no rank acceptance" if p is None else "too small a suffix index to replay"
-        return DecoderChoice(DECODER, auto_budget_schedule(target, draft, max_depth, reps=reps, log=log), {},
-                             f"draft kept: {missing}")
-    costs = tree_costs(target, draft, max_depth, reps=reps, log=log)
-    tau = cached_replayed_tau(target, trees, max_depth, log=log)
-    rows = predict_tree_budgets(costs, DRAFT, p, TREE_BUDGETS, max_depth)[0]
-    rows += predict_model_free_budgets(costs, trees.kind, tau)
+def choose_trees(target, draft, trees: ModelFreeTrees | None, max_depth: int, *, draft_kind: str = DECODER,
+                 compiled: bool = False, reps: int = REPS, log: Callable[[str], None] | None = None) -> DecoderChoice:
+    """The trees of at most `max_depth` levels a decoder grows on this machine, and their node budget by context.
+
+    Candidates: the draft model's tree (`draft`, its rank acceptance over this machine's draft and verify costs,
+    `predict_tree_budgets`) and the trees grown without it (`trees`: τ(B) replayed over the same verify costs, no
+    draft cost, `predict_model_free_budgets`); either may be None. The better mean predicted speedup over the
+    measured contexts wins (`recommend_tree_budget`), so a draft model that costs more than it brings is left out. A
+    candidate that cannot be predicted (no rank acceptance, too small a suffix index) is left out of the comparison;
+    with none left the built-in schedule stands, with the reason. The costs are timed once (`tree_costs`: the
+    target's, and the draft's where it is a candidate), τ(B) replayed once (`cached_replayed_tau`).
+
+    target, draft: `pipeline.sources.ResolvedModel`s. compiled: whether the target's passes are compiled
+    (`decode.runtime.lean.use_compiled_passes`): the costs are then those passes'. log: where the line announcing a
+    measurement goes (stderr by default)."""
+    p = load_rank_acceptance(draft.path) if draft is not None and draft.path is not None else None
+    sequences = 0 if trees is None or trees.index is None else len(trees.index)
+    replayable = sequences >= MIN_REPLAY_SEQUENCES
+    if p is None and (draft is not None or not replayable):  # a draft is never left out unpredicted
+        kind = trees.kind if draft is None and trees is not None else draft_kind
+        return DecoderChoice(kind, default_choice(unpredictable(draft, sequences)), {},
+                             drafter_reason(draft, trees, p, replayable))
+    costs = tree_costs(target, draft if p is not None else None, max_depth, compiled=compiled, reps=reps, log=log)
+    tau = cached_replayed_tau(trees, max_depth, log=log) if replayable and trees is not None else None
+    rows = [] if p is None else predict_tree_budgets(costs, DRAFT, p, TREE_BUDGETS, max_depth)[0]
+    rows += [] if tau is None else predict_model_free_budgets(costs, trees.kind, tau)
     pick = recommend_tree_budget(rows, costs["contexts"])
     predicted = pick["tree_mean_predicted_speedup"]
-    budget = BudgetChoice([(int(m), int(b)) for m, b in pick["tree_budget_schedule"]], "measured on this machine")
-    with_draft, without = predicted[DRAFT], predicted[trees.kind]
-    alone = "prompt lookup and suffix decoding" if trees.kind == LOOKUP else "suffix decoding"
-    figures = f"predicted {with_draft:.2f}x with the draft model, {without:.2f}x with {alone} alone"
-    if pick["tree_draft"] == DRAFT:
-        return DecoderChoice(DECODER, budget, predicted, f"draft kept: {figures}")
-    return DecoderChoice(trees.kind, budget, predicted, f"draft left out: {figures}")
+    source = "measured on this machine" if p is not None else (
+        f"measured on this machine, τ replayed on {min(REPLAY_SEQUENCES, sequences // 2)} responses")
+    budget = BudgetChoice([(int(m), int(b)) for m, b in pick["tree_budget_schedule"]], source)
+    kept = pick["tree_draft"] == DRAFT
+    reason = drafter_reason(draft, trees, p, replayable)
+    if draft is not None and tau is not None:  # both candidates measured: the figures say why
+        alone = "prompt lookup and suffix decoding" if trees.kind == LOOKUP else "suffix decoding"
+        reason = (f"draft {'kept' if kept else 'left out'}: predicted {predicted[DRAFT]:.2f}x with the draft model, "
+                  f"{predicted[trees.kind]:.2f}x with {alone} alone")
+    return DecoderChoice(draft_kind if kept else trees.kind, budget, predicted, reason)
 
 
-def model_free_schedule(target, trees: ModelFreeTrees | None, max_depth: int, *, reps: int = REPS,
-                        log: Callable[[str], None] | None = None) -> BudgetChoice:
-    """`auto` for trees without a draft model: τ(B) replayed (`replayed_tau`, cached) over the target's tree verify
-    costs (`tree_costs` with no draft)."""
-    sequences = 0 if trees is None or trees.index is None else len(trees.index)
-    if sequences < MIN_REPLAY_SEQUENCES:
-        return default_choice(f"no draft model, and {'no' if not sequences else 'too small a'} suffix index to replay "
-                              "prompt lookup's and suffix decoding's trees on")
-    tau = cached_replayed_tau(target, trees, max_depth, log=log)
-    costs = tree_costs(target, None, max_depth, reps=reps, log=log)
-    rows = predict_model_free_budgets(costs, trees.kind, tau)
-    schedule = recommend_tree_budget(rows, costs["contexts"])["tree_budget_schedule"]
-    return BudgetChoice([(int(m), int(b)) for m, b in schedule],
-                        f"measured on this machine, τ replayed on {min(REPLAY_SEQUENCES, sequences // 2)} responses")
+def unpredictable(draft, sequences: int) -> str:
+    """Why no candidate of `choose_trees` can be predicted, as the built-in schedule's reason."""
+    if draft is not None:
+        return f"{draft.source} carries no rank acceptance (distilled before draftops stored it)"
+    return (f"no draft model, and {'no' if not sequences else 'too small a'} suffix index to replay prompt lookup's "
+            "and suffix decoding's trees on")
+
+
+def drafter_reason(draft, trees: ModelFreeTrees | None, p, replayable: bool) -> str:
+    """Why the draft model is in the trees without a comparison ("" where it was never weighed against trees without
+    it)."""
+    if draft is None or trees is None:
+        return ""
+    missing = "the draft carries no rank acceptance" if p is None else "too small a suffix index to replay"
+    return f"draft kept: {missing}"
+
+
+def auto_budget_schedule(target, draft, max_depth: int, *, model_free: ModelFreeTrees | None = None,
+                         reps: int = REPS, log: Callable[[str], None] | None = None) -> BudgetChoice:
+    """The node budget by context length for trees grown by `draft` alone, or without a draft model (draft None) by
+    `model_free`: `choose_trees` with one candidate."""
+    trees = model_free if draft is None else None
+    return choose_trees(target, draft, trees, max_depth, draft_kind=DRAFT, reps=reps, log=log).budget
 
 
 def replay_split(index: SuffixIndex, count: int = REPLAY_SEQUENCES) -> tuple[list[list[int]], SuffixIndex]:
@@ -177,7 +180,7 @@ def replay_split(index: SuffixIndex, count: int = REPLAY_SEQUENCES) -> tuple[lis
             SuffixIndex([s for i, s in enumerate(sequences) if i not in held]))
 
 
-def replayed_tau(target_model, trees: ModelFreeTrees, budgets: Sequence[int], max_depth: int,
+def replayed_tau(trees: ModelFreeTrees, budgets: Sequence[int], max_depth: int,
                  count: int = REPLAY_SEQUENCES) -> dict[int, float]:
     """τ(B), new tokens per round, of `trees` at each node budget B: greedy tree rounds of at most `max_depth` levels
     replayed on texts the target wrote (`replay_split`; the first token is the prompt), a node accepted where the
@@ -187,7 +190,7 @@ def replayed_tau(target_model, trees: ModelFreeTrees, budgets: Sequence[int], ma
     texts, index = replay_split(trees.index, count)
     tau = {}
     for budget in budgets:
-        drafter = make_tree_drafter(trees.kind, target_model, budget=budget, branching=trees.branching,
+        drafter = make_tree_drafter(trees.kind, None, budget=budget, branching=trees.branching,
                                     lookup_min_ngram=trees.lookup_min_ngram, suffix=trees.suffix, suffix_index=index)
         tokens = rounds = 0
         for text in (t for t in texts if len(t) > 1):
@@ -206,7 +209,7 @@ def replayed_tau(target_model, trees: ModelFreeTrees, budgets: Sequence[int], ma
     return tau
 
 
-def cached_replayed_tau(target, trees: ModelFreeTrees, max_depth: int,
+def cached_replayed_tau(trees: ModelFreeTrees, max_depth: int,
                         log: Callable[[str], None] | None = None) -> dict[int, float]:
     """`replayed_tau` at `TREE_BUDGETS`, replayed once and cached (`machine_choice.measured` with no timing: it
     depends on the sources and the index, not on the machine)."""
@@ -218,7 +221,7 @@ def cached_replayed_tau(target, trees: ModelFreeTrees, max_depth: int,
             f"tree budget auto: replaying {trees.kind}'s trees of {min(TREE_BUDGETS)}-{max(TREE_BUDGETS)} nodes on "
             f"{min(REPLAY_SEQUENCES, len(trees.index) // 2)} of the suffix index's responses, once (cached under "
             f"{cache_file(REPLAYED, key, timed=False).parent})")
-        return {str(b): t for b, t in replayed_tau(target.model, trees, TREE_BUDGETS, max_depth).items()}
+        return {str(b): t for b, t in replayed_tau(trees, TREE_BUDGETS, max_depth).items()}
 
     tau = measured_once(REPLAYED, key, replay, timed=False)
     return {int(b): float(t) for b, t in tau.items()}
@@ -234,24 +237,25 @@ def cost_contexts(model, max_depth: int) -> list[int]:
     return fits or [max(2, window // 4)]
 
 
-def cost_key(target, draft, max_depth: int) -> dict:
+def cost_key(target, draft, max_depth: int, compiled: bool) -> dict:
     """What the measured costs hold for besides the machine (CPU, torch, threads: `machine_choice`): the GPU's name
     on one, the target and draft weights (draft None: the target's costs alone), their device, dtype, CPU kernels and
     compiled passes (`decode.compiled`: up to how many tokens a pass is compiled), and what was timed."""
+    contexts = cost_contexts(target.model, max_depth)
     parameter = next(target.model.parameters())
     device = parameter.device
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
             "dtype": str(parameter.dtype), "kernels": cpu_linear_of(target.model),
-            **({"compiled": COMPILED_MAX_TOKENS} if compiled_lean(target.model) is not None else {}),
+            **({"compiled": COMPILED_MAX_TOKENS} if compiled else {}),
             "target": target.fingerprint, "draft": None if draft is None else draft.fingerprint,
-            "contexts": cost_contexts(target.model, max_depth), "budgets": list(TREE_BUDGETS),
-            "gammas": sorted({1, max_depth})}
+            "contexts": contexts, "budgets": list(TREE_BUDGETS), "gammas": sorted({1, max_depth})}
 
 
-def tree_costs(target, draft, max_depth: int, *, reps: int = REPS, log: Callable[[str], None] | None = None) -> dict:
+def tree_costs(target, draft, max_depth: int, *, compiled: bool = False, reps: int = REPS,
+               log: Callable[[str], None] | None = None) -> dict:
     """`measure_costs` of the target's tree verifies and the draft's rounds (γ 1 and max_depth, between which a
     tree level's cost is interpolated; none with draft None), timed once per machine and `cost_key`."""
-    key = cost_key(target, draft, max_depth)
+    key = cost_key(target, draft, max_depth, compiled)
     contexts = key["contexts"]
 
     def measure() -> dict:

@@ -356,12 +356,13 @@ def make_tree_drafter(kind: str, target, draft=None, *, budget: int = 0,
     lookup's ("draft" stays the model alone). Suffix decoding (`SuffixTree`) searches `suffix_index` and the request,
     the request alone when the index is None. `budget` nodes per round, or by sequence length from `budget_schedule`
     (`TreeDrafter`); `branching`: nodes per level of the model's tree, and lookup branches; `draft_min_confidence`,
-    `draft_rerank`: see `ModelTree`."""
+    `draft_rerank`: see `ModelTree`. target: the target model, None for the trees grown without a draft model
+    ("lookup", "suffix"), which read the text alone."""
     if kind not in TREE_DRAFTER_KINDS:
         raise ValueError(f"tree drafter kind must be one of {TREE_DRAFTER_KINDS}, got {kind!r}")
     lookup_ngrams = (3, 1) if lookup_min_ngram is None else (max(3, lookup_min_ngram), lookup_min_ngram)
     size = {"budget": budget, "schedule": budget_schedule}
-    suffix_sources = [SuffixTree(SuffixDrafter.for_model(target, suffix_index))] if suffix or kind == SUFFIX else []
+    suffix_sources = [SuffixTree(SuffixDrafter(suffix_index, None))] if suffix or kind == SUFFIX else []
     if kind == SUFFIX:
         return TreeDrafter(suffix_sources, **size)
     if kind == LOOKUP:

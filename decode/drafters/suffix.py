@@ -280,8 +280,10 @@ class SuffixDrafter:
     context = None  # no positions of its own: the target's context is the limit
     feature_layers = ()
 
-    def __init__(self, index: SuffixIndex | None, vocab_size: int, device: torch.device | str = "cpu",
+    def __init__(self, index: SuffixIndex | None, vocab_size: int | None, device: torch.device | str = "cpu",
                  search: SuffixSearch = SuffixSearch()):
+        """vocab_size, device: of the target's one-hot q in `propose`; None for a tree source (`SuffixTree`), which
+        only searches."""
         self.index, self.vocab_size, self.device, self.search = index, vocab_size, torch.device(device), search
         self.name = "suffix(request only, no index)" if index is None else f"suffix(index of {len(index)} sequences)"
 

@@ -4,8 +4,9 @@ challenger draft's rows and --compare rows, each a decoder the factory builds fr
 from __future__ import annotations
 
 from decode.drafters.protocol import DECODER, DRAFT, LOOKUP, SUFFIX
-from decode.factory import tree_budget_choice
+from decode.factory import tree_drafters
 from decode.measure.bench_llamacpp import LLAMA_CPP_SPECULATIVE, LLAMA_CPP_TARGET_ONLY
+from decode.runtime.lean import compiled_lean
 from pipeline.config import DecodeConfig
 
 TARGET_ONLY, TARGET_ONLY_TORCH = "target_only", "target_only_torch"  # the two baselines; the faster is the denominator
@@ -61,8 +62,9 @@ def draft_alpha_row(rows: dict[str, tuple[DecodeConfig, str]]) -> str | None:
 
 def describe_trees(decode: DecodeConfig, target, draft) -> str:
     """The tree rounds of `decode`'s decoder in words: its node budget schedule (and where an "auto" one came
-    from), its fixed budget, or chain rounds."""
-    choice = tree_budget_choice(decode, target, draft)
+    from, and whether the draft model was kept in its trees), its fixed budget, or chain rounds."""
+    choice = tree_drafters(decode, target, draft, compiled=compiled_lean(target.model) is not None)
     if choice is not None:
-        return f"tree budget by context {[list(entry) for entry in choice.schedule]} ({choice.source})"
+        drafters = f"; {choice.reason}" if choice.reason else ""
+        return f"tree budget by context {[list(e) for e in choice.budget.schedule]} ({choice.budget.source}){drafters}"
     return f"tree budget {decode.tree_budget}" if decode.tree_budget else "chain rounds"
