@@ -162,14 +162,6 @@ def drafter_reason(draft, trees: ModelFreeTrees | None, p, replayable: bool) -> 
     return f"draft kept: {missing}"
 
 
-def auto_budget_schedule(target, draft, max_depth: int, *, model_free: ModelFreeTrees | None = None,
-                         reps: int = REPS, log: Callable[[str], None] | None = None) -> BudgetChoice:
-    """The node budget by context length for trees grown by `draft` alone, or without a draft model (draft None) by
-    `model_free`: `choose_trees` with one candidate."""
-    trees = model_free if draft is None else None
-    return choose_trees(target, draft, trees, max_depth, draft_kind=DRAFT, reps=reps, log=log).budget
-
-
 def replay_split(index: SuffixIndex, count: int = REPLAY_SEQUENCES) -> tuple[list[list[int]], SuffixIndex]:
     """(texts, index): `count` of the index's sequences (at most half of them) spread evenly through it, and an index
     of the others, so a replayed text never finds itself."""

@@ -357,3 +357,9 @@ def test_build_decoder_runs_trees_when_the_config_has_a_budget(target, close_dra
         DecodeConfig(tree_budget=-1)
     with pytest.raises(ValueError):
         DecodeConfig(tree_branching=0)
+
+
+def test_breadth_first_tree():
+    tree = TokenTree.breadth_first(6, 128)
+    assert len(tree) == 6 and tree.parents == [ROOT, ROOT, 0, 0, 1, 1] and tree.depths == [1, 1, 2, 2, 2, 2]
+    assert TokenTree.breadth_first(64, 128).depth == 6

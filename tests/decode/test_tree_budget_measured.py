@@ -7,6 +7,7 @@ import json
 import pytest
 
 import decode.tree_budget_measured as auto
+from decode.drafters.protocol import DRAFT
 from decode.drafters.suffix import SuffixIndex
 from decode.factory import build_decoder, tree_drafters
 from decode.runtime import machine_choice
@@ -28,6 +29,11 @@ def models(target, close_draft, tmp_path):
     save_rank_acceptance(tmp_path, P, positions=400)
     return (ResolvedModel("target", None, target, None, "target-fp", None),
             ResolvedModel("draft", tmp_path, close_draft, None, "draft-fp", None))
+
+
+def budget_of(target, draft, trees, **options) -> auto.BudgetChoice:
+    """The budget schedule `choose_trees` gives trees grown by `draft` alone, or by `trees` alone (draft None)."""
+    return auto.choose_trees(target, draft, trees, draft_kind=DRAFT, **options).budget
 
 
 def test_rank_acceptance_file_round_trip(tmp_path):
@@ -56,14 +62,14 @@ def test_the_budget_follows_the_measured_cost_curve(models, monkeypatch, v_tree,
     """With P, τ / (draft levels + v_tree) at the best depth: nearly flat costs: B=32 3.03 / 1.31 beats B=16
     2.77 / 1.23 and B=64 3.41 / 1.52; steep: B=2 1.70 / 1.45 beats B=3 1.95 / 1.70 and B=4 2.05 / 1.90."""
     monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: flat_costs(v_tree))
-    choice = auto.auto_budget_schedule(*models, max_depth=5, log=lambda line: None)
+    choice = budget_of(*models, None, max_depth=5, log=lambda line: None)
     assert choice == auto.BudgetChoice([(128, budget)], "measured on this machine")
 
 
 def test_measured_once_then_cached_per_draft(models, monkeypatch, close_draft):
     monkeypatch.setattr(machine_choice, "machine_busy", lambda: None)  # (tests may run beside other work)
     lines = []
-    first = auto.auto_budget_schedule(*models, max_depth=5, reps=1, log=lines.append)
+    first = budget_of(*models, None, max_depth=5, reps=1, log=lines.append)
     assert len(lines) == 1 and "timing the target's tree verify of 2-64 nodes" in lines[0]
     assert first.source == "measured on this machine"
     (budget,) = {b for _, b in first.schedule}  # one context fits the tiny target's 512 positions
@@ -72,10 +78,10 @@ def test_measured_once_then_cached_per_draft(models, monkeypatch, close_draft):
     assert json.loads(cached.read_text())["scope"]["contexts"] == [128]
 
     monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: pytest.fail("measured again"))
-    assert auto.auto_budget_schedule(*models, max_depth=5, log=lines.append) == first and len(lines) == 1
+    assert budget_of(*models, None, max_depth=5, log=lines.append) == first and len(lines) == 1
     other = ResolvedModel("other", models[1].path, close_draft, None, "other-fp", None)
     monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: flat_costs(lambda b: 1.0 + 0.2 * b))
-    assert auto.auto_budget_schedule(models[0], other, max_depth=5, log=lines.append).schedule == [(128, 2)]
+    assert budget_of(models[0], other, None, max_depth=5, log=lines.append).schedule == [(128, 2)]
     assert len(lines) == 2 and len(list(cached.parent.glob("*.json"))) == 2
 
 
@@ -85,21 +91,21 @@ def test_costs_timed_on_a_busy_machine_are_not_cached(models, monkeypatch):
     lines = []
     with pytest.warns(machine_choice.BusyMachineWarning, match=r"tree_costs: timed on a busy machine \(load 6.0 on 2 "
                                                                r"CPUs\); used by this process and not cached"):
-        assert auto.auto_budget_schedule(*models, max_depth=5, log=lines.append).schedule == [(128, 2)]
+        assert budget_of(*models, None, max_depth=5, log=lines.append).schedule == [(128, 2)]
     assert not (draftops_home() / "machine_choice" / auto.COSTS).exists()
     # this process's later decoders use them: no second timing
     monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: pytest.fail("measured again"))
-    assert auto.auto_budget_schedule(*models, max_depth=5, log=lines.append).schedule == [(128, 2)]
+    assert budget_of(*models, None, max_depth=5, log=lines.append).schedule == [(128, 2)]
 
 
 def test_without_a_rank_acceptance_the_built_in_schedule_stands(models, target, close_draft, tmp_path):
     built_in = [tuple(e) for e in DEFAULT_TREE_BUDGET_SCHEDULE]
     (tmp_path / TREE_ACCEPTANCE_FILE).unlink()
-    choice = auto.auto_budget_schedule(*models, max_depth=5)
+    choice = budget_of(*models, None, max_depth=5)
     assert choice.schedule == built_in
     assert choice.source == ("built-in schedule: draft carries no rank acceptance (distilled before draftops "
                              "stored it)")
-    assert auto.auto_budget_schedule(models[0], None, max_depth=5).source == NO_REPLAY
+    assert budget_of(models[0], None, None, max_depth=5).source == NO_REPLAY
 
 
 def test_the_decoder_runs_the_auto_schedule(models, monkeypatch, target):
@@ -126,9 +132,9 @@ def test_a_feature_draft_is_timed_with_the_targets_features(tmp_path, monkeypatc
     monkeypatch.setattr(machine_choice, "machine_busy", lambda: None)
     target = make_tiny_model(VOCAB, seed=3, layers=4)
     save_rank_acceptance(tmp_path, P, positions=400)
-    choice = auto.auto_budget_schedule(ResolvedModel("t", None, target, None, "t-fp", None),
-                                       ResolvedModel("f", tmp_path, make_feature_draft(target), None, "f-fp", None),
-                                       max_depth=3, reps=1, log=lambda line: None)
+    feature = ResolvedModel("f", tmp_path, make_feature_draft(target), None, "f-fp", None)
+    choice = budget_of(ResolvedModel("t", None, target, None, "t-fp", None), feature, None, max_depth=3, reps=1,
+                       log=lambda line: None)
     assert choice.source == "measured on this machine" and [m for m, _ in choice.schedule] == [128]
 
 
@@ -163,7 +169,7 @@ def test_without_a_draft_model_the_budget_comes_from_the_replayed_trees(models, 
     monkeypatch.setattr(auto, "TREE_BUDGETS", (2, 4, 8))
     lines = []
     trees = auto.ModelFreeTrees("suffix", SuffixIndex([TEXT] * 10))
-    choice = auto.auto_budget_schedule(models[0], None, max_depth=5, model_free=trees, log=lines.append)
+    choice = budget_of(models[0], None, trees, max_depth=5, log=lines.append)
     assert choice == auto.BudgetChoice([(128, budget)], "measured on this machine, τ replayed on 5 responses")
     assert any(line.startswith("tree budget auto: replaying suffix's trees of 2-8 nodes on 5 of the suffix index's "
                                "responses, once") for line in lines)
@@ -171,9 +177,9 @@ def test_without_a_draft_model_the_budget_comes_from_the_replayed_trees(models, 
                    for f in (draftops_home() / "machine_choice" / auto.REPLAYED).glob("*.json")]
     assert replayed["items"]["value"] == pytest.approx({"2": 19 / 7, "4": 19 / 5, "8": 19 / 5})
     monkeypatch.setattr(auto, "replayed_tau", lambda *a, **k: pytest.fail("replayed again"))
-    assert auto.auto_budget_schedule(models[0], None, max_depth=5, model_free=trees, log=lines.append) == choice
+    assert budget_of(models[0], None, trees, max_depth=5, log=lines.append) == choice
     small = auto.ModelFreeTrees("suffix", SuffixIndex([TEXT] * 7))
-    assert auto.auto_budget_schedule(models[0], None, max_depth=5, model_free=small).source == (
+    assert budget_of(models[0], None, small, max_depth=5).source == (
         "built-in schedule: no draft model, and too small a suffix index to replay prompt lookup's and suffix "
         "decoding's trees on")
 

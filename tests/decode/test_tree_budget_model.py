@@ -12,7 +12,7 @@ from decode.drafters.model_tree import TreeDrafter, make_tree_drafter
 from decode.factory import build_decoder, model_decoder
 from decode.runtime.forward import ModelRunner, greedy_decode
 from decode.step_costs import measure_costs
-from decode.token_tree import ROOT, TokenTree
+from decode.token_tree import ROOT
 from decode.tree_budget_model import (
     best_trees,
     context_schedule,
@@ -170,12 +170,6 @@ def test_greedy_ranks_place_the_target_token_in_the_draft_order(target, close_dr
     assert [r == 0 for r in reduced] == [t % 2 == 1 for t in sequence[len(prompt):]]
     assert all(1 <= r <= len(token_ids) for r in reduced if r)
     assert analytic_acceptance(target, close_draft, [sequence], [len(prompt)], temperature=0.0).ranks is None
-
-
-def test_breadth_first_tree():
-    tree = TokenTree.breadth_first(6, 128)
-    assert len(tree) == 6 and tree.parents == [ROOT, ROOT, 0, 0, 1, 1] and tree.depths == [1, 1, 2, 2, 2, 2]
-    assert TokenTree.breadth_first(64, 128).depth == 6
 
 
 def test_measure_costs_times_the_tree_verify_per_budget(target):
