@@ -14,6 +14,7 @@ from decode.drafters.chain import make_drafter
 from decode.drafters.model_tree import make_tree_drafter
 from decode.drafters.protocol import DECODER, DRAFT, LOOKUP, SUFFIX
 from decode.drafters.suffix import SuffixIndex, load_suffix_index
+from decode.runtime.forward import ModelRunner
 from decode.runtime.lean import compiled_lean, lean_problem, notice_fallback, use_compiled_passes
 from decode.speculative import GREEDY, GammaPolicy, Sampling, SpeculativeDecoder
 from decode.tree_budget_measured import BudgetChoice, DecoderChoice, ModelFreeTrees, choose_trees
@@ -49,6 +50,7 @@ def build_decoder(target, draft, decode: DecodeConfig, *, kind: str = DECODER, g
         if hasattr(draft_model, "config") and lean_problem(draft_model) is None:  # a layer draft (a feature one: eager)
             use_compiled_passes(draft_model)
     compiled = lean and compiled_lean(target.model) is not None  # by this decoder or an earlier one in this process
+    runner = ModelRunner(target.model, lean)  # the target's forward, the decoder's and the one its costs are timed on
     lookup_min_ngram = decode.lookup_min_ngram if kind in (DECODER, LOOKUP) else None
     suffix = (decode.suffix and kind in (DECODER, LOOKUP)) or kind == SUFFIX
     if decode.tree_rounds:
@@ -66,7 +68,7 @@ def build_decoder(target, draft, decode: DecodeConfig, *, kind: str = DECODER, g
                                lookup_min_ngram=lookup_min_ngram, draft_min_confidence=decode.draft_min_confidence,
                                lean=lean)
     eos = target_eos_ids(target.model, target.tokenizer)
-    return SpeculativeDecoder(target.model, drafter, gamma_policy(decode, gamma), lean=lean, eos_token_ids=eos,
+    return SpeculativeDecoder(runner, drafter, gamma_policy(decode, gamma), eos_token_ids=eos,
                               sampling=sampling_of(decode))
 
 
@@ -98,8 +100,8 @@ def model_decoder(target, draft, gamma: int | GammaPolicy = 5, *, draft_token_id
         eos_token_ids = target_eos_ids(target, tokenizer)
     elif isinstance(eos_token_ids, int):
         eos_token_ids = [eos_token_ids]
-    return SpeculativeDecoder(target, draft, gamma, eos_token_ids=eos_token_ids, sampling=sampling, lean=lean,
-                              stop_strings=stop_strings, tokenizer=tokenizer)
+    return SpeculativeDecoder(ModelRunner(target, lean), draft, gamma, eos_token_ids=eos_token_ids,
+                              sampling=sampling, stop_strings=stop_strings, tokenizer=tokenizer)
 
 
 def compile_where_supported(model) -> bool:

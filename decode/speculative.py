@@ -242,36 +242,39 @@ GREEDY = Sampling()
 
 
 class SpeculativeDecoder:
-    """Speculative decoding of `target` (an HF causal LM) with a drafter's proposals. `decode.factory` builds every
-    decoder: `build_decoder` from a config, `model_decoder` from a draft model or drafter and explicit settings."""
+    """Speculative decoding of a target (an HF causal LM, run by its `ModelRunner`) with a drafter's proposals.
+    `decode.factory` builds every decoder: `build_decoder` from a config, `model_decoder` from a draft model or drafter
+    and explicit settings."""
 
     def __init__(
         self,
-        target,
+        target_runner: ModelRunner,
         drafter: Drafter | TreeDrafter,
         gamma: int | GammaPolicy = 5,
         *,
         eos_token_ids: Sequence[int] = (),
         sampling: Sampling = GREEDY,
-        lean: bool = True,
         stop_strings: Sequence[str] | None = None,
         tokenizer=None,
     ):
-        """drafter: a chain drafter (`decode.drafters.chain`, e.g. `decode.drafters.lookup.PromptLookupDrafter`) or a
-        `decode.drafters.model_tree.TreeDrafter` (tree rounds). gamma: a fixed γ, or a `GammaPolicy` (schedule by
-        context length, adaptive); in tree rounds, the deepest level. eos_token_ids: ids that end generation (() never
-        stops). sampling: `generate`'s defaults. lean: run the target through `ModelRunner`'s lean forward where
-        possible.
+        """target_runner: how the target runs (`decode.runtime.forward.ModelRunner`: lean or transformers' forward,
+        compiled or eager), built by the factory once per decoder. drafter: a chain drafter (`decode.drafters.chain`,
+        e.g. `decode.drafters.lookup.PromptLookupDrafter`) or a `decode.drafters.model_tree.TreeDrafter` (tree
+        rounds). gamma: a fixed γ, or a `GammaPolicy` (schedule by context length, adaptive); in tree rounds, the
+        deepest level. eos_token_ids: ids that end generation (() never stops). sampling: `generate`'s defaults.
         """
+        if not isinstance(target_runner, ModelRunner):
+            raise TypeError("SpeculativeDecoder takes the target's ModelRunner and a drafter; "
+                            "decode.factory.model_decoder builds one from models")
         if isinstance(drafter, torch.nn.Module):
             raise TypeError("SpeculativeDecoder takes a drafter; decode.factory.model_decoder builds one from a model")
         self.gamma = gamma if isinstance(gamma, GammaPolicy) else GammaPolicy("fixed", gamma)
         if stop_strings and tokenizer is None:
             raise ValueError("stop_strings need a tokenizer")
-        self.target = target
+        self.target = target = target_runner.model
         self.device = next(target.parameters()).device
         self.vocab_size = output_size(target)
-        self.target_runner = ModelRunner(target, lean)
+        self.target_runner = target_runner
         self.drafter: Drafter | TreeDrafter = drafter
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sampling = sampling

@@ -14,7 +14,7 @@ PROMPT_LOOKUP = "prompt-lookup"  # the draft "source" that names this drafter on
 
 
 class PromptLookupDrafter:
-    """Model-free drafter for `SpeculativeDecoder(target, PromptLookupDrafter.for_model(target), γ)`."""
+    """Model-free drafter for `model_decoder(target, PromptLookupDrafter.for_model(target), γ)` (`decode.factory`)."""
 
     context = None  # no positions of its own: the target's context is the limit
     feature_layers = ()

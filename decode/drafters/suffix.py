@@ -275,7 +275,8 @@ class SuffixSearch:
 
 
 class SuffixDrafter:
-    """Suffix decoding as a drafter: `SpeculativeDecoder(target, SuffixDrafter.for_model(target, index), γ)`."""
+    """Suffix decoding as a drafter: `model_decoder(target, SuffixDrafter.for_model(target, index), γ)`
+    (`decode.factory`)."""
 
     context = None  # no positions of its own: the target's context is the limit
     feature_layers = ()
