@@ -50,7 +50,7 @@ def build_decoder(target, draft, decode: DecodeConfig, *, kind: str = DECODER, g
         if hasattr(draft_model, "config") and lean_problem(draft_model) is None:  # a layer draft (a feature one: eager)
             use_compiled_passes(draft_model)
     compiled = lean and compiled_lean(target.model) is not None  # by this decoder or an earlier one in this process
-    runner = ModelRunner(target.model, lean)  # the target's forward, the decoder's and the one its costs are timed on
+    runner = ModelRunner(target.model, lean)  # the decoder's target forward, built once here
     lookup_min_ngram = decode.lookup_min_ngram if kind in (DECODER, LOOKUP) else None
     suffix = (decode.suffix and kind in (DECODER, LOOKUP)) or kind == SUFFIX
     if decode.tree_rounds:

@@ -155,14 +155,14 @@ def cost_table(samples: dict, prefill_s: dict[str, list[float]], names: list[str
                tree_budgets: Sequence[int]) -> dict:
     """`measure_costs`' result from its timed samples (one prefill per context): medians per context, and c and v
     as medians of the per-repetition ratios to that repetition's target step."""
-    max_gamma, contexts = max(gammas), prefill_s["target"]
+    max_gamma, n_contexts = max(gammas), len(prefill_s["target"])
 
     def seconds_of(key: str) -> list[float]:
-        return [statistics.median(samples[(key, i)]) for i in range(len(contexts))]
+        return [statistics.median(samples[(key, i)]) for i in range(n_contexts)]
 
     def ratio_to_step(key: str, divisor: int = 1) -> list[float]:
         return [statistics.median(s / (divisor * t) for s, t in zip(samples[(key, i)], samples[("step", i)]))
-                for i in range(len(contexts))]
+                for i in range(n_contexts)]
 
     verify_keys = [str(n) for n in range(2, max_gamma + 2)]
     target = {"prefill_s": prefill_s["target"], "step_s": seconds_of("step"),

@@ -128,7 +128,7 @@ def choose_trees(target, draft, trees: ModelFreeTrees | None, max_depth: int, *,
         return DecoderChoice(kind, default_choice(unpredictable(draft, sequences)), {},
                              drafter_reason(draft, trees, p, replayable))
     costs = tree_costs(target, draft if p is not None else None, max_depth, compiled=compiled, reps=reps, log=log)
-    tau = cached_replayed_tau(trees, max_depth, log=log) if replayable and trees is not None else None
+    tau = cached_replayed_tau(trees, max_depth, log=log) if replayable else None
     rows = [] if p is None else predict_tree_budgets(costs, DRAFT, p, TREE_BUDGETS, max_depth)[0]
     rows += [] if tau is None else predict_model_free_budgets(costs, trees.kind, tau)
     pick = recommend_tree_budget(rows, costs["contexts"])
