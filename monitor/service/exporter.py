@@ -3,7 +3,9 @@ and /healthz (`monitor.metrics_bind`:`monitor.metrics_port`; port 0: off).
 
 The metrics live in a registry of their own (never prometheus_client's global one), so two services in one process, or
 a test beside a service, never share series. Per-replica figures come from the report's fleet reading; a check that
-read no engine exposes the model-wide series alone.
+read no engine exposes the model-wide series alone, and a replica that left the fleet (or every replica, when a check
+reads no engine) loses its series at the next check that reports, so a dashboard never shows a departed replica's
+last figures as current.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class ServiceMetrics:
         self.alerts_sent = Counter(PREFIX + "alerts_sent", "Alert batches delivered", ["model", "target"], registry=r)
         self.alerts_failed = Counter(PREFIX + "alerts_failed", "Alert batches not delivered after every try",
                                      ["model", "target"], registry=r)
+        self._replicas: set[str] = set()  # the replicas whose series are exposed now
 
     def record_alert(self, target: str, delivered: bool) -> None:
         (self.alerts_sent if delivered else self.alerts_failed).labels(self.model, target).inc()
@@ -92,13 +95,33 @@ class ServiceMetrics:
         if baseline is not None:
             self.baseline.labels(self.model).set(baseline)
         self.break_even.labels(self.model).set(report.break_even)
-        for replica, acceptance, baseline, verdict in _replica_figures(report):
-            if acceptance is not None:
-                self.replica_acceptance.labels(self.model, replica).set(acceptance)
-            if baseline is not None:
-                self.replica_baseline.labels(self.model, replica).set(baseline)
+        figures = _replica_figures(report)
+        reported = {replica for replica, *_ in figures}
+        self._forget_replicas(self._replicas - reported)
+        self._replicas = reported
+        for replica, acceptance, baseline, verdict in figures:
+            for gauge, value in ((self.replica_acceptance, acceptance), (self.replica_baseline, baseline)):
+                if value is None:  # unknown at this check: no figure rather than the last one
+                    _remove(gauge, self.model, replica)
+                else:
+                    gauge.labels(self.model, replica).set(value)
             for name in REPLICA_VERDICTS:
                 self.replica_verdict.labels(self.model, replica, name).set(float(name == verdict))
+
+    def _forget_replicas(self, replicas: set[str]) -> None:
+        """Drop the per-replica series of replicas the last check no longer reported."""
+        for replica in replicas:
+            for gauge in (self.replica_acceptance, self.replica_baseline):
+                _remove(gauge, self.model, replica)
+            for name in REPLICA_VERDICTS:
+                _remove(self.replica_verdict, self.model, replica, name)
+
+
+def _remove(gauge: Gauge, *labels: str) -> None:
+    try:
+        gauge.remove(*labels)
+    except KeyError:  # never set: a replica without a baseline, say
+        pass
 
 
 def _baseline(report: CheckReport) -> float | None:

@@ -86,6 +86,22 @@ def test_a_report_without_replicas_or_baseline_exposes_what_it_has():
     assert got[("draftops_monitor_checks_total", (("exit_code", "2"), ("model", "m")))] == 1.0
 
 
+def test_a_replica_that_leaves_the_fleet_loses_its_series_at_the_next_check():
+    metrics = ServiceMetrics("m")
+    both = FleetReading("prometheus", [ReplicaReading("gpu-a", None, "vllm", OK, test=drop_test(0.62, 0.61)),
+                                       ReplicaReading("gpu-b", None, "vllm", DRIFT, test=drop_test(0.62, 0.4))])
+    metrics.record_check(drift_report(registered_model="m", server=both), 3, 1.0)
+    one = FleetReading("prometheus", [ReplicaReading("gpu-a", None, "vllm", COLLECTING)])
+    metrics.record_check(drift_report(registered_model="m", server=one), 0, 1.0)
+    replicas = {dict(labels)["replica"]: value for (name, labels), value in samples(metrics_text(metrics)).items()
+                if name == "draftops_monitor_replica_verdict" and dict(labels)["verdict"] == COLLECTING}
+    assert replicas == {"gpu-a": 1.0}  # gpu-b is gone, not frozen at DRIFT
+    got = samples(metrics_text(metrics))
+    assert not any(name == "draftops_monitor_replica_acceptance" for name, _ in got)  # gpu-a: no window, no figure
+    metrics.record_check(drift_report(registered_model="m"), 0, 1.0)  # a check that read no engine
+    assert not any(name.startswith("draftops_monitor_replica_") for name, _ in samples(metrics_text(metrics)))
+
+
 def metrics_text(metrics: ServiceMetrics) -> str:
     return generate_latest(metrics.registry).decode()
 
