@@ -324,6 +324,9 @@ def acceptance_and_costs(decoder, target, prompts, stats: dict, categories, rows
         bound = tau / (gamma * costs["c"] + costs["v"])
     draft_run = draft_alpha_row(rows)
     draft_summary = aggregate_stats(stats[draft_run], categories, seed=seed) if draft_run else None
+    # The monitor holds the draft's own chain acceptance against this break-even: the draft alone in chains gives
+    # its costs, whether or not the decoder kept the draft (left out, the decoder's c would be 0)
+    even_row, even = (draft_run, in_run_costs(stats[draft_run], baseline)) if draft_run else ("speculative", in_run)
     return {
         "alpha": summary["acceptance_rate"],
         "alpha_draft": draft_summary["acceptance_rate"] if draft_summary else None,
@@ -334,7 +337,8 @@ def acceptance_and_costs(decoder, target, prompts, stats: dict, categories, rows
         "predicted_speedup": predicted,
         "overhead_free_bound": bound,
         "in_run_costs": in_run,
-        "break_even_alpha": break_even_alpha(gamma, in_run["c"], in_run["v"]),
+        "break_even_alpha": break_even_alpha(gamma, even["c"], even["v"]),
+        "break_even_costs": {"row": even_row, "c": even["c"], "v": even["v"]},
         "speculative_time_s": summary["time_s"],
         "per_category": summary.get("per_category", {}),
     }

@@ -55,7 +55,8 @@ def _speculative_figures(report: dict) -> list[str]:
         f"- acceptance of this decoder ({report['drafters']['speculative']}) α̂ = {interval(a, 3)}; tokens per "
         f"target call τ = {interval(t, 2)}",
         f"- step costs: target {k['target_step_s'] * 1e3:.2f} ms, draft {k['draft_step_s'] * 1e3:.2f} ms, "
-        f"verify of γ+1 tokens {k['verify_s'] * 1e3:.2f} ms -> c = {k['c']:.3f}, v = {k['v']:.3f}",
+        f"verify of γ+1 tokens {k['verify_s'] * 1e3:.2f} ms -> c = {k['c']:.3f}, v = {k['v']:.3f}"
+        + (" (this decoder's rounds call no draft model)" if not k["draft_step_s"] else ""),
         *([f"- tree verify of {k['tree_budget']} nodes (the first prompt's budget) {k['tree_verify_s'] * 1e3:.2f} ms "
            f"-> v_tree = {k['v_tree']:.3f}; overhead-free bound τ/(d·c+v_tree) = {report['overhead_free_bound']:.2f}x "
            f"with d = {r['drafts_per_round']:.2f} draft calls per round, the run's (costs isolated at the first "
@@ -66,11 +67,18 @@ def _speculative_figures(report: dict) -> list[str]:
         f"- in-run costs (each call at its real context): one target step {r['target_step_s'] * 1e3:.2f} ms, "
         f"c = {r['c']:.3f}, v = {r['v']:.3f}, {r['drafts_per_round']:.2f} drafts per round; overhead-free bound "
         f"{r['overhead_free_bound']:.2f}x, reached {speculative['speedup']['value'] / r['overhead_free_bound']:.2f} "
-        f"of it (time in model calls {r['model_time_share']:.1%}); break-even acceptance at these costs "
-        f"{report['break_even_alpha']:.2f} (below it this draft makes decoding slower)",
+        f"of it (time in model calls {r['model_time_share']:.1%})",
+        _break_even_line(report),
         f"- speculative time split: draft {time_s['draft_s']:.2f} s, verify {time_s['verify_s']:.2f} s, "
         f"prefill {time_s['prefill_s']:.2f} s, overhead {time_s['overhead_s']:.2f} s",
     ]
+
+
+def _break_even_line(report: dict) -> str:
+    even = report.get("break_even_costs") or {"row": "speculative", **report["in_run_costs"]}
+    return (f"- break-even acceptance {report['break_even_alpha']:.2f} at the in-run costs of {even['row']} "
+            f"(c = {even['c']:.3f}, v = {even['v']:.3f}): below it the draft makes decoding slower; the monitor "
+            "holds the draft's acceptance against it")
 
 
 def _draft_lines(report: dict) -> list[str]:

@@ -123,6 +123,8 @@ def test_bench_writes_reports(checkpoints, capsys, tmp_path):
     in_run = report["in_run_costs"]
     assert in_run["c"] > 0 and in_run["v"] > 0 and 0 < in_run["model_time_share"] <= 1
     assert 0 <= report["break_even_alpha"] <= 1
+    # the monitor holds the draft's own chain α against it: priced at the draft alone in chains, never a c of 0
+    assert report["break_even_costs"]["row"] == "draft_only_chain" and report["break_even_costs"]["c"] > 0
     assert json.loads((tmp_path / "bench.json").read_text())["n_prompts"] == 3
     # llama.cpp's rows run only where llama-server is built and the target has a GGUF: here the report says why not
     assert report["llama_cpp"] is None and any(note.startswith("no llama_cpp rows: ") for note in report["notes"])
