@@ -10,8 +10,9 @@ new tokens, as `make bench`): `plain`, greedy decoding through the target's comp
 `draft_only` row as `draftops bench` builds it (the draft model alone in trees with the auto budget; a layer draft's
 passes compiled, a feature draft's eager), every row taking its turn prompt by prompt (`run_interleaved`); the
 speedup of each draft over `plain` paired over prompts with a bootstrap interval, whether its text is `plain`'s on
-every prompt, and its acceptance α̂ and tokens per round τ. bench's own rows compare one draft and a challenger; this
-script puts any number beside each other without HF's rows.
+every prompt, its acceptance α̂ and tokens per round τ, and its chains of k = 3 over `plain`'s text as vLLM counts
+them (acceptance at each draft position, mean acceptance length). bench's own rows compare one draft and a
+challenger; this script puts any number beside each other without HF's rows.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from tqdm import tqdm
 
 from decode.drafters.protocol import DRAFT
 from decode.factory import build_decoder
-from decode.measure.intervals import aggregate_stats, paired_speedup
+from decode.measure.bench import text_chains
+from decode.measure.intervals import aggregate_stats, chain_text, paired_speedup
 from decode.runtime.forward import greedy_decode
 from decode.runtime.timing import run_interleaved
 from decode.serving.loading import load_draft, load_model
@@ -42,8 +44,9 @@ def requests_of(cfg, traffic: str, per_category: int):
     return first_per_category(requests, per_category)
 
 
-def run(cfg, target, drafts: dict, prompts: list[list[int]], seed: int) -> dict:
-    """The interleaved rows on `prompts`, and per draft its paired speedup over `plain`, identity and α̂, τ."""
+def run(cfg, target, drafts: dict, prompts: list[list[int]], seed: int, chain_k: int = 3) -> dict:
+    """The interleaved rows on `prompts`, and per draft its paired speedup over `plain`, identity, α̂, τ and its
+    chains of `chain_k` over `plain`'s text."""
     decode = cfg.decode.model_copy(update={"temperature": 0.0, "compiled": True})
     decoders = {name: build_decoder(target, draft, decode, kind=DRAFT) for name, draft in drafts.items()}
     runner, eos = next(iter(decoders.values())).target_runner, eos_token_ids(target.model, target.tokenizer)
@@ -64,7 +67,8 @@ def run(cfg, target, drafts: dict, prompts: list[list[int]], seed: int) -> dict:
                                                          runs.seconds[PLAIN], seed=seed),
                       "same_text_as_plain": sum(a == b for a, b in zip(texts[name], texts[PLAIN])),
                       "alpha": summary["acceptance_rate"], "tau": summary["tau"],
-                      "drafter": decoders[name].drafter.name}
+                      "drafter": decoders[name].drafter.name,
+                      "chain": text_chains(target, drafts[name], prompts, texts[PLAIN], chain_k, seed)}
     return {"prompts": len(prompts), "rows": rows}
 
 
@@ -96,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             said = "" if speedup is None else (
                 f"  {speedup['value']:.2f}x [{speedup['low']:.2f}, {speedup['high']:.2f}] over plain, same text "
                 f"{row['same_text_as_plain']}/{result['prompts']}, α̂ {row['alpha']['value']:.3f}, "
-                f"τ {row['tau']['value']:.2f}")
+                f"τ {row['tau']['value']:.2f}; {chain_text(row['chain'])}")
             print(f"{traffic} {name}: {row['tokens_per_s']:.1f} tokens/s{said}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
