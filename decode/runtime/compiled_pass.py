@@ -1,9 +1,9 @@
 """The lean forward's passes through `torch.compile` (`decode.compiled`): `CompiledPass` and inductor's options.
 
 A step of a small model on a CPU is mostly per-call cost and weight reads: on a CPU the graph is compiled with the
-weights frozen into it, inductor's C++ GEMM templates on weights it packs once, and a C++ wrapper, so that one call
-runs the whole pass. Passes of more than `SHORT_PASS_TOKENS` tokens have a graph of their own, its GEMMs C++ templates
-on register blocks of at most `WIDE_PASS_BLOCK_ROWS` rows (`narrow_gemm_blocks`). Compiling takes minutes on a small
+weights frozen into it, inductor's C++ GEMM templates on weights it packs once, on register blocks of at most
+`GEMM_BLOCK_ROWS` rows (`narrow_gemm_blocks`), and a C++ wrapper, so that one call runs the whole pass. Passes of more
+than `SHORT_PASS_TOKENS` tokens have a graph of their own. Compiling takes minutes on a small
 CPU and is redone by every process (inductor's graph cache cannot store the packed weights), so it is opt-in;
 docs/results.md#the-cpu-runtime has the measurement. The function compiled is `decode.runtime.lean.LeanDecoder`'s, on
 the layers `decode.runtime.lean_layers` reads off each family.
@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from torch._dynamo.utils import counters
+
 from decode.runtime.lean_layers import rotations, soft_capped, window_masks
 
 if TYPE_CHECKING:
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
 COMPILE_ERRORS = (torch._dynamo.exc.BackendCompilerFailed, torch._inductor.exc.InductorError)
 COMPILED_MAX_TOKENS = 16  # the widest pass run compiled
 SHORT_PASS_TOKENS = 4  # passes of 2-4 tokens share a graph, wider ones have their own
-WIDE_PASS_BLOCK_ROWS = 4  # the wide graph's GEMM micro-kernels take this many rows at a time (`narrow_gemm_blocks`)
+GEMM_BLOCK_ROWS = 4  # the graphs' GEMM micro-kernels take this many rows at a time (`narrow_gemm_blocks`)
 
 
 def compile_options(device: torch.device) -> dict:
@@ -42,10 +44,11 @@ def compile_options(device: torch.device) -> dict:
             "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}  # no tables on stderr
 
 
-def wide_pass_options(options: dict) -> dict:
-    """`compile_options` for the graph of passes wider than `SHORT_PASS_TOKENS`: on a CPU, inductor's C++ GEMM
-    templates only (`narrow_gemm_blocks` makes them fit these widths); autotuning against ATen's packed products picked
-    kernels slower in the whole pass than in isolation. Where no template fits a product, inductor runs ATen's."""
+def template_options(options: dict) -> dict:
+    """`compile_options` with inductor's C++ GEMM templates only (`narrow_gemm_blocks` makes them fit 1-16 rows):
+    autotuning against ATen's packed products picked kernels slower in the whole pass than in isolation (on Zen 4 a
+    one-token step of the 30-layer target 31-33 ms autotuned, 20-21 ms on templates alone; wide passes likewise). Where
+    no template fits a product, inductor runs ATen's."""
     return {**options, "max_autotune_gemm_backends": "CPP"} if options else options
 
 
@@ -110,11 +113,12 @@ class CompiledPass(torch.nn.Module):
     itself, where the eager forward calls draftops' packed kernels that it cannot trace. Freezing makes the weights
     constants of the graph, so a model whose weights change afterwards needs a new `LeanDecoder`.
 
-    One module per model: graphs are built on first use, one for steps (one token, no mask), one for passes of 2 to
-    `SHORT_PASS_TOKENS` tokens and one for wider passes up to `COMPILED_MAX_TOKENS` (a block or a tree under a mask;
-    the number of tokens and the context length are dynamic). The step and short graphs' GEMMs are autotuned (C++
-    template against ATen) at the width they are first called with; the wide graph's are C++ templates on narrower
-    register blocks (`wide_pass_options`, `narrow_gemm_blocks`): kernels picked for 2 rows are not the fastest for 8."""
+    One module per model: graphs are built on first use, one for steps (one token), one for passes of 2 to
+    `SHORT_PASS_TOKENS` tokens and one for wider passes up to `COMPILED_MAX_TOKENS` (the number of tokens and the
+    context length are dynamic). Every pass runs under a mask, a step's all true, so that a one-token level of a
+    draft's tree (under a tree mask) is the step graph, not a graph built in the middle of decoding. Their GEMMs are
+    C++ templates on register blocks of at most `GEMM_BLOCK_ROWS` rows (`template_options`, `narrow_gemm_blocks`),
+    except where an attention's products fit no template (Gemma 2's soft cap: ATen's too)."""
 
     WIDTHS = {"step": "one-token steps", "short": f"passes of 2-{SHORT_PASS_TOKENS} tokens",
               "wide": f"passes of {SHORT_PASS_TOKENS + 1}-{COMPILED_MAX_TOKENS} tokens"}
@@ -133,8 +137,8 @@ class CompiledPass(torch.nn.Module):
         # torch.compile hands inductor, and without it the weights are graph inputs that no GEMM template packs
         self.options = compile_options(next(lean.model.parameters()).device)
         # a soft-capped attention (Gemma 2) is batched products of its own, which no C++ template takes: ATen's
-        self.wide_options = (self.options if any(layer.softcap is not None for layer in lean.layers)
-                             else wide_pass_options(self.options))
+        if not any(layer.softcap is not None for layer in lean.layers):
+            self.options = template_options(self.options)
         # graphs of code objects of this module's own, so that no guard on its modules is needed to tell its graphs
         # from another model's: those guards (every weight, norm and layer attribute) would be checked on every call,
         # and the weights are frozen into the graphs anyway
@@ -142,6 +146,7 @@ class CompiledPass(torch.nn.Module):
         self.graphs = torch.compile(own_method(CompiledPass._pass, self), dynamic=True, options=unguarded)
         self.wide_graphs = torch.compile(own_method(CompiledPass._wide_pass, self), dynamic=True, options=unguarded)
         self.built: set[str] = set()  # the `WIDTHS` whose graph was built
+        self.rebuilt = 0  # graphs built again for a width already built (a shape or input not seen before)
 
     def forward(self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], start: int,
                 end: int, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -152,28 +157,34 @@ class CompiledPass(torch.nn.Module):
                 for dim in (0, 1, 3):
                     torch._dynamo.mark_static(buffer, dim)
         n = tokens.shape[1]
+        if mask is None:  # a step: one graph for steps with and without a tree mask
+            mask = torch.ones(n, end, dtype=torch.bool, device=tokens.device)
         width = "step" if n == 1 else "short" if n <= SHORT_PASS_TOKENS else "wide"
-        wide = width == "wide"
-        graphs, options = (self.wide_graphs, self.wide_options) if wide else (self.graphs, self.options)
+        graphs = self.wide_graphs if width == "wide" else self.graphs
+        config = self.model.config
         if width not in self.built:
-            config = self.model.config
             log(f"draftops: compiling the {config.num_hidden_layers}-layer {config.model_type} model's "
                 f"{self.WIDTHS[width]} (decode.compiled: minutes on a small CPU, once per process)")
+        graphs_before = counters["stats"]["unique_graphs"]
         try:  # the options on every call: a graph dynamo rebuilds is built as the first was. Floats (norm epsilons,
             # the attention scale) are constants of the graph: traced as symbols, dynamo would restart its analysis
-            with (torch._inductor.config.patch(options), torch._dynamo.config.patch(specialize_float=True),
-                  narrow_gemm_blocks(WIDE_PASS_BLOCK_ROWS) if wide else contextlib.nullcontext()):
+            with (torch._inductor.config.patch(self.options), torch._dynamo.config.patch(specialize_float=True),
+                  narrow_gemm_blocks(GEMM_BLOCK_ROWS)):
                 logits = graphs(tokens, keys, values, start, end, positions, mask)
         except COMPILE_ERRORS as exc:  # a machine inductor cannot build on (no C++ compiler, say): nothing lost
             log(f"draftops: compiling failed, the eager forward runs instead: {str(exc).splitlines()[0]}")
             raise CompileUnavailable from exc
+        if width in self.built and counters["stats"]["unique_graphs"] > graphs_before:
+            self.rebuilt += 1  # timings that include this call include compiling: say so
+            log(f"draftops: the {config.num_hidden_layers}-layer {config.model_type} model's {self.WIDTHS[width]} "
+                f"were compiled again for an input not seen before ({n} tokens at {start}..{end})")
         self.built.add(width)
         return logits
 
     def _wide_pass(self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], start: int,
                    end: int, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """`_pass` under a code object of its own: dynamo keeps graphs per code object, and the 2-4-token graph,
-        dynamic in the number of tokens, would otherwise run the wide passes on kernels autotuned for 2 rows."""
+        dynamic in the number of tokens, would otherwise run the wide passes on kernels built for 2-4 rows."""
         return self._pass(tokens, keys, values, start, end, positions, mask)
 
     def _pass(self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], start: int, end: int,

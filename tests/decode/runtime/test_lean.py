@@ -16,7 +16,7 @@ from decode.runtime.compiled_pass import (
     SHORT_PASS_TOKENS,
     compile_options,
     narrow_gemm_blocks,
-    wide_pass_options,
+    template_options,
 )
 from decode.runtime.forward import ModelRunner, forward_logits, greedy_decode, rollback
 from decode.runtime.lean import LeanDecoder, compiled_lean, lean_problem, use_compiled_passes
@@ -125,8 +125,9 @@ def test_a_model_the_lean_forward_does_not_run_says_so_once_per_model(capsys):
 
 @torch.inference_mode()
 def test_the_compiled_forward_builds_one_graph_per_width_class_whatever_the_length(monkeypatch):
-    """Compiling takes minutes on the real target: prompts of other lengths, passes of other widths and a cache that
-    grows past its capacity (or fills it exactly) must not build new graphs in the middle of decoding. Three graphs:
+    """Compiling takes minutes on the real target: prompts of other lengths, passes of other widths, a one-token tree
+    level and a cache that grows past its capacity (or fills it exactly) must not build new graphs in the middle of
+    decoding. Three graphs:
     steps, passes up to SHORT_PASS_TOKENS, wider ones; prefills and passes wider than COMPILED_MAX_TOKENS stay
     eager."""
     torch._dynamo.reset()
@@ -153,15 +154,18 @@ def test_the_compiled_forward_builds_one_graph_per_width_class_whatever_the_leng
     for n in (2, 5, 3, SHORT_PASS_TOKENS, 6, COMPILED_MAX_TOKENS, COMPILED_MAX_TOKENS + 1):
         runner.forward(tokens[20 : 20 + n], cache, 20, False)
         rollback(cache, 20)
-    assert counters["stats"]["unique_graphs"] == 3
+    for n in (1, 3):  # a draft's tree level of one node, and of three, under a tree mask
+        runner.forward_tree(tokens[20 : 20 + n], cache, 20, torch.full((n,), 20), torch.eye(n, dtype=torch.bool))
+        rollback(cache, 20)
+    assert counters["stats"]["unique_graphs"] == 3 and runner.lean.compiled.rebuilt == 0
     # every weight in every graph: the embedding; per layer two norms, q|k|v, o, gate|up and down; the final norm,
     # the head and the rotary frequencies
     assert frozen == [1 + 2 * 6 + 3] * 3
     assert runner.lean.compiled.built == {"step", "short", "wide"}
 
 
-def test_wide_passes_compile_cpp_gemms_on_register_blocks_of_at_most_four_rows():
-    """inductor's fp32 AVX-512 micro-kernels are narrowed to 4-row blocks while a wide pass compiles (8-row blocks spill
+def test_compiled_passes_use_cpp_gemms_on_register_blocks_of_at_most_four_rows():
+    """inductor's fp32 AVX-512 micro-kernels are narrowed to 4-row blocks while a pass compiles (8-row blocks spill
     their accumulators), and the table is inductor's own again afterwards."""
     import torch._inductor.compile_fx  # noqa: F401
     from torch._inductor.codegen.cpp_micro_gemm import VecAVX512, micro_gemm_configs
@@ -176,8 +180,8 @@ def test_wide_passes_compile_cpp_gemms_on_register_blocks_of_at_most_four_rows()
         assert [(b.block_m, b.block_n) for b in fp32_blocks()] == [(min(4, b.block_m), b.block_n) for b in before]
     assert fp32_blocks() == before
     options = compile_options(torch.device("cpu"))
-    assert wide_pass_options(options) == {**options, "max_autotune_gemm_backends": "CPP"}
-    assert wide_pass_options(compile_options(torch.device("cuda"))) == {}
+    assert template_options(options) == {**options, "max_autotune_gemm_backends": "CPP"}
+    assert template_options(compile_options(torch.device("cuda"))) == {}
 
 
 @torch.inference_mode()

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from decode.factory import model_decoder
-from decode.runtime.compiled_pass import compile_options, wide_pass_options
+from decode.runtime.compiled_pass import compile_options, template_options
 from decode.runtime.forward import ModelRunner, compact, greedy_decode, rollback
 from decode.runtime.lean import LeanDecoder, compiled_lean, use_compiled_passes
 from decode.token_tree import ROOT, TokenTree
@@ -183,11 +183,11 @@ def test_compiled_passes_of_a_qwen2_with_windowed_layers_decode_what_the_eager_o
     assert compiled_lean(target).compiled.built == {"step", "short", "wide"}  # built, not abandoned for eager
 
 
-def test_a_soft_capped_attention_compiles_its_wide_passes_with_atens_products_too():
-    """Gemma 2's soft-capped attention is batched products no C++ GEMM template takes: its wide graph may use ATen's
+def test_a_soft_capped_attention_compiles_its_passes_with_atens_products_too():
+    """Gemma 2's soft-capped attention is batched products no C++ GEMM template takes: its graphs may use ATen's
     (with C++ templates alone it failed to build, and the eager forward ran instead). Checked by hand: compiled
     Gemma 2 and Gemma 3 passes (windows of 8) decode as the eager ones (docs/families.md)."""
     options = compile_options(torch.device("cpu"))
     gemma = LeanDecoder(tiny_family("gemma2", dtype=torch.float32), compiled=True).compiled
     qwen = LeanDecoder(tiny_family("qwen2", dtype=torch.float32), compiled=True).compiled
-    assert gemma.wide_options == options and qwen.wide_options == wide_pass_options(options) != options
+    assert gemma.options == options and qwen.options == template_options(options) != options
