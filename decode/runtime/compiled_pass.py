@@ -90,12 +90,14 @@ def _narrowed_micro_gemms(rows: int) -> tuple[dict, dict] | None:
         return None
 
 
-def own_method(function, instance):
+def own_method(function, instance, **defaults):
     """`function` bound to `instance` through a copy of its code object: dynamo keeps graphs, and their guards, per
-    code object."""
+    code object. `defaults`: keyword-only defaults of the copy, constants of its graphs."""
     code = function.__code__.replace()
-    return types.MethodType(types.FunctionType(code, function.__globals__, function.__name__, function.__defaults__,
-                                               function.__closure__), instance)
+    copy = types.FunctionType(code, function.__globals__, function.__name__, function.__defaults__,
+                              function.__closure__)
+    copy.__kwdefaults__ = {**(function.__kwdefaults__ or {}), **defaults} or None
+    return types.MethodType(copy, instance)
 
 
 class CompileUnavailable(RuntimeError):
@@ -118,7 +120,8 @@ class CompiledPass(torch.nn.Module):
     context length are dynamic). Every pass runs under a mask, a step's all true, so that a one-token level of a
     draft's tree (under a tree mask) is the step graph, not a graph built in the middle of decoding. Their GEMMs are
     C++ templates on register blocks of at most `GEMM_BLOCK_ROWS` rows (`template_options`, `narrow_gemm_blocks`),
-    except where an attention's products fit no template (Gemma 2's soft cap: ATen's too)."""
+    except where an attention's products fit no template (Gemma 2's soft cap: ATen's too). A pass that also returns
+    the hidden states entering some layers (what a feature draft reads) has graphs of its own per set of layers."""
 
     WIDTHS = {"step": "one-token steps", "short": f"passes of 2-{SHORT_PASS_TOKENS} tokens",
               "wide": f"passes of {SHORT_PASS_TOKENS + 1}-{COMPILED_MAX_TOKENS} tokens"}
@@ -142,16 +145,27 @@ class CompiledPass(torch.nn.Module):
         # graphs of code objects of this module's own, so that no guard on its modules is needed to tell its graphs
         # from another model's: those guards (every weight, norm and layer attribute) would be checked on every call,
         # and the weights are frozen into the graphs anyway
-        unguarded = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        self.graphs = torch.compile(own_method(CompiledPass._pass, self), dynamic=True, options=unguarded)
-        self.wide_graphs = torch.compile(own_method(CompiledPass._wide_pass, self), dynamic=True, options=unguarded)
-        self.built: set[str] = set()  # the `WIDTHS` whose graph was built
+        self.graphs, self.wide_graphs = self._compiled(())
+        # per tuple of layers whose entering hidden states a pass returns too (a feature draft's), its two functions
+        self.feature_graphs: dict[tuple[int, ...], tuple] = {}
+        self.built: set[str] = set()  # the `WIDTHS` whose graph was built, "+features" where it captures
         self.rebuilt = 0  # graphs built again for a width already built (a shape or input not seen before)
 
+    def _compiled(self, capture: tuple[int, ...]) -> tuple:
+        """torch.compile'd `_pass` and `_wide_pass`, each of a code object of its own, capturing `capture`. Their own
+        code objects, so that no guard on this module's modules is needed to tell their graphs from another model's:
+        those guards (every weight, norm and layer attribute) would be checked on every call, and the weights are
+        frozen into the graphs anyway."""
+        unguarded = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        return tuple(torch.compile(own_method(function, self, capture=capture), dynamic=True, options=unguarded)
+                     for function in (CompiledPass._pass, CompiledPass._wide_pass))
+
     def forward(self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], start: int,
-                end: int, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """tokens [1, T] at `positions` [T] into slots start..end-1 (the buffers hold more than `end`) -> logits
-        [1, T, V]."""
+                end: int, positions: torch.Tensor, mask: torch.Tensor | None,
+                capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """tokens [1, T] at `positions` [T] into slots start..end-1 (the buffers hold more than `end`) -> (logits
+        [1, T, V], the hidden states entering the layers of `capture` at every token [1, T, len(capture) * H], or
+        None without `capture`)."""
         for buffer in (*keys, *values):  # only the capacity varies: sizes that equal the number of tokens fed (the
             if not hasattr(buffer, "_dynamo_static_indices"):  # kv heads, say) would otherwise be tied to it
                 for dim in (0, 1, 3):
@@ -160,42 +174,51 @@ class CompiledPass(torch.nn.Module):
         if mask is None:  # a step: one graph for steps with and without a tree mask
             mask = torch.ones(n, end, dtype=torch.bool, device=tokens.device)
         width = "step" if n == 1 else "short" if n <= SHORT_PASS_TOKENS else "wide"
-        graphs = self.wide_graphs if width == "wide" else self.graphs
-        config = self.model.config
-        if width not in self.built:
-            log(f"draftops: compiling the {config.num_hidden_layers}-layer {config.model_type} model's "
-                f"{self.WIDTHS[width]} (decode.compiled: minutes on a small CPU, once per process)")
+        if capture and capture not in self.feature_graphs:
+            self.feature_graphs[capture] = self._compiled(capture)
+        graphs = (self.feature_graphs[capture] if capture else (self.graphs, self.wide_graphs))[width == "wide"]
+        config, kind = self.model.config, width + ("+features" if capture else "")
+        what = self.WIDTHS[width] + (f" with the hidden states entering layers {', '.join(map(str, capture))}"
+                                     if capture else "")
+        if kind not in self.built:
+            log(f"draftops: compiling the {config.num_hidden_layers}-layer {config.model_type} model's {what} "
+                "(decode.compiled: minutes on a small CPU, once per process)")
         graphs_before = counters["stats"]["unique_graphs"]
         try:  # the options on every call: a graph dynamo rebuilds is built as the first was. Floats (norm epsilons,
             # the attention scale) are constants of the graph: traced as symbols, dynamo would restart its analysis
             with (torch._inductor.config.patch(self.options), torch._dynamo.config.patch(specialize_float=True),
                   narrow_gemm_blocks(GEMM_BLOCK_ROWS)):
-                logits = graphs(tokens, keys, values, start, end, positions, mask)
+                logits, features = graphs(tokens, keys, values, start, end, positions, mask)
         except COMPILE_ERRORS as exc:  # a machine inductor cannot build on (no C++ compiler, say): nothing lost
             log(f"draftops: compiling failed, the eager forward runs instead: {str(exc).splitlines()[0]}")
             raise CompileUnavailable from exc
-        if width in self.built and counters["stats"]["unique_graphs"] > graphs_before:
+        if kind in self.built and counters["stats"]["unique_graphs"] > graphs_before:
             self.rebuilt += 1  # timings that include this call include compiling: say so
-            log(f"draftops: the {config.num_hidden_layers}-layer {config.model_type} model's {self.WIDTHS[width]} "
-                f"were compiled again for an input not seen before ({n} tokens at {start}..{end})")
-        self.built.add(width)
-        return logits
+            log(f"draftops: the {config.num_hidden_layers}-layer {config.model_type} model's {what} were compiled "
+                f"again for an input not seen before ({n} tokens at {start}..{end})")
+        self.built.add(kind)
+        return logits, features
 
     def _wide_pass(self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], start: int,
-                   end: int, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+                   end: int, positions: torch.Tensor, mask: torch.Tensor | None, *,
+                   capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`_pass` under a code object of its own: dynamo keeps graphs per code object, and the 2-4-token graph,
         dynamic in the number of tokens, would otherwise run the wide passes on kernels built for 2-4 rows."""
-        return self._pass(tokens, keys, values, start, end, positions, mask)
+        return self._pass(tokens, keys, values, start, end, positions, mask, capture=capture)
 
     def _pass(self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], start: int, end: int,
-              positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+              positions: torch.Tensor, mask: torch.Tensor | None, *,
+              capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         lean, inner = self.lean[0], self.model.model
         b, n = tokens.shape
         x = inner.embed_tokens(tokens)
         rotation = rotations(self.model, lean.layers, x, positions[None])
         shape, count = (b, n, lean.heads, lean.kv_heads), len(self.layers)
         masks = window_masks(lean.layers, mask, positions, start, end)
+        captured = {}
         for i, layer in enumerate(self.layers):
+            if i in capture:
+                captured[i] = x
             projected = F.linear(layer.input_norm(x), self.stacked[i], self.stacked_bias[i]).split(layer.qkv.sizes, -1)
             q, k, v = layer.heads(*projected, shape, lean.rotate, rotation[layer.rotation])
             keys[i][:, :, start:end], values[i][:, :, start:end] = k, v
@@ -205,4 +228,5 @@ class CompiledPass(torch.nn.Module):
             gate, up = F.linear(h, self.stacked[count + i], self.stacked_bias[count + i]).split(layer.gate_up.sizes, -1)
             x = layer.add_mlp(x, F.linear(layer.act(gate) * up, layer.down_proj.weight, layer.down_proj.bias))
         head = self.model.lm_head
-        return soft_capped(F.linear(inner.norm(x), head.weight, head.bias), self.model.config)
+        logits = soft_capped(F.linear(inner.norm(x), head.weight, head.bias), self.model.config)
+        return logits, torch.cat([captured[i] for i in capture], -1) if capture else None

@@ -252,19 +252,20 @@ class LeanDecoder:
         into slots start..start+T-1 of every row; positions [B, T] (`forward_ragged`) into the slots they name."""
         ragged = positions.dim() == 2
         end = int(positions.max()) + 1 if ragged else start + tokens.shape[1]
-        if (self.compiled is not None and not ragged and not capture and tokens.shape[0] == 1
+        if (self.compiled is not None and not ragged and tokens.shape[0] == 1
                 and tokens.shape[1] <= COMPILED_MAX_TOKENS and start >= 2):
             # start >= 2: a prefill (start 0) stays eager, and a start of 0 or 1 would be a graph of its own (torch
             # specializes those); a slot past `end`: a slice `[:end]` that is the whole buffer would be a new graph
             # too (a guard on end == capacity); growing the buffer stays out of the graph, as does the length
             cache.reserve(end + 1)
             try:
-                logits = self.compiled(tokens, cache.keys, cache.values, start, end, positions, mask)
+                logits, features = self.compiled(tokens, cache.keys, cache.values, start, end, positions, mask,
+                                                 capture)
             except CompileUnavailable:
                 self.compiled = None
             else:
                 cache.length = end
-                return (logits[:, -1:] if keep_last else logits), None
+                return (logits[:, -1:] if keep_last else logits), features
         cache.reserve(end)
         out = self._layers(tokens, cache.keys, cache.values, start, end, positions, mask, keep_last, capture)
         cache.length = end

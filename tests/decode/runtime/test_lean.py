@@ -216,6 +216,33 @@ def test_models_of_one_architecture_each_run_their_own_weights_compiled():
 
 
 @torch.inference_mode()
+def test_compiled_passes_return_the_hidden_states_a_feature_draft_reads():
+    """A feature draft's decoder reads the hidden states entering some of the target's layers at every target pass:
+    compiled passes return them as the eager forward does (their own graphs per set of layers, built once)."""
+    model = tiny_llama(5).to(torch.float32)
+    compiled, eager = LeanDecoder(model, compiled=True), LeanDecoder(model)
+    layers = (model.config.num_hidden_layers - 1, 0)  # in the order asked, not the layers' order
+    tokens = torch.arange(1, 40)
+    caches = [lean.new_cache() for lean in (compiled, eager)]
+    for lean, cache in zip((compiled, eager), caches):
+        lean.forward_logits(tokens[:8], cache, 0, True)
+    start = 8
+    for n in (1, 3, 6, 1, 2):
+        got, want = (lean.forward_features(tokens[start : start + n], cache, start, layers)
+                     for lean, cache in zip((compiled, eager), caches))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        start += n
+    tree = torch.tril(torch.ones(3, 3, dtype=torch.bool))
+    got, want = (lean.forward_tree_features(tokens[start : start + 3], cache, start, torch.arange(start, start + 3),
+                                            tree, layers) for lean, cache in zip((compiled, eager), caches))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert compiled.compiled.built == {"step+features", "short+features", "wide+features"}
+    assert compiled.compiled.rebuilt == 0
+
+
+@torch.inference_mode()
 def test_where_a_graph_cannot_be_built_the_eager_forward_runs_instead(capsys):
     model = tiny_llama(4).to(torch.float32)
     compiled, eager = LeanDecoder(model, compiled=True), LeanDecoder(model)
