@@ -7,10 +7,10 @@ of the drafts-against-the-peers table (docs/results.md), for several drafts in o
 
 Per traffic (held-out split of the shipped traffic, all of a file given by path; 5 prompts per category; greedy; 128
 new tokens, as `make bench`): `plain`, greedy decoding through the target's compiled lean forward, and per draft its
-`draft_only` row as `draftops bench` builds it (the draft model alone in trees with the auto budget; a layer draft's
-passes compiled, a feature draft's eager), every row taking its turn prompt by prompt (`run_interleaved`); the
-speedup of each draft over `plain` paired over prompts with a bootstrap interval, whether its text is `plain`'s on
-every prompt, its acceptance α̂ and tokens per round τ, and its chains of k = 3 over `plain`'s text as vLLM counts
+`draft_only` row as `draftops bench` builds it (the draft model alone in trees with the auto budget; the target's
+passes compiled, a layer draft's too, a feature draft's own eager), every row taking its turn prompt by prompt
+(`run_interleaved`); the speedup of each draft over `plain` paired over prompts with a bootstrap interval, whether its
+text is `plain`'s on every prompt, its acceptance α̂ and tokens per round τ, and its chains of k = 3 over `plain`'s text as vLLM counts
 them (acceptance at each draft position, mean acceptance length). bench's own rows compare one draft and a
 challenger; this script puts any number beside each other without HF's rows.
 """

@@ -157,7 +157,9 @@ class CompiledPass(torch.nn.Module):
         those guards (every weight, norm and layer attribute) would be checked on every call, and the weights are
         frozen into the graphs anyway."""
         unguarded = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        return tuple(torch.compile(own_method(function, self, capture=capture), dynamic=True, options=unguarded)
+        # a flag per layer, not layer numbers: dynamo traces the ints of a dynamic graph's arguments as symbols
+        flags = tuple(i in capture for i in range(len(self.layers)))
+        return tuple(torch.compile(own_method(function, self, capture=flags), dynamic=True, options=unguarded)
                      for function in (CompiledPass._pass, CompiledPass._wide_pass))
 
     def forward(self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], start: int,
@@ -188,7 +190,7 @@ class CompiledPass(torch.nn.Module):
             # the attention scale) are constants of the graph: traced as symbols, dynamo would restart its analysis
             with (torch._inductor.config.patch(self.options), torch._dynamo.config.patch(specialize_float=True),
                   narrow_gemm_blocks(GEMM_BLOCK_ROWS)):
-                logits, features = graphs(tokens, keys, values, start, end, positions, mask)
+                logits, by_layer = graphs(tokens, keys, values, start, end, positions, mask)
         except COMPILE_ERRORS as exc:  # a machine inductor cannot build on (no C++ compiler, say): nothing lost
             log(f"draftops: compiling failed, the eager forward runs instead: {str(exc).splitlines()[0]}")
             raise CompileUnavailable from exc
@@ -197,28 +199,32 @@ class CompiledPass(torch.nn.Module):
             log(f"draftops: the {config.num_hidden_layers}-layer {config.model_type} model's {what} were compiled "
                 f"again for an input not seen before ({n} tokens at {start}..{end})")
         self.built.add(kind)
-        return logits, features
+        if not capture:
+            return logits, None
+        in_order = dict(zip(sorted(capture), by_layer))
+        return logits, torch.cat([in_order[i] for i in capture], -1)
 
     def _wide_pass(self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], start: int,
                    end: int, positions: torch.Tensor, mask: torch.Tensor | None, *,
-                   capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   capture: tuple[bool, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """`_pass` under a code object of its own: dynamo keeps graphs per code object, and the 2-4-token graph,
         dynamic in the number of tokens, would otherwise run the wide passes on kernels built for 2-4 rows."""
         return self._pass(tokens, keys, values, start, end, positions, mask, capture=capture)
 
     def _pass(self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], start: int, end: int,
               positions: torch.Tensor, mask: torch.Tensor | None, *,
-              capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+              capture: tuple[bool, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """-> (logits [1, T, V], the hidden states entering each layer flagged in `capture`, in the layers' order)."""
         lean, inner = self.lean[0], self.model.model
         b, n = tokens.shape
         x = inner.embed_tokens(tokens)
         rotation = rotations(self.model, lean.layers, x, positions[None])
         shape, count = (b, n, lean.heads, lean.kv_heads), len(self.layers)
         masks = window_masks(lean.layers, mask, positions, start, end)
-        captured = {}
+        captured = []
         for i, layer in enumerate(self.layers):
-            if i in capture:
-                captured[i] = x
+            if capture and capture[i]:
+                captured.append(x)
             projected = F.linear(layer.input_norm(x), self.stacked[i], self.stacked_bias[i]).split(layer.qkv.sizes, -1)
             q, k, v = layer.heads(*projected, shape, lean.rotate, rotation[layer.rotation])
             keys[i][:, :, start:end], values[i][:, :, start:end] = k, v
@@ -229,4 +235,4 @@ class CompiledPass(torch.nn.Module):
             x = layer.add_mlp(x, F.linear(layer.act(gate) * up, layer.down_proj.weight, layer.down_proj.bias))
         head = self.model.lm_head
         logits = soft_capped(F.linear(inner.norm(x), head.weight, head.bias), self.model.config)
-        return logits, torch.cat([captured[i] for i in capture], -1) if capture else None
+        return logits, captured

@@ -17,9 +17,9 @@ The eager forward runs each decoder layer's q, k, v projections as one product a
 (`decode.runtime.kernels.ConcatLinear`, as gpt-fast and serving engines do): a few-row step pays per product called.
 
 `LeanDecoder(model, compiled=True)` runs the passes a decoder makes after the prompt (a step, a verify block, a tree:
-one sequence, at most `COMPILED_MAX_TOKENS` tokens, past position 1, no features) through `torch.compile` of the
-same function (`decode.runtime.compiled_pass.CompiledPass`, parity-tested against the eager forward); prefills, wider
-passes, batches and feature captures stay eager. Compiling takes minutes on a small CPU, so it is opt-in
+one sequence, at most `COMPILED_MAX_TOKENS` tokens, past position 1, with or without a feature draft's hidden
+states) through `torch.compile` of the same function (`decode.runtime.compiled_pass.CompiledPass`, parity-tested
+against the eager forward); prefills, wider passes and batches stay eager. Compiling takes minutes on a small CPU, so it is opt-in
 (`decode.compiled`).
 """
 from __future__ import annotations

@@ -219,6 +219,8 @@ def test_models_of_one_architecture_each_run_their_own_weights_compiled():
 def test_compiled_passes_return_the_hidden_states_a_feature_draft_reads():
     """A feature draft's decoder reads the hidden states entering some of the target's layers at every target pass:
     compiled passes return them as the eager forward does (their own graphs per set of layers, built once)."""
+    torch._dynamo.reset()
+    counters.clear()
     model = tiny_llama(5).to(torch.float32)
     compiled, eager = LeanDecoder(model, compiled=True), LeanDecoder(model)
     layers = (model.config.num_hidden_layers - 1, 0)  # in the order asked, not the layers' order
@@ -239,6 +241,8 @@ def test_compiled_passes_return_the_hidden_states_a_feature_draft_reads():
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert compiled.compiled.built == {"step+features", "short+features", "wide+features"}
+    # three whole graphs, no graph break: a pass dynamo gives up on runs eager, right but slow
+    assert counters["stats"]["unique_graphs"] == 3 and not counters["graph_break"]
     assert compiled.compiled.rebuilt == 0
 
 
