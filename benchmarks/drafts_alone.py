@@ -10,9 +10,9 @@ new tokens, as `make bench`): `plain`, greedy decoding through the target's comp
 `draft_only` row as `draftops bench` builds it (the draft model alone in trees with the auto budget; the target's
 passes compiled, a layer draft's too, a feature draft's own eager), every row taking its turn prompt by prompt
 (`run_interleaved`); the speedup of each draft over `plain` paired over prompts with a bootstrap interval, whether its
-text is `plain`'s on every prompt, its acceptance α̂ and tokens per round τ, and its chains of k = 3 over `plain`'s text as vLLM counts
-them (acceptance at each draft position, mean acceptance length). bench's own rows compare one draft and a
-challenger; this script puts any number beside each other without HF's rows.
+text is `plain`'s on every prompt, its acceptance α̂ and tokens per round τ, and its chains of k = 3 over `plain`'s
+text as vLLM counts them (acceptance at each draft position, mean acceptance length). bench's own rows compare one
+draft and a challenger; this script puts any number beside each other without HF's rows.
 """
 from __future__ import annotations
 

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-
 from torch._dynamo.utils import counters
 
 from decode.runtime.lean_layers import rotations, soft_capped, window_masks

@@ -19,8 +19,8 @@ The eager forward runs each decoder layer's q, k, v projections as one product a
 `LeanDecoder(model, compiled=True)` runs the passes a decoder makes after the prompt (a step, a verify block, a tree:
 one sequence, at most `COMPILED_MAX_TOKENS` tokens, past position 1, with or without a feature draft's hidden
 states) through `torch.compile` of the same function (`decode.runtime.compiled_pass.CompiledPass`, parity-tested
-against the eager forward); prefills, wider passes and batches stay eager. Compiling takes minutes on a small CPU, so it is opt-in
-(`decode.compiled`).
+against the eager forward); prefills, wider passes and batches stay eager. Compiling takes minutes on a small CPU,
+so it is opt-in (`decode.compiled`).
 """
 from __future__ import annotations
 
