@@ -3,8 +3,8 @@
 A step of a small model on a CPU is mostly per-call cost and weight reads: on a CPU the graph is compiled with the
 weights frozen into it, inductor's C++ GEMM templates on weights it packs once, on register blocks of at most
 `GEMM_BLOCK_ROWS` rows (`narrow_gemm_blocks`), and a C++ wrapper, so that one call runs the whole pass. Passes of more
-than `SHORT_PASS_TOKENS` tokens have a graph of their own. Compiling takes minutes on a small
-CPU and is redone by every process (inductor's graph cache cannot store the packed weights), so it is opt-in;
+than `SHORT_PASS_TOKENS` tokens have a graph of their own. Compiling takes minutes on a small CPU and is redone by
+every process (inductor's graph cache cannot store the packed weights), so it is opt-in;
 docs/results.md#the-cpu-runtime has the measurement. The function compiled is `decode.runtime.lean.LeanDecoder`'s, on
 the layers `decode.runtime.lean_layers` reads off each family.
 """
@@ -178,11 +178,9 @@ class CompiledPass(torch.nn.Module):
         if capture and capture not in self.feature_graphs:
             self.feature_graphs[capture] = self._compiled(capture)
         graphs = (self.feature_graphs[capture] if capture else (self.graphs, self.wide_graphs))[width == "wide"]
-        config, kind = self.model.config, width + ("+features" if capture else "")
-        what = self.WIDTHS[width] + (f" with the hidden states entering layers {', '.join(map(str, capture))}"
-                                     if capture else "")
+        kind = width + ("+features" if capture else "")
         if kind not in self.built:
-            log(f"draftops: compiling the {config.num_hidden_layers}-layer {config.model_type} model's {what} "
+            log(f"draftops: compiling {self._graph_name(width, capture)} "
                 "(decode.compiled: minutes on a small CPU, once per process)")
         graphs_before = counters["stats"]["unique_graphs"]
         try:  # the options on every call: a graph dynamo rebuilds is built as the first was. Floats (norm epsilons,
@@ -195,13 +193,19 @@ class CompiledPass(torch.nn.Module):
             raise CompileUnavailable from exc
         if kind in self.built and counters["stats"]["unique_graphs"] > graphs_before:
             self.rebuilt += 1  # timings that include this call include compiling: say so
-            log(f"draftops: the {config.num_hidden_layers}-layer {config.model_type} model's {what} were compiled "
-                f"again for an input not seen before ({n} tokens at {start}..{end})")
+            log(f"draftops: {self._graph_name(width, capture)} were compiled again for an input not seen before "
+                f"({n} tokens at {start}..{end})")
         self.built.add(kind)
         if not capture:
             return logits, None
         in_order = dict(zip(sorted(capture), by_layer))
         return logits, torch.cat([in_order[i] for i in capture], -1)
+
+    def _graph_name(self, width: str, capture: tuple[int, ...]) -> str:
+        """"the 30-layer llama model's one-token steps[ with the hidden states entering layers 2, 15, 27]"."""
+        config = self.model.config
+        return (f"the {config.num_hidden_layers}-layer {config.model_type} model's {self.WIDTHS[width]}"
+                + (f" with the hidden states entering layers {', '.join(map(str, capture))}" if capture else ""))
 
     def _wide_pass(self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], start: int,
                    end: int, positions: torch.Tensor, mask: torch.Tensor | None, *,

@@ -127,9 +127,8 @@ def test_a_model_the_lean_forward_does_not_run_says_so_once_per_model(capsys):
 def test_the_compiled_forward_builds_one_graph_per_width_class_whatever_the_length(monkeypatch):
     """Compiling takes minutes on the real target: prompts of other lengths, passes of other widths, a one-token tree
     level and a cache that grows past its capacity (or fills it exactly) must not build new graphs in the middle of
-    decoding. Three graphs:
-    steps, passes up to SHORT_PASS_TOKENS, wider ones; prefills and passes wider than COMPILED_MAX_TOKENS stay
-    eager."""
+    decoding. Three graphs: steps, passes up to SHORT_PASS_TOKENS, wider ones; prefills and passes wider than
+    COMPILED_MAX_TOKENS stay eager."""
     torch._dynamo.reset()
     counters.clear()
     frozen = []  # per graph built, how many of its inputs were frozen into it as constants
