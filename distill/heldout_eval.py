@@ -79,16 +79,26 @@ def exact_eval(target, draft, responses: ResponseSet, token_ids: torch.Tensor | 
                                  greedy_ranks=with_ranks)
     sampled = analytic_acceptance(target, draft, seqs, starts, temperature=1.0, draft_token_ids=token_ids)
     units = [request_of(i) for i in responses.request_ids] if by_turn else None
+    chains = chains_from_matches(greedy.per_position, chain_k)
     summary = {**summarize_acceptance(greedy.per_position, sampled.per_position, gamma),
                **alpha_interval(greedy.per_position, "alpha_t0", units),
                **alpha_interval(sampled.per_position, "alpha_t1", units),
-               "chain": chain_summary(chains_from_matches(greedy.per_position, chain_k))}
+               "chain": chain_summary(chains),
+               "per_response": per_response_sums(greedy.per_position, sampled.per_position, chains)}
     if by_turn:
         positions = [turn_position(i) for i in responses.request_ids]
         for position in sorted(set(positions)):
             rows = [row for row, p in zip(greedy.per_position, positions) if p == position]
             summary[f"alpha_t0_turn{position}"] = token_mean(rows)
     return {**summary, "ranks": greedy.ranks} if with_ranks else summary
+
+
+def per_response_sums(greedy: list[list[float]], sampled: list[list[float]], chains) -> dict:
+    """Per held-out response, (sum, count) of α(T=0), of α(T=1) and of the tokens accepted in chains of k: what a
+    paired comparison of two drafts resamples (`decode.measure.intervals.paired_ratio_difference`)."""
+    def sums(rows):
+        return [(float(sum(row)), len(row)) for row in rows]
+    return {"alpha_t0": sums(greedy), "alpha_t1": sums(sampled), "chain_accepted": sums(chains.accepted)}
 
 
 def alpha_interval(per_response: list[list[float]], name: str, units: list[str] | None = None) -> dict:
@@ -157,7 +167,10 @@ def feature_eval(step_logits, target, responses: ResponseSet, token_ids: torch.T
     summary = summarize_feature_acceptance(chains, gamma, rollouts, seed)
     if chain_k:
         first = [chain[0, max(start - 2, 0) : end - 2].tolist() for chain, start, end in chains[0.0]]
-        summary.update(alpha_interval(first, "alpha_t0"), chain=chain_summary(chains_from_steps(chains[0.0], chain_k)))
+        first_t1 = [chain[0, max(start - 2, 0) : end - 2].tolist() for chain, start, end in chains[1.0]]
+        walked = chains_from_steps(chains[0.0], chain_k)
+        summary.update(alpha_interval(first, "alpha_t0"), chain=chain_summary(walked),
+                       per_response=per_response_sums(first, first_t1, walked))
     return {**summary, "ranks": ranks} if with_ranks else summary
 
 

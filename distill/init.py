@@ -63,7 +63,7 @@ def init_draft(cfg: DistillConfig, target, *, token_ids: torch.Tensor | None = N
     """
     if cfg.family == FEATURES:
         draft = (feature_draft_from_checkpoint(cfg, target, token_ids) if cfg.init == "checkpoint"
-                 else feature_draft_from_target(target, token_ids))
+                 else feature_draft_from_target(target, token_ids, norm_before_residual=cfg.norm_before_residual))
         return float32_weights(draft, target).train()
     if cfg.init == "target_layers":
         draft = draft_from_target_layers(target, cfg.init_layers)

@@ -1,4 +1,4 @@
-"""The training loop under accelerate: data order, gradient accumulation and synchronization, lr schedule, gradient
+"""The training loop under accelerate: data order, gradient accumulation and synchronization, gradient
 clipping, held-out evaluation with best-by-τ selection, and resumable checkpoints. The loss of a micro-batch is
 `distill.step.loss_step`.
 
@@ -21,6 +21,7 @@ from distill.batches import collate, global_batch_indices, micro_batch
 from distill.checkpoints import latest_checkpoint, load_training_state, save_best, save_training_state
 from distill.heldout_eval import cached_eval, feature_eval
 from distill.onpolicy import draft_continuations
+from distill.optimizers import build_optimizers, build_schedules
 from distill.responses import ResponseSet
 from distill.step import draft_module, feature_loss_step, loss_step
 from pipeline.config import DistillConfig, DraftopsConfig
@@ -57,14 +58,6 @@ class TrainingData:
     teacher: str = "builtin"
     train_turns: int = 0  # the assistant turns trained on (`traffic.turns`); 0: one per train request
     by_turn: bool = False  # the held-out responses are conversations' turns (`traffic.turns: all`)
-
-
-def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
-    """Learning-rate factor of step `step`: linear warmup, then cosine decay to `min_ratio`."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def global_batch_and_steps(d: DistillConfig, n_examples: int, num_processes: int) -> tuple[int, int]:
@@ -109,28 +102,29 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 @dataclass
 class Prepared:
-    """What accelerate prepared: the draft's training module, its optimizer, the lr schedule (stepped here, once per
-    optimizer step) and the parameters clipped."""
+    """What accelerate prepared: the draft's training module, its optimizers (one, or Muon's and AdamW's), their lr
+    schedules (stepped here, once per optimizer step) and the parameters clipped."""
 
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
+    optimizers: list[torch.optim.Optimizer]
+    schedulers: list[torch.optim.lr_scheduler.LRScheduler]
     trainable: list[torch.nn.Parameter]
 
 
 def prepare_training(d: DistillConfig, accelerator, draft, total_steps: int) -> Prepared:
-    """AdamW and the warmup-cosine schedule over `total_steps`, the draft's training module prepared by accelerate."""
+    """The optimizers and their schedules over `total_steps` (`distill.optimizers`), the draft's training module
+    prepared by accelerate."""
     parameters = trainable_parameters(draft)
     # one fused kernel per step instead of a loop of small ops; left to torch's default where accelerate shards or
     # moves the parameters (FSDP, DDP)
     fused = accelerator.num_processes == 1 and all(p.device.type in ("cpu", "cuda") for p in parameters)
-    optimizer = torch.optim.AdamW(parameters, lr=d.learning_rate, weight_decay=d.weight_decay, fused=fused or None)
-    # Not passed to prepare(): accelerate would step it once per process and change the schedule with the world size.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(
-        s, warmup=d.warmup_steps, total=total_steps, min_ratio=d.min_lr_ratio))
-    model, optimizer = accelerator.prepare(draft_module(d, draft), optimizer)
-    accelerator.register_for_checkpointing(scheduler)
-    return Prepared(model, optimizer, scheduler, trainable_parameters(model))
+    optimizers = build_optimizers(d, draft, fused=fused)
+    # Not passed to prepare(): accelerate would step them once per process and change the schedule with the world size.
+    schedulers = build_schedules(d, optimizers, total_steps)
+    model, *optimizers = accelerator.prepare(draft_module(d, draft), *optimizers)
+    for scheduler in schedulers:
+        accelerator.register_for_checkpointing(scheduler)
+    return Prepared(model, optimizers, schedulers, trainable_parameters(model))
 
 
 def resumed_state(d: DistillConfig, accelerator, job_dir: Path, total_steps: int) -> dict:
@@ -168,9 +162,10 @@ def optimizer_step(d: DistillConfig, accelerator, prepared: Prepared, target, dr
         raise NonFiniteLoss(f"training loss is {step_loss} at step {step + 1}; stopping without exporting or "
                             "registering anything (try a lower distill.learning_rate or mixed_precision=no)")
     grad_norm = float(accelerator.clip_grad_norm_(prepared.trainable, d.max_grad_norm))
-    prepared.optimizer.step()
-    prepared.scheduler.step()
-    prepared.optimizer.zero_grad(set_to_none=True)
+    for optimizer, scheduler in zip(prepared.optimizers, prepared.schedulers):
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
     return step_loss, grad_norm, int(global_tokens)
 
 
@@ -217,7 +212,7 @@ def train_loop(cfg: DraftopsConfig, accelerator, target, tokenizer, draft, data:
             loss, grad_norm, tokens = optimizer_step(d, accelerator, prepared, target, draft, data, batches, step)
         tokens_seen += tokens
         state["step"] = step + 1
-        state["history"].append({"step": step + 1, "loss": loss, "lr": prepared.scheduler.get_last_lr()[0],
+        state["history"].append({"step": step + 1, "loss": loss, "lr": prepared.schedulers[-1].get_last_lr()[0],
                                  "grad_norm": grad_norm, "tokens": tokens, "onpolicy": onpolicy})
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_seen / max(time.perf_counter() - started, 1e-9):.0f}")
         bar.update(1)

@@ -21,6 +21,10 @@ Every divergence works on "buckets": log-probabilities over the same columns for
   mapped to student columns and -1 for ids the student cannot emit. Their mass joins the teacher's tail, whose
   student counterpart is the student's mass on its own unlisted columns: still a coarse-graining of the two
   full-vocabulary distributions (q = 0 outside the draft vocabulary), with the same argmax on the listed ids.
+
+The acceptance objectives (`log_acceptance`, `kl_tv`) are not computed on buckets: a bucket's min(p, q) would count
+the tail and the mass outside the draft vocabulary as acceptable. `acceptance_rate` sums min(p, q) over the columns
+the draft can emit, with p the target's own distribution, never renormalized to the draft vocabulary.
 """
 from __future__ import annotations
 
@@ -94,6 +98,68 @@ def argmax_cross_entropy(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tens
 
 DIVERGENCES = {"forward_kl": forward_kl, "reverse_kl": reverse_kl, "tvd": total_variation,
                "argmax_ce": argmax_cross_entropy}
+ACCEPTANCE_LOSSES = ("log_acceptance", "kl_tv")
+# log_acceptance: −log(α + ε); ε bounds the weight a position the draft cannot reach gets (1/ε instead of ∞)
+LOG_ACCEPTANCE_EPS = 1e-3
+
+
+# --------------------------------------------------------------------------- acceptance objectives
+
+
+def acceptance_rate(student_logits: torch.Tensor, teacher: torch.Tensor | TopKTeacher, *,
+                    temperature: float = 1.0, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """α = Σ min(p, q) per position, [N]: the chance that speculative sampling accepts the draft's token.
+
+    p is the target's distribution over its whole vocabulary: restricted to the draft's columns, not renormalized,
+    so the target's mass on ids the draft cannot emit is never acceptable. A top-k teacher counts its listed ids
+    inside the draft vocabulary only (a lower bound, exact when the target's mass beyond its top k is zero).
+    """
+    log_q = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    if isinstance(teacher, TopKTeacher):
+        if temperature != 1.0:
+            raise ValueError("a top-k teacher cache holds temperature-1 log-probs; use temperature 1 or online logits")
+        listed = teacher.indices >= 0
+        p = teacher.logprobs.float().exp() * listed
+        q = log_q.gather(-1, teacher.indices.long().clamp(min=0)).exp() * listed
+        return torch.minimum(p, q).sum(-1)
+    log_p = F.log_softmax(teacher.float() / temperature, dim=-1)
+    if token_ids is not None:
+        log_p = log_p[..., token_ids.to(log_p.device)]
+    if log_p.shape[-1] != log_q.shape[-1]:
+        raise ValueError(f"teacher has {log_p.shape[-1]} columns, student {log_q.shape[-1]}: pass token_ids")
+    return torch.minimum(log_p.exp(), log_q.exp()).sum(-1)
+
+
+def kl_weight(alpha: torch.Tensor) -> torch.Tensor:
+    """The adaptive weight λ of KL in `kl_tv`: 1 − the batch's mean acceptance, detached. A draft that accepts little
+    learns from KL, whose gradient reaches every id the target likes; as it accepts more, the total-variation term
+    (1 − α, acceptance itself) takes over, since a small draft cannot reach KL's optimum."""
+    return (1.0 - alpha.detach().mean()).clamp(0.0, 1.0) if alpha.numel() else alpha.new_ones(())
+
+
+def acceptance_loss(loss: str, alpha: torch.Tensor, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """Per-position loss [N] of an acceptance objective: `log_acceptance` −log(α + ε), whose gradient −∇α / α scales
+    itself where acceptance is low; `kl_tv` λ·KL(p ‖ q) + (1 − λ)·(1 − α) with λ = `kl_weight(α)`."""
+    if loss == "log_acceptance":
+        return -torch.log(alpha + LOG_ACCEPTANCE_EPS)
+    lam = kl_weight(alpha)
+    return lam * forward_kl(log_p, log_q) + (1.0 - lam) * (1.0 - alpha)
+
+
+def reach_weights(alphas: list[torch.Tensor], masks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The chance that each training-time-test step is reached, per scored position: step j at index i counts only if
+    steps 0..j−1 at index i were accepted, Π α (detached). alphas[j]: step j's acceptance at its scored positions,
+    masks[j] [B, T − 1 − j]: which indices step j scores. An earlier step that scored no token at index i (its
+    token lies in the prompt) was not drafted and counts 1."""
+    weights, reached = [], None
+    for alpha, mask in zip(alphas, masks):
+        width = mask.shape[1]
+        reached = torch.ones_like(mask, dtype=alpha.dtype) if reached is None else reached[:, :width].clone()
+        weights.append(reached[mask])
+        step = torch.ones_like(reached)
+        step[mask] = alpha.detach().to(step.dtype)
+        reached = reached * step
+    return weights
 
 
 # --------------------------------------------------------------------------- teacher/student -> buckets
@@ -142,6 +208,7 @@ def distillation_loss(
     labels: torch.Tensor | None = None,
     ce_weight: float = 0.0,
     num_tokens: int | torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum of per-token divergences (+ ce_weight · cross-entropy on `labels`) over `mask`, divided by `num_tokens`.
 
@@ -150,7 +217,8 @@ def distillation_loss(
     with the logits); labels [B, T] in student columns (`decode.sampling.to_student_columns`), -100 ignored. Without a
     mask the positions are already selected (a head evaluated only at response positions): student_logits [N, V_draft],
     teacher [N, ...], labels [N]. `num_tokens` defaults to the number of selected positions; with none selected the
-    result is a zero that still carries a graph, so backward() and DDP gradient sync work as usual.
+    result is a zero that still carries a graph, so backward() and DDP gradient sync work as usual. weights [N]
+    (selected positions) scale each position's divergence: a later draft step's chance of being reached.
     """
     if mask is not None:
         mask = mask.bool()
@@ -163,8 +231,14 @@ def distillation_loss(
         total = F.cross_entropy(student_logits.float(), labels, ignore_index=-100, reduction="sum")
     else:
         log_p, log_q = bucket_log_probs(student_logits, teacher, temperature=temperature, token_ids=token_ids)
-        per_token = generalized_jsd(log_p, log_q, beta) if loss == "jsd" else DIVERGENCES[loss](log_p, log_q)
-        total = per_token.sum()
+        if loss in ACCEPTANCE_LOSSES:
+            alpha = acceptance_rate(student_logits, teacher, temperature=temperature, token_ids=token_ids)
+            per_token = acceptance_loss(loss, alpha, log_p, log_q)
+        elif loss == "jsd":
+            per_token = generalized_jsd(log_p, log_q, beta)
+        else:
+            per_token = DIVERGENCES[loss](log_p, log_q)
+        total = (per_token if weights is None else per_token * weights).sum()
     if ce_weight:
         total = total + ce_weight * F.cross_entropy(student_logits.float(), labels, ignore_index=-100, reduction="sum")
     if num_tokens is None:

@@ -10,7 +10,7 @@ import torch
 from decode.models.architectures import head_logits
 from decode.models.feature_draft import FEATURES, FeatureDraft, window_start
 from decode.runtime.forward import target_features
-from distill.losses import TopKTeacher, distillation_loss
+from distill.losses import TopKTeacher, acceptance_rate, distillation_loss, reach_weights
 from pipeline.config import DistillConfig
 
 
@@ -117,19 +117,27 @@ def feature_loss_step(model, batch: dict, settings: DistillConfig, *, target, la
                       num_tokens: int | torch.Tensor, token_ids: torch.Tensor | None,
                       device: torch.device | str) -> torch.Tensor:
     """`loss_step` for a feature draft: the mean over its training-time-test steps of `settings.loss` against the
-    teacher, each step's sum divided by `num_tokens` (the global batch's response tokens, as in `loss_step`)."""
+    teacher, each step's sum divided by `num_tokens` (the global batch's response tokens, as in `loss_step`); with
+    `ttt_weighting: reach` each term weighted by the chance that its step is reached (`reach_weights`)."""
     features, teacher = features_and_teacher(batch, target, layers, device)
     loss_mask = batch["loss_mask"].to(device)
     per_step = model(features=features, input_ids=batch["input_ids"].to(device),
                      attention_mask=batch["attention_mask"].to(device), loss_mask=loss_mask)
     labels = batch["labels"].to(device)
+    masks = [step_mask(loss_mask, j) for j in range(len(per_step))]
+    teachers = [shifted(teacher, j)[mask] for j, mask in enumerate(masks)]
+    weights: list = [None] * len(per_step)
+    if settings.ttt_weighting == "reach":
+        with torch.no_grad():
+            alphas = [acceptance_rate(logits, t, temperature=settings.temperature, token_ids=token_ids)
+                      for logits, t in zip(per_step, teachers)]
+        weights = reach_weights(alphas, masks)
     total = 0
     for j, logits in enumerate(per_step):
-        mask = step_mask(loss_mask, j)
         total = total + distillation_loss(
-            logits, shifted(teacher, j)[mask], loss=settings.loss, beta=settings.jsd_beta,
-            temperature=settings.temperature, token_ids=token_ids, labels=labels[:, 1 + j :][mask],
-            ce_weight=settings.ce_weight, num_tokens=num_tokens)
+            logits, teachers[j], loss=settings.loss, beta=settings.jsd_beta,
+            temperature=settings.temperature, token_ids=token_ids, labels=labels[:, 1 + j :][masks[j]],
+            ce_weight=settings.ce_weight, num_tokens=num_tokens, weights=weights[j])
     return total / len(per_step)
 
 

@@ -220,6 +220,10 @@ def train(cfg: DraftopsConfig, state: PartialState, target, draft, data: Trainin
     if draft.get_output_embeddings().weight is not embeddings and cfg.distill.family != FEATURES:
         # a tied head is trained, and its embeddings with it; a feature draft's embeddings are the target's
         embeddings.requires_grad_(cfg.distill.train_embeddings)
+    if not cfg.distill.train_head:
+        if draft.get_output_embeddings().weight is embeddings:
+            raise ValueError("distill.train_head=false: this draft's head is tied to its embeddings")
+        draft.get_output_embeddings().weight.requires_grad_(False)
     accelerator = make_accelerator(cfg, training_precision(cfg, state, draft, data))
     mixed = accelerator.mixed_precision
     accelerator.print(f"draftops distill: draft of {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M parameters "

@@ -117,6 +117,20 @@ def ratio_ci(
     return RatioCI(float(num.sum() / den.sum()), ci.low, ci.high, len(num))
 
 
+def paired_ratio_difference(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]], *,
+                            seed: int = 0, n_boot: int = 2000) -> dict:
+    """Two ratio estimators on the same prompts, a[i] and b[i] each (numerator, denominator) of prompt i: a's ratio,
+    b's, their difference and a's over b's, the last two with a paired bootstrap interval over prompts."""
+    na, da, nb, db = (np.asarray([row[j] for row in rows], dtype=np.float64) for rows in (a, b) for j in (0, 1))
+    out = {"a": float(na.sum() / da.sum()), "b": float(nb.sum() / db.sum())}
+    for name, combine in (("difference", np.subtract), ("ratio", np.divide)):
+        def statistic(na, da, nb, db, axis=-1, combine=combine):
+            return combine(sum_ratio(na, da, axis), sum_ratio(nb, db, axis))
+        ci = bootstrap_ci(statistic, (na, da, nb, db), paired=True, n_resamples=n_boot, seed=seed)
+        out[name] = {"value": float(statistic(na, da, nb, db)), "low": ci.low, "high": ci.high}
+    return out
+
+
 def chain_summary(chain: ChainAcceptance, *, seed: int = 0) -> dict:
     """Chains of k as engines report them (`decode.chain_acceptance`): k, drafts, the rate at each position, and the
     mean acceptance length with its 95% interval over prompts (1 + the bootstrapped accepted / drafts)."""

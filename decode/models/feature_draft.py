@@ -196,13 +196,15 @@ def window_start(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
 
 
 def feature_draft_from_target(target, token_ids: torch.Tensor | None = None,
-                              feature_layers: tuple[int, ...] | None = None) -> FeatureDraft:
+                              feature_layers: tuple[int, ...] | None = None,
+                              norm_before_residual: bool = False) -> FeatureDraft:
     """A feature draft that starts from the target's own weights, of any supported family (read as a Llama layer's,
     `decode.models.architectures.llama_layer_weights`): the decoder layer is the target's last layer (the features
     half of q/k/v from it, the embedding half from layer 0, which reads embeddings), `fc` passes the highest captured
     state through, and the final norm and head rows are the target's."""
     draft = FeatureDraft(target.config, target.get_input_embeddings(), feature_layers=feature_layers,
-                         token_ids=token_ids).to(device=target.device, dtype=target.dtype)
+                         token_ids=token_ids, norm_before_residual=norm_before_residual).to(
+        device=target.device, dtype=target.dtype)
     config, layer, hidden = target.config, draft.layer, draft.config.hidden_size
     first, last = (llama_layer_weights(target.model.layers[i], config) for i in (0, -1))
     with torch.no_grad():

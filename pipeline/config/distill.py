@@ -9,7 +9,7 @@ from pipeline.config.base import Section
 from pipeline.config.engine import ResponsesConfig
 
 # the objectives `distill.losses.distillation_loss` computes; "ce": hard labels only (the baseline)
-LossName = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "argmax_ce", "ce"]
+LossName = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "argmax_ce", "ce", "log_acceptance", "kl_tv"]
 
 
 class DistillConfig(Section):
@@ -37,6 +37,11 @@ class DistillConfig(Section):
         "draft's lm_head; 0 keeps the full vocabulary.")
     train_embeddings: bool = Field(
         False, description="Also train the input embeddings (always, when tied to the head).")
+    train_head: bool = Field(
+        True, description="Train the head's rows; false keeps the target's (speculators freezes them).")
+    norm_before_residual: bool = Field(
+        False, description="features only: the draft layer adds its attention output to the normed features rather "
+        "than the raw ones (speculators' EAGLE-3 default).")
     # data
     train_prompts: int = Field(0, ge=0, description="Train-split prompts used; 0: all of them.")
     responses_per_prompt: int = Field(
@@ -65,7 +70,12 @@ class DistillConfig(Section):
     # objective
     loss: LossName = Field("forward_kl", description=(
         "Divergence to the teacher; 'argmax_ce': cross-entropy on the teacher's most likely token at every position; "
-        "'ce' is the plain cross-entropy baseline on the target's (sampled) tokens."))
+        "'ce' is the plain cross-entropy baseline on the target's (sampled) tokens. Acceptance itself: "
+        "'log_acceptance' −log Σ min(p, q); 'kl_tv' forward KL and 1 − Σ min(p, q) weighted by the batch's "
+        "acceptance (docs/concepts.md#training-for-acceptance)."))
+    ttt_weighting: Literal["uniform", "reach"] = Field("uniform", description=(
+        "features only: each training-time-test step's terms weighted the same (uniform), or by the chance that the "
+        "draft reaches that step, the product of the earlier steps' acceptance at the same position (reach)."))
     jsd_beta: float = Field(0.5, ge=0.0, le=1.0, description="jsd only: 0 = forward KL, 1 = reverse KL.")
     temperature: float = Field(1.0, gt=0.0, description="Distillation temperature (1 with a top-k teacher).")
     ce_weight: float = Field(0.0, ge=0.0, description="Weight of cross-entropy on the response tokens.")
@@ -73,10 +83,15 @@ class DistillConfig(Section):
     epochs: int = Field(3, ge=1)
     batch_size: int = Field(16, ge=1, description="Sequences per process per micro-batch.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="adamw: AdamW over every trained parameter; muon: Muon over the draft layers' weight "
+        "matrices and AdamW over the rest (embeddings, head, norms), both at learning_rate.")
+    lr_schedule: Literal["cosine", "linear"] = Field(
+        "cosine", description="After warmup_steps, the decay to min_lr_ratio · learning_rate.")
     learning_rate: float = Field(3e-3, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     warmup_steps: int = Field(10, ge=0)
-    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Cosine decay ends at this share of the lr.")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="The decay ends at this share of the lr.")
     max_grad_norm: float = Field(1.0, gt=0.0)
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description=(
         "Autocast of the draft's products (weights, optimizer and loss stay fp32), used where the device supports it. "

@@ -84,3 +84,24 @@ def test_step_logits_are_the_full_unrolls_at_the_scored_indices_in_step_mask_ord
         expected = draft.logits(hidden[:, : 10 - 1 - j][step_mask(loss_mask, j)])
         assert logits.shape[0] == int(step_mask(loss_mask, j).sum())
         torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_reach_weighting_scales_later_steps_by_the_earlier_steps_acceptance():
+    """Uniform draft q = 1/3. Step 0 at index 0 is scored against position 1: listed column 0 with p = 1/2, so its
+    acceptance is min(1/2, 1/3) = 1/3, and step 1 at index 0 counts 1/3 of its term; step 0's terms count whole."""
+    kl_1 = 0.5 * math.log(1.5) + 0.5 * math.log(0.75)
+    kl_2 = 0.25 * math.log(0.75) + 0.75 * math.log(9 / 8)
+    loss = feature_loss_step(UniformSteps(steps=2), batch_with_two_response_tokens(),
+                             DistillConfig(ttt_weighting="reach"), target=target_with_features(), layers=(0, 2),
+                             num_tokens=4, token_ids=None, device="cpu")
+    assert loss.item() == pytest.approx(((kl_1 + kl_2) / 4 + kl_2 / 3 / 4) / 2, abs=1e-6)
+
+
+def test_acceptance_losses_train_a_feature_step():
+    for loss_name in ("log_acceptance", "kl_tv"):
+        model = UniformSteps(steps=2)
+        loss = feature_loss_step(model, batch_with_two_response_tokens(), DistillConfig(loss=loss_name),
+                                 target=target_with_features(), layers=(0, 2), num_tokens=4, token_ids=None,
+                                 device="cpu")
+        loss.backward()
+        assert torch.isfinite(loss) and model.logits.grad.abs().sum() > 0

@@ -196,3 +196,99 @@ def test_top_k_ids_outside_a_reduced_vocab_join_the_teacher_tail():
     q2 = torch.tensor([0.25, 0.5, 0.25])  # buckets (.25, .75)
     value = distillation_loss(q2.log().view(1, 1, 3), teacher, mask, loss="reverse_kl").item()
     assert value == pytest.approx(0.25 * math.log(0.5) + 0.75 * math.log(1.5), abs=1e-6)
+
+
+# --------------------------------------------------------------------------- acceptance objectives
+
+
+def test_acceptance_rate_by_hand_full_reduced_and_topk():
+    from distill.losses import acceptance_rate
+    # full vocabulary: min(.8,.4) + min(.1,.4) + min(.1,.2) = 0.6
+    assert acceptance_rate(Q.log().view(1, 3), P.log().view(1, 3)).item() == pytest.approx(0.6, abs=1e-6)
+    # reduced vocabulary {0, 2}: p is the target's own, not renormalized: min(.8, .5) + min(.1, .5) = 0.6,
+    # where renormalizing p to {0, 2} (0.889, 0.111) would count 0.5 + 0.111 = 0.611
+    q_reduced = torch.tensor([[0.5, 0.5]]).log()
+    alpha = acceptance_rate(q_reduced, P.log().view(1, 3), token_ids=torch.tensor([0, 2]))
+    assert alpha.item() == pytest.approx(0.6, abs=1e-6)
+    # a target whose mass lies mostly outside the draft vocabulary: at most p({0, 2}) = 0.2 is ever acceptable
+    p_out = torch.tensor([[0.1, 0.8, 0.1]])
+    best = acceptance_rate(torch.tensor([[0.5, 0.5]]).log(), p_out.log(), token_ids=torch.tensor([0, 2]))
+    assert best.item() == pytest.approx(0.2, abs=1e-6)
+    # top-k teacher in student columns, -1 outside the draft vocabulary: the unlisted tail and the outside id never
+    # count. Target (full): ids a=0.5 (column 0), b=0.3 (outside), c=0.1 (column 1), tail 0.1
+    teacher = TopKTeacher(torch.tensor([[0.5, 0.3, 0.1]]).log(), torch.tensor([[0, -1, 1]]))
+    q = torch.tensor([[0.2, 0.3, 0.5]])  # student columns 0, 1, 2; column 2 unlisted
+    assert acceptance_rate(q.log(), teacher).item() == pytest.approx(0.2 + 0.1, abs=1e-6)
+
+
+def test_log_acceptance_and_kl_tv_by_hand():
+    from distill.losses import LOG_ACCEPTANCE_EPS, kl_weight
+    loss = one_position(Q.log(), P.log(), loss="log_acceptance")
+    assert loss == pytest.approx(-math.log(0.6 + LOG_ACCEPTANCE_EPS), abs=1e-6)
+    # one position: λ = 1 − α = 0.4; 0.4 · KL (0.5 ln 2) + 0.6 · (1 − 0.6)
+    assert one_position(Q.log(), P.log(), loss="kl_tv") == pytest.approx(0.4 * 0.5 * LN2 + 0.6 * 0.4, abs=1e-6)
+    # the adaptive weight: 1 − the batch's mean acceptance, clamped, detached
+    alpha = torch.tensor([0.2, 0.6, 1.0], requires_grad=True)
+    lam = kl_weight(alpha)
+    assert lam.item() == pytest.approx(0.4) and not lam.requires_grad
+    assert kl_weight(torch.tensor([1.0, 1.0])).item() == 0.0
+    assert kl_weight(torch.tensor([0.0])).item() == 1.0
+
+
+def test_log_acceptance_gradient_is_tv_gradient_over_alpha():
+    """−log α's gradient is 1 − α's scaled by 1 / (α + ε): larger where the draft accepts little."""
+    from distill.losses import LOG_ACCEPTANCE_EPS
+    torch.manual_seed(3)
+    teacher = torch.randn(1, 1, 7)
+    grads = {}
+    for loss in ("tvd", "log_acceptance"):
+        student = torch.randn(1, 1, 7, generator=torch.Generator().manual_seed(4)).requires_grad_()
+        distillation_loss(student, teacher, torch.ones(1, 1, dtype=torch.bool), loss=loss).backward()
+        grads[loss] = student.grad
+    with torch.no_grad():
+        student = torch.randn(1, 1, 7, generator=torch.Generator().manual_seed(4))
+        alpha = torch.minimum(teacher.softmax(-1), student.softmax(-1)).sum()
+    torch.testing.assert_close(grads["log_acceptance"], grads["tvd"] / (alpha + LOG_ACCEPTANCE_EPS))
+
+
+def test_acceptance_losses_never_count_mass_outside_the_draft_vocabulary():
+    """A reduced-vocabulary draft that matches the target's conditional distribution exactly still has loss: the
+    target's mass outside the vocabulary is unacceptable (KL on buckets would call it a perfect match)."""
+    p = torch.tensor([0.3, 0.3, 0.4])
+    token_ids = torch.tensor([0, 1])
+    q = torch.tensor([0.5, 0.5])  # p conditioned on {0, 1}
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    kl = distillation_loss(q.log().view(1, 1, 2), p.log().view(1, 1, 3), mask, token_ids=token_ids).item()
+    assert kl == pytest.approx(0.0, abs=1e-6)
+    tv_part = distillation_loss(q.log().view(1, 1, 2), p.log().view(1, 1, 3), mask, token_ids=token_ids,
+                                loss="log_acceptance").item()
+    assert tv_part == pytest.approx(-math.log(0.6 + 1e-3), abs=1e-6)
+
+
+def test_reach_weights_are_products_of_earlier_acceptance():
+    from distill.losses import reach_weights
+    # one row, T = 5: loss_mask over positions [F, T, T, T, F]; step j scores loss_mask[:, 1 + j:]
+    loss_mask = torch.tensor([[False, True, True, True, False]])
+    masks = [loss_mask[:, 1 + j:] for j in range(3)]
+    # step 0 scores indices 0, 1, 2; step 1 indices 0, 1; step 2 indices 0
+    alphas = [torch.tensor([0.5, 0.4, 0.3]), torch.tensor([0.2, 0.9]), torch.tensor([0.7])]
+    weights = reach_weights(alphas, masks)
+    torch.testing.assert_close(weights[0], torch.ones(3))
+    torch.testing.assert_close(weights[1], torch.tensor([0.5, 0.4]))
+    torch.testing.assert_close(weights[2], torch.tensor([0.5 * 0.2]))
+    # an earlier step that scored nothing at an index (its token in the prompt) counts 1
+    loss_mask = torch.tensor([[False, False, True, True, True]])
+    masks = [loss_mask[:, 1 + j:] for j in range(2)]  # step 0: indices 1, 2, 3; step 1: indices 0, 1, 2
+    weights = reach_weights([torch.tensor([0.5, 0.4, 0.3]), torch.tensor([0.1, 0.2, 0.3])], masks)
+    torch.testing.assert_close(weights[1], torch.tensor([1.0, 0.5, 0.4]))
+
+
+def test_weights_scale_each_position():
+    torch.manual_seed(5)
+    student, teacher = torch.randn(3, 6), torch.randn(3, 6)
+    w = torch.tensor([1.0, 0.5, 0.0])
+    weighted = distillation_loss(student, teacher, weights=w, num_tokens=3, loss="kl_tv")
+    alpha = torch.minimum(student.softmax(-1), teacher.softmax(-1)).sum(-1)
+    lam = 1 - alpha.mean()
+    per = lam * forward_kl(teacher.log_softmax(-1), student.log_softmax(-1)) + (1 - lam) * (1 - alpha)
+    assert weighted.item() == pytest.approx(((per * w).sum() / 3).item(), abs=1e-6)

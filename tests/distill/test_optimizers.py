@@ -1,0 +1,39 @@
+"""distill.optimizers: the lr factor of both schedules, and Muon's share of the draft's parameters."""
+import pytest
+import torch
+
+from distill.optimizers import build_optimizers, build_schedules, lr_factor, muon_split
+from pipeline.config import DistillConfig
+from tests.conftest import make_tiny_model
+
+
+def test_lr_factor_warms_up_then_decays_to_the_floor():
+    kw = dict(warmup=10, total=110, min_ratio=0.1)
+    assert lr_factor(0, **kw) == pytest.approx(0.1) and lr_factor(9, **kw) == pytest.approx(1.0)
+    assert lr_factor(10, **kw) == pytest.approx(1.0)
+    assert lr_factor(60, **kw) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway: cosine and linear agree
+    assert lr_factor(35, **kw, schedule="linear") == pytest.approx(0.1 + 0.9 * 0.75)
+    assert lr_factor(35, **kw) > lr_factor(35, **kw, schedule="linear")  # cosine stays higher early
+    for schedule in ("cosine", "linear"):
+        assert lr_factor(110, **kw, schedule=schedule) == pytest.approx(0.1)
+        assert lr_factor(500, **kw, schedule=schedule) == pytest.approx(0.1)
+
+
+def test_muon_takes_the_layers_matrices_and_adamw_the_vocabulary_and_norms():
+    draft = make_tiny_model(40, seed=0, layers=2)
+    draft.get_input_embeddings().weight.requires_grad_(False)
+    muon, adamw = muon_split(draft)
+    names = {id(p): n for n, p in draft.named_parameters()}
+    assert muon and all(p.ndim == 2 and "layers." in names[id(p)] for p in muon)
+    assert any("lm_head" in names[id(p)] or "embed" in names[id(p)] for p in adamw) or draft.config.tie_word_embeddings
+    assert all("norm" not in names[id(p)] for p in muon)
+    assert all(p.requires_grad for p in muon + adamw)
+    optimizers = build_optimizers(DistillConfig(optimizer="muon"), draft, fused=False)
+    assert [type(o).__name__ for o in optimizers] == ["Muon", "AdamW"]
+    schedules = build_schedules(DistillConfig(optimizer="muon", lr_schedule="linear"), optimizers, 100)
+    x = torch.randint(0, 40, (2, 6))
+    draft(input_ids=x, labels=x).loss.backward()
+    for optimizer, schedule in zip(optimizers, schedules):
+        optimizer.step()
+        schedule.step()
+    assert len(build_optimizers(DistillConfig(), draft, fused=False)) == 1
