@@ -18,12 +18,13 @@ import torch
 from tqdm.auto import tqdm
 
 from distill.batches import collate, global_batch_indices, micro_batch
+from distill.chains import chain_batch
 from distill.checkpoints import latest_checkpoint, load_training_state, save_best, save_training_state
 from distill.heldout_eval import cached_eval, feature_eval
 from distill.onpolicy import draft_continuations
 from distill.optimizers import build_optimizers, build_schedules
 from distill.responses import ResponseSet
-from distill.step import draft_module, feature_loss_step, loss_step
+from distill.step import chain_loss_step, draft_module, feature_loss_step, loss_step
 from pipeline.config import DistillConfig, DraftopsConfig
 from pipeline.sources import eos_token_ids
 
@@ -71,16 +72,20 @@ def global_batch_and_steps(d: DistillConfig, n_examples: int, num_processes: int
 
 
 def step_batches(cfg: DraftopsConfig, draft, tokenizer, data: TrainingData, indices: list[int], step: int, *,
-                 rank: int, num_processes: int, pad_id: int) -> tuple[list[dict], bool]:
+                 rank: int, num_processes: int, pad_id: int, chain_stage: bool = False) -> tuple[list[dict], bool]:
     """This process's micro-batches of optimizer step `step` (global batch `indices`), and whether the step is
     on-policy: then (a seeded `onpolicy_fraction` share of steps) the draft's own continuations of the prompts,
-    without a cached teacher; else the target's cached responses with their top-k when `teacher` is "topk"."""
+    without a cached teacher; else the target's cached responses with their top-k when `teacher` is "topk".
+    chain_stage: the on-policy stage's batches, the responses with the draft's chains after them."""
     d = cfg.distill
     onpolicy = d.onpolicy_fraction > 0 and random.Random(f"{cfg.seed}-{step}").random() < d.onpolicy_fraction
     batches = []
     for micro in range(d.grad_accum):
         rows = micro_batch(indices, micro, rank, num_processes, d.batch_size)
-        if onpolicy:
+        if chain_stage:
+            batch = collate(data.train, rows, pad_id=pad_id, token_ids=data.token_ids, with_teacher=False, topk=d.topk)
+            batches.append(chain_batch(batch, draft, d, data.token_ids, seed=cfg.seed * 1_000_003 + step * 97 + micro))
+        elif onpolicy:
             sampled = draft_continuations(
                 draft, tokenizer, [data.train.prompt_ids[i] for i in rows], token_ids=data.token_ids,
                 max_new_tokens=d.max_new_tokens, temperature=d.onpolicy_temperature,
@@ -142,13 +147,16 @@ def optimizer_step(d: DistillConfig, accelerator, prepared: Prepared, target, dr
     """Accumulate the gradients of this process's micro-batches, clip and step -> (loss over the global batch,
     gradient norm, loss tokens in the global batch)."""
     model, P = prepared.model, accelerator.num_processes
-    local_tokens = sum(int(b["loss_mask"].sum()) for b in batches)
+    local_tokens = sum(int(b["chains"].valid[:, 0].sum() if "chains" in b else b["loss_mask"].sum()) for b in batches)
     global_tokens = accelerator.reduce(torch.tensor(local_tokens, device=accelerator.device), "sum")
     step_loss = torch.zeros((), device=accelerator.device)
     for micro, batch in enumerate(batches):
         # Gradients are synchronized across processes once, on the last micro-batch.
         with nullcontext() if micro == d.grad_accum - 1 else accelerator.no_sync(model):
-            if d.family == "features":
+            if "chains" in batch:
+                loss = chain_loss_step(model, batch, d, target=target, num_tokens=global_tokens,
+                                       token_ids=data.token_ids)
+            elif d.family == "features":
                 loss = feature_loss_step(model, batch, d, target=target, layers=draft.feature_layers,
                                          num_tokens=global_tokens, token_ids=data.token_ids, device=accelerator.device)
             else:
@@ -195,10 +203,11 @@ def train_loop(cfg: DraftopsConfig, accelerator, target, tokenizer, draft, data:
     in job_dir/best."""
     d = cfg.distill
     n = len(data.train)
-    global_batch, total_steps = global_batch_and_steps(d, n, accelerator.num_processes)
+    global_batch, offpolicy_steps = global_batch_and_steps(d, n, accelerator.num_processes)
+    total_steps = offpolicy_steps + d.onpolicy_steps  # the chain stage after the epochs, at the schedule's floor
     select = "tau_t0" if cfg.decode.temperature == 0 else "tau_t1"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids(target, tokenizer)[0]
-    prepared = prepare_training(d, accelerator, draft, total_steps)
+    prepared = prepare_training(d, accelerator, draft, offpolicy_steps)
     state = resumed_state(d, accelerator, job_dir, total_steps)
     bar = tqdm(total=total_steps, initial=state["step"], desc="distill", unit="step",
                disable=not accelerator.is_main_process, dynamic_ncols=True)
@@ -208,12 +217,14 @@ def train_loop(cfg: DraftopsConfig, accelerator, target, tokenizer, draft, data:
         with timings.measure("training"):
             indices = global_batch_indices(n, step, global_batch, cfg.seed, lengths)
             batches, onpolicy = step_batches(cfg, draft, tokenizer, data, indices, step, rank=accelerator.process_index,
-                                             num_processes=accelerator.num_processes, pad_id=pad_id)
+                                             num_processes=accelerator.num_processes, pad_id=pad_id,
+                                             chain_stage=step >= offpolicy_steps)
             loss, grad_norm, tokens = optimizer_step(d, accelerator, prepared, target, draft, data, batches, step)
         tokens_seen += tokens
         state["step"] = step + 1
         state["history"].append({"step": step + 1, "loss": loss, "lr": prepared.schedulers[-1].get_last_lr()[0],
-                                 "grad_norm": grad_norm, "tokens": tokens, "onpolicy": onpolicy})
+                                 "grad_norm": grad_norm, "tokens": tokens, "onpolicy": onpolicy,
+                                 "stage": "chains" if step >= offpolicy_steps else "epochs"})
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_seen / max(time.perf_counter() - started, 1e-9):.0f}")
         bar.update(1)
         if state["step"] % d.eval_every == 0 or state["step"] == total_steps:

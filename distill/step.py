@@ -10,6 +10,7 @@ import torch
 from decode.models.architectures import head_logits
 from decode.models.feature_draft import FEATURES, FeatureDraft, window_start
 from decode.runtime.forward import target_features
+from distill.chains import ChainLayout, chain_loss, valid_logits
 from distill.losses import TopKTeacher, acceptance_rate, distillation_loss, reach_weights
 from pipeline.config import DistillConfig
 
@@ -24,7 +25,10 @@ class ResponseLogits(torch.nn.Module):
         super().__init__()
         self.draft = draft
 
-    def forward(self, input_ids, attention_mask, loss_mask):
+    def forward(self, input_ids, attention_mask, loss_mask, chains: ChainLayout | None = None):
+        """chains: the on-policy stage's layout (`distill.chains`); then the logits at its valid nodes."""
+        if chains is not None:
+            return valid_logits(self.draft, chains)
         hidden = self.draft.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         return head_logits(self.draft, hidden[loss_mask])
 
@@ -59,6 +63,17 @@ def loss_step(model, batch: dict, settings: DistillConfig, *, num_tokens: int | 
                              temperature=settings.temperature, token_ids=token_ids,
                              labels=batch["labels"].to(device)[loss_mask], ce_weight=settings.ce_weight,
                              num_tokens=num_tokens)
+
+
+def chain_loss_step(model, batch: dict, settings: DistillConfig, *, target, num_tokens: int | torch.Tensor,
+                    token_ids: torch.Tensor | None) -> torch.Tensor:
+    """`loss_step` for the on-policy stage: the draft's own chains in `batch["chains"]`, scored by `target` at each
+    node (`distill.chains.chain_loss`)."""
+    chains = batch["chains"]
+    with torch.no_grad():
+        target_logits = valid_logits(target, chains)
+    logits = model(input_ids=None, attention_mask=None, loss_mask=None, chains=chains)
+    return chain_loss(logits, target_logits, chains, settings, token_ids=token_ids, num_tokens=num_tokens)
 
 
 class FeatureStepLogits(torch.nn.Module):

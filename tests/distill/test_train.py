@@ -494,11 +494,14 @@ def test_jobs_of_different_timed_precision_run_in_one_process():
 
 
 def test_acceptance_loss_muon_and_a_frozen_head_train(isolated_home):
-    """The acceptance objective under Muon + AdamW on a linear schedule, the head's rows kept as the target's."""
+    """The acceptance objective under Muon + AdamW on a linear schedule, the head's rows kept as the target's, then
+    the on-policy stage on the draft's own chains."""
     cfg = tiny_config(isolated_home, "distill.max_steps=3", "distill.loss=log_acceptance", "distill.optimizer=muon",
-                      "distill.lr_schedule=linear", "distill.train_head=false", "distill.register_model=false")
+                      "distill.lr_schedule=linear", "distill.train_head=false", "distill.register_model=false",
+                      "distill.onpolicy_steps=2")
     result = run_distill(cfg)
-    assert len(result.history) == 3 and all(torch.isfinite(torch.tensor(h["loss"])) for h in result.history)
+    assert [h["stage"] for h in result.history] == ["epochs"] * 3 + ["chains"] * 2
+    assert all(torch.isfinite(torch.tensor(h["loss"])) and h["loss"] > 0 for h in result.history)
     target = load_model(cfg.target, device="cpu", dtype="float32")
     draft = load_draft(str(result.export_dir), target)
     head = target.model.get_output_embeddings().weight[draft.token_ids]
