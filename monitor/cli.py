@@ -24,8 +24,9 @@ def _setup_logging() -> None:
 
 
 def check_command(args) -> int:
-    from monitor.check.decision import EXIT_ERROR
+    from monitor.check.decision import EXIT_ERROR, Status
     from monitor.check.run import run_check
+    from monitor.service.alert_book import CHECK_CONDITIONS, lifecycle
     from monitor.service.alerts import failed_check_alert, report_alerts, send_within_deadline
     from monitor.service.scheduler import EXIT_BUSY, check_lock, log_failed_check
     from pipeline.config import load_config
@@ -52,10 +53,13 @@ def check_command(args) -> int:
         first = (str(exc).strip().splitlines() or [""])[0][:500]
         print(f"draftops: error: monitor check failed: {type(exc).__name__}: {first} (traceback: {where})",
               file=sys.stderr)
-        send_within_deadline(cfg, [failed_check_alert(cfg.tracking.registered_model, f"{type(exc).__name__}: {first}")])
+        send_within_deadline(cfg, lifecycle(cfg, [failed_check_alert(cfg.tracking.registered_model,
+                                                                     f"{type(exc).__name__}: {first}")]))
         return EXIT_ERROR
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.summary())
-    send_within_deadline(cfg, report_alerts(report))  # the lock is released; the verdict is already printed
+    # the lock is released and the verdict printed: every active alert again, a resolve for each one cleared
+    clears = CHECK_CONDITIONS if report.decision.status is not Status.ERROR else frozenset()
+    send_within_deadline(cfg, lifecycle(cfg, report_alerts(report), clears))
     return report.exit_code
 
 
