@@ -164,6 +164,30 @@ def _read_pairs(path: str) -> list[tuple[float, float]]:
     return pairs
 
 
+def rebaseline_command(args) -> int:
+    from monitor.check.rebaseline import rebaseline
+    from monitor.service.scheduler import EXIT_BUSY, check_lock
+    from pipeline.config import load_config
+    from pipeline.tracking import check_tracking
+
+    cfg = load_config(args.config, args.overrides)
+    if not args.reason.strip() or not args.by.strip():
+        print("draftops: error: rebaseline needs --by NAME and --reason TEXT (both recorded in MLflow)",
+              file=sys.stderr)
+        return 2
+    check_tracking(cfg)
+    try:
+        with check_lock(cfg):  # never under a running check
+            print(rebaseline(cfg, args.by.strip(), args.reason.strip()))
+    except ModelBusy as exc:
+        print(f"draftops: {exc}; not rebaselining (try again when it is free)", file=sys.stderr)
+        return EXIT_BUSY
+    except RegistryError as exc:
+        print(f"draftops: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def rollback_command(args) -> int:
     from monitor.check.run import rollback
     from monitor.deploy.layout import DeployError
@@ -273,7 +297,7 @@ def add_commands(subparsers) -> None:
     """The monitor package's subcommands (the `draftops.commands` entry point `monitor`)."""
     monitor = subparsers.add_parser("monitor", help="check the champion draft for drift, on demand or nightly")
     actions = monitor.add_subparsers(dest="action", required=True)
-    for add in (_add_check, _add_serve, _add_simulate, _add_demo, _add_rollback, _add_deploy):
+    for add in (_add_check, _add_serve, _add_simulate, _add_demo, _add_rollback, _add_rebaseline, _add_deploy):
         add(actions)
     _add_target_finetune(subparsers)
     _add_report(subparsers)
@@ -337,6 +361,15 @@ def _add_demo(actions) -> None:
                       help="--serve: replayed requests per engine-check window")
     config_options(demo)
     demo.set_defaults(handler=demo_command)
+
+
+def _add_rebaseline(actions) -> None:
+    rebase = actions.add_parser("rebaseline", help="start the champion's server baseline afresh (recorded in MLflow "
+                                "with who and why); a change of Prometheus source never does it by itself")
+    rebase.add_argument("--by", required=True, help="who asks (recorded in MLflow)")
+    rebase.add_argument("--reason", required=True, help="why (recorded in MLflow)")
+    config_options(rebase)
+    rebase.set_defaults(handler=rebaseline_command)
 
 
 def _add_rollback(actions) -> None:

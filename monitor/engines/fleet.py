@@ -11,14 +11,14 @@ replicas tested the family has R + 1 tests, each at level / (R + 1), so that the
 level (one replica: the level itself). The permutation test's smallest p is 1 / C(b + r, r): a note says when the
 windows are too few to ever alarm at level / (R + 1).
 
-Verdicts: a replica is `unreachable` (not read; with Prometheus also when its `up` is 0), DRIFT (its window test alarms), `idle` (no draft tokens in its latest
-window), OK (its test ran and did not alarm), or `collecting` (too few windows yet); the post-deploy engine check can
-make it DEPLOY_MISMATCH (monitor.check.decision.with_fleet). The fleet: ERROR when no replica could be read (one down
-is a note), else the worst of DEPLOY_MISMATCH, DRIFT (a replica or the summed windows), OK, idle, collecting.
-A replica unreachable at `monitor.replica_down_checks` checks in a row is down (`down`; the run of checks is kept in
-`<monitor.state_dir>/replicas_down.json`, across processes and restarts): the check pages for it (DraftReplicaDown)
-and its decision is REPLICA_DOWN where it would have been OK. A check that could not read Prometheus at all counts
-no replica either way.
+Verdicts: a replica is `unreachable` (not read; with Prometheus also when its `up` is 0), DRIFT (its window test
+alarms), `idle` (no draft tokens in its latest window), OK (its test ran and did not alarm), or `collecting` (too few
+windows yet); the post-deploy engine check can make it DEPLOY_MISMATCH (monitor.check.decision.with_fleet). The fleet:
+ERROR when no replica could be read (one down is a note), else the worst of DEPLOY_MISMATCH, DRIFT (a replica or the
+summed windows), OK, idle, collecting. A replica unreachable at `monitor.replica_down_checks` checks in a row is down
+(`down`; the run of checks is kept in `<monitor.state_dir>/replicas_down.json`, across processes and restarts): the
+check pages for it (DraftReplicaDown) and its decision is REPLICA_DOWN where it would have been OK. A check that could
+not read Prometheus at all counts no replica either way.
 
 The replica that parts from the others (`outlier_tests`): a two-proportion test of its accepted / drafted tokens over
 the recent windows against the pooled other replicas', z = (p_i - p_rest) / sqrt(phi p (1 - p) (1/N_i + 1/N_rest)),
@@ -42,13 +42,12 @@ from pathlib import Path
 
 from scipy import stats as sps
 
-from pipeline.files import write_text_atomic
-
 from monitor.engines.counters import SpecCounters, sum_counters
 from monitor.engines.prometheus import PrometheusError, api_get, fleet_windows
 from monitor.engines.window_store import ReplicaWindows, Window, scrape_due, scrape_fleet, stored_fleet
 from monitor.stats.acceptance_tests import DropTest, window_drop_test
 from pipeline.config import DraftopsConfig
+from pipeline.files import write_text_atomic
 
 OK, DRIFT, IDLE, UNREACHABLE, COLLECTING = "OK", "DRIFT", "idle", "unreachable", "collecting"
 DEPLOY_MISMATCH, ERROR = "DEPLOY_MISMATCH", "ERROR"

@@ -25,8 +25,8 @@ a version that becomes champion again (rollback) keeps its baseline and takes re
 Baseline: its first `server_baseline_windows` windows with draft tokens, kept in the state file once complete (per
 replica) and read from there ever after; recent: the last `server_recent_windows` after them. A change of source (URL,
 window, label or selector) keeps the spans and the stored baselines: the new source's windows are judged against
-them, never taken as a baseline (`draftops monitor rebaseline` starts one afresh, on the operator's word). A range longer than Prometheus' 11,000 points per series is read as two ranges (its first windows, its
-last ones).
+them, never taken as a baseline (`draftops monitor rebaseline` starts one afresh, on the operator's word). A
+range longer than Prometheus' 11,000 points per series is read as two ranges (its first windows, its last ones).
 """
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ gauge sample, `sglang.gauge_window`), kept under the champion version it was ser
 version and is not kept; a version that becomes champion again (rollback) keeps its baseline and starts its recent
 windows afresh. A window without draft tokens (an idle replica) is not kept either. A replica whose URL, model or
 kind changes keeps its windows (the new source's are judged against its baseline) and closes its next window at the
-scrape after next; `draftops monitor rebaseline` drops a version's windows on the operator's word. vLLM's engine cores read `per_core` are replicas named `NAME/engine=N`.
+scrape after next; `draftops monitor rebaseline` drops a version's windows on the operator's word. vLLM's engine
+cores read `per_core` are replicas named `NAME/engine=N`.
 """
 from __future__ import annotations
 

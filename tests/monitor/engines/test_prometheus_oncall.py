@@ -10,7 +10,7 @@ from monitor.check.outcome import CheckReport
 from monitor.engines.fleet import read_fleet
 from monitor.engines.prometheus import rebaseline, state_path
 from monitor.service.alerts import report_alerts
-from tests.monitor.engines.test_prometheus import B, D, END, NOW, Recorded, config
+from tests.monitor.engines.test_prometheus import END, NOW, B, D, Recorded, config
 
 HOUR = 3600
 CLOSED = "http://127.0.0.1:9"
