@@ -6,7 +6,6 @@ The schema's defaults *are* the embedded default job; `configs/default.yaml` spe
 from __future__ import annotations
 
 import typing
-
 from pathlib import Path
 from typing import Any
 
