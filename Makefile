@@ -122,7 +122,9 @@ serve-demo: llama-cpp
 	.venv/bin/draftops monitor demo --serve --config $(SERVE_DEMO_CONFIG) --out outputs/serve-demo $(ARGS)
 
 ui: setup
-	@echo "MLflow UI: http://127.0.0.1:5000  (store: $${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db})"
+	@case "$${MLFLOW_TRACKING_URI:-}" in http://*|https://*) \
+		echo "MLflow UI: open $$MLFLOW_TRACKING_URI (the tracking server serves it; nothing to start)"; exit 0;; esac; \
+	echo "MLflow UI: http://127.0.0.1:5000  (store: $${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db})"; \
 	.venv/bin/mlflow ui --backend-store-uri $${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db} --host 127.0.0.1 --port 5000
 
 # All versions of the registered draft side by side, and the monitor's last checks (ARGS='--format html --out r.html').

@@ -24,8 +24,9 @@ def _setup_logging() -> None:
 
 
 def check_command(args) -> int:
-    from monitor.check.decision import EXIT_ERROR
+    from monitor.check.decision import EXIT_ERROR, Status
     from monitor.check.run import run_check
+    from monitor.service.alert_book import CHECK_CONDITIONS, lifecycle
     from monitor.service.alerts import failed_check_alert, report_alerts, send_within_deadline
     from monitor.service.scheduler import EXIT_BUSY, check_lock, log_failed_check
     from pipeline.config import load_config
@@ -52,10 +53,13 @@ def check_command(args) -> int:
         first = (str(exc).strip().splitlines() or [""])[0][:500]
         print(f"draftops: error: monitor check failed: {type(exc).__name__}: {first} (traceback: {where})",
               file=sys.stderr)
-        send_within_deadline(cfg, [failed_check_alert(cfg.tracking.registered_model, f"{type(exc).__name__}: {first}")])
+        send_within_deadline(cfg, lifecycle(cfg, [failed_check_alert(cfg.tracking.registered_model,
+                                                                     f"{type(exc).__name__}: {first}")]))
         return EXIT_ERROR
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.summary())
-    send_within_deadline(cfg, report_alerts(report))  # the lock is released; the verdict is already printed
+    # the lock is released and the verdict printed: every active alert again, a resolve for each one cleared
+    clears = CHECK_CONDITIONS if report.decision.status is not Status.ERROR else frozenset()
+    send_within_deadline(cfg, lifecycle(cfg, report_alerts(report), clears))
     return report.exit_code
 
 
@@ -158,6 +162,30 @@ def _read_pairs(path: str) -> list[tuple[float, float]]:
             raise ValueError(f"pair {i} is {pair!r}: needs two finite numbers, 0 <= accepted <= drafted")
         pairs.append((float(pair[0]), float(pair[1])))
     return pairs
+
+
+def rebaseline_command(args) -> int:
+    from monitor.check.rebaseline import rebaseline
+    from monitor.service.scheduler import EXIT_BUSY, check_lock
+    from pipeline.config import load_config
+    from pipeline.tracking import check_tracking
+
+    cfg = load_config(args.config, args.overrides)
+    if not args.reason.strip() or not args.by.strip():
+        print("draftops: error: rebaseline needs --by NAME and --reason TEXT (both recorded in MLflow)",
+              file=sys.stderr)
+        return 2
+    check_tracking(cfg)
+    try:
+        with check_lock(cfg):  # never under a running check
+            print(rebaseline(cfg, args.by.strip(), args.reason.strip()))
+    except ModelBusy as exc:
+        print(f"draftops: {exc}; not rebaselining (try again when it is free)", file=sys.stderr)
+        return EXIT_BUSY
+    except RegistryError as exc:
+        print(f"draftops: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def rollback_command(args) -> int:
@@ -269,7 +297,7 @@ def add_commands(subparsers) -> None:
     """The monitor package's subcommands (the `draftops.commands` entry point `monitor`)."""
     monitor = subparsers.add_parser("monitor", help="check the champion draft for drift, on demand or nightly")
     actions = monitor.add_subparsers(dest="action", required=True)
-    for add in (_add_check, _add_serve, _add_simulate, _add_demo, _add_rollback, _add_deploy):
+    for add in (_add_check, _add_serve, _add_simulate, _add_demo, _add_rollback, _add_rebaseline, _add_deploy):
         add(actions)
     _add_target_finetune(subparsers)
     _add_report(subparsers)
@@ -333,6 +361,15 @@ def _add_demo(actions) -> None:
                       help="--serve: replayed requests per engine-check window")
     config_options(demo)
     demo.set_defaults(handler=demo_command)
+
+
+def _add_rebaseline(actions) -> None:
+    rebase = actions.add_parser("rebaseline", help="start the champion's server baseline afresh (recorded in MLflow "
+                                "with who and why); a change of Prometheus source never does it by itself")
+    rebase.add_argument("--by", required=True, help="who asks (recorded in MLflow)")
+    rebase.add_argument("--reason", required=True, help="why (recorded in MLflow)")
+    config_options(rebase)
+    rebase.set_defaults(handler=rebaseline_command)
 
 
 def _add_rollback(actions) -> None:

@@ -291,13 +291,16 @@ def load_baseline(model_version) -> dict | None:
     return mlflow.artifacts.load_dict(f"runs:/{run_id}/{BASELINE_ARTIFACT}")
 
 
-def break_even(model_version, default: float) -> tuple[float, str]:
-    """The version's measured break-even acceptance (its latest `draftops bench`), else `default` from the config."""
+def break_even(model_version, default: float | None) -> tuple[float | None, str]:
+    """The version's measured break-even acceptance (its latest `draftops bench`), else `default` from the config
+    (None: no break-even, and no absolute alarm)."""
     run_id = model_version.tags.get(M.LATEST_BENCH_RUN_TAG)
     if run_id:
         measured = _client().get_run(run_id).data.metrics.get(M.BREAK_EVEN_ALPHA)
         if measured is not None:
             return float(measured), f"bench run {run_id}"
+    if default is None:
+        return None, "none: no `draftops bench` of this version (make bench) and monitor.break_even_alpha unset"
     return default, "monitor.break_even_alpha"
 
 

@@ -1,7 +1,8 @@
 """OK or DRIFT, and why: from the target fingerprint, the acceptance tests and the traffic drift.
 
 DRIFT needs evidence that the champion got slower: a significant acceptance drop (paired or unpaired test, or the
-window test of a serving engine's counters) or acceptance below break-even. A changed fingerprint or shifted traffic
+window test of a serving engine's counters) or acceptance below break-even (measured by `draftops bench`, or
+configured; without one there is no absolute alarm). A changed fingerprint or shifted traffic
 alone is reported as a note, not an alarm: the draft may still fit. The cause of a DRIFT is what changed alongside it:
 the target (fingerprint differs from the champion's tag), the traffic (token drift above threshold), both, or neither;
 with neither, a drop that only the serving engine saw is "server_acceptance_dropped" (the offline measurement on
@@ -21,6 +22,9 @@ DEPLOY_FAILED: a deploy this check ran (the champion not yet deployed, a promote
 mismatch) failed, so the engine may not serve the champion (monitor.check.deploy_hooks). It outranks OK, DRIFT and
 DEPLOY_MISMATCH, whose reasons it keeps; an ERROR outranks it. Each has its own exit code, so that whatever watches
 exit codes sees it.
+
+REPLICA_DOWN: a replica unreachable at `monitor.replica_down_checks` checks in a row (monitor.engines.fleet) where
+the check would otherwise be OK; any other verdict outranks it and keeps the down replicas among its reasons.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from monitor.engines.fleet import ERROR as FLEET_ERROR
 from monitor.engines.offline_expectation import ENGINE_VS_OFFLINE
 from monitor.stats.acceptance_tests import AcceptanceCheck, DropTest, PromptAcceptance, TrafficDrift, paired_drop_test
 
-EXIT_OK, EXIT_ERROR, EXIT_DRIFT, EXIT_DEPLOY_MISMATCH, EXIT_DEPLOY_FAILED = 0, 2, 3, 4, 5
+EXIT_OK, EXIT_ERROR, EXIT_DRIFT, EXIT_DEPLOY_MISMATCH, EXIT_DEPLOY_FAILED, EXIT_REPLICA_DOWN = 0, 2, 3, 4, 5, 6
 
 
 class Status(str, Enum):
@@ -45,6 +49,7 @@ class Status(str, Enum):
     ERROR = "ERROR"
     DEPLOY_MISMATCH = "DEPLOY_MISMATCH"
     DEPLOY_FAILED = "DEPLOY_FAILED"
+    REPLICA_DOWN = "REPLICA_DOWN"
 
 
 class Cause(str, Enum):
@@ -65,7 +70,8 @@ class Decision:
     @property
     def exit_code(self) -> int:
         return {Status.OK: EXIT_OK, Status.DRIFT: EXIT_DRIFT, Status.ERROR: EXIT_ERROR,
-                Status.DEPLOY_MISMATCH: EXIT_DEPLOY_MISMATCH, Status.DEPLOY_FAILED: EXIT_DEPLOY_FAILED}[self.status]
+                Status.DEPLOY_MISMATCH: EXIT_DEPLOY_MISMATCH, Status.DEPLOY_FAILED: EXIT_DEPLOY_FAILED,
+                Status.REPLICA_DOWN: EXIT_REPLICA_DOWN}[self.status]
 
     def to_dict(self) -> dict:
         return {"status": self.status.value, "cause": self.cause and self.cause.value,
@@ -85,7 +91,7 @@ def decide(
     acceptance: AcceptanceCheck | None,
     drift: TrafficDrift | None,
     current_acceptance: float,
-    break_even: float,
+    break_even: float | None,
     acceptance_source: str = "analytic",
     server: DropTest | None = None,
 ) -> Decision:
@@ -112,7 +118,7 @@ def decide(
         if test is not None and test.alarm:
             reasons.append(f"{name}: acceptance {test.baseline_acceptance:.3f} -> {test.current_acceptance:.3f}, "
                            f"drop {test.drop:.3f} > margin {test.margin:.3f} (p={test.p_value:.2g})")
-    if current_acceptance < break_even:
+    if break_even is not None and current_acceptance < break_even:
         reasons.append(f"{acceptance_source} acceptance {current_acceptance:.3f} below break-even {break_even:.3f}")
     server_only = server is not None and server.alarm and not reasons
     if server is not None and server.alarm:
@@ -195,4 +201,10 @@ def with_fleet(decision: Decision, fleet: FleetReading | None, mismatched: Seque
                      f"{outlier.rest_acceptance:.3f} over the recent windows (p={outlier.p_value:.2g} < "
                      f"{outlier.level:.3g}; {outlier.method}): a stale target or an old draft file on that replica?")
     notes.extend(f"engines: {note}" for note in fleet.notes)
+    down = [r for r in fleet.replicas if r.name in fleet.down]
+    if down:
+        reasons.append("replica down: " + ", ".join(f"{r.name} unreachable at {r.down_checks} checks in a row"
+                                                     for r in down))
+        if decision.status is Status.OK:
+            return Decision(Status.REPLICA_DOWN, None, reasons, notes)
     return Decision(decision.status, decision.cause, reasons, notes)

@@ -36,7 +36,7 @@ class CheckReport:
     drift: TrafficDrift | None = None
     current_acceptance: float | None = None
     acceptance_source: str = "analytic"
-    break_even: float = 0.0
+    break_even: float | None = None  # None: no bench run and none configured, no absolute alarm
     break_even_source: str = "monitor.break_even_alpha"
     n_baseline_prompts: int = 0
     n_recent_prompts: int = 0
@@ -89,6 +89,8 @@ class CheckReport:
             lines.append(server)
         if self.engine is not None:
             lines.append(self.engine.summary())
+        if self.break_even is None:
+            lines.append(f"  break-even: {self.break_even_source}: no absolute alarm")
         lines += [f"  reason: {r}" for r in d.reasons] + [f"  note: {n}" for n in d.notes]
         if self.retrain is not None:
             r = self.retrain

@@ -11,10 +11,14 @@ replicas tested the family has R + 1 tests, each at level / (R + 1), so that the
 level (one replica: the level itself). The permutation test's smallest p is 1 / C(b + r, r): a note says when the
 windows are too few to ever alarm at level / (R + 1).
 
-Verdicts: a replica is `unreachable` (not read), DRIFT (its window test alarms), `idle` (no draft tokens in its latest
-window), OK (its test ran and did not alarm), or `collecting` (too few windows yet); the post-deploy engine check can
-make it DEPLOY_MISMATCH (monitor.check.decision.with_fleet). The fleet: ERROR when no replica could be read (one down
-is a note), else the worst of DEPLOY_MISMATCH, DRIFT (a replica or the summed windows), OK, idle, collecting.
+Verdicts: a replica is `unreachable` (not read; with Prometheus also when its `up` is 0), DRIFT (its window test
+alarms), `idle` (no draft tokens in its latest window), OK (its test ran and did not alarm), or `collecting` (too few
+windows yet); the post-deploy engine check can make it DEPLOY_MISMATCH (monitor.check.decision.with_fleet). The fleet:
+ERROR when no replica could be read (one down is a note), else the worst of DEPLOY_MISMATCH, DRIFT (a replica or the
+summed windows), OK, idle, collecting. A replica unreachable at `monitor.replica_down_checks` checks in a row is down
+(`down`; the run of checks is kept in `<monitor.state_dir>/replicas_down.json`, across processes and restarts): the
+check pages for it (DraftReplicaDown) and its decision is REPLICA_DOWN where it would have been OK. A check that could
+not read Prometheus at all counts no replica either way.
 
 The replica that parts from the others (`outlier_tests`): a two-proportion test of its accepted / drafted tokens over
 the recent windows against the pooled other replicas', z = (p_i - p_rest) / sqrt(phi p (1 - p) (1/N_i + 1/N_rest)),
@@ -30,9 +34,11 @@ acceptance rates.
 """
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from scipy import stats as sps
 
@@ -41,9 +47,11 @@ from monitor.engines.prometheus import PrometheusError, api_get, fleet_windows
 from monitor.engines.window_store import ReplicaWindows, Window, scrape_due, scrape_fleet, stored_fleet
 from monitor.stats.acceptance_tests import DropTest, window_drop_test
 from pipeline.config import DraftopsConfig
+from pipeline.files import write_text_atomic
 
 OK, DRIFT, IDLE, UNREACHABLE, COLLECTING = "OK", "DRIFT", "idle", "unreachable", "collecting"
 DEPLOY_MISMATCH, ERROR = "DEPLOY_MISMATCH", "ERROR"
+DOWN_FILE = "replicas_down.json"
 OUTLIER_METHOD = "two-proportion t (quasi-binomial overdispersion from windows), Bonferroni over replicas"
 
 
@@ -81,9 +89,11 @@ class ReplicaReading:
     outlier: OutlierTest | None = None
     notes: list[str] = field(default_factory=list)
     error: str | None = None
+    down_checks: int = 0  # checks in a row, this one included, that found it unreachable
 
     def to_dict(self) -> dict:
         return {"name": self.name, "url": self.url, "engine": self.engine, "verdict": self.verdict,
+                "down_checks": self.down_checks,
                 "window": self.latest and self.latest.to_dict(),
                 "acceptance": self.latest.counters.acceptance if self.latest else None,
                 "test": self.test and self.test.to_dict(), "n_baseline_windows": self.n_baseline_windows,
@@ -124,6 +134,7 @@ class FleetReading:
     latest: Window | None = None  # the fleet's latest window, summed over replicas
     notes: list[str] = field(default_factory=list)
     error: str | None = None  # no replica could be read
+    down: list[str] = field(default_factory=list)  # unreachable at monitor.replica_down_checks checks in a row
 
     @property
     def test(self) -> DropTest | None:
@@ -163,7 +174,8 @@ class FleetReading:
         return {"source": self.source, "verdict": self.verdict, "window": self.latest and self.latest.to_dict(),
                 "acceptance": self.latest.counters.acceptance if self.latest else None,
                 "test": self.test and self.test.to_dict(), "pooled": self.pooled and self.pooled.to_dict(),
-                "replicas": [r.to_dict() for r in self.replicas], "notes": self.notes, "error": self.error}
+                "replicas": [r.to_dict() for r in self.replicas], "notes": self.notes, "error": self.error,
+                "down": self.down}
 
     def summary(self) -> str:
         if self.error:
@@ -333,4 +345,21 @@ def read_fleet(cfg: DraftopsConfig, champion_version: str, fetch: Callable[[str,
     if not windows:
         return FleetReading(source, error="no replica found (monitor.engines lists none, and Prometheus holds no "
                                           "speculative-decoding series)")
-    return evaluate(windows, cfg, source)
+    return count_down(evaluate(windows, cfg, source), cfg)
+
+
+def count_down(fleet: FleetReading, cfg: DraftopsConfig) -> FleetReading:
+    """Each replica's run of unreachable checks, kept on disk; `fleet.down` those at `monitor.replica_down_checks`
+    or more (module docstring)."""
+    path = Path(cfg.monitor.state_dir).resolve() / DOWN_FILE
+    try:
+        runs = json.loads(path.read_text())
+    except (OSError, ValueError):
+        runs = {}
+    runs = {r.name: runs.get(r.name, 0) + 1 for r in fleet.replicas if r.verdict == UNREACHABLE}
+    for replica in fleet.replicas:
+        replica.down_checks = runs.get(replica.name, 0)
+    fleet.down = [name for name, n in runs.items() if n >= cfg.monitor.replica_down_checks]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(runs, indent=1))
+    return fleet

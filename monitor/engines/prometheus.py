@@ -22,9 +22,11 @@ champion version is kept in `<monitor.state_dir>/prometheus_windows.json`: the f
 baseline + recent windows as served by the champion of the moment (the history before installation); a version that
 becomes champion later owns the windows that end after the next boundary (the window in progress spans the change);
 a version that becomes champion again (rollback) keeps its baseline and takes recent windows from its return on.
-Baseline: its first `server_baseline_windows` windows with draft tokens; recent: the last `server_recent_windows`
-after them. A range longer than Prometheus' 11,000 points per series is read as two ranges (its first windows, its
-last ones).
+Baseline: its first `server_baseline_windows` windows with draft tokens, kept in the state file once complete (per
+replica) and read from there ever after; recent: the last `server_recent_windows` after them. A change of source (URL,
+window, label or selector) keeps the spans and the stored baselines: the new source's windows are judged against
+them, never taken as a baseline (`draftops monitor rebaseline` starts one afresh, on the operator's word). A
+range longer than Prometheus' 11,000 points per series is read as two ranges (its first windows, its last ones).
 """
 from __future__ import annotations
 
@@ -94,10 +96,11 @@ def query_instant(base: str, query: str, at: float, timeout: float, get: Get = a
     return _answer(get(f"{base.rstrip('/')}/api/v1/query?{params}", timeout), ("vector",))
 
 
-def _selector(cfg: DraftopsConfig, name: str | None = None, regex: str | None = None) -> str:
+def _selector(cfg: DraftopsConfig, name: str = "", regex: str | None = None) -> str:
+    """`name{regex, selector}`, with the braces only where they hold a matcher (`up` alone without a selector)."""
     parts = [f'__name__=~"{regex}"'] if regex else []
     parts += [cfg.monitor.prometheus_selector] if cfg.monitor.prometheus_selector.strip() else []
-    return f"{name or ''}{{{', '.join(parts)}}}" if parts else str(name)
+    return f"{name}{{{', '.join(parts)}}}" if parts else name
 
 
 def _counter_regex(name: str) -> str:
@@ -118,22 +121,43 @@ def state_path(cfg: DraftopsConfig) -> Path:
     return Path(cfg.monitor.state_dir).resolve() / STATE_FILE
 
 
-def _spans(cfg: DraftopsConfig, champion_version: str, end: float, now: float) -> tuple[dict, list[str]]:
-    """The champion version's span ({"since", "resumed"}: window ends after them are its), updating the state file."""
-    m, step = cfg.monitor, duration_seconds(cfg.monitor.prometheus_window)
-    source = {"url": m.prometheus_url, "window": m.prometheus_window, "label": m.prometheus_replica_label,
-              "selector": m.prometheus_selector}
+def _source(cfg: DraftopsConfig) -> dict:
+    m = cfg.monitor
+    return {"url": m.prometheus_url, "window": m.prometheus_window, "label": m.prometheus_replica_label,
+            "selector": m.prometheus_selector}
+
+
+def load_state(cfg: DraftopsConfig) -> dict:
+    """The state file's content: the source, the champion, each version's span and stored baselines."""
     path = state_path(cfg)
-    state = json.loads(path.read_text()) if path.exists() else {}
-    if state.get("source") != source:
-        state = {"source": source, "champion": None, "versions": {}}
+    return json.loads(path.read_text()) if path.exists() else {"source": _source(cfg), "champion": None,
+                                                               "versions": {}}
+
+
+def save_state(cfg: DraftopsConfig, state: dict) -> None:
+    path = state_path(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(state, indent=1))
+
+
+def _spans(cfg: DraftopsConfig, champion_version: str, end: float, now: float) -> tuple[dict, dict, list[str]]:
+    """(state, the champion version's span: {"since", "resumed", "baselines"}, notes), the state file updated; a
+    changed source keeps every span and stored baseline (module docstring)."""
+    m, step = cfg.monitor, duration_seconds(cfg.monitor.prometheus_window)
+    state, source = load_state(cfg), _source(cfg)
     notes = []
+    if state.get("source") != source:
+        changed = ", ".join(f"{k} {state.get('source', {}).get(k)!r} -> {v!r}" for k, v in source.items()
+                            if state.get("source", {}).get(k) != v)
+        notes.append(f"Prometheus source changed ({changed}): the stored baselines are kept and the new source's "
+                     "windows judged against them (draftops monitor rebaseline to start afresh)")
+        state["source"] = source
     next_boundary = math.ceil(now / step) * step
     versions = state["versions"]
     if champion_version not in versions:
         first = state["champion"] is None
         since = end - (m.server_baseline_windows + m.server_recent_windows) * step if first else next_boundary
-        versions[champion_version] = {"since": since, "resumed": since}
+        versions[champion_version] = {"since": since, "resumed": since, "baselines": {}}
         if first:
             n = m.server_baseline_windows + m.server_recent_windows
             notes.append(f"first reading from Prometheus: the last {n} windows are taken as served by version "
@@ -141,9 +165,8 @@ def _spans(cfg: DraftopsConfig, champion_version: str, end: float, now: float) -
     elif state["champion"] != champion_version:
         versions[champion_version]["resumed"] = next_boundary
     state["champion"] = champion_version
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, json.dumps(state, indent=1))
-    return versions[champion_version], notes
+    save_state(cfg, state)
+    return state, versions[champion_version], notes
 
 
 def _ranges(first: float, end: float, step: int) -> list[tuple[float, float]]:
@@ -207,16 +230,23 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds")
 
 
-def _windows(slots: dict[float, dict], engine: str, version: str, step: int, span: dict, cfg: DraftopsConfig
-             ) -> tuple[list[Window], list[Window], Window | None]:
-    """(baseline, recent, latest) windows of one replica for the champion version's span."""
+def _windows(slots: dict[float, dict], engine: str, version: str, step: int, span: dict, replica: str,
+             cfg: DraftopsConfig) -> tuple[list[Window], list[Window], Window | None]:
+    """(baseline, recent, latest) windows of one replica for the champion version's span: the baseline the span
+    stores once complete (stored now when it just became complete), the recent windows after it."""
     m = cfg.monitor
     windows = [Window(_iso(t - step), _iso(t), version, c) for t, slot in sorted(slots.items())
                if t >= span["since"] + step for c in [_counters(slot, engine)] if c is not None]
     latest = windows[-1] if windows else None
     busy = [w for w in windows if w.counters.draft_tokens > 0]
-    baseline = busy[:m.server_baseline_windows]
     resumed = _iso(span["resumed"] + step)
+    stored = [Window.from_dict(w) for w in span.setdefault("baselines", {}).get(replica, [])]
+    if len(stored) >= m.server_baseline_windows:
+        after = [w for w in busy if w.end > stored[-1].end and w.end >= resumed]
+        return stored, after[-m.server_recent_windows:], latest
+    baseline = busy[:m.server_baseline_windows]
+    if len(baseline) == m.server_baseline_windows:
+        span["baselines"][replica] = [w.to_dict() for w in baseline]
     after = [w for w in busy[len(baseline):] if w.end >= resumed]
     return baseline, after[-m.server_recent_windows:], latest
 
@@ -229,7 +259,7 @@ def fleet_windows(cfg: DraftopsConfig, champion_version: str, get: Get = api_get
     step, label, base = duration_seconds(m.prometheus_window), m.prometheus_replica_label, m.prometheus_url
     now = time.time() if now is None else now
     end = math.floor(now / step) * step
-    span, notes = _spans(cfg, champion_version, end, now)
+    state, span, notes = _spans(cfg, champion_version, end, now)
     first = span["since"] + step
     endpoints = m.replica_endpoints()
     series: dict[str, list[dict]] = {}
@@ -239,7 +269,7 @@ def fleet_windows(cfg: DraftopsConfig, champion_version: str, get: Get = api_get
                 series.setdefault(key, []).extend(query_range(base, query, start, stop, step, m.server_timeout, get))
     engines = _engines(cfg, end, get)
     up = {s["metric"].get(label): float(s["value"][1]) for s in
-          query_instant(base, f"up{_selector(cfg)}", end, m.server_timeout, get)}
+          query_instant(base, _selector(cfg, "up"), end, m.server_timeout, get)}
     collected = _collect(series, label, endpoints)
     names = [e.name for e in endpoints] if endpoints else sorted(set(collected) | set(engines))
     kinds = {e.name: e.kind for e in endpoints if e.kind != "auto"}
@@ -256,8 +286,9 @@ def fleet_windows(cfg: DraftopsConfig, champion_version: str, get: Get = api_get
                 reading.error = f"Prometheus holds no speculative-decoding series with {label}=\"{name}\""
             else:
                 reading.baseline, reading.recent, reading.latest = _windows(
-                    collected.get(replica, {}), engine, champion_version, step, span, cfg)
+                    collected.get(replica, {}), engine, champion_version, step, span, replica, cfg)
             out[replica] = reading
+    save_state(cfg, state)
     return out
 
 
@@ -267,3 +298,15 @@ def _engines(cfg: DraftopsConfig, at: float, get: Get) -> dict[str, str]:
     query = f"count by (__name__, {label}) ({_selector(cfg, regex=_counter_regex(COUNTERS['draft_tokens']))})"
     found = query_instant(cfg.monitor.prometheus_url, query, at, cfg.monitor.server_timeout, get)
     return {s["metric"].get(label): s["metric"].get("__name__", "").split(":")[0] for s in found}
+
+
+def rebaseline(cfg: DraftopsConfig, champion_version: str, now: float | None = None) -> float:
+    """Start `champion_version`'s span and baselines afresh at the next window boundary, under the configured source
+    (`draftops monitor rebaseline`); that boundary's time."""
+    step = duration_seconds(cfg.monitor.prometheus_window)
+    boundary = math.ceil((time.time() if now is None else now) / step) * step
+    state = load_state(cfg)
+    state.update(source=_source(cfg), champion=champion_version)
+    state["versions"][champion_version] = {"since": boundary, "resumed": boundary, "baselines": {}}
+    save_state(cfg, state)
+    return boundary

@@ -13,7 +13,9 @@ gauge sample, `sglang.gauge_window`), kept under the champion version it was ser
 `server_recent_windows` after them are its recent windows. A window that spans a change of champion belongs to neither
 version and is not kept; a version that becomes champion again (rollback) keeps its baseline and starts its recent
 windows afresh. A window without draft tokens (an idle replica) is not kept either. A replica whose URL, model or
-kind changes starts over. vLLM's engine cores read `per_core` are replicas named `NAME/engine=N`.
+kind changes keeps its windows (the new source's are judged against its baseline) and closes its next window at the
+scrape after next; `draftops monitor rebaseline` drops a version's windows on the operator's word. vLLM's engine
+cores read `per_core` are replicas named `NAME/engine=N`.
 """
 from __future__ import annotations
 
@@ -100,11 +102,29 @@ def load_store(path: Path) -> dict:
 
 
 def replica_state(store: dict, name: str, source: dict) -> dict:
-    """The replica's recorded scrapes and windows; a fresh state when its source (url, model, kind) changed."""
+    """The replica's recorded scrapes and windows. When its source (url, model, kind) changed, its baselines and
+    recent windows are kept (the new source's windows are judged against them) and its next scrape starts afresh
+    (counters of another source cannot be subtracted from the last)."""
     state = store["replicas"].get(name)
-    if state is None or state.get("source") != source:
+    if state is None:
         state = store["replicas"][name] = {"source": source, "last": None, "versions": {}}
+    elif state.get("source") != source:
+        state.update(source=source, last=None)
     return state
+
+
+def rebaseline(cfg: DraftopsConfig, champion_version: str) -> list[str]:
+    """Drop every replica's windows of `champion_version`, so that its baseline is made afresh from the next windows
+    on (`draftops monitor rebaseline`); the replicas whose windows were dropped."""
+    path = store_path(cfg)
+    if not path.exists():
+        return []
+    with FileLock(str(path) + ".lock", timeout=LOCK_TIMEOUT):
+        store = load_store(path)
+        dropped = [name for name, state in store["replicas"].items()
+                   if state["versions"].pop(champion_version, None) is not None]
+        write_text_atomic(path, json.dumps(store, indent=1))
+    return dropped
 
 
 def record(state: dict, reading: dict, window: SpecCounters | None, restarted: bool, champion_version: str, at: str,

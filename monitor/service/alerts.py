@@ -32,6 +32,7 @@ SEVERITY = {Status.DRIFT: "warning", Status.ERROR: "critical", Status.DEPLOY_MIS
             Status.DEPLOY_FAILED: "critical"}
 ALERT_NAMES = {Status.DRIFT: "DraftDrift", Status.ERROR: "MonitorCheckError",
                Status.DEPLOY_MISMATCH: "DeployMismatch", Status.DEPLOY_FAILED: "DeployFailed"}
+STALE = "MonitorStale"
 REQUEST_TIMEOUT = 5.0  # seconds one attempt may take, at most (the target's deadline bounds it further)
 LAST_SUCCESS_FILE = "last_success.json"
 
@@ -47,6 +48,8 @@ class Alert:
     description: str = ""
     labels: dict[str, str] = field(default_factory=dict)  # more identifying labels (replica, version, ...)
     starts_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+    ends_at: datetime | None = None  # when Alertmanager may resolve it unless sent again (monitor.service.alert_book)
+    resolved: bool = False  # its condition cleared: ends_at is when
 
     def all_labels(self) -> dict[str, str]:
         return {"alertname": self.name, "severity": self.severity, "model": self.model, **self.labels}
@@ -57,6 +60,11 @@ def report_alerts(report: CheckReport) -> list[Alert]:
     out = []
     model = report.registered_model
     status = report.decision.status
+    for replica in report.server.down if report.server is not None else []:
+        n = next(r.down_checks for r in report.server.replicas if r.name == replica)
+        error = next(r.error for r in report.server.replicas if r.name == replica)
+        out.append(Alert("DraftReplicaDown", "critical", model, f"{model}: replica {replica} unreachable at {n} "
+                         "checks in a row", error or "", {"replica": replica}))
     if status in ALERT_NAMES:
         cause = f" ({report.decision.cause.value})" if report.decision.cause else ""
         summary = f"{status.value}{cause}: {model}@champion = version {report.champion_version}"
@@ -114,16 +122,21 @@ class StaleWatch:
         except OSError:
             log.warning("could not record the last successful check in %s", self.path, exc_info=True)
 
-    def due(self, now: float | None = None) -> Alert | None:
-        """A MonitorStale alert when none was sent in this spell and no check succeeded for too long."""
+    def current(self, now: float | None = None) -> Alert | None:
+        """The MonitorStale alert while no check has succeeded for too long (every time it is asked), else None."""
         now = time.time() if now is None else now
         since = self.last_success() or self.started
-        if self.alerted or now - since < self.stale_after:
+        if now - since < self.stale_after:
             return None
-        self.alerted = True
-        hours = (now - since) / 3600.0
-        return Alert("MonitorStale", "critical", self.model, f"{self.model}: no successful monitor check for "
-                     f"{hours:.1f} h", f"the limit is monitor.alerts.stale_after_hours = {self.stale_after / 3600:g}")
+        return Alert(STALE, "critical", self.model, f"{self.model}: no successful monitor check for "
+                     f"{(now - since) / 3600.0:.1f} h", f"the limit is monitor.alerts.stale_after_hours = "
+                     f"{self.stale_after / 3600:g}")
+
+    def due(self, now: float | None = None) -> Alert | None:
+        """A MonitorStale alert when none was sent in this spell and no check succeeded for too long."""
+        alert = None if self.alerted else self.current(now)
+        self.alerted = self.alerted or alert is not None
+        return alert
 
 
 def _rfc3339(when: datetime) -> str:
@@ -131,20 +144,24 @@ def _rfc3339(when: datetime) -> str:
 
 
 def alertmanager_body(alerts: Sequence[Alert]) -> list[dict]:
-    """Alertmanager API v2's postable alerts: labels (alertname first), annotations, startsAt."""
+    """Alertmanager API v2's postable alerts: labels (alertname first), annotations, startsAt, endsAt when set."""
     return [{"labels": a.all_labels(), "annotations": {"summary": a.summary, "description": a.description},
-             "startsAt": _rfc3339(a.starts_at)} for a in alerts]
+             "startsAt": _rfc3339(a.starts_at), **({"endsAt": _rfc3339(a.ends_at)} if a.ends_at else {})}
+            for a in alerts]
 
 
 def _body(kind: str, alerts: Sequence[Alert]) -> list | dict:
     if kind == "alertmanager":
         return alertmanager_body(alerts)
     if kind == "slack":
-        return {"text": "\n".join(f"[{a.severity}] {a.summary}" + (f"\n{a.description}" if a.description else "")
+        return {"text": "\n".join(f"[{'RESOLVED' if a.resolved else a.severity}] {a.summary}"
+                                  + (f"\n{a.description}" if a.description and not a.resolved else "")
                                   for a in alerts)}
-    return {"source": "draftops-monitor", "alerts": [
-        {"name": a.name, "severity": a.severity, "labels": a.all_labels(), "summary": a.summary,
-         "description": a.description, "starts_at": _rfc3339(a.starts_at)} for a in alerts]}
+    status = "resolved" if all(a.resolved for a in alerts) else "firing"
+    return {"source": "draftops-monitor", "status": status, "alerts": [
+        {"name": a.name, "status": "resolved" if a.resolved else "firing", "severity": a.severity,
+         "labels": a.all_labels(), "summary": a.summary, "description": a.description,
+         "starts_at": _rfc3339(a.starts_at), "ends_at": a.ends_at and _rfc3339(a.ends_at)} for a in alerts]}
 
 
 def _request(target: AlertTarget, alerts: Sequence[Alert]) -> urllib.request.Request:
@@ -179,20 +196,23 @@ def deliver(target: AlertTarget, alerts: Sequence[Alert], *, tries: int, deadlin
 
 
 def send(config: AlertsConfig, alerts: Sequence[Alert], on_result: OnResult | None = None) -> int:
-    """Deliver `alerts` to every target in turn; the number delivered. Never raises: failures are logged and given
+    """Deliver `alerts` to every target in turn (firing and resolved ones in batches of their own); the number of
+    batches delivered. Never raises: failures are logged and given
     to `on_result(kind, False)`."""
     delivered = 0
-    for target in config.targets if alerts else ():
-        try:
-            ok = deliver(target, alerts, tries=config.tries, deadline=config.deadline)
-        except Exception:
-            log.exception("alert to %s failed", target.kind)
-            ok = False
-        if not ok:
-            log.error("alert %s not delivered to %s", ", ".join(a.name for a in alerts), target.kind)
-        delivered += ok
-        if on_result is not None:
-            on_result(target.kind, ok)
+    batches = [b for b in ([a for a in alerts if not a.resolved], [a for a in alerts if a.resolved]) if b]
+    for target in config.targets:
+        for batch in batches:  # firing, then resolved: a webhook or Slack gets a message of its own for resolves
+            try:
+                ok = deliver(target, batch, tries=config.tries, deadline=config.deadline)
+            except Exception:
+                log.exception("alert to %s failed", target.kind)
+                ok = False
+            if not ok:
+                log.error("alert %s not delivered to %s", ", ".join(a.name for a in batch), target.kind)
+            delivered += ok
+            if on_result is not None:
+                on_result(target.kind, ok)
     return delivered
 
 

@@ -5,27 +5,34 @@ The metrics live in a registry of their own (never prometheus_client's global on
 a test beside a service, never share series. Per-replica figures come from the report's fleet reading; a check that
 read no engine exposes the model-wide series alone, and a replica that left the fleet (or every replica, when a check
 reads no engine) loses its series at the next check that reports, so a dashboard never shows a departed replica's
-last figures as current.
+last figures as current. After a restart the figures of the last check before it are shown (kept in
+`<monitor.state_dir>/last_check.json`; `last_check_timestamp_seconds` says when that check ended) until the next
+check, and the last success from `last_success.json`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app
 
 from monitor.check.decision import Status
 from monitor.check.outcome import CheckReport
-from monitor.engines.fleet import COLLECTING, DRIFT, IDLE, OK, UNREACHABLE
+from monitor.engines.fleet import COLLECTING, DEPLOY_MISMATCH, DRIFT, IDLE, OK, UNREACHABLE
+from pipeline.config import DraftopsConfig
+from pipeline.files import write_text_atomic
 
 log = logging.getLogger("draftops.monitor")
 
 PREFIX = "draftops_monitor_"
-REPLICA_VERDICTS = (OK, DRIFT, IDLE, UNREACHABLE, COLLECTING)
+REPLICA_VERDICTS = (OK, DRIFT, IDLE, UNREACHABLE, COLLECTING, DEPLOY_MISMATCH)
+FIGURES_FILE = "last_check.json"
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -70,36 +77,45 @@ class ServiceMetrics:
         self.alerts_failed = Counter(PREFIX + "alerts_failed", "Alert batches not delivered after every try",
                                      ["model", "target"], registry=r)
         self._replicas: set[str] = set()  # the replicas whose series are exposed now
+        self.figures: dict = {"ended": None, "seconds": None}  # what the gauges show (saved across restarts)
 
     def record_alert(self, target: str, delivered: bool) -> None:
         (self.alerts_sent if delivered else self.alerts_failed).labels(self.model, target).inc()
 
     def record_check(self, report: CheckReport | None, exit_code: int, seconds: float, ended: float | None = None
                      ) -> None:
-        """The figures of a finished check; `report` None: it crashed (or the lock was busy) before reporting."""
+        """The figures of a finished check; `report` None: it crashed (or the lock was busy) before reporting, and
+        the last report's figures stay."""
         ended = time.time() if ended is None else ended
         self.checks.labels(self.model, str(exit_code)).inc()
-        self.duration.labels(self.model).set(seconds)
-        self.last_check.labels(self.model).set(ended)
         if report is None:
+            self.figures = {**self.figures, "ended": ended, "seconds": seconds}
+        else:
+            self.figures = report_figures(report, seconds, ended)
+        self.show(self.figures)
+
+    def show(self, figures: dict) -> None:
+        """Set the gauges to `figures` (report_figures' dict, or the one saved on disk before a restart)."""
+        self.duration.labels(self.model).set(figures["seconds"])
+        self.last_check.labels(self.model).set(figures["ended"])
+        if figures.get("last_success") is not None:
+            self.last_success.labels(self.model).set(figures["last_success"])
+        status = figures.get("verdict")
+        if status is None:
             return
-        status = report.decision.status
         for s in Status:
-            self.verdict.labels(self.model, s.value).set(float(s is status))
-        if status is not Status.ERROR:
-            self.last_success.labels(self.model).set(ended)
-        self.champion.labels(self.model).set(_version_number(report.champion_version))
-        if report.current_acceptance is not None:
-            self.acceptance.labels(self.model).set(report.current_acceptance)
-        baseline = _baseline(report)
-        if baseline is not None:
-            self.baseline.labels(self.model).set(baseline)
-        self.break_even.labels(self.model).set(report.break_even)
-        figures = _replica_figures(report)
-        reported = {replica for replica, *_ in figures}
+            self.verdict.labels(self.model, s.value).set(float(s.value == status))
+        self.champion.labels(self.model).set(_version_number(figures["champion"]))
+        for gauge, key in ((self.acceptance, "acceptance"), (self.baseline, "baseline"),
+                           (self.break_even, "break_even")):
+            if figures.get(key) is None:  # no break-even measured, say: no series rather than a made-up one
+                _remove(gauge, self.model)
+            else:
+                gauge.labels(self.model).set(figures[key])
+        reported = {replica for replica, *_ in figures["replicas"]}
         self._forget_replicas(self._replicas - reported)
         self._replicas = reported
-        for replica, acceptance, baseline, verdict in figures:
+        for replica, acceptance, baseline, verdict in figures["replicas"]:
             for gauge, value in ((self.replica_acceptance, acceptance), (self.replica_baseline, baseline)):
                 if value is None:  # unknown at this check: no figure rather than the last one
                     _remove(gauge, self.model, replica)
@@ -122,6 +138,38 @@ def _remove(gauge: Gauge, *labels: str) -> None:
         gauge.remove(*labels)
     except KeyError:  # never set: a replica without a baseline, say
         pass
+
+
+def report_figures(report: CheckReport, seconds: float, ended: float) -> dict:
+    """What /metrics shows of a finished check, as plain JSON (kept on disk for the next start)."""
+    status = report.decision.status
+    return {"ended": ended, "seconds": seconds, "verdict": status.value, "champion": report.champion_version,
+            "last_success": ended if status is not Status.ERROR else None,
+            "acceptance": report.current_acceptance, "baseline": _baseline(report), "break_even": report.break_even,
+            "replicas": [list(f) for f in _replica_figures(report)]}
+
+
+def save_figures(cfg: DraftopsConfig, metrics: ServiceMetrics) -> None:
+    """Keep what /metrics shows in `<monitor.state_dir>/last_check.json`, for the service's next start."""
+    try:
+        write_text_atomic(Path(cfg.monitor.state_dir).resolve() / FIGURES_FILE, json.dumps(metrics.figures))
+    except OSError:
+        log.warning("could not keep the last check's figures", exc_info=True)
+
+
+def restore_figures(cfg: DraftopsConfig, metrics: ServiceMetrics, last_success: float | None) -> bool:
+    """Show the figures of the last check before this start (their time is last_check_timestamp_seconds) and the
+    last success; False when there are none on disk."""
+    try:
+        figures = json.loads((Path(cfg.monitor.state_dir).resolve() / FIGURES_FILE).read_text())
+    except (OSError, ValueError):
+        figures = None
+    if figures and figures.get("ended") is not None:
+        metrics.figures = figures
+        metrics.show(figures)
+    if last_success is not None:
+        metrics.last_success.labels(metrics.model).set(last_success)
+    return bool(figures)
 
 
 def _baseline(report: CheckReport) -> float | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -36,8 +37,8 @@ from apscheduler.util import ref_to_obj
 
 from monitor.check.decision import EXIT_ERROR, Status
 from monitor.check.outcome import CheckReport
-from monitor.service import alerts
-from monitor.service.exporter import MetricsServer, ServiceMetrics
+from monitor.service import alert_book, alerts
+from monitor.service.exporter import MetricsServer, ServiceMetrics, restore_figures, save_figures
 from pipeline import locks
 from pipeline import metrics as M
 from pipeline.config import DraftopsConfig, load_config
@@ -134,6 +135,10 @@ def run_scheduled_check(config_path: str | None, check: str = DEFAULT_CHECK, ove
     return code
 
 
+class MetricsPortTaken(RuntimeError):
+    """The service's /metrics port cannot be bound: the service stops (exit 2)."""
+
+
 class _Scheduler(BackgroundScheduler):
     """BackgroundScheduler whose loop does no job pass after shutdown.
 
@@ -168,16 +173,17 @@ class MonitorService:
         self.stale = alerts.StaleWatch(state_dir(self.cfg), self.cfg.tracking.registered_model,
                                        self.cfg.monitor.alerts.stale_after_hours)
         self.metrics_server: MetricsServer | None = None
+        restore_figures(self.cfg, self.metrics, self.stale.last_success())
 
     def trigger(self) -> CronTrigger:
         return CronTrigger.from_crontab(self.cfg.monitor.schedule, timezone=self.cfg.monitor.timezone)
 
     def start(self, *, run_now: bool = False) -> None:
+        self._serve_metrics()  # first: a taken port stops the service before anything runs
         self.scheduler.start(paused=True)  # job stores open, nothing runs until the job is reconciled
         self._register_job()
         self._register_scrape()
         _after_check_hooks.append(self.after_check)
-        self._serve_metrics()
         if run_now:
             self.run_now()
         self.scheduler.resume()
@@ -210,36 +216,43 @@ class MonitorService:
             replace_existing=True, coalesce=True, max_instances=1, next_run_time=datetime.now(self.scheduler.timezone))
 
     def _serve_metrics(self) -> None:
-        """Serve /metrics and /healthz unless `monitor.metrics_port` is 0; a taken port is logged, the checks go on."""
+        """Serve /metrics and /healthz unless `monitor.metrics_port` is 0; MetricsPortTaken when the port cannot be
+        bound (a service without its /metrics would look healthy to whoever asks the other process on that port)."""
         m = self.cfg.monitor
         if m.metrics_port:
             try:
                 self.metrics_server = MetricsServer(self.metrics, self.healthy, m.metrics_bind, m.metrics_port)
             except OSError as exc:
-                log.error("monitor metrics not served on %s:%d: %s", m.metrics_bind, m.metrics_port, exc)
+                raise MetricsPortTaken(f"monitor.metrics_port: cannot serve /metrics on {m.metrics_bind}:"
+                                       f"{m.metrics_port}: {exc.strerror or exc}") from None
 
     def healthy(self) -> bool:
         return bool(self.scheduler.running)
 
     def after_check(self, cfg: DraftopsConfig, report: CheckReport | None, code: int, seconds: float) -> None:
-        """A check ended (lock released): record its figures, send its alerts (and a stale one) in the background."""
+        """A check ended (lock released): record its figures, then send every active alert again and a resolve for
+        each cleared one (monitor.service.alert_book), in the background."""
         self.metrics.record_check(report, code, seconds)
-        pending = alerts.report_alerts(report) if report is not None else []
-        if report is not None and report.decision.status is not Status.ERROR:
+        save_figures(cfg, self.metrics)
+        raised = alerts.report_alerts(report) if report is not None else []
+        judged = report is not None and report.decision.status is not Status.ERROR
+        if judged:
             self.stale.succeeded()
         elif report is None and code == EXIT_ERROR:
-            pending.append(alerts.failed_check_alert(cfg.tracking.registered_model, "see the service's log and the "
-                                                     "check's FAILED run in the draftops-monitor experiment"))
-        stale = self.stale.due()
+            raised.append(alerts.failed_check_alert(cfg.tracking.registered_model, "see the service's log and the "
+                                                    "check's FAILED run in the draftops-monitor experiment"))
+        stale = self.stale.current()
         if stale is not None:
-            pending.append(stale)
+            self.stale.alerted = True
+            raised.append(stale)
+        pending = alert_book.lifecycle(cfg, raised, alert_book.CONDITIONS if judged else frozenset())
         if pending:
             alerts.dispatch(cfg, pending, self.metrics.record_alert)
 
     def alert_if_stale(self) -> None:
         stale = self.stale.due()
         if stale is not None:
-            alerts.dispatch(self.cfg, [stale], self.metrics.record_alert)
+            alerts.dispatch(self.cfg, alert_book.lifecycle(self.cfg, [stale]), self.metrics.record_alert)
 
     def run_now(self) -> None:
         """Make the scheduled job due now; afterwards it follows its schedule again."""
@@ -264,7 +277,8 @@ class MonitorService:
 
 def serve(config_path: str | Path | None, *, run_now: bool = False, check: str = DEFAULT_CHECK,
           stop_event: threading.Event | None = None, overrides: Sequence[str] = ()) -> int:
-    """Run the service until SIGTERM/SIGINT (or `stop_event`), then shut down cleanly; returns 0."""
+    """Run the service until SIGTERM/SIGINT (or `stop_event`), then shut down cleanly; returns 0 (EXIT_ERROR, 2,
+    when its /metrics port is taken)."""
     stop = stop_event or threading.Event()
     previous = {}
     if threading.current_thread() is threading.main_thread():
@@ -272,7 +286,11 @@ def serve(config_path: str | Path | None, *, run_now: bool = False, check: str =
             previous[sig] = signal.signal(sig, lambda signum, frame: stop.set())
     service = MonitorService(config_path, check=check, overrides=overrides)
     try:
-        service.start(run_now=run_now)
+        try:
+            service.start(run_now=run_now)
+        except MetricsPortTaken as exc:
+            print(f"draftops: error: {exc}", file=sys.stderr)
+            return EXIT_ERROR
         last_poll = time.monotonic()
         while not stop.wait(0.5):
             if time.monotonic() - last_poll >= STALE_POLL_SECONDS:

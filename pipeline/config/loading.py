@@ -5,6 +5,7 @@ The schema's defaults *are* the embedded default job; `configs/default.yaml` spe
 """
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -119,21 +120,31 @@ def save_config(cfg: DraftopsConfig, path: str | Path) -> Path:
     return path
 
 
+def _section(annotation) -> type[Section] | None:
+    return annotation if isinstance(annotation, type) and issubclass(annotation, Section) else None
+
+
 def iter_fields(model: type[Section] = DraftopsConfig, prefix: str = ""):
-    """(dotted key, pydantic field) for every leaf setting, in schema order."""
+    """(dotted key, pydantic field) for every leaf setting, in schema order; a list of sections (alert targets,
+    engines) is followed by the fields of one item, as `key[].field`."""
     for name, field in model.model_fields.items():
-        if isinstance(field.annotation, type) and issubclass(field.annotation, Section):
+        if _section(field.annotation):
             yield from iter_fields(field.annotation, f"{prefix}{name}.")
-        else:
-            yield f"{prefix}{name}", field
+            continue
+        yield f"{prefix}{name}", field
+        if typing.get_origin(field.annotation) is list and _section(next(iter(typing.get_args(field.annotation)))):
+            yield from iter_fields(typing.get_args(field.annotation)[0], f"{prefix}{name}[].")
 
 
 def reference_markdown() -> str:
     """The config reference table of the README, generated from the schema so that the two cannot disagree."""
     rows = ["| key | default | meaning |", "|---|---|---|"]
     for key, field in iter_fields():
-        default = field.get_default(call_default_factory=True)
         meaning = (field.description or "").replace("|", "\\|").replace("\n", " ")
+        if field.is_required():
+            rows.append(f"| `{key}` | (required) | {meaning} |")
+            continue
+        default = field.get_default(call_default_factory=True)
         shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()
         rows.append(f"| `{key}` | `{shown}` | {meaning} |")
     return "\n".join(rows) + "\n"

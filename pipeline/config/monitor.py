@@ -27,10 +27,10 @@ class MonitorConfig(Section):
     drift_threshold: float = Field(0.05, gt=0.0, le=1.0, description=(
         "Jensen-Shannon divergence (bits) of prompt-token frequencies above which traffic counts as shifted."))
     drift_buckets: int = Field(256, ge=2, description="Token buckets: most frequent reference tokens + 'other'.")
-    break_even_alpha: float = Field(0.4, ge=0.0, le=1.0, description=(
+    break_even_alpha: float | None = Field(None, ge=0.0, le=1.0, description=(
         "Absolute alarm for a champion never benchmarked: acceptance below this makes speculative decoding no faster "
-        "than the target alone. Once `draftops bench` has measured the champion, its break-even (from the run's c "
-        "and v) is used instead."))
+        "than the target alone. null: none until `draftops bench` (make bench) has measured the champion, whose "
+        "break-even (from the run's measured c and v) is used whenever there is one; the check's report says which."))
     live_requests: int = Field(
         0, ge=0, description="Also measure live acceptance by decoding this many requests (0: off).")
     retrain: bool = Field(False, description="On DRIFT, re-distill a challenger and promote it only if it is better.")
@@ -81,6 +81,10 @@ class MonitorConfig(Section):
         "The label that tells replicas apart in Prometheus (instance, pod, ...); its values are the replica names."))
     prometheus_selector: str = Field("", description=(
         "Extra label matchers added to every Prometheus query, e.g. job=\"vllm\",namespace=\"prod\"."))
+    replica_down_checks: int = Field(2, ge=1, description=(
+        "Checks in a row that must find a replica unreachable (not scraped, or its Prometheus `up` 0) before it is "
+        "down: a DraftReplicaDown alert, and the check's verdict REPLICA_DOWN (exit 6) where it would be OK. With a "
+        "nightly check, 2 is a day: the shipped Prometheus rules (configs/prometheus-rules.yaml) page sooner."))
     scrape_interval_minutes: float = Field(60.0, ge=0.0, description=(
         "Without Prometheus, `monitor serve` scrapes the engines every this many minutes into the local window store "
         "(<state_dir>/server_metrics.json), so windows are this long; a check scrapes too when the last scrape is "

