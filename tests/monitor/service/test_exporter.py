@@ -1,6 +1,8 @@
 import configparser
 import shutil
+import socket
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -146,3 +148,35 @@ def test_systemd_analyze_verifies_the_unit(tmp_path):
 def test_the_container_recipe_runs_the_service_on_cpu_torch():
     text = (REPO / "configs" / "Containerfile.monitor").read_text()
     assert "download.pytorch.org/whl/cpu" in text and 'ENTRYPOINT ["draftops", "monitor", "serve"]' in text
+
+
+def test_healthz_answers_within_a_second_while_twenty_clients_hold_connections():
+    """Half a request and silence, or a request trickled a byte at a time: each such client holds its own thread,
+    never the endpoint."""
+    server = MetricsServer(ServiceMetrics("draftops-draft"), lambda: True, "127.0.0.1", 0)
+    clients = []
+    try:
+        for i in range(20):
+            client = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            client.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n" if i % 2 else b"G")
+            clients.append(client)
+        start = time.monotonic()
+        assert scrape(server.port, "/healthz") == (200, "ok\n")
+        assert time.monotonic() - start < 1.0
+    finally:
+        for client in clients:
+            client.close()
+        server.stop()
+
+
+def test_a_silent_client_is_cut_off(monkeypatch):
+    monkeypatch.setattr("monitor.service.exporter._QuietHandler.timeout", 0.5)
+    server = MetricsServer(ServiceMetrics("draftops-draft"), lambda: True, "127.0.0.1", 0)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as client:
+            client.sendall(b"GET /metr")
+            start = time.monotonic()
+            assert client.recv(100) == b""  # the server closed the connection
+            assert time.monotonic() - start < 4.0
+    finally:
+        server.stop()
