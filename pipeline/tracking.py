@@ -13,15 +13,14 @@ import os
 import socket
 import subprocess
 import sys
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 from pipeline import metrics as M
 from pipeline.config import DraftopsConfig, TrackingConfig
 from pipeline.deadline_http import DeadlinePassed, exchange
+from pipeline.url_credentials import redact
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 
@@ -83,20 +82,17 @@ def check_tracking(cfg: DraftopsConfig | None = None, timeout: float = 10.0) -> 
             port = parsed.port or (443 if parsed.scheme == "https" else 80)
             with socket.create_connection((parsed.hostname or "", port), timeout=min(PROBE_TIMEOUT, timeout)):
                 pass
-            with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout):
-                pass
-        except urllib.error.HTTPError:
-            pass  # the server answered
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise TrackingUnavailable(
+            exchange(f"{uri.rstrip('/')}/health", timeout=timeout, max_bytes=1 << 20)  # any status: it answered
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            reason = f"no whole answer from /health within {timeout:g} s" if isinstance(exc, DeadlinePassed) else exc
+            raise TrackingUnavailable(redact(
                 f"the MLflow tracking server {uri} does not answer ({reason}); start it, or point tracking.uri / "
-                "MLFLOW_TRACKING_URI at one that runs") from None
+                "MLFLOW_TRACKING_URI at one that runs")) from None
         _check_api(uri)
     elif parsed.scheme == "sqlite" and parsed.path not in ("", "/:memory:"):
         folder = Path(parsed.path[1:]).parent  # sqlite:///rel.db and sqlite:////abs.db: one slash is the separator
         if not folder.is_dir():
-            raise TrackingUnavailable(f"the MLflow store {uri}: folder {folder} does not exist")
+            raise TrackingUnavailable(redact(f"the MLflow store {uri}: folder {folder} does not exist"))
     return uri
 
 
@@ -108,9 +104,9 @@ def _check_api(uri: str) -> None:
     except (OSError, ValueError, http.client.HTTPException) as exc:
         why = (f"within {seconds:g} s (tracking.http_timeout)" if isinstance(exc, DeadlinePassed)
                else f"({type(exc).__name__}: {exc})")
-        raise TrackingUnavailable(
+        raise TrackingUnavailable(redact(
             f"the MLflow tracking server {uri} answers /health but not its API {why}; restart it, or point "
-            "tracking.uri / MLFLOW_TRACKING_URI at one that works") from None
+            "tracking.uri / MLFLOW_TRACKING_URI at one that works")) from None
 
 
 def setup_mlflow(cfg: DraftopsConfig | None = None) -> str:
@@ -132,7 +128,7 @@ def store_error_line(exc: BaseException) -> str | None:
     import mlflow
 
     first = (str(getattr(exc, "message", exc)).strip().splitlines() or ["unknown error"])[0]
-    return f"the MLflow store {mlflow.get_tracking_uri()} failed: {first[:500]}"
+    return redact(f"the MLflow store {mlflow.get_tracking_uri()} failed: {first[:500]}")
 
 
 def git_sha() -> str:

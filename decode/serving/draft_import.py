@@ -10,11 +10,13 @@ Two layouts are read. A speculators Eagle3 folder: `config.json` with `speculato
 into the first, reading EAGLE-3's layers 2, L/2 and L-3 of the target. A `pytorch_model.bin` alone is refused:
 unpickling it runs whatever code it holds.
 
-The head is checked against the target by `decode.serving.speculators.load_speculators` (hidden size, the layers it
-reads, the vocabulary map: `t2d` over the target's vocabulary and `d2t` naming the same ids) and, where the head
-carries a tokenizer or names a local verifier folder with one, by `pipeline.sources.check_tokenizer_compat`. The
-folder written holds the head in the speculators format for the target as this machine loads it, the draftops config
-(its target and γ) and `imported.json`, where it came from.
+Before anything is allocated for it, the folder is checked by `decode.serving.head_checks` (symlinks inside it, the
+safetensors header read alone, config sizes within bounds from the target, tensor shapes, d2t/t2d ranges, finite
+weights). The head is then checked against the target by `decode.serving.speculators.load_speculators` (hidden size,
+the layers it reads, the vocabulary map: `t2d` over the target's vocabulary and `d2t` naming the same ids) and, where
+the head carries a tokenizer or names a local verifier folder with one, by `pipeline.sources.check_tokenizer_compat`.
+The folder written holds the head in the speculators format for the target as this machine loads it, the draftops
+config (its target and γ) and `imported.json`, where it came from.
 """
 from __future__ import annotations
 
@@ -23,10 +25,10 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from safetensors import safe_open
 from transformers import AutoTokenizer
 
 from decode.models.feature_draft import FeatureDraft, default_feature_layers
+from decode.serving.head_checks import HeadCheckError, check_head, check_inside, safetensors_header
 from decode.serving.speculators import WEIGHTS_FILE, load_speculators, save_speculators
 from pipeline import metrics as M
 from pipeline import registry
@@ -69,8 +71,10 @@ def head_layout(path: Path) -> str:
         raise HeadImportError(f"{path}: no {WEIGHTS_FILE}")
     if is_speculators_dir(path):
         return SPECULATORS
-    with safe_open(path / WEIGHTS_FILE, framework="pt") as f:
-        names = set(f.keys())
+    try:
+        names = set(safetensors_header(path / WEIGHTS_FILE))  # the header alone, checked
+    except HeadCheckError as exc:
+        raise HeadImportError(str(exc)) from None
     if all(key in names for key in EAGLE_KEYS):
         return EAGLE
     raise HeadImportError(f"{path}: neither a speculators Eagle3 folder (config.json naming speculators_model_type) "
@@ -114,11 +118,16 @@ def import_head(source: str | Path, target: ResolvedModel, out: Path, cfg: Draft
     path = Path(source)
     if not path.is_dir():
         raise HeadImportError(f"{source}: not a folder (a speculators Eagle3 folder or an EAGLE-3 checkpoint)")
+    try:
+        check_inside(path)
+    except HeadCheckError as exc:
+        raise HeadImportError(str(exc)) from None
     layout = head_layout(path)
     with tempfile.TemporaryDirectory(prefix="draftops-import-") as scratch:
         folder = convert_eagle(path, Path(scratch) / "speculators", target) if layout == EAGLE else path
         verifier = verifier_of(path) if layout == SPECULATORS else ""
         try:
+            check_head(folder, target.model.config.get_text_config(decoder=True))  # before anything is allocated
             draft = load_speculators(folder, target.model)
             checks = tokenizer_checks(path, verifier, target)
         except ValueError as exc:

@@ -6,26 +6,35 @@ is done, under one deadline.
 before `current` moves. `ReloadPlan.run` runs the plan with a single deadline, `reload_timeout`, shared by the command
 and the requests. The command runs in a process group of its own (a new session), killed whole past the deadline
 (then waited for up to GROUP_GONE_SECONDS while its processes die), so neither it nor what it started is left
-behind; each request is cut off at the deadline however slowly its server answers (`monitor.deploy.runtime_reload`).
+behind. A process it starts that leaves the group (`setsid`) is found among this process's descendants and killed
+too: on Linux this process is made a child subreaper (prctl PR_SET_CHILD_SUBREAPER), so that such a process stays a
+descendant even once its parent has exited; where that is not available (other systems) only descendants whose
+parents still run are found. Each request is cut off at the deadline however slowly its server answers
+(`monitor.deploy.runtime_reload`).
 A command that ends in time is never killed: a restart may leave its server running.
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shlex
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import psutil
 
 from monitor.deploy.runtime_reload import ReloadError, push_to_sglang, push_to_vllm, send_deployment
 from pipeline.config.deploy import RELOAD_PLACEHOLDERS, DeployConfig, expand_placeholders
 
 OUTPUT_TAIL_BYTES = 4000
 GROUP_GONE_SECONDS = 1.0  # how long a killed group's other processes are waited for (their new parent reaps them)
+PR_SET_CHILD_SUBREAPER = 36  # prctl(2), Linux
 
 
 @dataclass(frozen=True)
@@ -70,13 +79,37 @@ def plan_reload(d: DeployConfig, values: dict[str, str], deployment: dict, weigh
     return ReloadPlan(tuple(steps), d.reload_timeout)
 
 
-def _kill_group(process: subprocess.Popen) -> None:
-    """SIGKILL to the command's whole process group (it leads a session of its own), reap it, and wait (briefly) until
-    the processes it started are gone too."""
+def become_subreaper() -> bool:
+    """Make this process a child subreaper (Linux 3.4+): orphaned descendants are reparented here, not to init, so a
+    command's `setsid` child that outlives its parent can still be found and ended. False where unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _descendants(before: set[int]) -> list[psutil.Process]:
+    """This process's descendants that did not exist before the command started (`before`: their pids then)."""
+    with contextlib.suppress(psutil.Error):
+        return [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    return []
+
+
+def _kill_group(process: subprocess.Popen, before: set[int] = frozenset()) -> None:
+    """SIGKILL to the command's whole process group (it leads a session of its own) and to every descendant it started
+    that left the group, reap it, and wait (briefly) until the processes it started are gone too."""
+    strays = _descendants(set(before) | {process.pid})
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
+    for stray in strays:
+        with contextlib.suppress(psutil.Error):
+            stray.kill()
     process.wait()
     gone_by = time.monotonic() + GROUP_GONE_SECONDS
+    psutil.wait_procs(strays, timeout=GROUP_GONE_SECONDS)  # reaps the strays reparented here
     while time.monotonic() < gone_by:
         try:
             os.killpg(process.pid, 0)
@@ -90,6 +123,8 @@ def run_command(argv: list[str], deadline: float) -> str:
     last lines it printed when it fails."""
     shown = shlex.join(argv)
     with tempfile.TemporaryFile() as output:  # a file, not a pipe: a server it starts may keep it open
+        become_subreaper()
+        before = {p.pid for p in _descendants(set())}
         try:
             process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
                                        start_new_session=True)
@@ -98,11 +133,11 @@ def run_command(argv: list[str], deadline: float) -> str:
         try:
             code = process.wait(timeout=max(deadline - time.monotonic(), 0.0))
         except subprocess.TimeoutExpired:
-            _kill_group(process)
+            _kill_group(process, before)
             raise ReloadError(f"reload command {shown} still ran at monitor.deploy.reload_timeout: its process "
                               "group was killed") from None
         except BaseException:
-            _kill_group(process)
+            _kill_group(process, before)
             raise
         output.seek(max(output.seek(0, os.SEEK_END) - OUTPUT_TAIL_BYTES, 0))
         tail = [line.strip() for line in output.read().decode(errors="replace").splitlines() if line.strip()]

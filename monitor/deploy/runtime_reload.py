@@ -21,19 +21,17 @@ its cache untouched; an SGLang that predates the field would load the folder int
 Both are the engines' documented request shapes, tested against a fake server that records the requests; neither was
 run against a real engine here (docs/deploy.md).
 
-A request's deadline covers connecting, the headers and the body: a watchdog closes the socket when it passes, so a
-server that trickles its headers cannot hold the deploy (and the model lock it runs under) past `reload_timeout`.
+A request's deadline covers connecting, the headers and the body (`pipeline.deadline_http`, the one HTTP client), so
+a server that trickles its headers cannot hold the deploy (and the model lock it runs under) past `reload_timeout`.
 """
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
-import socket
-import threading
 import time
-import urllib.parse
-from dataclasses import dataclass
+
+from pipeline.deadline_http import Answer, DeadlinePassed, exchange
+from pipeline.url_credentials import redact
 
 MAX_ANSWER_BYTES = 1 << 20  # an answer is a status and a few lines of JSON
 RESUME_GRACE = 5.0  # seconds a failed vLLM update may still take to resume the engine it paused
@@ -43,68 +41,26 @@ class ReloadError(RuntimeError):
     """The reload action failed or ran out of time: one line saying which request or command, and what it answered."""
 
 
-@dataclass(frozen=True)
-class Answer:
-    status: int
-    reason: str
-    body: bytes
-
-    def json(self) -> dict:
-        try:
-            data = json.loads(self.body or b"{}")
-        except (ValueError, RecursionError):
-            return {}
-        return data if isinstance(data, dict) else {}
-
-    def said(self) -> str:
-        """The answer in a few words: HTTP status, and the body's message or error when there is one."""
-        data = self.json()
-        text = data.get("message") or data.get("error") or data.get("detail") or ""
-        return f"HTTP {self.status} {self.reason}" + (f": {str(text).splitlines()[0][:300]}" if text else "")
-
-
-def _cut(connection: http.client.HTTPConnection) -> None:
-    """The watchdog: close the connection's socket, which wakes a read blocked on it."""
-    sock = connection.sock
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
-
-
 def request(method: str, url: str, body: dict | None, deadline: float, what: str) -> Answer:
-    """One HTTP request, answered whole before `deadline` (a time.monotonic() value), or a ReloadError in one line."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ReloadError(f"{what}: {url!r} is not an http(s) URL")
+    """One HTTP request, answered whole before `deadline` (a time.monotonic() value), or a ReloadError in one line
+    (`pipeline.deadline_http`: connecting, headers and body within the deadline; a redirect is not followed)."""
+    shown = redact(url)
     left = deadline - time.monotonic()
     if left <= 0:
         raise ReloadError(f"{what}: no time left within monitor.deploy.reload_timeout")
-    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    connection = kind(parts.hostname, parts.port, timeout=left)
-    watchdog = threading.Timer(left, _cut, (connection,))
-    watchdog.daemon = True
-    watchdog.start()
-    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     data = None if body is None else json.dumps(body).encode()
     try:
-        connection.request(method, target, body=data, headers={"Content-Type": "application/json"} if data else {})
-        response = connection.getresponse()
-        answer = Answer(response.status, response.reason, response.read(MAX_ANSWER_BYTES))
+        return exchange(url, data=data, method=method, timeout=left, max_bytes=MAX_ANSWER_BYTES,
+                        headers={"Content-Type": "application/json"} if data else {})
+    except DeadlinePassed:
+        raise ReloadError(f"{what}: no whole answer from {shown} within monitor.deploy.reload_timeout") from None
     except (OSError, http.client.HTTPException, ValueError) as exc:
-        if time.monotonic() >= deadline - 0.01:
-            raise ReloadError(f"{what}: no whole answer from {url} within monitor.deploy.reload_timeout") from None
-        raise ReloadError(f"{what}: {url}: {type(exc).__name__}: {exc}") from None
-    finally:
-        watchdog.cancel()
-        connection.close()
-    if time.monotonic() > deadline:
-        raise ReloadError(f"{what}: no whole answer from {url} within monitor.deploy.reload_timeout")
-    return answer
+        raise ReloadError(f"{what}: {shown}: {type(exc).__name__}: {redact(str(exc))}") from None
 
 
 def _ok(answer: Answer, what: str, url: str) -> Answer:
     if not 200 <= answer.status < 300:
-        raise ReloadError(f"{what}: {url} answered {answer.said()}")
+        raise ReloadError(f"{what}: {redact(url)} answered {answer.said()}")
     return answer
 
 

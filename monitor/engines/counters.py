@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import http.client
 import math
-import threading
-import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from pipeline.deadline_http import DeadlinePassed, exchange
+from pipeline.url_credentials import redact
 
 ENGINES = ("vllm", "llamacpp")
 GAUGE_ENGINE = "sglang"
@@ -193,53 +192,26 @@ def check_possible(counters: SpecCounters, what: str, slack: float = 0.0) -> Spe
 
 
 def scrape(url: str, timeout: float = 10.0) -> str:
-    """The text a metrics endpoint answers, whole within `timeout` seconds (an overall deadline: an endpoint that
-    trickles its answer is cut off, never waited on); a ServerMetricsError that says why when it does not. The
-    request runs in a daemon thread, so that not even a server that sends its headers slowly outlasts the deadline."""
-    result: dict[str, object] = {}
-    worker = threading.Thread(target=lambda: result.update(_fetch(url, timeout)), daemon=True, name="scrape")
-    worker.start()
-    worker.join(timeout)
-    if worker.is_alive() or not result:
-        raise ServerMetricsError(f"{url}: no complete answer within {timeout:g} s (monitor.server_timeout)")
-    if "error" in result:
-        raise ServerMetricsError(str(result["error"]))
-    return str(result["text"])
-
-
-def _fetch(url: str, timeout: float) -> dict[str, object]:
-    """{"text": ...} or {"error": ...}; reads in pieces, each given the time left, and stops at the deadline."""
-    deadline = time.monotonic() + timeout
-    request = urllib.request.Request(url, headers={"Accept": ACCEPT})
+    """The text a metrics endpoint answers, whole within `timeout` seconds (an overall deadline, connecting, headers
+    and body: `pipeline.deadline_http`; an endpoint that trickles its answer is cut off, never waited on; a redirect
+    is not followed); a ServerMetricsError that says why when it does not."""
+    where = redact(url)
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            sock = getattr(getattr(response.fp, "raw", None), "_sock", None)
-            body = bytearray()
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError
-                if sock is not None:
-                    sock.settimeout(left)
-                chunk = response.read1(1 << 16)
-                if not chunk:
-                    return {"text": body.decode("utf-8")}
-                body += chunk
-                if len(body) > MAX_SCRAPE_BYTES:
-                    return {"error": f"{url}: the answer exceeds {MAX_SCRAPE_BYTES >> 20} MiB: not a metrics page"}
-    except urllib.error.HTTPError as exc:
-        hint = " (llama-server serves /metrics only with --metrics)" if exc.code in (404, 501) else ""
-        return {"error": f"{url}: HTTP {exc.code} {exc.reason}{hint}"}
-    except urllib.error.URLError as exc:
-        if isinstance(exc.reason, TimeoutError):
-            return {"error": f"{url}: no complete answer within {timeout:g} s (monitor.server_timeout)"}
-        return {"error": f"{url}: server unreachable: {exc.reason}"}
-    except TimeoutError:
-        return {"error": f"{url}: no complete answer within {timeout:g} s (monitor.server_timeout)"}
+        answer = exchange(url, headers={"Accept": ACCEPT}, timeout=timeout, max_bytes=MAX_SCRAPE_BYTES)
+    except DeadlinePassed:
+        raise ServerMetricsError(f"{where}: no complete answer within {timeout:g} s (monitor.server_timeout)"
+                                 ) from None
+    except ValueError as exc:  # an answer over the bound
+        raise ServerMetricsError(f"{where}: {exc}: not a metrics page") from None
+    except (OSError, http.client.HTTPException) as exc:  # refused, reset, a malformed answer
+        raise ServerMetricsError(f"{where}: server unreachable: {type(exc).__name__}: {exc}") from None
+    if answer.status != 200:
+        hint = " (llama-server serves /metrics only with --metrics)" if answer.status in (404, 501) else ""
+        raise ServerMetricsError(f"{where}: {answer.said()}{hint}")
+    try:
+        return answer.body.decode("utf-8")
     except UnicodeDecodeError as exc:
-        return {"error": f"{url}: the answer is not UTF-8 text: {exc}"}
-    except (OSError, ValueError, http.client.HTTPException) as exc:  # a reset connection, a malformed answer
-        return {"error": f"{url}: {type(exc).__name__}: {exc}"}
+        raise ServerMetricsError(f"{where}: the answer is not UTF-8 text: {exc}") from None
 
 
 def window_between(previous: SpecCounters | None, current: SpecCounters) -> tuple[SpecCounters | None, bool]:

@@ -30,12 +30,11 @@ range longer than Prometheus' 11,000 points per series is read as two ranges (it
 """
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -45,10 +44,12 @@ from monitor.engines.sglang import ACCEPT_RATE, VERIFY_CALLS
 from monitor.engines.window_store import ReplicaWindows, Window
 from pipeline.config import DraftopsConfig
 from pipeline.config.fleet import EngineEndpoint, duration_seconds
+from pipeline.deadline_http import DeadlinePassed, exchange, origin
 from pipeline.files import write_text_atomic
 
 STATE_FILE = "prometheus_windows.json"
 MAX_STEPS = 10000  # Prometheus answers at most 11,000 points per series
+MAX_ANSWER_BYTES = 256 << 20  # a range query over every series of a large fleet
 Get = Callable[[str, float], dict]
 
 
@@ -57,21 +58,27 @@ class PrometheusError(ServerMetricsError):
 
 
 def api_get(url: str, timeout: float) -> dict:
-    """The JSON answer of a Prometheus API URL; PrometheusError with its error message when it fails."""
+    """The JSON answer of a Prometheus API URL, whole within `timeout` seconds (`pipeline.deadline_http`: connecting,
+    headers and body; a redirect is not followed); PrometheusError with its error message when it fails."""
+    where = origin(url)
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return json.loads(response.read().decode("utf-8"))
-    except urllib.error.HTTPError as exc:
-        try:
-            body = json.loads(exc.read().decode("utf-8"))
-            detail = f"{body.get('errorType')}: {body.get('error')}"
-        except (ValueError, OSError):
-            detail = exc.reason
-        raise PrometheusError(f"Prometheus answered HTTP {exc.code}: {detail}") from None
-    except urllib.error.URLError as exc:
-        raise PrometheusError(f"Prometheus unreachable at {url.split('/api/')[0]}: {exc.reason}") from None
-    except (OSError, ValueError) as exc:
-        raise PrometheusError(f"Prometheus: {type(exc).__name__}: {exc}") from None
+        answer = exchange(url, timeout=timeout, max_bytes=MAX_ANSWER_BYTES)
+    except DeadlinePassed:
+        raise PrometheusError(f"Prometheus at {where}: no whole answer within {timeout:g} s "
+                              "(monitor.server_timeout)") from None
+    except (OSError, http.client.HTTPException) as exc:
+        raise PrometheusError(f"Prometheus unreachable at {where}: {type(exc).__name__}: {exc}") from None
+    except ValueError as exc:
+        raise PrometheusError(f"Prometheus: {exc}") from None
+    if answer.status != 200:
+        body = answer.json()
+        detail = f"{body.get('errorType')}: {body.get('error')}" if "error" in body else answer.said()
+        raise PrometheusError(f"Prometheus answered HTTP {answer.status}: {detail}")
+    try:
+        return json.loads(answer.body.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise PrometheusError(f"Prometheus at {where}: the answer is not JSON: {type(exc).__name__}: "
+                              f"{str(exc)[:200]}") from None
 
 
 def _answer(body: dict, kinds: tuple[str, ...]) -> list[dict]:

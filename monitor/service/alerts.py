@@ -8,13 +8,12 @@ counted (`on_result`), never raised. Secrets stay in the environment: a target n
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -25,6 +24,8 @@ from monitor.check.outcome import CheckReport
 from monitor.engines.fleet import DRIFT, fleet_verdict
 from pipeline.config import DraftopsConfig
 from pipeline.config.alerts import AlertsConfig, AlertTarget
+from pipeline.deadline_http import exchange
+from pipeline.url_credentials import redact
 
 log = logging.getLogger("draftops.monitor.alerts")
 
@@ -34,6 +35,7 @@ ALERT_NAMES = {Status.DRIFT: "DraftDrift", Status.ERROR: "MonitorCheckError",
                Status.DEPLOY_MISMATCH: "DeployMismatch", Status.DEPLOY_FAILED: "DeployFailed"}
 STALE = "MonitorStale"
 REQUEST_TIMEOUT = 5.0  # seconds one attempt may take, at most (the target's deadline bounds it further)
+MAX_ANSWER_BYTES = 1 << 20  # a receiver answers a status and a few lines
 LAST_SUCCESS_FILE = "last_success.json"
 
 OnResult = Callable[[str, bool], None]  # (target kind, delivered)
@@ -164,33 +166,45 @@ def _body(kind: str, alerts: Sequence[Alert]) -> list | dict:
          "starts_at": _rfc3339(a.starts_at), "ends_at": a.ends_at and _rfc3339(a.ends_at)} for a in alerts]}
 
 
-def _request(target: AlertTarget, alerts: Sequence[Alert]) -> urllib.request.Request:
-    secret = os.environ.get(target.secret_env, "") if target.secret_env else ""
+def secret_of(target: AlertTarget) -> str:
+    """The target's secret from the environment ("" when none): never in a log line."""
+    return os.environ.get(target.secret_env, "") if target.secret_env else ""
+
+
+def _request(target: AlertTarget, alerts: Sequence[Alert]) -> tuple[str, bytes, dict[str, str]]:
+    """(URL, body, headers) of one delivery: a token goes in the Authorization header unless the URL has `{secret}`."""
+    secret = secret_of(target)
     url = target.url.replace("{secret}", secret)
     if target.kind == "alertmanager":
         url = url.rstrip("/") + "/api/v2/alerts"
     headers = {"Content-Type": "application/json"}
     if secret and "{secret}" not in target.url:
         headers["Authorization"] = f"Bearer {secret}"
-    return urllib.request.Request(url, data=json.dumps(_body(target.kind, alerts)).encode(), headers=headers,
-                                  method="POST")
+    return url, json.dumps(_body(target.kind, alerts)).encode(), headers
 
 
 def deliver(target: AlertTarget, alerts: Sequence[Alert], *, tries: int, deadline: float) -> bool:
-    """POST `alerts` to `target`: up to `tries` attempts, all within `deadline` seconds; True once one answers 2xx."""
-    request = _request(target, alerts)
+    """POST `alerts` to `target`: up to `tries` attempts, all within `deadline` seconds; True once one answers 2xx.
+    Each attempt is whole within its share of the deadline (`pipeline.deadline_http`: connecting, headers and body);
+    a redirect is not followed, so the secret never reaches another origin."""
+    url, body, headers = _request(target, alerts)
+    shown = redact(target.url.split("{")[0])
     end = time.monotonic() + deadline
     for attempt in range(1, tries + 1):
         left = end - time.monotonic()
         if left <= 0:
             break
         try:
-            with urllib.request.urlopen(request, timeout=min(left, REQUEST_TIMEOUT)) as answer:
-                answer.read()
-            return True
-        except (urllib.error.URLError, OSError, ValueError) as exc:  # HTTPError (a 5xx) is a URLError
-            log.warning("alert to %s (%s) failed, attempt %d/%d: %s", target.kind, target.url.split("{")[0],
-                        attempt, tries, exc)
+            answer = exchange(url, data=body, headers=headers, timeout=min(left, REQUEST_TIMEOUT),
+                              max_bytes=MAX_ANSWER_BYTES)
+            if 200 <= answer.status < 300:
+                return True
+            failure = answer.said()
+        except (OSError, ValueError, http.client.HTTPException) as exc:  # DeadlinePassed is an OSError
+            failure = f"{type(exc).__name__}: {exc}"
+        secret = secret_of(target)
+        log.warning("alert to %s (%s) failed, attempt %d/%d: %s", target.kind, shown, attempt, tries,
+                    failure.replace(secret, "***") if secret else failure)
         time.sleep(max(0.0, min(0.5 * attempt, end - time.monotonic())))
     return False
 

@@ -12,12 +12,15 @@ check, and the last success from `last_success.json`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app
@@ -35,9 +38,44 @@ REPLICA_VERDICTS = (OK, DRIFT, IDLE, UNREACHABLE, COLLECTING, DEPLOY_MISMATCH)
 FIGURES_FILE = "last_check.json"
 
 
+READ_TIMEOUT = 10.0  # seconds a client may leave the connection silent
+CONNECTION_DEADLINE = 30.0  # seconds one connection may last in all (a client that trickles its request)
+
+
 class _QuietHandler(WSGIRequestHandler):
+    """One connection, in a thread of its own: each read waits at most READ_TIMEOUT, and the connection is cut after
+    CONNECTION_DEADLINE whatever the client does, so no client holds a thread for long."""
+
+    timeout = READ_TIMEOUT
+
+    def setup(self) -> None:
+        super().setup()
+        self._cutoff = threading.Timer(CONNECTION_DEADLINE, self._cut)
+        self._cutoff.daemon = True
+        self._cutoff.start()
+
+    def _cut(self) -> None:
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)  # wakes the thread's blocked read
+
+    def finish(self) -> None:
+        self._cutoff.cancel()
+        with contextlib.suppress(OSError):
+            super().finish()
+
     def log_message(self, format, *args):  # noqa: A002 - a scrape every few seconds is not worth a log line
         pass
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    """wsgiref's server with a thread per connection: a client that sends half a request and waits blocks only its
+    own thread, never /healthz or a scrape."""
+
+    daemon_threads = True
+    block_on_close = False
+
+    def handle_error(self, request, client_address) -> None:
+        log.debug("metrics endpoint: a client %s failed", client_address, exc_info=True)
 
 
 def _version_number(version: str | None) -> float:
@@ -211,10 +249,12 @@ def service_app(metrics: ServiceMetrics, healthy: Callable[[], bool]):
 
 
 class MetricsServer:
-    """The WSGI app served from a daemon thread; `stop()` closes the socket."""
+    """The WSGI app served from a daemon thread, each connection in a thread of its own with a deadline
+    (`_QuietHandler`); `stop()` closes the socket."""
 
     def __init__(self, metrics: ServiceMetrics, healthy: Callable[[], bool], bind: str, port: int):
-        self.httpd: WSGIServer = make_server(bind, port, service_app(metrics, healthy), handler_class=_QuietHandler)
+        self.httpd: WSGIServer = make_server(bind, port, service_app(metrics, healthy), server_class=_ThreadingServer,
+                                             handler_class=_QuietHandler)
         self.port = self.httpd.server_port
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="draftops-metrics", daemon=True)
         self.thread.start()

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from pipeline.config.base import Section
+from pipeline.config.base import Section, http_url
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -26,8 +26,7 @@ class AlertTarget(Section):
     @field_validator("url")
     @classmethod
     def _http_url(cls, url: str) -> str:
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"{url!r} is not an http(s) URL")
+        http_url(url.replace("{secret}", "secret"))
         return url
 
     @field_validator("secret_env")

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from pipeline.config.base import Section
+from pipeline.config.base import HttpUrl, Section
 
 RELOAD_PLACEHOLDERS = ("path", "file", "version", "current")
 _ALLOWED = ", ".join("{" + name + "}" for name in RELOAD_PLACEHOLDERS)
@@ -59,7 +59,7 @@ class DeployConfig(Section):
         "Command run after the switch (argv list; {path} the deployed folder, {file} its GGUF file, {version}, "
         "{current} the `current` link, nothing else; a literal brace is written {{ or }}), e.g. a restart of "
         "llama-server. Empty: none."))
-    reload_url: str | None = Field(None, description=(
+    reload_url: HttpUrl | None = Field(None, description=(
         "HTTP request sent after the switch (and after reload_command), with the deployment as a JSON body; the "
         "engine's base URL with reload vllm or sglang."))
     reload_method: Literal["POST", "PUT", "GET"] = Field("POST", description="Method of the reload request.")

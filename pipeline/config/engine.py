@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from pipeline.config.base import Section
+from pipeline.config.base import Section, http_url
 
 
 class ResponsesConfig(Section):
@@ -48,8 +48,7 @@ class ResponsesConfig(Section):
     @classmethod
     def _urls(cls, servers: list[str]) -> list[str]:
         for url in servers:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"{url!r} is not an http(s) URL (e.g. http://127.0.0.1:8080)")
+            http_url(url)
         return [url.rstrip("/") for url in servers]
 
     @model_validator(mode="after")

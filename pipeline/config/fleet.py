@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.config.base import Section
+from pipeline.config.base import HttpUrl, Section
 
 DURATION = re.compile(r"(\d+)([smhdw])")
 SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -26,7 +26,7 @@ class EngineEndpoint(Section):
     """One serving replica: a vLLM, SGLang or llama-server process (or a pod), read through its /metrics or through
     Prometheus under its replica label."""
 
-    url: str | None = Field(None, description=(
+    url: HttpUrl | None = Field(None, description=(
         "The replica's Prometheus endpoint (vLLM /metrics, SGLang --enable-metrics /metrics, llama-server --metrics). "
         "Needed unless monitor.prometheus_url is set (the post-deploy engine check always reads it directly)."))
     kind: Literal["auto", "vllm", "sglang", "llamacpp"] = Field("auto", description=(

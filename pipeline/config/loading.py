@@ -14,9 +14,31 @@ from pydantic import ValidationError
 
 from pipeline.config.base import ConfigError, Section
 from pipeline.config.run import DraftopsConfig
+from pipeline.url_credentials import redact
 
 REPO_CONFIGS = Path(__file__).resolve().parent.parent.parent / "configs"
 DEFAULT_CONFIG_PATH = REPO_CONFIGS / "default.yaml"
+
+
+class AliasRefused(yaml.YAMLError):
+    """A YAML alias (`*name`) in a config: each one copies its anchor's value, so a few hundred bytes of nested
+    aliases expand to gigabytes; a config has no need of them."""
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing every alias before it is expanded."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise AliasRefused(f"line {event.start_mark.line + 1}: YAML aliases (*{event.anchor}) are not accepted in "
+                               "a config; write the value out")
+        return super().compose_node(parent, index)
+
+
+def safe_yaml(text: str) -> Any:
+    """`yaml.safe_load` without aliases (AliasRefused, a yaml.YAMLError)."""
+    return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -38,7 +60,7 @@ def _format_errors(err: ValidationError, origin: str) -> str:
             lines.append(f"{origin}: unknown key '{key}'")
         else:
             lines.append(f"{origin}: {key}: {e['msg']} (got {e.get('input')!r})")
-    return "\n".join(lines)
+    return redact("\n".join(lines))
 
 
 def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
@@ -51,7 +73,7 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
         if not sep or not key.strip():
             raise ConfigError(f"command line: override '{item}' is not of the form key=value")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = safe_yaml(raw) if raw.strip() else None
         except (yaml.YAMLError, RecursionError) as exc:
             if not raw.lstrip().startswith("*"):
                 raise ConfigError(f"command line: {key.strip()}: not a YAML value: {str(exc).splitlines()[0]}"
@@ -78,11 +100,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not path.exists():
             raise ConfigError(f"{path}: config file not found")
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            data = safe_yaml(path.read_text(encoding="utf-8")) or {}
         except UnicodeDecodeError as exc:
             raise ConfigError(f"{path}: not a text file (byte {exc.start} is not UTF-8)") from None
         except OSError as exc:
             raise ConfigError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+        except AliasRefused as exc:
+            raise ConfigError(f"{path}: {exc}") from None
         except (yaml.YAMLError, RecursionError) as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
         if not isinstance(data, dict):
@@ -109,7 +133,7 @@ def validated_update(section: Section, update: dict[str, Any], prefix: str = "",
         for e in exc.errors():
             key = prefix + ".".join(str(p) for p in e["loc"])
             lines.append(f"{origin}: {key}: {e['msg']} (got {e.get('input')!r})")
-        raise ConfigError("\n".join(lines)) from None
+        raise ConfigError(redact("\n".join(lines))) from None
 
 
 def save_config(cfg: DraftopsConfig, path: str | Path) -> Path:

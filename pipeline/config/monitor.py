@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from pipeline.config.alerts import AlertsConfig
-from pipeline.config.base import Section
+from pipeline.config.base import HttpUrl, Section
 from pipeline.config.deploy import DeployConfig
 from pipeline.config.fleet import EngineEndpoint, duration_seconds, unique_names
 
@@ -50,7 +50,7 @@ class MonitorConfig(Section):
         "Seconds a check waits for another check or retrain to finish; 0 skips immediately."))
     simulate_checks: int = Field(200, ge=1, description="Simulated checks per point in `draftops monitor simulate`.")
     simulate_drops: list[float] = Field([0.02, 0.05, 0.10], description="Drops (absolute) whose power is simulated.")
-    server_metrics_url: str | None = Field(None, description=(
+    server_metrics_url: HttpUrl | None = Field(None, description=(
         "Prometheus endpoint of the engine serving the champion (vLLM /metrics, llama-server --metrics): shorthand "
         "for monitor.engines=[{url: URL, model: monitor.server_model_name}]. null: off (unless monitor.engines)."))
     server_model_name: str | None = Field(None, description=(
@@ -70,7 +70,7 @@ class MonitorConfig(Section):
         "The serving replicas, each {url, kind: auto|vllm|sglang|llamacpp, replica: NAME, model: NAME, per_core: "
         "false}: every replica gets its own windows and verdict (OK, DRIFT, idle, unreachable, DEPLOY_MISMATCH), "
         "the fleet an aggregate, and a replica whose acceptance parts from the others' is named (docs/deploy.md)."))
-    prometheus_url: str | None = Field(None, description=(
+    prometheus_url: HttpUrl | None = Field(None, description=(
         "Base URL of a Prometheus that scrapes the engines (e.g. http://prometheus:9090): windows come from its HTTP "
         "API (/api/v1/query_range, increase() over prometheus_window), so the first check already has a baseline's "
         "worth of them. null: the monitor scrapes the engines itself (scrape_interval_minutes)."))

@@ -10,6 +10,7 @@ from pipeline.config.decode import DecodeConfig
 from pipeline.config.distill import DistillConfig
 from pipeline.config.monitor import MonitorConfig, TargetUpdateConfig
 from pipeline.traffic_records import COLUMN_NAMES
+from pipeline.url_credentials import redact_tree
 
 
 class TrafficConfig(Section):
@@ -108,5 +109,7 @@ class DraftopsConfig(Section):
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        """The settings as plain data, for files, logs and MLflow: credentials in any URL are hidden
+        (`pipeline.url_credentials`)."""
+        return redact_tree(self.model_dump(mode="json"))
 

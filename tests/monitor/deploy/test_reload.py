@@ -170,3 +170,23 @@ def test_a_vllm_plan_loads_the_version_folder_not_the_link():
     with recording_engine() as engine:
         plan_reload(deploy.model_copy(update={"reload_url": engine.url}), VALUES, {}, "m-v2").run()
     assert engine.requests[2] == ("/update_weights", {"update_info": {"path": VALUES["path"]}})
+
+
+ESCAPE = """import os, subprocess, sys, time
+stays = subprocess.Popen(["setsid", "sleep", "1000"])  # leaves the group, its parent still runs
+orphan = subprocess.run(["sh", "-c", "setsid sleep 1000 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True)
+with open(sys.argv[1], "w") as pids:
+    pids.write(f"{os.getpid()} {stays.pid} {orphan.stdout.strip()}")  # the second one's parent (sh) has exited
+time.sleep(1000)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the subreaper (prctl) is Linux's")
+def test_a_child_that_leaves_the_group_with_setsid_is_ended_too(tmp_path):
+    script, pids = tmp_path / "escape.py", tmp_path / "pids.txt"
+    script.write_text(ESCAPE)
+    with pytest.raises(ReloadError, match="still ran at monitor.deploy.reload_timeout"):
+        run_command([sys.executable, str(script), str(pids)], time.monotonic() + 3.0)
+    started = [int(pid) for pid in pids.read_text().split()]
+    assert len(started) == 3 and running(started) == []  # the command, its setsid child and the orphaned one
+    assert psutil.Process().children(recursive=True) == []

@@ -1,6 +1,8 @@
 import configparser
 import shutil
+import socket
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -159,3 +161,35 @@ def test_the_mlflow_unit_serves_the_store_the_monitor_unit_waits_for():
     text = UNIT.read_text()
     assert "After=network-online.target mlflow.service" in text
     assert "ConditionPathExists=/etc/draftops/monitor.yaml" in text
+
+
+def test_healthz_answers_within_a_second_while_twenty_clients_hold_connections():
+    """Half a request and silence, or a request trickled a byte at a time: each such client holds its own thread,
+    never the endpoint."""
+    server = MetricsServer(ServiceMetrics("draftops-draft"), lambda: True, "127.0.0.1", 0)
+    clients = []
+    try:
+        for i in range(20):
+            client = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            client.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n" if i % 2 else b"G")
+            clients.append(client)
+        start = time.monotonic()
+        assert scrape(server.port, "/healthz") == (200, "ok\n")
+        assert time.monotonic() - start < 1.0
+    finally:
+        for client in clients:
+            client.close()
+        server.stop()
+
+
+def test_a_silent_client_is_cut_off(monkeypatch):
+    monkeypatch.setattr("monitor.service.exporter._QuietHandler.timeout", 0.5)
+    server = MetricsServer(ServiceMetrics("draftops-draft"), lambda: True, "127.0.0.1", 0)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as client:
+            client.sendall(b"GET /metr")
+            start = time.monotonic()
+            assert client.recv(100) == b""  # the server closed the connection
+            assert time.monotonic() - start < 4.0
+    finally:
+        server.stop()
