@@ -170,8 +170,11 @@ def generation_model(model, dtype: str, batch_size: int = 64):
     if wanted == parameter.dtype:
         return model
     copied = copy.deepcopy(model).to(wanted)
-    # a bf16 copy on a CPU runs oneDNN on weights packed once (`decode.runtime.kernels.OneDNNLinear`)
-    return use_cpu_linear(copied, "onednn") if wanted == torch.bfloat16 and parameter.device.type == "cpu" else copied
+    # a bf16 copy on a CPU runs oneDNN on weights packed once (`decode.runtime.kernels.OneDNNLinear`), where oneDNN
+    # can pack bf16 weights at all (AVX-512 or AVX-NE-CONVERT); elsewhere torch's own bf16 product
+    packs = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    on_cpu_bf16 = wanted == torch.bfloat16 and parameter.device.type == "cpu"
+    return use_cpu_linear(copied, "onednn" if packs else "torch") if on_cpu_bf16 else copied
 
 
 def generate_responses(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
