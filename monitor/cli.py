@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import sys
 from pathlib import Path
 
@@ -89,13 +88,13 @@ def serve_command(args) -> int:
 
 def simulate_command(args) -> int:
     from monitor.service.scheduler import state_dir
-    from monitor.stats.false_alarms import power_figure, simulate_checks
+    from monitor.stats.false_alarms import power_figure, read_pairs, simulate_checks
     from pipeline.config import load_config
 
     cfg = load_config(args.config, args.overrides)
     m = cfg.monitor
     try:
-        pairs = _read_pairs(args.pairs) if args.pairs else None
+        pairs = read_pairs(args.pairs) if args.pairs else None
     except ValueError as exc:
         print(f"draftops: error: --pairs {args.pairs}: {exc}", file=sys.stderr)
         return 2
@@ -135,33 +134,6 @@ def _simulate_server(cfg, windows, args) -> int:
     (out / "server_simulation.json").write_text(json.dumps(result.to_dict(), indent=2))
     print(json.dumps(result.to_dict(), indent=2) if args.json else f"{result.summary()}\nwritten to {out}")
     return 0
-
-
-def _read_pairs(path: str) -> list[tuple[float, float]]:
-    """Per-prompt (accepted, drafted): a JSON list of pairs, or an object with 'accepted' and 'drafted' lists of one
-    length; at least two pairs of finite numbers, 0 <= accepted <= drafted. ValueError saying what is wrong."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ValueError(f"cannot be read: {exc.strerror or exc}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise ValueError(f"not a JSON file: {exc}") from None
-    if isinstance(data, dict):
-        if not isinstance(data.get("accepted"), list) or not isinstance(data.get("drafted"), list):
-            raise ValueError("an object needs 'accepted' and 'drafted' lists")
-        if len(data["accepted"]) != len(data["drafted"]):
-            raise ValueError("'accepted' and 'drafted' differ in length")
-        data = list(zip(data["accepted"], data["drafted"]))
-    if not isinstance(data, list) or len(data) < 2:
-        raise ValueError("needs a list of at least two [accepted, drafted] pairs")
-    pairs = []
-    for i, pair in enumerate(data):
-        if (not isinstance(pair, (list, tuple)) or len(pair) != 2
-                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in pair)
-                or not 0 <= pair[0] <= pair[1]):
-            raise ValueError(f"pair {i} is {pair!r}: needs two finite numbers, 0 <= accepted <= drafted")
-        pairs.append((float(pair[0]), float(pair[1])))
-    return pairs
 
 
 def rebaseline_command(args) -> int:

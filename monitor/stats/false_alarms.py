@@ -13,8 +13,11 @@ The window test of the serving engines' counters is simulated in monitor.stats.w
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 from scipy import stats as sps
@@ -206,3 +209,30 @@ def power_figure(result: SimulationResult):
     ax.legend(fontsize=7, loc="center right")
     fig.tight_layout()
     return fig
+
+
+def read_pairs(path: str) -> list[tuple[float, float]]:
+    """Per-prompt (accepted, drafted): a JSON list of pairs, or an object with 'accepted' and 'drafted' lists of one
+    length; at least two pairs of finite numbers, 0 <= accepted <= drafted. ValueError saying what is wrong."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"cannot be read: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"not a JSON file: {exc}") from None
+    if isinstance(data, dict):
+        if not isinstance(data.get("accepted"), list) or not isinstance(data.get("drafted"), list):
+            raise ValueError("an object needs 'accepted' and 'drafted' lists")
+        if len(data["accepted"]) != len(data["drafted"]):
+            raise ValueError("'accepted' and 'drafted' differ in length")
+        data = list(zip(data["accepted"], data["drafted"]))
+    if not isinstance(data, list) or len(data) < 2:
+        raise ValueError("needs a list of at least two [accepted, drafted] pairs")
+    pairs = []
+    for i, pair in enumerate(data):
+        if (not isinstance(pair, (list, tuple)) or len(pair) != 2
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in pair)
+                or not 0 <= pair[0] <= pair[1]):
+            raise ValueError(f"pair {i} is {pair!r}: needs two finite numbers, 0 <= accepted <= drafted")
+        pairs.append((float(pair[0]), float(pair[1])))
+    return pairs
