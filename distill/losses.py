@@ -21,10 +21,6 @@ Every divergence works on "buckets": log-probabilities over the same columns for
   mapped to student columns and -1 for ids the student cannot emit. Their mass joins the teacher's tail, whose
   student counterpart is the student's mass on its own unlisted columns: still a coarse-graining of the two
   full-vocabulary distributions (q = 0 outside the draft vocabulary), with the same argmax on the listed ids.
-
-The acceptance objectives (`log_acceptance`, `kl_tv`) are not computed on buckets: a bucket's min(p, q) would count
-the tail and the mass outside the draft vocabulary as acceptable. `acceptance_rate` sums min(p, q) over the columns
-the draft can emit, with p the target's own distribution, never renormalized to the draft vocabulary.
 """
 from __future__ import annotations
 
@@ -104,6 +100,7 @@ LOG_ACCEPTANCE_EPS = 1e-3
 
 
 # --------------------------------------------------------------------------- acceptance objectives
+# Not computed on buckets: a bucket's min(p, q) would count the tail and the mass outside the draft vocabulary.
 
 
 def acceptance_rate(student_logits: torch.Tensor, teacher: torch.Tensor | TopKTeacher, *,
