@@ -26,8 +26,8 @@ from decode.chain_acceptance import ENGINE_CHAIN
 from decode.measure.intervals import chain_text, paired_ratio_difference
 from decode.models.feature_draft import FeatureDraft
 from decode.serving.loading import load_draft, load_model
+from distill.data.responses import cached_responses
 from distill.heldout_eval import exact_eval, feature_eval
-from distill.responses import cached_responses
 from distill.step import FeatureStepLogits
 from pipeline.config import load_config
 from pipeline.traffic import encode_configured, first_per_category, load_traffic, reading_options

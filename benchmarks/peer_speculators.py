@@ -9,7 +9,7 @@ own drafts (`--evaluate`).
 
 What is the same as draftops' default job (configs/default.yaml): the target (SmolLM2-135M-Instruct, float32), the
 training responses and their order (the response cache of `make distill`, read through `distill.train.prepare_data`;
-each optimizer step takes the 16 sequences that draftops' step of that number takes, `distill.batches`), the number
+each optimizer step takes the 16 sequences that draftops' step of that number takes, `distill.data.batches`), the number
 of optimizer steps (3 epochs), the draft vocabulary size (8,192), the three target layers read (2, 15, 27) and their
 features (draftops' feature cache, which `draftops distill distill.family=features` writes, or computed here the same
 way), the unrolled steps (3) and float32 compute (draftops trains feature drafts in full precision on a CPU).
@@ -58,11 +58,12 @@ from decode.measure.intervals import chain_text
 from decode.models.feature_draft import FeatureDraft
 from decode.serving.draft_import import import_head, register_import
 from decode.serving.loading import load_draft, load_model
-from distill.batches import global_batch_indices
+from distill.data.batches import global_batch_indices
 from distill.heldout_eval import exact_eval, feature_eval
 from distill.init import feature_layers
-from distill.loop import Timings, global_batch_and_steps
+from distill.loop import global_batch_and_steps
 from distill.step import FeatureStepLogits
+from distill.timings import Timings
 from distill.train import prepare_data
 from pipeline.config import load_config
 from pipeline.sources import locate

@@ -27,7 +27,7 @@ def distill_command(args) -> int:
 
 def suffix_index_command(args) -> int:
     from decode.serving.loading import load_model
-    from distill.responses import target_suffix_index
+    from distill.data.responses import target_suffix_index
     from pipeline.config import load_config
     from pipeline.traffic import load_traffic, reading_options
 
@@ -53,7 +53,7 @@ def suffix_index_command(args) -> int:
 
 def engine_serve_command(args) -> int:
     from decode.serving.llamacpp import LlamaCppError
-    from distill.data_generation.llama_servers import loopback_ports, serve
+    from distill.data.generation.llama_servers import loopback_ports, serve
     from pipeline.config import load_config
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

@@ -16,8 +16,8 @@ from decode.acceptance import analytic_acceptance, draft_rank, simulated_tau, to
 from decode.chain_acceptance import ENGINE_CHAIN, chains_from_matches, chains_from_steps
 from decode.measure.intervals import chain_summary, ratio_ci
 from decode.sampling import to_student_columns
-from distill.batches import collate
-from distill.responses import ResponseSet
+from distill.data.batches import collate
+from distill.data.responses import ResponseSet
 from distill.step import features_and_teacher
 from pipeline.turns import request_of, turn_position
 

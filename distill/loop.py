@@ -10,55 +10,28 @@ from __future__ import annotations
 import math
 import random
 import time
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from distill.batches import collate, global_batch_indices, micro_batch
 from distill.chains import chain_batch
 from distill.checkpoints import latest_checkpoint, load_training_state, save_best, save_training_state
+from distill.data.batches import collate, global_batch_indices, micro_batch
+from distill.data.onpolicy import draft_continuations
+from distill.data.prepare import TrainingData
 from distill.heldout_eval import cached_eval, feature_eval
-from distill.onpolicy import draft_continuations
 from distill.optimizers import build_optimizers, build_schedules
-from distill.responses import ResponseSet
 from distill.step import chain_loss_step, draft_module, feature_loss_step, loss_step
+from distill.timings import Timings
 from pipeline.config import DistillConfig, DraftopsConfig
 from pipeline.sources import eos_token_ids
 
 
 class NonFiniteLoss(RuntimeError):
     """The training loss became nan or inf: the run stops and registers nothing."""
-
-
-@dataclass
-class Timings:
-    """Wall-clock seconds per phase of a job, summed over every time the phase ran."""
-
-    seconds: dict[str, float] = field(default_factory=dict)
-
-    @contextmanager
-    def measure(self, name: str):
-        start = time.perf_counter()
-        yield
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-
-
-@dataclass
-class TrainingData:
-    """The loop's input: cached target responses to train on and to evaluate on, the draft vocabulary (None: the
-    target's), the fingerprint of the training data (part of the job key) and what generated the training
-    responses and their teacher (`builtin float32`, `engine llamacpp model.gguf (Q8_0, ...)`: a lineage tag)."""
-
-    train: ResponseSet
-    heldout: ResponseSet
-    token_ids: torch.Tensor | None
-    fingerprint: str
-    teacher: str = "builtin"
-    train_turns: int = 0  # the assistant turns trained on (`traffic.turns`); 0: one per train request
-    by_turn: bool = False  # the held-out responses are conversations' turns (`traffic.turns: all`)
 
 
 def global_batch_and_steps(d: DistillConfig, n_examples: int, num_processes: int) -> tuple[int, int]:

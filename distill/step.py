@@ -50,7 +50,7 @@ def loss_step(model, batch: dict, settings: DistillConfig, *, num_tokens: int | 
     """This micro-batch's share of the step loss: `settings.loss` (+ `ce_weight` · cross-entropy) between the
     teacher and `model`'s logits at the response positions, in fp32, summed and divided by `num_tokens`.
 
-    model: a `ResponseLogits` (or its accelerate wrapper). batch: a `distill.batches.collate` batch. num_tokens:
+    model: a `ResponseLogits` (or its accelerate wrapper). batch: a `distill.data.batches.collate` batch. num_tokens:
     the response tokens of the whole global batch (every process, every micro-batch), so that the summed
     gradients are those of the global per-token mean whatever the split. target: the online teacher, used when
     the batch carries no cached top-k.
@@ -104,7 +104,7 @@ def step_mask(loss_mask: torch.Tensor, j: int) -> torch.Tensor:
 
 @torch.no_grad()
 def features_and_teacher(batch: dict, target, layers: tuple[int, ...], device) -> tuple[torch.Tensor, object]:
-    """The target's features [B, T, len(layers) * H] on the batch (cached in it by `distill.features`, else from a
+    """The target's features [B, T, len(layers) * H] on the batch (cached in it by `distill.data.features`, else from a
     target pass), and its teacher [B, T, ...] (the cached top-k when the batch has it, else the target's logits from
     the same pass)."""
     input_ids, attention_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)

@@ -26,14 +26,15 @@ from decode.models.feature_draft import FEATURES
 from decode.serving.loading import load_model
 from decode.tree_budget_model import TREE_BUDGETS, rank_acceptance
 from distill.checkpoints import UnsafeCheckpoint, job_key, load_best, point_latest
+from distill.data.prepare import TrainingData, prepare_data
+from distill.data.recorded import RecordedMismatch
 from distill.heldout_eval import exact_eval, feature_eval
 from distill.init import init_draft
-from distill.loop import NonFiniteLoss, Timings, TrainingData, train_loop
+from distill.loop import NonFiniteLoss, train_loop
 from distill.precision import fp32_attention, mixed_precision_choice
-from distill.recorded import RecordedMismatch
 from distill.register import export_draft, log_and_register
 from distill.step import ResponseLogits, draft_module
-from distill.training_data import prepare_data
+from distill.timings import Timings
 from pipeline.config import DraftopsConfig, load_config
 from pipeline.errors import OperatorError
 from pipeline.files import write_text_atomic

@@ -1,7 +1,7 @@
 """Offline generation with continuous batching: many prompts through the lean forward, each row of the batch taken by
 the next prompt as soon as its sequence ends.
 
-`make distill` spends most of its time generating the target's responses to the traffic (`distill.responses`).
+`make distill` spends most of its time generating the target's responses to the traffic (`distill.data.responses`).
 transformers' `generate` runs a batch until its longest sequence ends, finished rows riding along, and grows its KV
 cache by concatenation at every step. Here every row of one preallocated cache (`decode.runtime.lean.KVCache`) holds one
 sequence at its own length (`LeanDecoder.forward_ragged`); a row whose sequence ends is refilled at once with the next

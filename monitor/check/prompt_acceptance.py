@@ -1,7 +1,7 @@
 """Per-prompt acceptance of a draft against a target, on chosen held-out requests.
 
 Analytic: the target's greedy response to each prompt (cached per target fingerprint by
-distill.responses), then one teacher-forced pass of both models; prompt i contributes the sum of
+distill.data.responses), then one teacher-forced pass of both models; prompt i contributes the sum of
 alpha_t = sum_x min(p_t, q_t) over its response tokens (acc) and their number (n). Live: real
 speculative decoding; prompt i contributes accepted and verified draft tokens.
 
@@ -28,7 +28,7 @@ from decode.acceptance import analytic_acceptance
 from decode.drafters.protocol import DRAFT
 from decode.factory import build_decoder
 from decode.runtime.kernels import torch_kernels
-from distill.responses import cached_responses
+from distill.data.responses import cached_responses
 from monitor.engines.offline_expectation import engine_rounds
 from monitor.stats.acceptance_tests import PromptAcceptance
 from pipeline.config import DraftopsConfig

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from distill.recorded import served_by_target
+from distill.data.recorded import served_by_target
 from distill.train import run_distill
 from pipeline import metrics as M
 from pipeline import registry

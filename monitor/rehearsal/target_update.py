@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from decode.serving.loading import load_model
-from distill.responses import cached_responses
+from distill.data.responses import cached_responses
 from pipeline import metrics
 from pipeline.config import DraftopsConfig, TargetUpdateConfig
 from pipeline.sources import eos_token_ids, fingerprint_dir, save_checkpoint

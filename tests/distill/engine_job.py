@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from distill.data_generation.generate import engine_cached_responses
+from distill.data.generation.generate import engine_cached_responses
 from pipeline.config import load_config
 from pipeline.traffic import Request
 from tests.distill.fake_engine import STOP

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from distill.batches import collate, micro_batch
-from distill.responses import ResponseSet, generate_responses
+from distill.data.batches import collate, micro_batch
+from distill.data.responses import ResponseSet, generate_responses
 from pipeline.config import DistillConfig
 from tests.conftest import make_tiny_model, make_tokenizer
 

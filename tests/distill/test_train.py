@@ -23,8 +23,8 @@ from decode.serving.loading import load_draft, load_model
 from decode.serving.speculators import load_speculators
 from decode.tree_budget_model import TREE_BUDGETS, load_rank_acceptance
 from distill.checkpoints import latest_checkpoint
+from distill.data.onpolicy import draft_continuations
 from distill.loop import NonFiniteLoss
-from distill.onpolicy import draft_continuations
 from distill.train import (
     DistillResult,
     layer_counts,
@@ -267,7 +267,7 @@ def test_a_feature_draft_job_exports_the_speculators_format_registers_and_decode
     save_checkpoint(make_tiny_model(len(tokenizer), seed=0, layers=4), tokenizer, isolated_home / "target")
     cfg = tiny_config(isolated_home, "distill.family=features", "distill.ttt_steps=2", "distill.max_steps=4",
                       "decode.gamma=3")
-    monkeypatch.setattr("distill.features.teacher_forced_features", lambda *a, **k: (_ for _ in ()).throw(
+    monkeypatch.setattr("distill.data.features.teacher_forced_features", lambda *a, **k: (_ for _ in ()).throw(
         AssertionError("the features were recorded as the target generated")))
     result = run_distill(cfg)
     assert result.version == "1" and is_speculators_dir(result.export_dir)

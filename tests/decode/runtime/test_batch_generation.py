@@ -83,7 +83,7 @@ def test_models_the_lean_forward_cannot_run_are_refused():
 def test_captured_features_are_the_teacher_forced_hidden_states_at_every_position(model, stop):
     """A feature draft's inputs recorded while the target generates (prompt and every new token, its last one fed
     once more for them) are what a teacher-forced pass over prompt + response gives."""
-    from distill.features import teacher_forced_features
+    from distill.data.features import teacher_forced_features
 
     layers = (0, 1)
     stop_ids = [greedy_reference(model, PROMPTS[0], 7)[2]] if stop else []

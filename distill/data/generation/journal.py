@@ -3,7 +3,7 @@ point keeps all but the requests in flight, and a rerun asks only for the rest.
 
 A line is written whole and flushed before the next request's is (the operating system keeps what a killed process
 wrote). A last line cut by the kill is dropped when the journal is opened again, and a request that appears twice
-(never, short of a bug) counts once: the first line wins. The journal only collects: `distill.data_generation
+(never, short of a bug) counts once: the first line wins. The journal only collects: `distill.data.generation
 .generate` turns a complete sample round into the response cache's atomic `sample-<i>/` folder and deletes the
 journal when every round is there.
 """

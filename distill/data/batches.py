@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from decode.sampling import to_student_columns
+from distill.data.responses import ResponseSet
 from distill.losses import TopKTeacher
-from distill.responses import ResponseSet
 
 
 def global_batch_indices(n_examples: int, step: int, global_batch: int, seed: int,

@@ -35,7 +35,7 @@ from pipeline.sources import eos_token_ids
 from pipeline.traffic import encode_configured
 
 TOPK_FILE = "teacher_topk.safetensors"
-ENGINE_FILE = "engine.json"  # in an entry made by inference servers (`distill.data_generation`): which engine
+ENGINE_FILE = "engine.json"  # in an entry made by inference servers (`distill.data.generation`): which engine
 log = logging.getLogger(__name__)
 
 
@@ -49,7 +49,7 @@ class ResponseSet:
     topk_logprobs: torch.Tensor | None = None
     topk_indices: torch.Tensor | None = None
     offsets: torch.Tensor | None = None
-    # a feature draft's inputs (`distill.features`): flat [Σ len(prompt + response), F] with `feature_offsets`
+    # a feature draft's inputs (`distill.data.features`): flat [Σ len(prompt + response), F] with `feature_offsets`
     features: torch.Tensor | None = None
     feature_offsets: torch.Tensor | None = None
 
@@ -295,7 +295,7 @@ def cached_responses(model, tokenizer, target_fingerprint: str, requests: list, 
     Returns (responses, cache dir, whether every round came from the cache). Request ids are `<request id>#<sample>`.
     The cache is keyed by the model's precision too (`generation_model`'s bfloat16 copy makes other responses).
     `capture` (a feature draft's layers): when every round is generated now, the responses carry the target's features
-    recorded while it generated (`distill.features` keeps them); otherwise they come without.
+    recorded while it generated (`distill.data.features` keeps them); otherwise they come without.
     """
     dtype = next(model.parameters()).dtype  # responses of another precision are other responses (fp32: no key)
     precision = {} if dtype == torch.float32 else {"dtype": str(dtype).removeprefix("torch.")}

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from distill.responses import ResponseSet, concat
+from distill.data.responses import ResponseSet, concat
 from pipeline.traffic import Request
 from pipeline.turns import context_reply, segments, turn_request
 

@@ -1,4 +1,4 @@
-"""Completion responses of vLLM, llama-server and SGLang -> token ids and top-k log-probs (`distill.data_generation
+"""Completion responses of vLLM, llama-server and SGLang -> token ids and top-k log-probs (`distill.data.generation
 .parsers`). llama-server's fixtures were recorded from the llama-server `make llama-cpp` builds, serving the default
 target's GGUF; vLLM's and SGLang's are written from their documented response formats."""
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from distill.data_generation.engine import Settings, check_completion
-from distill.data_generation.parsers import MalformedResponse, parse_llamacpp, parse_sglang, parse_vllm
+from distill.data.generation.engine import Settings, check_completion
+from distill.data.generation.parsers import MalformedResponse, parse_llamacpp, parse_sglang, parse_vllm
 
-FIXTURES = Path(__file__).parent.parent / "fixtures" / "engine"
+FIXTURES = Path(__file__).parents[2] / "fixtures" / "engine"
 SETTINGS = Settings(max_new_tokens=24, topk=4, stop_ids=(2,), vocab_size=49152)
 
 

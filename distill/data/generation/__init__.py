@@ -5,6 +5,6 @@ servers at once, over their HTTP APIs (`distill.responses.engine: openai`, docs/
 - `identity`: which model (and weights, quantization) a server serves; part of the response cache's key.
 - `engine`: the client: requests spread over the servers, bounded concurrency per server, retries, timeouts.
 - `journal`: finished requests appended as they complete, so that a killed run loses only those in flight.
-- `generate`: the response + top-k cache (`distill.responses`' format) filled through the client.
+- `generate`: the response + top-k cache (`distill.data.responses`' format) filled through the client.
 - `serve`: llama-server replicas on loopback (`draftops engine serve`).
 """

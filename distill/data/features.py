@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from decode.runtime.forward import target_features
-from distill.responses import ResponseSet
+from distill.data.responses import ResponseSet
 from pipeline.files import TMP_SUFFIX
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def cached_features(model, responses: ResponseSet, cache_dir: Path, layers: tupl
                     progress: bool = False) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """`teacher_forced_features` of the responses' prompt + response sequences, read from the cache folder when an
     earlier job computed them, else taken from the responses when the target recorded them as it generated
-    (`distill.responses.cached_responses(capture=...)`), else computed; written to the cache either way. Returns
+    (`distill.data.responses.cached_responses(capture=...)`), else computed; written to the cache either way. Returns
     (features, offsets, whether from the cache)."""
     sequences = [p + r for p, r in zip(responses.prompt_ids, responses.response_ids)]
     path = features_file(cache_dir, layers, len(sequences))

@@ -1,4 +1,4 @@
-"""The engine client (`distill.data_generation.engine`) against fake OpenAI-compatible servers in this process: spread
+"""The engine client (`distill.data.generation.engine`) against fake OpenAI-compatible servers in this process: spread
 over servers, retries, timeouts, fewer top-k entries than asked, one-line errors; and what the servers report
 (`identity`)."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distill.data_generation.engine import EngineError, EngineRequest, Server, Settings, generate
-from distill.data_generation.identity import DifferentTeachers, EngineUnavailable, common_identity, probe
+from distill.data.generation.engine import EngineError, EngineRequest, Server, Settings, generate
+from distill.data.generation.identity import DifferentTeachers, EngineUnavailable, common_identity, probe
 from distill.losses import TopKTeacher, distillation_loss
 from tests.distill.fake_engine import STOP, FakeEngine, Faults, answer
 

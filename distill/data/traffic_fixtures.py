@@ -1,7 +1,7 @@
 """Traffic for the real-target jobs of docs/data.md, made from the shipped traffic (or any):
 
-    python -m distill.traffic_fixtures multi-turn --out multi.jsonl [--turns 3]
-    python -m distill.traffic_fixtures recorded --out recorded.jsonl [--config FILE] [key=value ...]
+    python -m distill.data.traffic_fixtures multi-turn --out multi.jsonl [--turns 3]
+    python -m distill.data.traffic_fixtures recorded --out recorded.jsonl [--config FILE] [key=value ...]
 
 `multi-turn` joins consecutive requests' last user messages into conversations of `--turns` user turns (Spec-Bench's
 `turns` shape, no replies), for `traffic.turns=all`. `recorded` has the configured target answer every request once,
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from decode.serving.loading import load_model
-from distill.responses import cached_responses
+from distill.data.responses import cached_responses
 from pipeline.config import load_config
 from pipeline.traffic import encode_configured, load_traffic, reading_options
 
@@ -56,7 +56,7 @@ def write_recorded(cfg, out: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m distill.traffic_fixtures")
+    parser = argparse.ArgumentParser(prog="python -m distill.data.traffic_fixtures")
     sub = parser.add_subparsers(dest="what", required=True)
     multi = sub.add_parser("multi-turn", help="the traffic's prompts as multi-turn conversations")
     multi.add_argument("--traffic", default="default")

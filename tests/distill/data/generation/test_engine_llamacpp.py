@@ -8,8 +8,8 @@ import torch
 
 from decode.serving.export import target_gguf
 from decode.serving.llamacpp import LlamaServer, find_server
-from distill.data_generation.generate import engine_cached_responses
-from distill.responses import teacher_forced_topk
+from distill.data.generation.generate import engine_cached_responses
+from distill.data.responses import teacher_forced_topk
 from pipeline.config import load_config
 from pipeline.sources import DEFAULT_TARGET, eos_token_ids, resolve_model
 from pipeline.traffic import encode_prompts, load_traffic

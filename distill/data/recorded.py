@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from distill.responses import (
+from distill.data.responses import (
     DamagedCache,
     ResponseSet,
     load_responses,

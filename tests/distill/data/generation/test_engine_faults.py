@@ -10,11 +10,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from distill.responses import load_responses
+from distill.data.responses import load_responses
 from tests.distill import engine_job
 from tests.distill.fake_engine import FakeEngine, Faults, answer
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def journal_lines(home: Path) -> int:

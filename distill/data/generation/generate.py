@@ -1,4 +1,4 @@
-"""The response + top-k teacher cache (`distill.responses`' format) filled through inference servers.
+"""The response + top-k teacher cache (`distill.data.responses`' format) filled through inference servers.
 
 The cache entry's key holds the engine's identity (`identity.EngineIdentity`: served model, weights and their
 fingerprint, quantization, engine version) and the top-k asked, beside the prompts, the generation settings and the
@@ -20,10 +20,10 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from distill.data_generation import engine
-from distill.data_generation.identity import EngineIdentity, common_identity, probe
-from distill.data_generation.journal import Journal, Record
-from distill.responses import (
+from distill.data.generation import engine
+from distill.data.generation.identity import EngineIdentity, common_identity, probe
+from distill.data.generation.journal import Journal, Record
+from distill.data.responses import (
     ENGINE_FILE,
     DamagedCache,
     ResponseSet,
@@ -97,7 +97,7 @@ def engine_cached_responses(cfg: ResponsesConfig, target_fingerprint: str, reque
                             *, samples: int, max_new_tokens: int, temperature: float, seed: int, topk: int,
                             stop_ids: list[int], vocab_size: int, progress: bool = False) -> EngineResponses:
     """The servers' responses to `prompts` (`samples` each: the first greedy, the rest sampled) with their top-k
-    teacher, cached as `distill.responses.cached_responses` caches the target's (request ids `<id>#<sample>`).
+    teacher, cached as `distill.data.responses.cached_responses` caches the target's (request ids `<id>#<sample>`).
     The teacher rows hold `cfg.topk` (else `topk`) columns; a position the server returned fewer for is padded with
     log-prob -inf and id -1, which the loss counts in its tail bucket."""
     servers, identity = connect(cfg)

@@ -1,7 +1,13 @@
 import torch
 
 from decode.runtime.kernels import cpu_linear_of
-from distill.responses import cached_responses, generate_responses, generation_model, hf_generate, teacher_forced_topk
+from distill.data.responses import (
+    cached_responses,
+    generate_responses,
+    generation_model,
+    hf_generate,
+    teacher_forced_topk,
+)
 from pipeline.traffic import Request
 from tests.conftest import make_tiny_model, make_tokenizer
 
@@ -59,7 +65,7 @@ def test_sampled_responses_are_reproducible_and_cached(monkeypatch):
     assert not hit and path.parent.name == "responses" and path.name.startswith("fp-")
     assert len(first) == 15 and first.request_ids[:2] == ["q0#0", "q1#0"] and first.request_ids[-1] == "q4#2"
     assert first.offsets[-1] == first.num_response_tokens == first.topk_logprobs.shape[0]
-    monkeypatch.setattr("distill.responses.generate_rounds", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    monkeypatch.setattr("distill.data.responses.generate_rounds", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
     second, path2, hit = cached_responses(model, tokenizer, "fp", requests, PROMPTS, **kw)
     assert hit and path2 == path and second.response_ids == first.response_ids
     assert torch.equal(second.topk_indices, first.topk_indices)
@@ -69,7 +75,8 @@ def test_sampled_responses_are_reproducible_and_cached(monkeypatch):
     larger, path3, hit = cached_responses(model, tokenizer, "fp", requests, PROMPTS, **{**kw, "topk": 6})
     assert hit and path3 == path and larger.topk_indices.shape == (first.num_response_tokens, 6)
     assert torch.equal(larger.topk_indices[:, :4], first.topk_indices)
-    monkeypatch.setattr("distill.responses.teacher_forced_topk", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    monkeypatch.setattr("distill.data.responses.teacher_forced_topk",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError))
     again, _, _ = cached_responses(model, tokenizer, "fp", requests, PROMPTS, **{**kw, "topk": 6})
     assert torch.equal(again.topk_logprobs, larger.topk_logprobs)
 
@@ -128,7 +135,7 @@ def test_responses_of_another_precision_are_cached_apart(isolated_home):
 def test_suffix_index_command_indexes_the_targets_greedy_responses_from_distills_cache(tmp_path, capsys):
     from decode.drafters.suffix import SuffixIndex
     from decode.serving.loading import load_model
-    from distill.responses import cached_responses
+    from distill.data.responses import cached_responses
     from pipeline.cli import main
     from pipeline.traffic import encode_prompts, load_traffic
     from tests.distill.tiny_job import write_target, write_traffic

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
-from distill.data_generation.parsers import MalformedResponse, ParsedCompletion, parse
+from distill.data.generation.parsers import MalformedResponse, ParsedCompletion, parse
 from pipeline.deadline_http import DeadlinePassed, exchange
 from pipeline.errors import OperatorError
 
@@ -113,7 +113,7 @@ def request_body(server: Server, request: EngineRequest, settings: Settings) -> 
 
 def check_completion(parsed: ParsedCompletion, settings: Settings) -> None:
     """MalformedResponse unless the response is one the target could have given: a top-k row per token, ids inside
-    its vocabulary, ended by a stop id (kept, as `distill.responses` keeps it) or at exactly max_new_tokens, and a
+    its vocabulary, ended by a stop id (kept, as `distill.data.responses` keeps it) or at exactly max_new_tokens, and a
     teacher in its top-k (`check_topk`)."""
     n, stops = len(parsed.tokens), set(settings.stop_ids)
     if n == 0:

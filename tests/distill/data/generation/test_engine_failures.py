@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from distill.responses import load_responses
+from distill.data.responses import load_responses
 from pipeline.cli import main
 from pipeline.config import save_config
 from tests.distill.fake_engine import FakeEngine, Faults
@@ -99,7 +99,7 @@ def test_a_teacher_without_entries_is_never_trained_on(tmp_path):
     0 and the draft trained on nothing), while a few tokens without entries (the tail bucket's) are fine."""
     import torch
 
-    from distill.responses import EmptyTeacher, check_teacher, response_set
+    from distill.data.responses import EmptyTeacher, check_teacher, response_set
 
     empty = (torch.full((5, 4), float("-inf")).half(), torch.full((5, 4), -1, dtype=torch.int32))
     with pytest.raises(EmptyTeacher, match="only 0 of the 5 training response tokens carry a top-k teacher"):

@@ -1,10 +1,10 @@
-"""The feature cache (distill.features): batched right-padded passes give each sequence's own features; a second
+"""The feature cache (distill.data.features): batched right-padded passes give each sequence's own features; a second
 job reads them back; a file that does not fit the responses is computed again."""
 import torch
 
 from decode.runtime.forward import target_features
-from distill.features import cached_features, features_file, teacher_forced_features
-from distill.responses import ResponseSet
+from distill.data.features import cached_features, features_file, teacher_forced_features
+from distill.data.responses import ResponseSet
 from tests.conftest import make_tiny_model
 
 LAYERS = (1, 2, 3)
@@ -34,7 +34,7 @@ def test_a_second_job_reads_the_cache_and_a_file_for_other_responses_is_replaced
 
 
 def test_features_recorded_as_the_target_generates_are_kept_without_a_teacher_forced_pass(monkeypatch, tmp_path):
-    from distill.responses import cached_responses
+    from distill.data.responses import cached_responses
     from pipeline.traffic import Request
     from tests.conftest import make_tokenizer
 
@@ -47,7 +47,7 @@ def test_features_recorded_as_the_target_generates_are_kept_without_a_teacher_fo
     forced, forced_offsets = teacher_forced_features(model, sequences, LAYERS)
     assert torch.equal(responses.feature_offsets, forced_offsets)
     torch.testing.assert_close(responses.features.float(), forced.float(), atol=3e-3, rtol=3e-3)
-    monkeypatch.setattr("distill.features.teacher_forced_features", lambda *a, **k: (_ for _ in ()).throw(
+    monkeypatch.setattr("distill.data.features.teacher_forced_features", lambda *a, **k: (_ for _ in ()).throw(
         AssertionError("recorded features were computed again")))
     features, offsets, hit = cached_features(model, responses, cache_dir, LAYERS)
     assert not hit and torch.equal(features, responses.features) and features_file(cache_dir, LAYERS, 6).exists()

@@ -1,7 +1,7 @@
 import torch
 
-from distill.batches import collate, global_batch_indices, micro_batch
-from distill.responses import generate_responses
+from distill.data.batches import collate, global_batch_indices, micro_batch
+from distill.data.responses import generate_responses
 from tests.conftest import make_tiny_model, make_tokenizer
 
 PROMPTS = [[1, 10, 11, 12], [1, 20, 21]]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig
 
-from distill.responses import ResponseSet, left_pad
+from distill.data.responses import ResponseSet, left_pad
 from pipeline.sources import eos_token_ids
 
 

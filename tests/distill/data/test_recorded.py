@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-import distill.training_data as training_data
-from distill.recorded import RecordedMismatch, batched_teacher_topk, reply_ids
-from distill.responses import teacher_forced_topk
+import distill.data.prepare as training_data
+from distill.data.recorded import RecordedMismatch, batched_teacher_topk, reply_ids
+from distill.data.responses import teacher_forced_topk
 from distill.train import run_distill
 from monitor.check.retrain import challenger_config
 from pipeline.sources import resolve_model
@@ -84,7 +84,7 @@ def test_a_reply_is_its_templated_turn_and_its_top_k_is_the_targets(isolated_hom
 
 
 def test_the_fixture_scripts_write_multi_turn_and_recorded_traffic(isolated_home):
-    from distill.traffic_fixtures import main
+    from distill.data.traffic_fixtures import main
 
     assert main(["multi-turn", "--out", str(isolated_home / "multi.jsonl"), "--turns", "3"]) == 0
     multi = load_traffic(isolated_home / "multi.jsonl").requests

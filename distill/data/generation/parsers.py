@@ -47,7 +47,7 @@ class ParsedCompletion:
         return min((len(row) if row else 0 for row in self.top), default=0)
 
     def teacher_rows(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[n, k] fp16 log-probs and int32 ids, `distill.responses`' teacher format. Positions with fewer than k
+        """[n, k] fp16 log-probs and int32 ids, `distill.data.responses`' teacher format. Positions with fewer than k
         entries are padded with log-prob -inf and id -1, which the loss puts in its tail bucket
         (`distill.losses.bucket_log_probs`)."""
         values = torch.full((len(self.tokens), k), float("-inf"), dtype=torch.float32)

@@ -7,9 +7,9 @@ import random
 
 import torch
 
-from distill.responses import response_set
+from distill.data.responses import response_set
+from distill.data.turns import turn_responses
 from distill.train import run_distill
-from distill.turn_data import turn_responses
 from pipeline.traffic import Request, load_traffic
 from pipeline.turns import request_of, segments, turn_position, turn_request
 from tests.conftest import WORDS

@@ -1,4 +1,4 @@
-"""The response + top-k cache filled through inference servers (`distill.data_generation.generate`): the built-in
+"""The response + top-k cache filled through inference servers (`distill.data.generation.generate`): the built-in
 format, keyed by the engine's identity, never read as another teacher's; and a tiny distill job generating through a
 fake server, its lineage tag naming the engine."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from distill.data_generation.generate import ForeignCache, engine_cached_responses
-from distill.data_generation.journal import Journal, Record
-from distill.responses import ENGINE_FILE, DamagedCache, cached_responses, load_responses
+from distill.data.generation.generate import ForeignCache, engine_cached_responses
+from distill.data.generation.journal import Journal, Record
+from distill.data.responses import ENGINE_FILE, DamagedCache, cached_responses, load_responses
 from pipeline.config import load_config
 from pipeline.traffic import Request
 from tests.conftest import make_tiny_model, make_tokenizer
@@ -70,7 +70,7 @@ def test_an_engine_cache_is_never_read_as_another_teachers():
     with pytest.raises(DamagedCache, match="inference server"):
         cached_responses(model, tokenizer, "fp", REQUESTS, PROMPTS, samples=3, max_new_tokens=6, temperature=0.8,
                          batch_size=2, seed=7, topk=4)
-    from distill.data_generation.generate import check_entry
+    from distill.data.generation.generate import check_entry
 
     with pytest.raises(ForeignCache, match="another teacher"):
         check_entry(q4_made.path, f32_made.identity)
