@@ -22,14 +22,14 @@ from pathlib import Path
 
 import torch
 
-from decode.chain_acceptance import ENGINE_CHAIN
-from decode.measure.intervals import chain_text, paired_ratio_difference
+from decode.chain_acceptance import ENGINE_CHAIN, chain_text
 from decode.models.feature_draft import FeatureDraft
 from decode.serving.loading import load_draft, load_model
 from distill.data.responses import cached_responses
 from distill.heldout_eval import exact_eval, feature_eval
 from distill.step import FeatureStepLogits
 from pipeline.config import load_config
+from pipeline.intervals import paired_ratio_difference
 from pipeline.traffic import encode_configured, first_per_category, load_traffic, reading_options
 
 COMPARED = (("alpha_t0", "difference"), ("alpha_t1", "difference"), ("chain_accepted", "ratio"))

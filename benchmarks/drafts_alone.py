@@ -23,14 +23,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from decode.chain_acceptance import chain_text
 from decode.drafters.protocol import DRAFT
 from decode.factory import build_decoder
+from decode.generation_stats import aggregate_stats
 from decode.measure.bench import text_chains
-from decode.measure.intervals import aggregate_stats, chain_text, paired_speedup
 from decode.runtime.forward import greedy_decode
 from decode.runtime.timing import run_interleaved
 from decode.serving.loading import load_draft, load_model
 from pipeline.config import load_config
+from pipeline.intervals import paired_speedup
 from pipeline.sources import eos_token_ids
 from pipeline.traffic import encode_prompts, first_per_category, load_traffic, reading_options
 

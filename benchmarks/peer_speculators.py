@@ -53,8 +53,7 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 
-from decode.chain_acceptance import ENGINE_CHAIN
-from decode.measure.intervals import chain_text
+from decode.chain_acceptance import ENGINE_CHAIN, chain_text
 from decode.models.feature_draft import FeatureDraft
 from decode.serving.draft_import import import_head, register_import
 from decode.serving.loading import load_draft, load_model

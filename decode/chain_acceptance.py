@@ -23,6 +23,7 @@ import torch
 from decode.acceptance import analytic_acceptance
 from decode.models.feature_draft import FeatureDraft
 from decode.runtime.forward import target_features
+from pipeline.intervals import ratio_ci
 
 ENGINE_CHAIN = 3  # the k of vLLM's acceptance-length test and of speculators' default proposals
 
@@ -130,3 +131,18 @@ def feature_chains(target, draft: FeatureDraft, sequences: Sequence[Sequence[int
         for row, (seq, start) in enumerate(zip(batch, response_starts[begin : begin + batch_size])):
             out.append((matches[:, row, : len(seq)].cpu(), start, len(seq)))
     return out
+
+
+def chain_summary(chain: ChainAcceptance, *, seed: int = 0) -> dict:
+    """Chains of k as engines report them (`decode.chain_acceptance`): k, drafts, the rate at each position, and the
+    mean acceptance length with its 95% interval over prompts (1 + the bootstrapped accepted / drafts)."""
+    ci = ratio_ci([sum(row) for row in chain.accepted], [len(row) for row in chain.accepted], seed=seed)
+    return {"k": chain.k, "drafts": chain.drafts, "per_position": chain.per_position, "length": chain.length,
+            "length_low": 1 + ci.low, "length_high": 1 + ci.high}
+
+
+def chain_text(chain: dict) -> str:
+    """One line: `k=3 (vLLM's count): 0.73 / 0.52 / 0.35, acceptance length 2.60 [2.51, 2.69]`."""
+    rates = " / ".join(f"{rate:.2f}" for rate in chain["per_position"])
+    return (f"k={chain['k']} (vLLM's count, per draft): {rates}, acceptance length {chain['length']:.2f} "
+            f"[{chain['length_low']:.2f}, {chain['length_high']:.2f}]")

@@ -245,8 +245,8 @@ def _log_eval(cfg, report: dict, target, draft, traffic_fingerprint: str) -> str
 
 def _print_eval(report: dict) -> None:
     """eval's report for people: both acceptances with their intervals, τ, per category and by target confidence."""
+    from decode.chain_acceptance import chain_text
     from decode.drafters.protocol import DECODER, DRAFT
-    from decode.measure.intervals import chain_text
 
     analytic, drafters = report["analytic"]["alpha"], report["drafters"]
     print(f"prompts: {report['n_prompts']} ({report['split']})")

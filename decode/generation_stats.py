@@ -1,10 +1,15 @@
 """What one generation did, round by round: tokens proposed and accepted per source, target calls, timings
-(`GenerationStats`); `decode.measure.intervals` aggregates them over prompts with intervals."""
+(`GenerationStats`), and their aggregate over prompts with intervals (`aggregate_stats`)."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from pipeline.intervals import ratio_ci
 
 
 @dataclass
@@ -109,3 +114,47 @@ class PhaseClock:
     def total(self) -> float:
         self.sync()
         return time.perf_counter() - self.started
+
+
+def aggregate_stats(
+    stats: Sequence[GenerationStats],
+    categories: Sequence[str] | None = None,
+    *,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> dict:
+    """Aggregate per-prompt stats: α̂, draft efficiency, τ and tokens/s with prompt-level CIs, per category too."""
+    summary = _summarize(stats, confidence=confidence, seed=seed)
+    if categories is not None:
+        if len(categories) != len(stats):
+            raise ValueError(f"{len(categories)} categories for {len(stats)} stats")
+        summary["per_category"] = {
+            name: _summarize([s for s, c in zip(stats, categories) if c == name], confidence=confidence, seed=seed)
+            for name in sorted(set(categories))
+        }
+    return summary
+
+
+def _summarize(stats: Sequence[GenerationStats], *, confidence: float, seed: int) -> dict:
+    def ci(num: list[float], den: list[float]) -> dict:
+        return ratio_ci(num, den, confidence=confidence, seed=seed).to_dict()
+
+    depth = max((len(s.drafted_at) for s in stats), default=0)
+    accepted_at, verified_at = np.zeros(depth), np.zeros(depth)
+    for s in stats:
+        accepted_at[: len(s.accepted_at)] += s.accepted_at
+        verified_at[: len(s.verified_at)] += s.verified_at
+    return {
+        "n_prompts": len(stats),
+        "new_tokens": sum(s.new_tokens for s in stats),
+        "acceptance_rate": ci([s.accepted for s in stats], [s.verified for s in stats]),
+        "draft_efficiency": ci([s.accepted for s in stats], [s.drafted for s in stats]),
+        "tau": ci([s.new_tokens for s in stats], [s.target_calls for s in stats]),
+        "tokens_per_s": ci([s.new_tokens for s in stats], [s.total_s for s in stats]),
+        "acceptance_at_position": [float(a / v) if v else float("nan") for a, v in zip(accepted_at, verified_at)],
+        "accepted_by_source": dict(sum((Counter(s.accepted_by_source) for s in stats), Counter())),
+        "time_s": {
+            name: float(sum(getattr(s, name) for s in stats))
+            for name in ("prefill_s", "draft_s", "verify_s", "overhead_s", "total_s")
+        },
+    }

@@ -13,12 +13,12 @@ import random
 import torch
 
 from decode.acceptance import analytic_acceptance, draft_rank, simulated_tau, token_mean
-from decode.chain_acceptance import ENGINE_CHAIN, chains_from_matches, chains_from_steps
-from decode.measure.intervals import chain_summary, ratio_ci
+from decode.chain_acceptance import ENGINE_CHAIN, chain_summary, chains_from_matches, chains_from_steps
 from decode.sampling import to_student_columns
 from distill.data.batches import collate
 from distill.data.responses import ResponseSet
 from distill.step import features_and_teacher
+from pipeline.intervals import ratio_ci
 from pipeline.turns import request_of, turn_position
 
 
@@ -68,7 +68,7 @@ def summarize_acceptance(greedy: list[list[float]], sampled: list[list[float]], 
 def exact_eval(target, draft, responses: ResponseSet, token_ids: torch.Tensor | None, gamma: int, *,
                with_ranks: bool = False, by_turn: bool = False, chain_k: int = ENGINE_CHAIN) -> dict:
     """α at T=0 and T=1 and simulated τ with the target run alongside (decode.acceptance.analytic_acceptance), and
-    `chain`: chains of `chain_k` drafts at T=0 (`decode.measure.intervals.chain_summary`).
+    `chain`: chains of `chain_k` drafts at T=0 (`decode.chain_acceptance.chain_summary`).
     with_ranks: also `ranks`, per response where the target's greedy token stands in the draft's order at each of its
     positions (what `decode.tree_budget_model.rank_acceptance` turns into a token tree's p_r). by_turn: the responses
     are the turns of held-out conversations (`pipeline.turns` ids): the intervals resample requests, the unit of
@@ -95,7 +95,7 @@ def exact_eval(target, draft, responses: ResponseSet, token_ids: torch.Tensor | 
 
 def per_response_sums(greedy: list[list[float]], sampled: list[list[float]], chains) -> dict:
     """Per held-out response, (sum, count) of α(T=0), of α(T=1) and of the tokens accepted in chains of k: what a
-    paired comparison of two drafts resamples (`decode.measure.intervals.paired_ratio_difference`)."""
+    paired comparison of two drafts resamples (`pipeline.intervals.paired_ratio_difference`)."""
     def sums(rows):
         return [(float(sum(row)), len(row)) for row in rows]
     return {"alpha_t0": sums(greedy), "alpha_t1": sums(sampled), "chain_accepted": sums(chains.accepted)}

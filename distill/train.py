@@ -19,9 +19,8 @@ from accelerate import Accelerator, PartialState
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType, is_bf16_available, set_seed
 
-from decode.chain_acceptance import ENGINE_CHAIN
+from decode.chain_acceptance import ENGINE_CHAIN, chain_text
 from decode.drafters.suffix import SuffixIndex
-from decode.measure.intervals import chain_text
 from decode.models.feature_draft import FEATURES
 from decode.serving.loading import load_model
 from decode.tree_budget_model import TREE_BUDGETS, rank_acceptance

@@ -240,7 +240,7 @@ def acceptance_length(k: int) -> str:
 
 
 def chain_metrics(chain: dict) -> dict[str, float]:
-    """The figures of a `decode.measure.intervals.chain_summary` under these names (the length with its interval)."""
+    """The figures of a `decode.chain_acceptance.chain_summary` under these names (the length with its interval)."""
     k = chain["k"]
     out = {chain_position(k, i + 1): rate for i, rate in enumerate(chain["per_position"])}
     out.update({acceptance_length(k): chain["length"], f"{acceptance_length(k)}_ci_low": chain["length_low"],

@@ -28,12 +28,13 @@ import torch
 from tqdm.auto import tqdm
 
 from decode.acceptance import break_even_alpha, expected_speedup
-from decode.chain_acceptance import ENGINE_CHAIN, greedy_chains
+from decode.chain_acceptance import ENGINE_CHAIN, chain_summary, greedy_chains
 from decode.drafters.chain import output_size
 from decode.drafters.lookup import lookup_max_ngram
 from decode.drafters.model_tree import TreeDrafter
 from decode.drafters.protocol import DECODER, LOOKUP
 from decode.factory import build_decoder
+from decode.generation_stats import aggregate_stats
 from decode.measure.bench_llamacpp import llama_cpp_rows, llama_cpp_summary
 from decode.measure.bench_rows import (
     CHAIN,
@@ -48,7 +49,6 @@ from decode.measure.bench_rows import (
     describe_trees,
     draft_alpha_row,
 )
-from decode.measure.intervals import aggregate_stats, chain_summary, paired_speedup, ratio_ci
 from decode.models.feature_draft import FeatureDraft
 from decode.runtime.forward import ModelRunner, greedy_decode
 from decode.runtime.kernels import cpu_linear_of, torch_kernels
@@ -58,6 +58,7 @@ from decode.serving.llamacpp import Completion, LlamaServer
 from decode.serving.loading import hf_assistant_model
 from decode.step_costs import costed_drafter, step_costs
 from pipeline.config import DecodeConfig
+from pipeline.intervals import paired_speedup, ratio_ci
 from pipeline.sources import HF_ASSISTANT_DIR, eos_token_ids
 
 
@@ -367,7 +368,7 @@ def challenger_report(challenger, second: dict, decoder, decoders: dict, target,
 
 def text_chains(target, draft, prompts: Sequence[list[int]], responses: Sequence[list[int]], k: int,
                 seed: int) -> dict | None:
-    """`decode.measure.intervals.chain_summary` of `draft` in chains of k over the target's greedy responses (None
+    """`decode.chain_acceptance.chain_summary` of `draft` in chains of k over the target's greedy responses (None
     without a draft model)."""
     if draft is None:
         return None

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from decode.measure.intervals import paired_speedup
 from decode.models.feature_draft import FeatureDraft
 from decode.serving.export import GGUF, draft_source, export_format
 from decode.serving.llamacpp import Completion, LlamaCppError, LlamaServer, optional_rows, served_target
+from pipeline.intervals import paired_speedup
 
 LLAMA_CPP_TARGET_ONLY, LLAMA_CPP_SPECULATIVE = "llama_cpp_target_only", "llama_cpp_speculative"
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from decode.chain_acceptance import chain_text
 from decode.measure.bench_llamacpp import LLAMA_CPP_SPECULATIVE, LLAMA_CPP_TARGET_ONLY
 from decode.measure.bench_rows import TARGET_ONLY, TARGET_ONLY_TORCH
-from decode.measure.intervals import chain_text
 from decode.measure.markdown import interval, table
 from pipeline import metrics as M
 

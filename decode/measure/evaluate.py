@@ -15,12 +15,13 @@ from decode.acceptance import (
     expected_tokens_from_positions,
     token_mean,
 )
-from decode.chain_acceptance import ENGINE_CHAIN, greedy_chains
+from decode.chain_acceptance import ENGINE_CHAIN, chain_summary, greedy_chains
 from decode.drafters.protocol import DECODER, DRAFT
 from decode.factory import build_decoder
-from decode.measure.intervals import aggregate_stats, chain_summary, ratio_ci
+from decode.generation_stats import aggregate_stats
 from pipeline import metrics as M
 from pipeline.config import DecodeConfig
+from pipeline.intervals import ratio_ci
 
 
 def evaluate(target, draft, prompts: Sequence[list[int]], categories: Sequence[str], decode: DecodeConfig, *,

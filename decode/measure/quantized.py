@@ -19,9 +19,9 @@ from collections.abc import Sequence
 import torch
 from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
-from decode.measure.intervals import ratio_ci
 from decode.runtime.forward import ModelRunner
 from decode.runtime.kernels import use_cpu_linear
+from pipeline.intervals import ratio_ci
 
 FP32_LAYERS = ("down_proj",)  # linear layers int8_dynamic leaves in fp32, by name
 

@@ -28,7 +28,7 @@ from functools import partial
 
 import numpy as np
 
-from decode.measure.intervals import aggregate_stats, paired_speedup
+from decode.generation_stats import aggregate_stats
 from decode.measure.sweep_acceptance import acceptance_table, at_context, greedy_responses, spread
 from decode.measure.sweep_axes import BATCH_CONTEXT, BATCHES, batch_axis, measure_quantization
 from decode.measure.sweep_drafts import Draft
@@ -43,6 +43,7 @@ from decode.tree_budget_model import (
     predict_tree_budgets,
     recommend_tree_budget,
 )
+from pipeline.intervals import paired_speedup
 from pipeline.traffic import encode_prompts
 
 # --------------------------------------------------------------------------- choosing

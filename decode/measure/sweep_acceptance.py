@@ -10,7 +10,6 @@ import numpy as np
 
 from decode.acceptance import Block, analytic_acceptance, greedy_block, walk
 from decode.drafters.lookup import PromptLookupDrafter
-from decode.measure.intervals import ratio_ci
 from decode.measure.sweep_drafts import Draft
 from decode.runtime.forward import ModelRunner, greedy_decode
 from decode.tree_budget_model import (
@@ -18,6 +17,7 @@ from decode.tree_budget_model import (
 )
 from pipeline import draftops_home
 from pipeline.files import write_text_atomic
+from pipeline.intervals import ratio_ci
 
 
 def spread(requests: Sequence, n: int) -> list:

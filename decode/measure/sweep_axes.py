@@ -10,7 +10,6 @@ import numpy as np
 import torch
 
 from decode.measure.batched import batched_greedy, batched_speculative
-from decode.measure.intervals import paired_speedup
 from decode.measure.quantized import int8_dynamic, quantization_quality
 from decode.measure.sweep_acceptance import at_context
 from decode.measure.sweep_drafts import Draft
@@ -19,6 +18,7 @@ from decode.runtime.forward import ModelRunner, greedy_decode
 from decode.runtime.timing import run_interleaved
 from decode.serving.llamacpp import LlamaServer, optional_rows, served_target
 from decode.step_costs import measure_batch_costs
+from pipeline.intervals import paired_speedup
 
 BATCHES = (1, 2, 4, 8, 16, 32)  # batch sizes of the batch axis
 

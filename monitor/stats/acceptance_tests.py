@@ -11,7 +11,7 @@ drafted tokens (positions) of prompt i. All tests are one-sided:  H0: drop <= ma
 H1: drop > margin, with drop = A_baseline - A_current.  `alarm` is True when p_value < level; the
 reported interval is the central (1 - 2*level) interval, so its lower end is the one-sided
 (1 - level) lower confidence bound. With the delta method `alarm` agrees with `ci_low > margin`;
-the bootstrap (`decode.measure.intervals.bootstrap_ci`) takes its p-value from the share of resampled drops
+the bootstrap (`pipeline.intervals.bootstrap_ci`) takes its p-value from the share of resampled drops
 at or below the margin and its interval by BCa, whose bias and skew correction can move the
 bound a little off that share's quantile.
 
@@ -31,7 +31,7 @@ import numpy as np
 from scipy import stats
 from scipy.spatial.distance import jensenshannon
 
-from decode.measure.intervals import bootstrap_ci
+from pipeline.intervals import bootstrap_ci
 
 Method = Literal["bootstrap", "delta"]
 ArrayLike = Sequence[float] | np.ndarray

@@ -10,8 +10,8 @@ from decode.acceptance import (
     expected_tokens_from_positions,
 )
 from decode.factory import model_decoder
-from decode.measure.intervals import acceptance_ci, ratio_ci
 from decode.sampling import to_target_vocab, warp_logits
+from pipeline.intervals import ratio_ci
 
 SEQUENCES = [[5, 9, 17, 33, 2, 64, 7], [1, 2, 3], [100, 101, 7, 8, 9, 10, 11, 12, 13]]
 STARTS = [3, 1, 9]  # the last sequence has an empty response
@@ -66,7 +66,7 @@ def test_live_acceptance_agrees_with_analytic(target, close_draft):
     prompts = [torch.randint(0, 128, (int(n),), generator=generator).tolist() for n in torch.randint(3, 9, (40,))]
     decoder = model_decoder(target, close_draft, 3)
     results = [decoder.generate(p, max_new_tokens=24, temperature=1.0, seed=i) for i, p in enumerate(prompts)]
-    live = acceptance_ci([r.stats.accepted for r in results], [r.stats.verified for r in results])
+    live = ratio_ci([r.stats.accepted for r in results], [r.stats.verified for r in results])
 
     analytic = analytic_acceptance(
         target, close_draft, [p + r.token_ids for p, r in zip(prompts, results)], [len(p) for p in prompts]

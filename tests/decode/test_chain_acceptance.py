@@ -5,9 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode.chain_acceptance import ChainAcceptance, chains_from_matches, greedy_chains, walk_chains
+from decode.chain_acceptance import (
+    ChainAcceptance,
+    chain_summary,
+    chain_text,
+    chains_from_matches,
+    greedy_chains,
+    walk_chains,
+)
 from decode.factory import model_decoder
-from decode.measure.intervals import chain_summary, chain_text
 from decode.models.feature_draft import feature_draft_from_target
 from decode.models.layer_draft import draft_from_target_layers
 from decode.runtime.forward import ModelRunner, greedy_decode

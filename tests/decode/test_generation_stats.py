@@ -5,16 +5,8 @@ import pytest
 from scipy import stats as sps
 
 from decode.acceptance import expected_speedup, expected_tokens, expected_tokens_from_positions
-from decode.generation_stats import GenerationStats
-from decode.measure.intervals import (
-    RatioCI,
-    acceptance_ci,
-    aggregate_stats,
-    bootstrap_ci,
-    paired_speedup,
-    ratio_ci,
-    sum_ratio,
-)
+from decode.generation_stats import GenerationStats, aggregate_stats
+from pipeline.intervals import RatioCI, bootstrap_ci, paired_speedup, ratio_ci, sum_ratio
 
 
 def test_record_block_counts_trials_and_positions():
@@ -45,13 +37,13 @@ def scipy_bca(samples, statistic, seed=0, n_resamples=2000):
 
 
 def test_ratio_ci_is_sum_ratio_with_a_paired_bca_bootstrap_over_prompts():
-    ci = acceptance_ci([1, 9, 5], [10, 10, 10], seed=0)
+    ci = ratio_ci([1, 9, 5], [10, 10, 10], seed=0)
     assert ci.value == 0.5 and ci.n_prompts == 3
     direct = scipy_bca(([1, 9, 5], [10, 10, 10]), sum_ratio)
     assert (ci.low, ci.high) == pytest.approx((direct.low, direct.high))
     # every resample's ratio is a mean of three of 0.1, 0.9, 0.5
     assert 0.1 - 1e-12 <= ci.low < 0.5 < ci.high <= 0.9 + 1e-12
-    assert ci == acceptance_ci([1, 9, 5], [10, 10, 10], seed=0)  # seeded
+    assert ci == ratio_ci([1, 9, 5], [10, 10, 10], seed=0)  # seeded
     # prompts with nothing to count (0 / 0) take no part in the resampling
     assert ratio_ci([1, 9, 0, 5], [10, 10, 0, 10]) == RatioCI(0.5, ci.low, ci.high, 4)
 

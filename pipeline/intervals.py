@@ -1,25 +1,17 @@
-"""Per-generation bookkeeping, prompt-level aggregation and the project's one bootstrap.
+"""The project's one bootstrap and the intervals built on it.
 
-Tokens generated for one prompt are correlated, so every confidence interval here treats the prompt as the unit:
-ratio estimators (sum of numerators / sum of denominators over prompts) with a seeded bootstrap over prompts
-(`bootstrap_ci`, also behind the monitor's drop tests).
+Tokens generated for one prompt are correlated, so every interval treats the prompt as the unit: ratio estimators
+(sum of numerators / sum of denominators over prompts) with a seeded bootstrap over prompts. Below every package that
+reports a figure with its interval: decode's measurements, distill's evaluation, the monitor's drop tests.
 """
-
 from __future__ import annotations
 
 import warnings
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 from scipy import stats as sps
-
-from decode.generation_stats import GenerationStats
-
-if TYPE_CHECKING:
-    from decode.chain_acceptance import ChainAcceptance
 
 
 @dataclass(frozen=True)
@@ -131,21 +123,6 @@ def paired_ratio_difference(a: Sequence[tuple[float, float]], b: Sequence[tuple[
     return out
 
 
-def chain_summary(chain: ChainAcceptance, *, seed: int = 0) -> dict:
-    """Chains of k as engines report them (`decode.chain_acceptance`): k, drafts, the rate at each position, and the
-    mean acceptance length with its 95% interval over prompts (1 + the bootstrapped accepted / drafts)."""
-    ci = ratio_ci([sum(row) for row in chain.accepted], [len(row) for row in chain.accepted], seed=seed)
-    return {"k": chain.k, "drafts": chain.drafts, "per_position": chain.per_position, "length": chain.length,
-            "length_low": 1 + ci.low, "length_high": 1 + ci.high}
-
-
-def chain_text(chain: dict) -> str:
-    """One line: `k=3 (vLLM's count): 0.73 / 0.52 / 0.35, acceptance length 2.60 [2.51, 2.69]`."""
-    rates = " / ".join(f"{rate:.2f}" for rate in chain["per_position"])
-    return (f"k={chain['k']} (vLLM's count, per draft): {rates}, acceptance length {chain['length']:.2f} "
-            f"[{chain['length_low']:.2f}, {chain['length_high']:.2f}]")
-
-
 def paired_speedup(tokens_a, seconds_a, tokens_b, seconds_b, *, seed: int = 0, n_boot: int = 2000) -> dict:
     """Throughput of a over throughput of b on the same prompts, with a paired bootstrap over prompts."""
     ta, sa, tb, sb = (np.asarray(x, dtype=np.float64) for x in (tokens_a, seconds_a, tokens_b, seconds_b))
@@ -155,62 +132,3 @@ def paired_speedup(tokens_a, seconds_a, tokens_b, seconds_b, *, seed: int = 0, n
 
     ci = bootstrap_ci(speedup, (ta, sa, tb, sb), paired=True, n_resamples=n_boot, seed=seed)
     return {"value": float(speedup(ta, sa, tb, sb)), "low": ci.low, "high": ci.high, "n_prompts": len(ta)}
-
-
-def acceptance_ci(
-    accepted_per_prompt: Sequence[float],
-    drafted_per_prompt: Sequence[float],
-    *,
-    confidence: float = 0.95,
-    n_boot: int = 2000,
-    seed: int = 0,
-) -> RatioCI:
-    """Acceptance sum(accepted)/sum(drafted) over prompts with a prompt-level bootstrap CI.
-
-    Pass verified counts (GenerationStats.verified) as the denominator to estimate the per-token α.
-    """
-    return ratio_ci(accepted_per_prompt, drafted_per_prompt, confidence=confidence, n_boot=n_boot, seed=seed)
-
-
-def aggregate_stats(
-    stats: Sequence[GenerationStats],
-    categories: Sequence[str] | None = None,
-    *,
-    confidence: float = 0.95,
-    seed: int = 0,
-) -> dict:
-    """Aggregate per-prompt stats: α̂, draft efficiency, τ and tokens/s with prompt-level CIs, per category too."""
-    summary = _summarize(stats, confidence=confidence, seed=seed)
-    if categories is not None:
-        if len(categories) != len(stats):
-            raise ValueError(f"{len(categories)} categories for {len(stats)} stats")
-        summary["per_category"] = {
-            name: _summarize([s for s, c in zip(stats, categories) if c == name], confidence=confidence, seed=seed)
-            for name in sorted(set(categories))
-        }
-    return summary
-
-
-def _summarize(stats: Sequence[GenerationStats], *, confidence: float, seed: int) -> dict:
-    def ci(num: list[float], den: list[float]) -> dict:
-        return ratio_ci(num, den, confidence=confidence, seed=seed).to_dict()
-
-    depth = max((len(s.drafted_at) for s in stats), default=0)
-    accepted_at, verified_at = np.zeros(depth), np.zeros(depth)
-    for s in stats:
-        accepted_at[: len(s.accepted_at)] += s.accepted_at
-        verified_at[: len(s.verified_at)] += s.verified_at
-    return {
-        "n_prompts": len(stats),
-        "new_tokens": sum(s.new_tokens for s in stats),
-        "acceptance_rate": ci([s.accepted for s in stats], [s.verified for s in stats]),
-        "draft_efficiency": ci([s.accepted for s in stats], [s.drafted for s in stats]),
-        "tau": ci([s.new_tokens for s in stats], [s.target_calls for s in stats]),
-        "tokens_per_s": ci([s.new_tokens for s in stats], [s.total_s for s in stats]),
-        "acceptance_at_position": [float(a / v) if v else float("nan") for a, v in zip(accepted_at, verified_at)],
-        "accepted_by_source": dict(sum((Counter(s.accepted_by_source) for s in stats), Counter())),
-        "time_s": {
-            name: float(sum(getattr(s, name) for s in stats))
-            for name in ("prefill_s", "draft_s", "verify_s", "overhead_s", "total_s")
-        },
-    }

@@ -1,9 +1,9 @@
-"""decode.measure.intervals: paired comparisons."""
+"""pipeline.intervals: paired comparisons."""
 import pytest
 
 
 def test_paired_ratio_difference_is_paired_over_prompts():
-    from decode.measure.intervals import paired_ratio_difference
+    from pipeline.intervals import paired_ratio_difference
     # b accepts exactly 0.1 less than a on every prompt, whatever the prompt's own level: a paired interval is tight
     a = [(0.6 * n, n) for n in (10, 20, 30, 40, 50)] + [(0.2 * n, n) for n in (10, 20, 30, 40, 50)]
     b = [(x - 0.1 * n, n) for x, n in a]
