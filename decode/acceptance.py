@@ -66,9 +66,9 @@ def analytic_acceptance(
     position (its prediction of token t from the target's features at t - 2 and token t - 1).
 
     greedy_ranks: also rank the target's argmax among the draft's unwarped probabilities at every position, the order
-    in which a greedy token tree offers the draft's candidates (`decode.drafters.model_tree.ModelTree`): a rank-r
+    in which a greedy token tree offers the draft's candidates (`decode.drafters.tree_drafter.ModelTree`): a rank-r
     candidate is the one the greedy walk accepts exactly where this rank is r
-    (`decode.tree_budget_model.rank_acceptance`).
+    (`decode.tree_budget_prediction.rank_acceptance`).
     """
     if len(sequences) != len(response_starts):
         raise ValueError(f"{len(sequences)} sequences but {len(response_starts)} response starts")

@@ -11,13 +11,13 @@ from pathlib import Path
 import torch
 
 from decode.drafters.chain import make_drafter
-from decode.drafters.model_tree import make_tree_drafter
 from decode.drafters.protocol import DECODER, DRAFT, LOOKUP, SUFFIX
 from decode.drafters.suffix import SuffixIndex, load_suffix_index
+from decode.drafters.tree_drafter import make_tree_drafter
 from decode.runtime.forward import ModelRunner
 from decode.runtime.lean import compiled_lean, lean_problem, notice_fallback, use_compiled_passes
 from decode.speculative import GREEDY, GammaPolicy, Sampling, SpeculativeDecoder
-from decode.tree_budget_measured import BudgetChoice, DecoderChoice, ModelFreeTrees, choose_trees
+from decode.tree_budget_measured import BudgetChoice, DecoderChoice, TextTrees, choose_trees
 from pipeline.config import AUTO, DecodeConfig
 from pipeline.sources import eos_token_ids as target_eos_ids
 
@@ -38,7 +38,7 @@ def build_decoder(target, draft, decode: DecodeConfig, *, kind: str = DECODER, g
 
     target: a `pipeline.sources.ResolvedModel` (its generation config and tokenizer give the EOS ids); draft: one too,
     or None for the "lookup" and "suffix" drafters. `decode.tree_budget` > 0 or `decode.tree_budget_schedule` gives
-    tree rounds (`decode.drafters.model_tree`) with the drafters and budgets of `tree_drafters`;
+    tree rounds (`decode.drafters.tree_drafter`) with the drafters and budgets of `tree_drafters`;
     `decode.drafters.suffix` adds suffix decoding to the trees of "decoder" and "lookup", with the suffix index of
     `suffix_index_of`.
     `decode.compiled` compiles the target's and a layer draft's passes (`decode.runtime.lean.use_compiled_passes`: for
@@ -129,7 +129,7 @@ def tree_drafters(decode: DecodeConfig, target, draft, kind: str = DECODER, *,
         return None
     if schedule != AUTO:
         return DecoderChoice(kind, BudgetChoice([tuple(e) for e in schedule], "configured"), {}, "")
-    choice = choose_trees(target, draft if kind in (DECODER, DRAFT) else None, model_free_trees(decode, draft, kind),
+    choice = choose_trees(target, draft if kind in (DECODER, DRAFT) else None, text_trees_of(decode, draft, kind),
                           decode.gamma, draft_kind=kind, compiled=compiled)
     if len(choice.predicted) > 1 and choice.reason not in _said:  # a measured choice between candidates
         _said.add(choice.reason)
@@ -138,18 +138,18 @@ def tree_drafters(decode: DecodeConfig, target, draft, kind: str = DECODER, *,
     return choice
 
 
-def model_free_trees(decode: DecodeConfig, draft, kind: str) -> ModelFreeTrees | None:
+def text_trees_of(decode: DecodeConfig, draft, kind: str) -> TextTrees | None:
     """The trees without a draft model that `tree_drafters` weighs for `kind`: prompt lookup's or suffix decoding's
     own; for the default decoder under `decode.use_draft: auto`, its trees without the draft (lookup's and suffix
     decoding's, or suffix decoding's where lookup is off); None where there are none to weigh."""
     if kind in (LOOKUP, SUFFIX):
-        return ModelFreeTrees(kind, suffix_index_of(decode, draft), suffix=decode.suffix or kind == SUFFIX,
+        return TextTrees(kind, suffix_index_of(decode, draft), suffix=decode.suffix or kind == SUFFIX,
                               lookup_min_ngram=decode.lookup_min_ngram if kind == LOOKUP else None,
                               branching=decode.tree_branching)
     without = LOOKUP if decode.lookup_min_ngram is not None else SUFFIX if decode.suffix else None
     if kind != DECODER or draft is None or without is None or decode.use_draft != AUTO:
         return None
-    return ModelFreeTrees(without, suffix_index_of(decode, draft), suffix=decode.suffix,
+    return TextTrees(without, suffix_index_of(decode, draft), suffix=decode.suffix,
                           lookup_min_ngram=decode.lookup_min_ngram, branching=decode.tree_branching)
 
 

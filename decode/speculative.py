@@ -6,7 +6,7 @@ explicit positions, and rejected drafts are rolled back by cropping the caches. 
 the algorithm; `SpeculativeDecoder.generate` runs rounds until a stop and keeps the statistics.
 
 Proposals come from a drafter (`decode.drafters.chain`): a draft model, prompt lookup, or lookup first and the model
-elsewhere. With a tree budget the decoder runs `tree_round`s instead: a tree drafter (`decode.drafters.model_tree`)
+elsewhere. With a tree budget the decoder runs `tree_round`s instead: a tree drafter (`decode.drafters.tree_drafter`)
 proposes many continuations at once, the target verifies them in one pass with a tree attention mask and
 `decode.token_tree.accept` keeps one path of them. `decode.factory.build_decoder` builds the decoder a config describes.
 """
@@ -20,8 +20,8 @@ from typing import Literal
 import torch
 
 from decode.drafters.chain import model_context, output_size
-from decode.drafters.model_tree import TreeDrafter
 from decode.drafters.protocol import Drafter
+from decode.drafters.tree_drafter import TreeDrafter
 from decode.generation_stats import GenerationStats, PhaseClock
 from decode.runtime.forward import ModelRunner, compact, rollback
 from decode.sampling import Warp, sample
@@ -259,7 +259,7 @@ class SpeculativeDecoder:
     ):
         """target_runner: how the target runs (`decode.runtime.forward.ModelRunner`: lean or transformers' forward,
         compiled or eager), built by the factory once per decoder. drafter: a chain drafter (`decode.drafters.chain`,
-        e.g. `decode.drafters.lookup.PromptLookupDrafter`) or a `decode.drafters.model_tree.TreeDrafter` (tree
+        e.g. `decode.drafters.lookup.PromptLookupDrafter`) or a `decode.drafters.tree_drafter.TreeDrafter` (tree
         rounds). gamma: a fixed γ, or a `GammaPolicy` (schedule by context length, adaptive); in tree rounds, the
         deepest level. eos_token_ids: ids that end generation (() never stops). sampling: `generate`'s defaults.
         """

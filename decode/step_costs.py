@@ -1,11 +1,12 @@
 """Step costs measured through the decoder's own functions: the one step-cost timer of bench (`step_costs`: one
 decoder's c and v), the sweep (`measure_costs`, `measure_batch_costs`) and the auto tree budget; the timing primitives
-are `decode.runtime.timing`'s, and the prediction from these costs is `decode.measure.sweep_model`'s.
+are `decode.runtime.timing`'s, and the prediction from these costs is `decode.measure.sweep_prediction`'s.
 
 Measured with the KV cache filled to each context length L: the target's prefill, greedy step t(L) and verify round
 of n = 2..γmax+1 tokens (v(n) = verify / t); per draft its prefill and one round of γ proposals for every γ
 (c(γ) = round / (γ t); prompt lookup's round is one lookup); for token trees, the verify round of the pending token and
-B nodes for every node budget B (v_tree(B) = tree verify / t; `decode.tree_budget_model` turns them into a budget by
+B nodes for every node budget B (v_tree(B) = tree verify / t; `decode.tree_budget_prediction` turns them into a
+budget by
 context length).
 
 The batch axis (`measure_batch_costs`, `predict_batches`): B sequences at one context length, through the lean forward
@@ -24,7 +25,7 @@ import torch
 
 from decode.drafters.chain import output_size
 from decode.drafters.lookup import LookupThenModelDrafter, PromptLookupDrafter
-from decode.drafters.model_tree import ModelTree, TreeDrafter
+from decode.drafters.tree_drafter import ModelTree, TreeDrafter
 from decode.models.feature_draft import FeatureDraft, FeatureDrafter
 from decode.runtime.forward import ModelRunner, rollback
 from decode.runtime.lean import LeanDecoder, lean_problem, require_lean

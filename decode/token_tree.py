@@ -20,7 +20,7 @@ next token is drawn from the final p. Each step is a speculative-sampling step w
 the residual as its target, so the output follows the target's warped distribution exactly, provided every trial's
 token was drawn from its q given everything drawn before it (which also makes a repeated token a trial of its own:
 two sampled siblings may draw the same token) and which trials exist never depends on their own tokens. The sources
-(`decode.drafters.model_tree`) are built that way; `tests/decode/test_token_tree_lossless.py` holds the chi-square
+(`decode.drafters.tree_drafter`) are built that way; `tests/decode/test_token_tree_lossless.py` holds the chi-square
 tests.
 """
 from __future__ import annotations

@@ -8,7 +8,8 @@ nodes a round beat eight. So one machine's schedule does not carry to another, a
 `TREE_BUDGETS` nodes, the draft's rounds, a feature draft's fed the target's features, at `CONTEXTS`), once per
 machine, target and draft (a choice of `decode.runtime.machine_choice`, which caches them, or on a busy machine keeps
 them for this process only); the rank acceptances p_r are the draft's, measured by its distill on held-out responses
-(`decode.tree_budget_model.load_rank_acceptance`; a feature draft's at its first position). The schedule is then the
+(`decode.tree_budget_prediction.load_rank_acceptance`; a feature draft's at its first position). The schedule is then
+the
 sweep's own recommendation (`predict_tree_budgets`, `recommend_tree_budget`).
 
 Trees grown without a draft model (prompt lookup's branches and suffix decoding's candidates: `--draft prompt-lookup`,
@@ -31,16 +32,16 @@ from dataclasses import dataclass
 import torch
 
 from decode.drafters.chain import make_drafter
-from decode.drafters.model_tree import make_tree_drafter
 from decode.drafters.protocol import DECODER, DRAFT, LOOKUP
 from decode.drafters.suffix import SuffixIndex
+from decode.drafters.tree_drafter import make_tree_drafter
 from decode.runtime.kernels import cpu_linear_of
 from decode.runtime.lean import COMPILED_MAX_TOKENS
 from decode.runtime.machine_choice import cache_file, measured_once
 from decode.sampling import Warp
 from decode.step_costs import measure_costs
 from decode.token_tree import ROOT
-from decode.tree_budget_model import (
+from decode.tree_budget_prediction import (
     TREE_BUDGETS,
     load_rank_acceptance,
     predict_model_free_budgets,
@@ -75,7 +76,7 @@ def default_choice(reason: str) -> BudgetChoice:
 
 
 @dataclass(frozen=True)
-class ModelFreeTrees:
+class TextTrees:
     """A tree drafter without a draft model as `auto` replays it: `make_tree_drafter`'s kind ("lookup", "suffix")
     and settings, and the suffix index whose responses are the replayed text (searched by suffix decoding when
     `suffix`)."""
@@ -105,7 +106,7 @@ class DecoderChoice:
     reason: str
 
 
-def choose_trees(target, draft, trees: ModelFreeTrees | None, max_depth: int, *, draft_kind: str = DECODER,
+def choose_trees(target, draft, trees: TextTrees | None, max_depth: int, *, draft_kind: str = DECODER,
                  compiled: bool = False, reps: int = REPS, log: Callable[[str], None] | None = None) -> DecoderChoice:
     """The trees of at most `max_depth` levels a decoder grows on this machine, and their node budget by context.
 
@@ -153,7 +154,7 @@ def unpredictable(draft, sequences: int) -> str:
             "and suffix decoding's trees on")
 
 
-def drafter_reason(draft, trees: ModelFreeTrees | None, p, replayable: bool) -> str:
+def drafter_reason(draft, trees: TextTrees | None, p, replayable: bool) -> str:
     """Why the draft model is in the trees without a comparison ("" where it was never weighed against trees without
     it)."""
     if draft is None or trees is None:
@@ -172,7 +173,7 @@ def replay_split(index: SuffixIndex, count: int = REPLAY_SEQUENCES) -> tuple[lis
             SuffixIndex([s for i, s in enumerate(sequences) if i not in held]))
 
 
-def replayed_tau(trees: ModelFreeTrees, budgets: Sequence[int], max_depth: int,
+def replayed_tau(trees: TextTrees, budgets: Sequence[int], max_depth: int,
                  count: int = REPLAY_SEQUENCES) -> dict[int, float]:
     """τ(B), new tokens per round, of `trees` at each node budget B: greedy tree rounds of at most `max_depth` levels
     replayed on texts the target wrote (`replay_split`; the first token is the prompt), a node accepted where the
@@ -201,7 +202,7 @@ def replayed_tau(trees: ModelFreeTrees, budgets: Sequence[int], max_depth: int,
     return tau
 
 
-def cached_replayed_tau(trees: ModelFreeTrees, max_depth: int,
+def cached_replayed_tau(trees: TextTrees, max_depth: int,
                         log: Callable[[str], None] | None = None) -> dict[int, float]:
     """`replayed_tau` at `TREE_BUDGETS`, replayed once and cached (`machine_choice.measured` with no timing: it
     depends on the sources and the index, not on the machine)."""

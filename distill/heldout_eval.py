@@ -70,7 +70,8 @@ def exact_eval(target, draft, responses: ResponseSet, token_ids: torch.Tensor | 
     """α at T=0 and T=1 and simulated τ with the target run alongside (decode.acceptance.analytic_acceptance), and
     `chain`: chains of `chain_k` drafts at T=0 (`decode.chain_acceptance.chain_summary`).
     with_ranks: also `ranks`, per response where the target's greedy token stands in the draft's order at each of its
-    positions (what `decode.tree_budget_model.rank_acceptance` turns into a token tree's p_r). by_turn: the responses
+    positions (what `decode.tree_budget_prediction.rank_acceptance` turns into a token tree's p_r). by_turn: the
+    responses
     are the turns of held-out conversations (`pipeline.turns` ids): the intervals resample requests, the unit of
     measurement, and α(T=0) is reported per turn position too (`alpha_t0_turn{p}`)."""
     seqs = [p + r for p, r in zip(responses.prompt_ids, responses.response_ids)]

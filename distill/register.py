@@ -10,7 +10,7 @@ from decode.drafters.suffix import SuffixIndex
 from decode.models.feature_draft import FeatureDraft
 from decode.models.layer_draft import full_vocab_copy
 from decode.serving.speculators import save_speculators
-from decode.tree_budget_model import save_rank_acceptance
+from decode.tree_budget_prediction import save_rank_acceptance
 from pipeline import metrics, registry
 from pipeline.config import DraftopsConfig, save_config
 from pipeline.files import swap_dir, temporary_sibling
@@ -24,7 +24,7 @@ def export_draft(draft, tokenizer, out_dir: Path, *, token_ids: torch.Tensor | N
     """`pipeline.sources.save_checkpoint` layout; a reduced-vocabulary draft also gets `hf_assistant/`, a plain
     full-vocabulary copy that transformers can load and use as `assistant_model`, and `suffix_index` (the target's
     responses for suffix decoding, `decode.drafters.suffix`) goes to `SUFFIX_INDEX_FILE` and `rank_acceptance` (p_1..
-    and the positions measured) to `TREE_ACCEPTANCE_FILE` (`decode.tree_budget_model`). Written beside `out_dir`
+    and the positions measured) to `TREE_ACCEPTANCE_FILE` (`decode.tree_budget_prediction`). Written beside `out_dir`
     and swapped into place (`pipeline.files`): a stopped export leaves the previous draft whole. A feature draft
     (`decode.models.feature_draft`) is written in the speculators Eagle3 format (`decode.serving.speculators`), with the
     config and the suffix index beside it; HF assisted generation cannot run it, so it gets no copy for that."""

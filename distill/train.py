@@ -23,7 +23,7 @@ from decode.chain_acceptance import ENGINE_CHAIN, chain_text
 from decode.drafters.suffix import SuffixIndex
 from decode.models.feature_draft import FEATURES
 from decode.serving.loading import load_model
-from decode.tree_budget_model import TREE_BUDGETS, rank_acceptance
+from decode.tree_budget_prediction import TREE_BUDGETS, rank_acceptance
 from distill.checkpoints import UnsafeCheckpoint, job_key, load_best, point_latest
 from distill.data.prepare import TrainingData, prepare_data
 from distill.data.recorded import RecordedMismatch

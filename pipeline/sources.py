@@ -40,7 +40,7 @@ DRAFT_VOCAB_FILE = "draft_vocab.json"
 # The target's earlier outputs as a suffix index (`decode.drafters.suffix`), where `make distill` built one.
 SUFFIX_INDEX_FILE = "suffix_index.json"
 # How often the target's token is the draft's r-th choice on held-out responses, where distill measured it: what a
-# token tree's node budget is chosen from (`decode.tree_budget_model`).
+# token tree's node budget is chosen from (`decode.tree_budget_prediction`).
 TREE_ACCEPTANCE_FILE = "tree_acceptance.json"
 # A reduced-vocabulary draft also carries a full-vocabulary copy here, loadable as transformers' `assistant_model`.
 HF_ASSISTANT_DIR = "hf_assistant"

@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from decode.drafters.model_tree import make_tree_drafter
+from decode.drafters.tree_drafter import make_tree_drafter
 from decode.factory import model_decoder
 from decode.runtime.forward import ModelRunner, greedy_decode
 from decode.runtime.lean import use_compiled_passes

@@ -18,8 +18,8 @@ the draft's own acceptance, which is what drift is about;
 - "lookup": prompt lookup alone (`decode.drafters.lookup.PromptLookupDrafter`), no model;
 - "decoder": what users run: prompt lookup first wherever the text repeats, the draft model elsewhere
   (`decode.drafters.lookup.LookupThenModelDrafter`), or the draft model alone when lookup is off.
-Tree rounds (`decode.drafters.model_tree.make_tree_drafter`) take one more, `TREE_DRAFTER_KINDS`:
-- "suffix": suffix decoding alone (`decode.drafters.model_free_trees.SuffixTree`), no model; also the label of its tree
+Tree rounds (`decode.drafters.tree_drafter.make_tree_drafter`) take one more, `TREE_DRAFTER_KINDS`:
+- "suffix": suffix decoding alone (`decode.drafters.text_trees.SuffixTree`), no model; also the label of its tree
 nodes.
 """
 from __future__ import annotations

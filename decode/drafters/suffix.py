@@ -23,7 +23,7 @@ which differs only for matches within a budget of `max_depth`.
 
 `SuffixDrafter` is the drafter (`decode.drafters.chain`): its chain (`propose`) is the candidates with only the most
 frequent continuation followed, deterministic, so the decoder's test with a one-hot q stays lossless; `candidates`
-gives the tree (plain lists: tokens, parents, scores), which `decode.drafters.model_free_trees.SuffixTree` adds to a
+gives the tree (plain lists: tokens, parents, scores), which `decode.drafters.text_trees.SuffixTree` adds to a
 tree round.
 """
 from __future__ import annotations

@@ -31,8 +31,8 @@ from decode.acceptance import break_even_alpha, expected_speedup
 from decode.chain_acceptance import ENGINE_CHAIN, chain_summary, greedy_chains
 from decode.drafters.chain import output_size
 from decode.drafters.lookup import lookup_max_ngram
-from decode.drafters.model_tree import TreeDrafter
 from decode.drafters.protocol import DECODER, LOOKUP
+from decode.drafters.tree_drafter import TreeDrafter
 from decode.factory import build_decoder
 from decode.generation_stats import aggregate_stats
 from decode.measure.bench_llamacpp import llama_cpp_rows, llama_cpp_summary

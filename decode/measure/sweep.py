@@ -16,7 +16,8 @@ The draft-size axis (`draft_size_axis`): the draft LMs swept (e.g. the family `d
 as `layers-N`) by number of layers: acceptance against cost beside the break-even curve, and the recommended size.
 
 Token trees: the same pass ranks the target's token among each draft model's choices, and the tree verify is timed
-at node budgets up to 64; `decode.tree_budget_model` predicts tokens/s per budget and context, and the sweep recommends
+at node budgets up to 64; `decode.tree_budget_prediction` predicts tokens/s per budget and context, and the sweep
+recommends
 a node budget by context length (`decode.tree_budget_schedule`) next to the γ schedule.
 """
 
@@ -32,12 +33,12 @@ from decode.generation_stats import aggregate_stats
 from decode.measure.sweep_acceptance import acceptance_table, at_context, greedy_responses, spread
 from decode.measure.sweep_axes import BATCH_CONTEXT, BATCHES, batch_axis, measure_quantization
 from decode.measure.sweep_drafts import Draft
-from decode.measure.sweep_model import predict_cells
+from decode.measure.sweep_prediction import predict_cells
 from decode.runtime.forward import ModelRunner, greedy_decode
 from decode.runtime.timing import run_interleaved
 from decode.serving.llamacpp import LlamaServer
 from decode.step_costs import measure_costs
-from decode.tree_budget_model import (
+from decode.tree_budget_prediction import (
     TREE_BUDGETS,
     context_schedule,
     predict_tree_budgets,

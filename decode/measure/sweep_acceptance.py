@@ -12,7 +12,7 @@ from decode.acceptance import Block, analytic_acceptance, greedy_block, walk
 from decode.drafters.lookup import PromptLookupDrafter
 from decode.measure.sweep_drafts import Draft
 from decode.runtime.forward import ModelRunner, greedy_decode
-from decode.tree_budget_model import (
+from decode.tree_budget_prediction import (
     rank_acceptance,
 )
 from pipeline import draftops_home
@@ -74,7 +74,8 @@ def lookup_block(drafter: PromptLookupDrafter, prompt: list[int], response: list
 def acceptance_table(target_model, draft: Draft, prompts, responses, gammas, lengths, *, max_rank: int = 0,
                      seed: int = 0) -> dict:
     """α and τ per γ and generation length from the walk; for draft models also the per-token analytic α, and with
-    max_rank the rank acceptances p_1..p_max_rank of the draft's tree (`decode.tree_budget_model.rank_acceptance`)."""
+    max_rank the rank acceptances p_1..p_max_rank of the draft's tree
+    (`decode.tree_budget_prediction.rank_acceptance`)."""
     if draft.is_model:
         analytic = analytic_acceptance(
             target_model, draft.model, [p + r for p, r in zip(prompts, responses)], [len(p) for p in prompts],

@@ -13,7 +13,7 @@ from decode.measure.batched import batched_greedy, batched_speculative
 from decode.measure.quantized import int8_dynamic, quantization_quality
 from decode.measure.sweep_acceptance import at_context
 from decode.measure.sweep_drafts import Draft
-from decode.measure.sweep_model import predict_batches
+from decode.measure.sweep_prediction import predict_batches
 from decode.runtime.forward import ModelRunner, greedy_decode
 from decode.runtime.timing import run_interleaved
 from decode.serving.llamacpp import LlamaServer, optional_rows, served_target

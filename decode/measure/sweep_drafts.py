@@ -36,7 +36,7 @@ class Draft:
 
     @property
     def grows_trees(self) -> bool:
-        """A draft LM: what `decode.drafters.model_tree.ModelTree` grows trees with (not prompt lookup, not a feature
+        """A draft LM: what `decode.drafters.tree_drafter.ModelTree` grows trees with (not prompt lookup, not a feature
         draft)."""
         return self.is_model and not isinstance(self.model, FeatureDraft)
 

@@ -4,9 +4,9 @@ The prompts are the held-out split of the traffic draftops ships, so a clone wit
 import pytest
 import torch
 
-from decode.drafters.model_tree import make_tree_drafter
 from decode.drafters.protocol import DECODER
 from decode.drafters.suffix import SuffixIndex
+from decode.drafters.tree_drafter import make_tree_drafter
 from decode.factory import model_decoder
 from decode.models.feature_draft import feature_draft_from_target
 from decode.models.layer_draft import draft_from_target_layers, reduce_vocabulary

@@ -9,9 +9,9 @@ import torch
 from transformers import DynamicCache
 
 from decode.drafters.chain import ModelDrafter
-from decode.drafters.model_free_trees import LookupTree, lookup_matches
-from decode.drafters.model_tree import ModelTree, ModelTreeState, TreeDrafter, make_tree_drafter
 from decode.drafters.protocol import DRAFT, LOOKUP
+from decode.drafters.text_trees import LookupTree, lookup_matches
+from decode.drafters.tree_drafter import ModelTree, ModelTreeState, TreeDrafter, make_tree_drafter
 from decode.factory import build_decoder, model_decoder
 from decode.generation_stats import GenerationStats
 from decode.runtime.forward import ModelRunner, compact, forward_logits, rollback
@@ -140,7 +140,7 @@ def test_lookup_tree_respects_the_budget():
 
 @pytest.mark.parametrize("min_confidence,length", [(None, 4), (0.3, 3)])  # the draft's 4th top prob is 0.24
 @torch.inference_mode()
-def test_model_tree_with_branching_one_is_the_greedy_chain(random_draft, min_confidence, length):
+def test_a_draft_grown_tree_with_branching_one_is_the_greedy_chain(random_draft, min_confidence, length):
     seq = [40, 41, 42, 43]
     chain = ModelDrafter(random_draft, 128, torch.device("cpu"), min_confidence=min_confidence)
     drafts, _, calls = chain.propose(chain.start(seq), seq, 4, Warp(), None)
@@ -152,7 +152,7 @@ def test_model_tree_with_branching_one_is_the_greedy_chain(random_draft, min_con
 
 
 @torch.inference_mode()
-def test_model_tree_levels_keep_the_best_children_by_cumulative_probability(target, close_draft):
+def test_draft_grown_tree_levels_keep_the_best_children_by_cumulative_probability(target, close_draft):
     seq = [5, 9, 2, 77, 3]
     source = ModelTree(ModelDrafter(close_draft, 128, torch.device("cpu")), 2, rerank=False)
     tree, state = TokenTree(), source.start(seq)

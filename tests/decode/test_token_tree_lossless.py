@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from decode.drafters.model_tree import make_tree_drafter, without_replacement
 from decode.drafters.suffix import SuffixIndex
+from decode.drafters.tree_drafter import make_tree_drafter, without_replacement
 from decode.factory import model_decoder
 from decode.sampling import Warp, sample
 from decode.speculative import SpeculativeDecoder

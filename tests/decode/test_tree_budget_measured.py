@@ -11,7 +11,7 @@ from decode.drafters.protocol import DRAFT
 from decode.drafters.suffix import SuffixIndex
 from decode.factory import build_decoder, tree_drafters
 from decode.runtime import machine_choice
-from decode.tree_budget_model import TREE_BUDGETS, load_rank_acceptance, save_rank_acceptance
+from decode.tree_budget_prediction import TREE_BUDGETS, load_rank_acceptance, save_rank_acceptance
 from pipeline import draftops_home
 from pipeline.config import DEFAULT_TREE_BUDGET_SCHEDULE, DecodeConfig, DraftopsConfig
 from pipeline.sources import TREE_ACCEPTANCE_FILE, ResolvedModel
@@ -152,11 +152,11 @@ def test_replayed_tau_counts_the_greedy_walk_over_the_text(target):
     continued by at most m (max_spec_factor 1), the prompt is the text's first token. Budget 2: +2 (a 1-token
     match), then +3 five times, then +2 (a level left): 19 tokens in 7 rounds. Budget 4: +2, +4 (3-token match),
     +5, +5, +3 (2 levels left): 19 in 5. Budget 8: +2, +4, +6, +6, +1 (no level left): 19 in 5."""
-    trees = auto.ModelFreeTrees("suffix", SuffixIndex([TEXT] * 10))
+    trees = auto.TextTrees("suffix", SuffixIndex([TEXT] * 10))
     tau = auto.replayed_tau(trees, budgets=(2, 4, 8), max_depth=5)
     assert tau == pytest.approx({2: 19 / 7, 4: 19 / 5, 8: 19 / 5})
     # prompt lookup alone finds nothing in a text without repeats: one token a round
-    assert auto.replayed_tau(auto.ModelFreeTrees("lookup", SuffixIndex([TEXT] * 10), suffix=False),
+    assert auto.replayed_tau(auto.TextTrees("lookup", SuffixIndex([TEXT] * 10), suffix=False),
                              budgets=(2, 8), max_depth=5) == {2: 1.0, 8: 1.0}
 
 
@@ -168,7 +168,7 @@ def test_without_a_draft_model_the_budget_comes_from_the_replayed_trees(models, 
     monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: flat_costs(v_tree))
     monkeypatch.setattr(auto, "TREE_BUDGETS", (2, 4, 8))
     lines = []
-    trees = auto.ModelFreeTrees("suffix", SuffixIndex([TEXT] * 10))
+    trees = auto.TextTrees("suffix", SuffixIndex([TEXT] * 10))
     choice = budget_of(models[0], None, trees, max_depth=5, log=lines.append)
     assert choice == auto.BudgetChoice([(128, budget)], "measured on this machine, τ replayed on 5 responses")
     assert any(line.startswith("tree budget auto: replaying suffix's trees of 2-8 nodes on 5 of the suffix index's "
@@ -178,7 +178,7 @@ def test_without_a_draft_model_the_budget_comes_from_the_replayed_trees(models, 
     assert replayed["items"]["value"] == pytest.approx({"2": 19 / 7, "4": 19 / 5, "8": 19 / 5})
     monkeypatch.setattr(auto, "replayed_tau", lambda *a, **k: pytest.fail("replayed again"))
     assert budget_of(models[0], None, trees, max_depth=5, log=lines.append) == choice
-    small = auto.ModelFreeTrees("suffix", SuffixIndex([TEXT] * 7))
+    small = auto.TextTrees("suffix", SuffixIndex([TEXT] * 7))
     assert budget_of(models[0], None, small, max_depth=5).source == (
         "built-in schedule: no draft model, and too small a suffix index to replay prompt lookup's and suffix "
         "decoding's trees on")

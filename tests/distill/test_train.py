@@ -21,7 +21,7 @@ from decode.runtime.forward import ModelRunner, greedy_decode, target_features
 from decode.serving.export import GGUF, HF, SPECULATORS, VLLM, ExportError, draft_source, export_format
 from decode.serving.loading import load_draft, load_model
 from decode.serving.speculators import load_speculators
-from decode.tree_budget_model import TREE_BUDGETS, load_rank_acceptance
+from decode.tree_budget_prediction import TREE_BUDGETS, load_rank_acceptance
 from distill.checkpoints import latest_checkpoint
 from distill.data.onpolicy import draft_continuations
 from distill.loop import NonFiniteLoss

@@ -11,8 +11,8 @@ import decode.measure.bench_llamacpp as bench_llamacpp
 import decode.serving.llamacpp as llamacpp
 from decode.drafters.chain import ModelDrafter, make_drafter
 from decode.drafters.lookup import LookupThenModelDrafter, PromptLookupDrafter
-from decode.drafters.model_tree import make_tree_drafter
 from decode.drafters.protocol import DECODER, DRAFT, LOOKUP
+from decode.drafters.tree_drafter import make_tree_drafter
 from decode.generation_stats import GenerationStats
 from decode.measure.bench import in_run_costs, method_results
 from decode.measure.bench_llamacpp import (

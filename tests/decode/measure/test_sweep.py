@@ -18,7 +18,7 @@ from decode.acceptance import (
 from decode.drafters.lookup import PromptLookupDrafter
 from decode.factory import model_decoder
 from decode.measure.sweep_acceptance import at_context, lookup_block, spread
-from decode.measure.sweep_model import cell_break_even_alpha, predict_batches, predicted_seconds
+from decode.measure.sweep_prediction import cell_break_even_alpha, predict_batches, predicted_seconds
 from decode.runtime.forward import ModelRunner, greedy_decode
 from decode.speculative import GammaPolicy, scheduled_gamma
 from pipeline.cli import main

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from decode.acceptance import analytic_acceptance
-from decode.drafters.model_tree import FeatureTree, make_tree_drafter
 from decode.drafters.suffix import SuffixIndex
+from decode.drafters.tree_drafter import FeatureTree, make_tree_drafter
 from decode.factory import model_decoder
 from decode.models.feature_draft import FeatureDraft, FeatureDrafter, default_feature_layers, window_start
 from decode.runtime.forward import ModelRunner, greedy_decode, target_features

@@ -3,9 +3,9 @@ accepted beside lookup and the draft model's tree, and the `decode.drafters.suff
 import pytest
 import torch
 
-from decode.drafters.model_free_trees import SuffixTree
-from decode.drafters.model_tree import TreeDrafter, make_tree_drafter
 from decode.drafters.suffix import SuffixDrafter, SuffixIndex
+from decode.drafters.text_trees import SuffixTree
+from decode.drafters.tree_drafter import TreeDrafter, make_tree_drafter
 from decode.factory import build_decoder, model_decoder
 from decode.token_tree import ROOT, TokenTree
 from pipeline.config import DecodeConfig

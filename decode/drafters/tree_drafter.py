@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from decode.drafters.chain import ModelDrafter, output_size
-from decode.drafters.model_free_trees import LookupTree, SuffixTree
 from decode.drafters.protocol import DRAFT, LOOKUP, SUFFIX, TREE_DRAFTER_KINDS, TreeSource
 from decode.drafters.suffix import SuffixDrafter, SuffixIndex
+from decode.drafters.text_trees import LookupTree, SuffixTree
 from decode.models.feature_draft import FEATURES, FeatureDraft, FeatureDrafter, FeatureState
 from decode.runtime.forward import compact
 from decode.sampling import Warp, to_target_vocab

@@ -24,7 +24,8 @@ plus v_tree(n), one tree pass over the pending token and n nodes. `predict_tree_
 budget n is the best over d ≤ D of τ_d(n) / ((d·c(d) + v_tree(n)) · t(L)); the draft's prefill is left out, as in the
 γ schedule's steady state.
 
-The decoder's own tree (`decode.drafters.model_tree.ModelTree`) is a per-level beam, at most `tree_branching` nodes per
+The decoder's own tree (`decode.drafters.tree_drafter.ModelTree`) is a per-level beam, at most `tree_branching` nodes
+per
 level, γ levels (in greedy rounds the best of its candidates on all levels), chosen by cumulative draft probability
 rather than by this program, so the predicted τ is what the best tree of that size would give: an upper bound for the
 beam. Each row therefore reports its tree's depth and widest level, the γ and `tree_branching` a beam needs to reach
@@ -225,7 +226,7 @@ def context_schedule(contexts: Sequence[int], pick: Callable[[int], int]) -> lis
 def recommend_tree_budget(rows: list[dict], contexts: Sequence[int]) -> dict:
     """The draft whose best budget per context has the best mean predicted speedup, and its node budget by context
     length (`context_schedule`): the budget with the most predicted tokens/s at each measured context
-    (`decode.tree_budget_model.predict_tree_budgets`)."""
+    (`decode.tree_budget_prediction.predict_tree_budgets`)."""
     drafts = list(dict.fromkeys(r["draft"] for r in rows))
 
     def best(draft: str, context: int) -> dict:

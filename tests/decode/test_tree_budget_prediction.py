@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from decode.acceptance import analytic_acceptance, draft_rank
-from decode.drafters.model_tree import TreeDrafter, make_tree_drafter
+from decode.drafters.tree_drafter import TreeDrafter, make_tree_drafter
 from decode.factory import build_decoder, model_decoder
 from decode.runtime.forward import ModelRunner, greedy_decode
 from decode.step_costs import measure_costs
 from decode.token_tree import ROOT
-from decode.tree_budget_model import (
+from decode.tree_budget_prediction import (
     best_trees,
     context_schedule,
     draft_cost,
