@@ -26,15 +26,16 @@ from decode.generation_stats import GenerationStats, PhaseClock
 from decode.runtime.forward import ModelRunner, compact, rollback
 from decode.sampling import Warp, sample
 from decode.token_tree import accept
+from pipeline.context_schedule import ContextSchedule
 
 
 @dataclass(frozen=True)
 class GammaPolicy:
     """How many tokens the drafter is asked for each round.
 
-    fixed: always `gamma`; schedule: γ by the current sequence length from [(max_context, γ), ...] (`scheduled_gamma`;
-    `draftops sweep` recommends one); adaptive: start at `gamma`, +2 after a block accepted whole and −1 otherwise,
-    within [min_gamma, max_gamma] (HF's "heuristic" schedule).
+    fixed: always `gamma`; schedule: γ by the current sequence length (`pipeline.context_schedule`; `draftops sweep`
+    recommends one); adaptive: start at `gamma`, +2 after a block accepted whole and −1 otherwise, within
+    [min_gamma, max_gamma] (HF's "heuristic" schedule).
     """
 
     kind: Literal["fixed", "schedule", "adaptive"] = "fixed"
@@ -49,23 +50,23 @@ class GammaPolicy:
         if self.gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {self.gamma}")
         if self.kind == "schedule":
-            object.__setattr__(self, "schedule", tuple(check_gamma_schedule(self.schedule)))
+            object.__setattr__(self, "schedule", ContextSchedule.parse(self.schedule, "gamma_schedule").entries)
         elif self.schedule:
             raise ValueError(f"a gamma schedule needs the 'schedule' policy, not {self.kind!r}")
 
     @classmethod
     def scheduled(cls, schedule: Sequence[Sequence[int]]) -> GammaPolicy:
-        schedule = check_gamma_schedule(schedule)
-        return cls("schedule", schedule[0][1], tuple(schedule))
+        entries = ContextSchedule.parse(schedule, "gamma_schedule").entries
+        return cls("schedule", entries[0][1], entries)
 
     def first(self, length: int) -> int:
         """γ of the first round, for a prompt of `length` tokens."""
-        return scheduled_gamma(self.schedule, length) if self.kind == "schedule" else self.gamma
+        return ContextSchedule(self.schedule).at(length) if self.kind == "schedule" else self.gamma
 
     def next(self, gamma: int, length: int, drafted: int, accepted: int) -> int:
         """γ of the next round, after a round that drafted `drafted` and accepted `accepted`, at sequence `length`."""
         if self.kind == "schedule":
-            return scheduled_gamma(self.schedule, length)
+            return ContextSchedule(self.schedule).at(length)
         if self.kind == "adaptive":
             return max(self.min_gamma, min(self.max_gamma, gamma + (2 if accepted == drafted else -1)))
         return gamma
@@ -99,23 +100,6 @@ class Round:
     def record(self, stats: GenerationStats) -> None:
         stats.record_round(self.drafted, self.depth, self.tested, self.accepted, self.sources)
         stats.draft_calls += self.draft_calls
-
-
-def scheduled_gamma(schedule: Sequence[tuple[int, int]], length: int) -> int:
-    """γ of the first (max_context, γ) entry whose max_context is at least `length`; the last γ beyond them."""
-    for max_context, gamma in schedule:
-        if length <= max_context:
-            return gamma
-    return schedule[-1][1]
-
-
-def check_gamma_schedule(schedule: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
-    schedule = [(int(m), int(g)) for m, g in schedule]
-    if not schedule or any(g < 1 for _, g in schedule) or any(a[0] >= b[0] for a, b in zip(schedule, schedule[1:])):
-        raise ValueError(
-            f"gamma_schedule must be non-empty [(max_context, gamma), ...] with increasing max_context and gamma >= 1, "
-            f"got {schedule}")
-    return schedule
 
 
 def verify(

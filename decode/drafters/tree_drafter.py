@@ -38,6 +38,7 @@ from decode.models.feature_draft import FEATURES, FeatureDraft, FeatureDrafter, 
 from decode.runtime.forward import compact
 from decode.sampling import Warp, to_target_vocab
 from decode.token_tree import ROOT, TokenTree
+from pipeline.context_schedule import ContextSchedule
 
 
 @dataclass
@@ -287,7 +288,7 @@ class TreeDrafter:
 
     The budget is `budget` nodes every round, or, with `schedule` [(max_context, budget), ...] (increasing
     max_context), that of the first entry whose max_context is at least the current sequence length, the last
-    beyond them (as `decode.speculative.scheduled_gamma` picks γ).
+    beyond them (`pipeline.context_schedule`, as γ by context is picked).
     """
 
     def __init__(self, sources: Sequence[TreeSource], budget: int = 0,
@@ -300,18 +301,16 @@ class TreeDrafter:
         if len(layers) > 1:
             raise ValueError(f"the tree's sources read different target layers: {sorted(layers)}")
         self.feature_layers = layers.pop() if layers else ()  # what the decoder captures in its target passes
-        self.schedule = [] if schedule is None else check_budget_schedule(schedule)
-        self.budget = max(b for _, b in self.schedule) if self.schedule else budget  # the most nodes of any round
+        self.schedule = None if schedule is None else ContextSchedule.parse(schedule, "tree_budget_schedule")
+        self.budget = self.schedule.largest() if self.schedule else budget  # the most nodes of any round
         contexts = [s.context for s in self.sources if s.context]
         self.context = min(contexts) if contexts else None
-        shown = f"budget={budget}" if budget else f"budget_schedule={[list(e) for e in self.schedule]}"
+        shown = f"budget={budget}" if budget else f"budget_schedule={self.schedule.as_lists()}"
         self.name = f"tree({shown}): " + "+".join(s.name for s in self.sources)
 
     def budget_at(self, length: int) -> int:
         """The node budget of a round after a sequence of `length` tokens."""
-        if not self.schedule:
-            return self.budget
-        return next((b for max_context, b in self.schedule if length <= max_context), self.schedule[-1][1])
+        return self.schedule.at(length) if self.schedule else self.budget
 
     def start(self, prompt: list[int]) -> list:
         return [source.start(prompt) for source in self.sources]
@@ -332,15 +331,6 @@ class TreeDrafter:
         for source, state in zip(self.sources, states):
             if source.feature_layers:
                 source.observe(state, features)
-
-
-def check_budget_schedule(schedule: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
-    schedule = [(int(m), int(b)) for m, b in schedule]
-    if not schedule or any(b < 1 for _, b in schedule) or any(a[0] >= b[0] for a, b in zip(schedule, schedule[1:])):
-        raise ValueError(
-            f"tree_budget_schedule must be non-empty [(max_context, budget), ...] with increasing max_context and "
-            f"budget >= 1, got {schedule}")
-    return schedule
 
 
 def make_tree_drafter(kind: str, target, draft=None, *, budget: int = 0,

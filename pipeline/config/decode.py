@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from pipeline.config.base import Section
+from pipeline.context_schedule import ContextSchedule
 
 # `draftops sweep` on a 2-core AMD EPYC (docs/concepts.md#token-trees): what `tree_budget_schedule: auto` falls back to
 DEFAULT_TREE_BUDGET_SCHEDULE = [(320, 4), (1280, 8), (2048, 4)]
@@ -96,6 +97,14 @@ class DecodeConfig(Section):
         if isinstance(data, dict) and data.get("tree_budget"):
             data = {**data, "tree_budget_schedule": None}
         return data
+
+    @field_validator("gamma_schedule", "tree_budget_schedule")
+    @classmethod
+    def _a_context_schedule(cls, value, info):
+        """A schedule by context is checked when the config loads, not at the first decode."""
+        if value is None or value == AUTO:
+            return value
+        return [tuple(entry) for entry in ContextSchedule.parse(value, f"decode.{info.field_name}").entries]
 
     @model_validator(mode="after")
     def _schedule_matches_policy(self) -> DecodeConfig:

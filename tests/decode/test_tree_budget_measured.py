@@ -113,7 +113,7 @@ def test_the_decoder_runs_the_auto_schedule(models, monkeypatch, target):
     decode = DecodeConfig()
     assert decode.tree_budget_schedule == "auto" and DraftopsConfig().decode.tree_budget_schedule == "auto"
     decoder = build_decoder(*models, decode)
-    assert decoder.drafter.schedule == [(128, 2)]
+    assert decoder.drafter.schedule.entries == ((128, 2),)
     prompt = [5, 9, 2, 77, 3, 5, 9]
     assert decoder.generate(prompt, max_new_tokens=30).token_ids == greedy_reference(target, prompt, 30)
     # prompt lookup and suffix decoding alone, with no suffix index to replay them on: the built-in schedule
@@ -189,7 +189,7 @@ def test_the_suffix_only_decoder_runs_the_replayed_schedule(models, target, monk
     SuffixIndex([TEXT] * 10).save(tmp_path / "index.json")
     decode = DecodeConfig(suffix_index=str(tmp_path / "index.json"))
     decoder = build_decoder(models[0], None, decode, kind="suffix")
-    assert decoder.drafter.schedule == [(128, 2)]
+    assert decoder.drafter.schedule.entries == ((128, 2),)
     assert decoder.generate(TEXT[:3], max_new_tokens=20).token_ids == greedy_reference(target, TEXT[:3], 20)
 
 

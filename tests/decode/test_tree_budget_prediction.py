@@ -205,7 +205,7 @@ def test_the_config_schedule_builds_a_scheduled_tree_drafter(target, close_draft
     resolved = [ResolvedModel("x", None, model, None, "", None) for model in (target, close_draft)]
     decode = DecodeConfig(tree_budget_schedule=[[16, 2], [64, 6]], tree_branching=3)
     decoder = build_decoder(*resolved, decode)
-    assert isinstance(decoder.drafter, TreeDrafter) and decoder.drafter.schedule == [(16, 2), (64, 6)]
+    assert isinstance(decoder.drafter, TreeDrafter) and decoder.drafter.schedule.entries == ((16, 2), (64, 6))
     assert decoder.drafter.name.startswith("tree(budget_schedule=[[16, 2], [64, 6]]): lookup")
     prompt = [5, 9, 2, 77, 3, 5, 9]
     assert decoder.generate(prompt, max_new_tokens=30).token_ids == greedy_reference(target, prompt, 30)

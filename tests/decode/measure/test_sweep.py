@@ -20,7 +20,7 @@ from decode.factory import model_decoder
 from decode.measure.sweep_acceptance import at_context, lookup_block, spread
 from decode.measure.sweep_prediction import cell_break_even_alpha, predict_batches, predicted_seconds
 from decode.runtime.forward import ModelRunner, greedy_decode
-from decode.speculative import GammaPolicy, scheduled_gamma
+from decode.speculative import GammaPolicy
 from pipeline.cli import main
 from pipeline.config import load_config
 from pipeline.sources import save_checkpoint
@@ -33,11 +33,6 @@ def prompt_of(seed: int, length: int = 8) -> list[int]:
     torch.manual_seed(seed)
     phrase = torch.randint(0, 128, (4,)).tolist()
     return (phrase + torch.randint(0, 128, (length,)).tolist() + phrase)[:length + 4]
-
-
-def test_scheduled_gamma():
-    schedule = [(16, 4), (64, 2)]
-    assert [scheduled_gamma(schedule, n) for n in (1, 16, 17, 64, 65, 1000)] == [4, 4, 2, 2, 2, 2]
 
 
 def test_gamma_schedule_in_the_decoder(target, close_draft):
