@@ -339,7 +339,7 @@ def make_tree_drafter(kind: str, target, draft=None, *, budget: int = 0,
                       suffix: bool = False, suffix_index: SuffixIndex | None = None,
                       draft_min_confidence: float | None = None, draft_rerank: bool = True,
                       lean: bool = True) -> TreeDrafter:
-    """The tree drafter of `kind` (`decode.drafters.chain.TREE_DRAFTER_KINDS`): "draft" the model's tree, "lookup"
+    """The tree drafter of `kind` (`decode.drafters.protocol.TREE_DRAFTER_KINDS`): "draft" the model's tree, "lookup"
     prompt lookup's branches (n-grams of 1-3 tokens unless `lookup_min_ngram` is set), "decoder" lookup's branches first
     and the model's tree in what is left of the budget (the model alone when lookup is off), "suffix" suffix
     decoding's candidates alone. With `suffix`, "lookup" and "decoder" add suffix decoding's candidates after

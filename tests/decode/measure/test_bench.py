@@ -196,5 +196,5 @@ def test_step_costs_time_the_trees_own_verify_for_tree_rounds(target, close_draf
     assert costs["tree_budget"] == 4
     assert costs["v_tree"] == pytest.approx(costs["tree_verify_s"] / costs["target_step_s"])
     # 2 warm-up passes and 2 timed, each of the pending token and 4 nodes after the 10-token prompt: the root's two
-    # children at depth 1, their first child's two at depth 2 (`decode.step_costs.representative_tree`)
+    # children at depth 1, their first child's two at depth 2 (`decode.step_costs.measure_costs`'s tree verify)
     assert runner.tree_passes == [(10, [10, 11, 11, 12, 12])] * 4
