@@ -66,8 +66,8 @@ def test_a_feature_draft_on_cuda_decodes_the_targets_own_tokens(tree):
 
 @torch.inference_mode()
 def test_compiled_passes_on_cuda_decode_what_the_eager_ones_do():
-    """inductor's Triton kernels (`decode.runtime.compiled_pass.compile_options` gives a GPU no CPU options) for target and
-    draft, float32, chains and trees."""
+    """inductor's Triton kernels (`decode.runtime.compiled_pass.compile_options` gives a GPU no CPU options) for target
+    and draft, float32, chains and trees."""
     target, draft = on_gpu(tiny_llama(2), torch.float32), on_gpu(tiny_llama(3), torch.float32)
     prompt = PROMPTS[0]
     expected = [model_decoder(target, draft, 4, tree_budget=budget).generate(prompt, max_new_tokens=30).token_ids

@@ -2,13 +2,12 @@
 
 `draftops sweep` predicts the speedup of speculation by batch size from costs measured per batch
 (`decode.step_costs.measure_batch_costs`); these decode a batch for real, to check that prediction
-(`decode.measure.sweep_axes.measure_batches`). Both run the lean forward of a batch. Every sequence of a batch takes its own
-rounds: it accepts as many drafted tokens as match the target's greedy tokens, so the sequences go on at different
-lengths (`decode.runtime.lean.LeanDecoder.forward_ragged`), and the batch runs until every sequence has its tokens
-(static batching: a finished sequence rides along). Greedy and lossless: each sequence gets what `batched_greedy`
-gives it. The single-sequence decoder (`decode.speculative`) stays the one draftops decodes with; this is its batched
-check.
-"""
+(`decode.measure.sweep_axes.measure_batches`). Both run the lean forward of a batch. Every sequence of a batch takes
+its own rounds: it accepts as many drafted tokens as match the target's greedy tokens, so the sequences go on at
+different lengths (`decode.runtime.lean.LeanDecoder.forward_ragged`), and the batch runs until every sequence has its
+tokens (static batching: a finished sequence rides along). Greedy and lossless: each sequence gets what
+`batched_greedy` gives it. The single-sequence decoder (`decode.speculative`) stays the one draftops decodes with;
+this is its batched check. """
 
 from __future__ import annotations
 
