@@ -22,12 +22,13 @@ layer config its CLI builds, `draft_layer_config`), its vocabulary mapping from 
 frequencies (`build_vocab_mappings_from_distribution`), its packing of several documents into one row
 (`CollateFn`, `shift_batch`: document masks, positions from 1), its loss (the forward's training-time test: KL from
 the verifier's logits over the draft vocabulary, 3 steps, no decay; its eager implementation, as the fused one needs
-Triton) and its documented defaults for what it trains
-with (`train/config/schema.py`: Muon on the 2-D matrices plus AdamW, lr 1e-3, weight decay 0.01 / 0.1 (Muon), linear
-schedule with 1% warmup, gradient norm clipped at 1.0, `norm_before_residual` true, frozen embeddings and head),
-under a minimal loop. Two settings differ from its defaults, each for the CPU and said here: attention "sdpa" (its
-default flex attention compiles kernels for a GPU) and the draft layer's attention full rather than sliding (the
-documents are shorter than its 2,048-token window, and vLLM serves a Llama EAGLE-3 layer without one).
+Triton) and its documented defaults for what it trains with (`train/config/schema.py`: Muon on the 2-D matrices plus
+AdamW, lr 1e-3, weight decay 0.01 / 0.1 (Muon), linear schedule with 1% warmup, gradient norm clipped at 1.0,
+`norm_before_residual` true, frozen embeddings and head), under a minimal loop. Three settings differ from its
+defaults, each for the CPU and said here: Muon's Newton–Schulz iterations in float32 where the CPU has no bf16 units
+(`distill.optimizers.newton_schulz_in_fp32`), attention "sdpa" (its default flex attention compiles kernels for a GPU)
+and the draft layer's attention full rather than sliding (the documents are shorter than its 2,048-token window, and
+vLLM serves a Llama EAGLE-3 layer without one).
 
 The teacher its loss takes is the verifier's own distribution: its final norm and head rows of the draft vocabulary
 applied to the verifier's last hidden state (before its final norm). That state is computed here from draftops'
@@ -61,6 +62,7 @@ from distill.data.batches import global_batch_indices
 from distill.heldout_eval import exact_eval, feature_eval
 from distill.init import feature_layers
 from distill.loop import global_batch_and_steps
+from distill.optimizers import newton_schulz_in_fp32
 from distill.step import FeatureStepLogits
 from distill.timings import Timings
 from distill.train import prepare_data
@@ -205,9 +207,10 @@ def train_peer(cfg, data, target, out: Path, log) -> Path:
             optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        for optimizer, schedule in zip(optimizers, schedules):
-            optimizer.step()
-            schedule.step()
+        with newton_schulz_in_fp32(torch.device("cpu")):  # as draftops' Muon: bf16 is emulated on some CPUs
+            for optimizer, schedule in zip(optimizers, schedules):
+                optimizer.step()
+                schedule.step()
         history.append({"step": step + 1, "loss": float(loss), "tokens": int(batch["loss_mask"].sum()),
                         **{k: float(v) for k, v in metrics.items() if k.startswith("full_acc") or
                            k.startswith("cond_acc")}})

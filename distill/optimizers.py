@@ -4,8 +4,10 @@ head stay with AdamW), each stepped by the same warmup-then-decay factor."""
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
+import torch.optim._muon as torch_muon
 
 from pipeline.config import DistillConfig
 
@@ -43,9 +45,54 @@ def build_optimizers(d: DistillConfig, draft: torch.nn.Module, *, fused: bool) -
         return [adamw([p for p in draft.parameters() if p.requires_grad])]
     muon, rest = muon_split(draft)
     # match_rms_adamw: Muon's update scaled to AdamW's RMS, so one learning rate serves both
-    optimizers = [torch.optim.Muon(muon, lr=d.learning_rate, weight_decay=d.weight_decay,
+    optimizers = [FloatMuon(muon, lr=d.learning_rate, weight_decay=d.weight_decay,
                                    adjust_lr_fn="match_rms_adamw")] if muon else []
     return optimizers + ([adamw(rest)] if rest else [])
+
+
+def bf16_products_are_emulated(device: torch.device) -> bool:
+    """A CPU without bf16 units (no AVX512_BF16 or AMX): torch's bf16 products there are emulated, an order of
+    magnitude slower than fp32 ones."""
+    return device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _newton_schulz_fp32(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
+                        eps: float) -> torch.Tensor:
+    """torch's `_zeropower_via_newtonschulz` (the quintic iteration, same coefficients and steps) in float32."""
+    a, b, c = ns_coefficients
+    ortho = grad.float()
+    if grad.size(0) > grad.size(1):
+        ortho = ortho.T
+    ortho = ortho / ortho.norm().clamp(min=eps)  # spectral norm at most 1
+    for _ in range(ns_steps):
+        gram = ortho @ ortho.T
+        ortho = torch.addmm(ortho, torch.addmm(gram, gram, gram, beta=b, alpha=c), ortho, beta=a)
+    return ortho.T if grad.size(0) > grad.size(1) else ortho
+
+
+@contextmanager
+def newton_schulz_in_fp32(device: torch.device):
+    """Within it, torch's Muon orthogonalizes in float32 where bf16 products are emulated (elsewhere: unchanged)."""
+    if not bf16_products_are_emulated(device):
+        yield
+        return
+    original = torch_muon._zeropower_via_newtonschulz
+    torch_muon._zeropower_via_newtonschulz = _newton_schulz_fp32
+    try:
+        yield
+    finally:
+        torch_muon._zeropower_via_newtonschulz = original
+
+
+class FloatMuon(torch.optim.Muon):
+    """torch's Muon, its Newton–Schulz iterations in float32 on a CPU without bf16 units, where its bf16 ones make
+    each optimizer step many times a draft's forward and backward."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        device = next(p.device for group in self.param_groups for p in group["params"])
+        with newton_schulz_in_fp32(device):
+            return super().step(closure)
 
 
 def build_schedules(d: DistillConfig, optimizers: list, total_steps: int) -> list:

@@ -1,8 +1,17 @@
 """distill.optimizers: the lr factor of both schedules, and Muon's share of the draft's parameters."""
 import pytest
 import torch
+import torch.optim._muon as torch_muon
 
-from distill.optimizers import build_optimizers, build_schedules, lr_factor, muon_split
+from distill.optimizers import (
+    FloatMuon,
+    _newton_schulz_fp32,
+    build_optimizers,
+    build_schedules,
+    lr_factor,
+    muon_split,
+    newton_schulz_in_fp32,
+)
 from pipeline.config import DistillConfig
 from tests.conftest import make_tiny_model
 
@@ -29,7 +38,7 @@ def test_muon_takes_the_layers_matrices_and_adamw_the_vocabulary_and_norms():
     assert all("norm" not in names[id(p)] for p in muon)
     assert all(p.requires_grad for p in muon + adamw)
     optimizers = build_optimizers(DistillConfig(optimizer="muon"), draft, fused=False)
-    assert [type(o).__name__ for o in optimizers] == ["Muon", "AdamW"]
+    assert [type(o).__name__ for o in optimizers] == ["FloatMuon", "AdamW"]
     schedules = build_schedules(DistillConfig(optimizer="muon", lr_schedule="linear"), optimizers, 100)
     x = torch.randint(0, 40, (2, 6))
     draft(input_ids=x, labels=x).loss.backward()
@@ -37,3 +46,26 @@ def test_muon_takes_the_layers_matrices_and_adamw_the_vocabulary_and_norms():
         optimizer.step()
         schedule.step()
     assert len(build_optimizers(DistillConfig(), draft, fused=False)) == 1
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24)])
+def test_the_float32_newton_schulz_is_torchs_iteration(shape):
+    grad = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    args = ((3.4445, -4.775, 2.0315), 5, 1e-7)
+    ours, torchs = _newton_schulz_fp32(grad, *args), torch_muon._zeropower_via_newtonschulz(grad, *args).float()
+    assert ours.dtype == torch.float32 and ours.shape == grad.shape
+    assert torch.allclose(ours, torchs, atol=0.05)  # torch's runs in bf16: its error, not ours
+
+
+def test_float_muon_steps_as_torchs_muon_and_restores_torch():
+    original = torch_muon._zeropower_via_newtonschulz
+    weights = [torch.nn.Parameter(torch.randn(16, 24, generator=torch.Generator().manual_seed(1))) for _ in range(2)]
+    ours, torchs = FloatMuon([weights[0]], lr=0.02), torch.optim.Muon([weights[1]], lr=0.02)
+    grad = torch.randn(16, 24, generator=torch.Generator().manual_seed(2))
+    for weight, optimizer in zip(weights, (ours, torchs)):
+        weight.grad = grad.clone()
+        optimizer.step()
+    assert torch.allclose(weights[0], weights[1], atol=2e-3)
+    assert torch_muon._zeropower_via_newtonschulz is original
+    with newton_schulz_in_fp32(torch.device("meta")):  # not a CPU: torch's own iteration
+        assert torch_muon._zeropower_via_newtonschulz is original
