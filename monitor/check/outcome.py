@@ -46,6 +46,7 @@ class CheckReport:
     engine: EngineCheck | None = None
     deploys: list[DeployResult] = field(default_factory=list)  # catch-up, after promotion, rollback on mismatch
     canary: object | None = None  # monitor.check.canary.CanaryJudgement: a canary judged by this check
+    load: dict[str, list] = field(default_factory=dict)  # replica -> [running requests, past the boundary]
     timings: dict[str, float] = field(default_factory=dict)
     run_id: str | None = None
 
@@ -66,7 +67,7 @@ class CheckReport:
             "n_recent_prompts": self.n_recent_prompts, "baseline_recorded": self.baseline_recorded,
             "retrain": self.retrain and self.retrain.to_dict(), "server": self.server and self.server.to_dict(),
             "engine": self.engine and self.engine.to_dict(), "deploys": [r.to_dict() for r in self.deploys],
-            "canary": self.canary and self.canary.to_dict(),
+            "canary": self.canary and self.canary.to_dict(), "load": self.load,
             "timings": self.timings, "run_id": self.run_id,
         }
 
