@@ -48,7 +48,8 @@ def test_from_prometheus_a_window_mean_per_replica(tmp_path):
         asked.append(url)
         n = len(asked)
         result = {1: [{"metric": {"pod": "a"}, "value": [0, "6.5"]}, {"metric": {"pod": "b"}, "value": [0, "1"]}],
-                  2: [{"metric": {"pod": "b"}, "value": [0, "30"]}], 3: [{"metric": {"pod": "a"}, "value": [0, "0.02"]}]}
+                  2: [{"metric": {"pod": "b"}, "value": [0, "30"]}],
+                  3: [{"metric": {"pod": "a"}, "value": [0, "0.02"]}]}
         return {"status": "success", "data": {"resultType": "vector", "result": result[n]}}
 
     assert prometheus_load(cfg, 1000.0, get) == {"a": EngineLoad(6.5, 50.0), "b": EngineLoad(1.0, 30.0)}
