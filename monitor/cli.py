@@ -11,7 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
-from monitor.engines.sweep_command import add_commands as add_engine_commands
+from monitor.engines.commands import add_commands as add_engine_commands
 from pipeline import metrics as M
 from pipeline.command_options import config_options
 from pipeline.locks import ModelBusy
