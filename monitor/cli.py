@@ -11,6 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
+from monitor.engines.commands import add_commands as add_engine_commands
 from pipeline import metrics as M
 from pipeline.command_options import config_options
 from pipeline.locks import ModelBusy
@@ -273,6 +274,7 @@ def add_commands(subparsers) -> None:
         add(actions)
     _add_target_finetune(subparsers)
     _add_report(subparsers)
+    add_engine_commands(subparsers)
 
 
 def _add_check(actions) -> None:

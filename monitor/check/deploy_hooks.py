@@ -1,12 +1,14 @@
 """Where a monitor check deploys: before it (a champion not yet deployed, or a reload a kill cut short), and after it
 (the post-deploy check's outcome recorded, the deployment rolled back on a mismatch when configured, a promoted
-challenger deployed). A deploy that fails does not stop the check (it still measures and is recorded, and the next
+challenger deployed, or with `monitor.deploy.canary` a canary started and judged: monitor.check.canary). A deploy
+that fails does not stop the check (it still measures and is recorded, and the next
 check tries again), but it is never an OK: the check's decision becomes DEPLOY_FAILED, with its own exit code."""
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
 
+from monitor.check import canary
 from monitor.check.decision import Decision, Status
 from monitor.deploy.layout import MISMATCH, VERIFIED, DeployError
 from monitor.deploy.rollout import FAILED, DeployResult, ensure_deployed, record_check, rollback_deployment
@@ -32,6 +34,8 @@ def deploy_before(cfg: DraftopsConfig) -> list[DeployResult]:
     """The champion deployed (and the engine reloaded) before the check reads the engine, when deploys are on."""
     if not cfg.monitor.deploy.enabled:
         return []
+    if canary.steps.enabled(cfg):
+        return canary.before_check(cfg)
     result = _safely("deploy of the champion", lambda: ensure_deployed(cfg))
     return [] if result.action == "none" and not result.notes else [result]
 
@@ -48,7 +52,9 @@ def deploy_after(cfg: DraftopsConfig, report) -> None:
         if engine.mismatch and d.rollback_on_mismatch:
             report.deploys.append(_safely("rollback of the deployment", lambda: rollback_deployment(
                 cfg, f"post-deploy check: DEPLOY_MISMATCH on version {engine.version}")))
-    if d.enabled and report.retrain is not None and report.retrain.promoted:
+    if canary.steps.enabled(cfg):
+        canary.after_check(cfg, report)
+    elif d.enabled and report.retrain is not None and report.retrain.promoted:
         report.deploys.append(_safely("deploy of the new champion", lambda: ensure_deployed(cfg)))
 
 

@@ -45,6 +45,8 @@ class CheckReport:
     server: FleetReading | None = None
     engine: EngineCheck | None = None
     deploys: list[DeployResult] = field(default_factory=list)  # catch-up, after promotion, rollback on mismatch
+    canary: object | None = None  # monitor.check.canary.CanaryJudgement: a canary judged by this check
+    load: dict[str, list] = field(default_factory=dict)  # replica -> [running requests, past the boundary]
     timings: dict[str, float] = field(default_factory=dict)
     run_id: str | None = None
 
@@ -65,6 +67,7 @@ class CheckReport:
             "n_recent_prompts": self.n_recent_prompts, "baseline_recorded": self.baseline_recorded,
             "retrain": self.retrain and self.retrain.to_dict(), "server": self.server and self.server.to_dict(),
             "engine": self.engine and self.engine.to_dict(), "deploys": [r.to_dict() for r in self.deploys],
+            "canary": self.canary and self.canary.to_dict(), "load": self.load,
             "timings": self.timings, "run_id": self.run_id,
         }
 
@@ -96,6 +99,7 @@ class CheckReport:
             r = self.retrain
             lines.append(f"  challenger version {r.challenger_version}: gain {r.gate.drop:+.3f} "
                          f"(p={r.gate.p_value:.3g}) -> {'PROMOTED' if r.promoted else 'not promoted'}")
+        lines += [self.canary.summary()] if self.canary is not None else []
         lines += ["  " + r.summary().replace("\n", "\n  ") for r in self.deploys]
         if self.run_id:
             lines.append(f"  MLflow run {self.run_id} (experiment draftops-monitor)")

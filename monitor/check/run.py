@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from decode.serving.loading import load_draft, load_model
-from monitor.check import engine_acceptance
+from monitor.check import boundary, engine_acceptance
 from monitor.check.decision import EXIT_ERROR, Decision, Status, challenger_gate, decide, non_finite, with_fleet
 from monitor.check.deploy_hooks import deploy_after, deploy_before, with_deploys
 from monitor.check.outcome import CheckReport, RetrainOutcome, _run_metrics, _run_tags
@@ -261,6 +261,7 @@ def _complete_decision(check: _Check) -> None:
     report, m = check.report, check.cfg.monitor
     server, engine, n_heldout = report.server, report.engine, len(check.heldout)
     report.decision = with_fleet(report.decision, server, engine.mismatched if engine is not None else [])
+    boundary.watch(check.cfg, report)
     if server is not None and report.baseline_recorded and server.test is not None:
         report.decision.notes.append("server metrics: the window test is logged, and decides once the champion has "
                                      "its offline baseline")

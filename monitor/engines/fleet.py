@@ -135,6 +135,7 @@ class FleetReading:
     notes: list[str] = field(default_factory=list)
     error: str | None = None  # no replica could be read
     down: list[str] = field(default_factory=list)  # unreachable at monitor.replica_down_checks checks in a row
+    windows: dict[str, ReplicaWindows] = field(default_factory=dict, repr=False)  # what the verdicts were made from
 
     @property
     def test(self) -> DropTest | None:
@@ -303,7 +304,7 @@ def evaluate(windows: dict[str, ReplicaWindows], cfg: DraftopsConfig, source: st
     counted = [n for n in complete if not windows[n].recent[0].counters.gauge] or complete
     family = len(complete) + (len(counted) > 1)
     level = m.level / max(family, 1)
-    fleet = FleetReading(source)
+    fleet = FleetReading(source, windows=windows)
     fleet.replicas = [_replica(r, cfg, level if name in complete else None) for name, r in windows.items()]
     if len(counted) > 1:
         baseline = _sum_by_end([w for n in counted for w in windows[n].baseline])

@@ -87,6 +87,11 @@ def report_alerts(report: CheckReport) -> list[Alert]:
     out += [Alert("DeploymentRolledBack", "warning", model, f"{model}: deployment rolled back",
                   d.summary(), {"version": d.deployment.version if d.deployment is not None else ""})
             for d in report.deploys if d.action == "rollback"]
+    canary = report.canary
+    if canary is not None and canary.verdict == "fail":
+        out.append(Alert("CanaryFailed", "warning", model, f"{model}: canary {', '.join(canary.canary)} failed version "
+                         f"{canary.version}: rolled back to version {canary.previous}", canary.summary().strip(),
+                         {"replica": ",".join(canary.canary), "version": canary.version}))
     return out
 
 

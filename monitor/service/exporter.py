@@ -102,6 +102,11 @@ class ServiceMetrics:
                                       "acceptance (its baseline windows)", ["model", "replica"], registry=r)
         self.replica_verdict = Gauge(PREFIX + "replica_verdict", "1 for a replica's verdict at the last check, 0 for "
                                      "the others", ["model", "replica", "verdict"], registry=r)
+        self.replica_running = Gauge(PREFIX + "replica_running_requests", "A serving replica's running requests "
+                                     "(mean over its window) at the last check", ["model", "replica"], registry=r)
+        self.replica_past_boundary = Gauge(PREFIX + "replica_past_boundary", "1 when a replica ran past the "
+                                           "concurrency where speculation stopped paying (monitor.engine_boundary)",
+                                           ["model", "replica"], registry=r)
         self.verdict = Gauge(PREFIX + "verdict", "1 for the last check's verdict, 0 for the others",
                              ["model", "verdict"], registry=r)
         self.champion = Gauge(PREFIX + "champion_version", "Registered version behind the champion alias", m,
@@ -115,6 +120,7 @@ class ServiceMetrics:
         self.alerts_failed = Counter(PREFIX + "alerts_failed", "Alert batches not delivered after every try",
                                      ["model", "target"], registry=r)
         self._replicas: set[str] = set()  # the replicas whose series are exposed now
+        self._loaded: set[str] = set()  # the replicas whose running requests are exposed now
         self.figures: dict = {"ended": None, "seconds": None}  # what the gauges show (saved across restarts)
 
     def record_alert(self, target: str, delivered: bool) -> None:
@@ -161,6 +167,18 @@ class ServiceMetrics:
                     gauge.labels(self.model, replica).set(value)
             for name in REPLICA_VERDICTS:
                 self.replica_verdict.labels(self.model, replica, name).set(float(name == verdict))
+        self._show_load(figures.get("load", {}))
+
+    def _show_load(self, load: dict) -> None:
+        """Each replica's running requests and whether they were past the boundary; a replica no longer reported
+        loses its series."""
+        for replica in self._loaded - set(load):
+            _remove(self.replica_running, self.model, replica)
+            _remove(self.replica_past_boundary, self.model, replica)
+        self._loaded = set(load)
+        for replica, (running, past) in load.items():
+            self.replica_running.labels(self.model, replica).set(running)
+            self.replica_past_boundary.labels(self.model, replica).set(float(past))
 
     def _forget_replicas(self, replicas: set[str]) -> None:
         """Drop the per-replica series of replicas the last check no longer reported."""
@@ -184,7 +202,7 @@ def report_figures(report: CheckReport, seconds: float, ended: float) -> dict:
     return {"ended": ended, "seconds": seconds, "verdict": status.value, "champion": report.champion_version,
             "last_success": ended if status is not Status.ERROR else None,
             "acceptance": report.current_acceptance, "baseline": _baseline(report), "break_even": report.break_even,
-            "replicas": [list(f) for f in _replica_figures(report)]}
+            "replicas": [list(f) for f in _replica_figures(report)], "load": dict(report.load)}
 
 
 def save_figures(cfg: DraftopsConfig, metrics: ServiceMetrics) -> None:

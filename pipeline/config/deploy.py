@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from pipeline.config.base import HttpUrl, Section
+from pipeline.config.canary import CanaryConfig
 
 RELOAD_PLACEHOLDERS = ("path", "file", "version", "current")
 _ALLOWED = ", ".join("{" + name + "}" for name in RELOAD_PLACEHOLDERS)
@@ -80,6 +81,7 @@ class DeployConfig(Section):
         "or stale draft loses far more."))
     rollback_on_mismatch: bool = Field(False, description=(
         "On DEPLOY_MISMATCH, switch `current` back to the previous deployment and run the reload action again."))
+    canary: CanaryConfig = CanaryConfig()
 
     @field_validator("engine_check", mode="before")
     @classmethod
@@ -93,6 +95,12 @@ class DeployConfig(Section):
         for part in argv:
             expand_placeholders(part, dict.fromkeys(RELOAD_PLACEHOLDERS, ""))
         return argv
+
+    @field_validator("canary")
+    @classmethod
+    def _canary_placeholders(cls, canary: CanaryConfig) -> CanaryConfig:
+        cls._documented_placeholders(canary.reload_command)
+        return canary
 
     @model_validator(mode="after")
     def _reload_is_whole(self) -> DeployConfig:

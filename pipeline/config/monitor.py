@@ -89,6 +89,10 @@ class MonitorConfig(Section):
         "Without Prometheus, `monitor serve` scrapes the engines every this many minutes into the local window store "
         "(<state_dir>/server_metrics.json), so windows are this long; a check scrapes too when the last scrape is "
         "older. 0: only the checks scrape (one window per check)."))
+    engine_boundary: str | None = Field(None, description=(
+        "The result file of `draftops engine sweep` (engine_sweep.json): where the engines report running requests, "
+        "a replica whose window ran more at once than the concurrency where speculation stopped paying is a note in "
+        "the check's report and a gauge on the service's /metrics, never a DRIFT. null: not watched."))
     deploy: DeployConfig = DeployConfig()
     alerts: AlertsConfig = AlertsConfig()
     metrics_port: int = Field(9464, ge=0, le=65535, description=(
