@@ -29,7 +29,8 @@ def write_config(tmp_path, **monitor) -> Path:
     path = tmp_path / "monitor.yaml"
     data = {
         "tracking": {"uri": f"sqlite:///{tmp_path}/mlflow.db", "system_metrics": False},  # where mlflow_uri puts its db
-        "monitor": {"state_dir": str(tmp_path / "state"), **monitor},
+        # /metrics off unless a test asks for it: a service on this machine may hold the default port
+        "monitor": {"state_dir": str(tmp_path / "state"), "metrics_port": 0, **monitor},
     }
     path.write_text(yaml.safe_dump(data))
     return path
