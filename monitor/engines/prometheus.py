@@ -7,12 +7,10 @@ series at once. `increase` handles counter resets (a restarted engine) and extra
 window's counts are not whole numbers. Queried: the three counters and the per-position one of vLLM and llama.cpp
 (`{__name__=~"(vllm|llamacpp):spec_decode_..._total", <selector>}`), SGLang's acceptance gauge as
 `avg_over_time(sglang:spec_accept_rate[W])` and its `increase(sglang:spec_verify_calls_total[W])`
-(monitor.engines.sglang says what a gauge window can tell), `count by (__name__, <label>)` of the counters (which
-engine a replica runs) and `up`, both at the check's time, not at the last window's end (a replica whose last
-scrape failed is unreachable; one whose counters are there but whose first window has not closed is collecting).
-The answer is
-`{"status": "success", "data": {"resultType": "matrix", "result": [{"metric": {labels}, "values": [[t, "v"], ...]}]}}`;
-an error answer carries `errorType` and `error`, reported as they are.
+(monitor.engines.sglang says what a gauge window can tell); at the check's time, not the last window's end, `count
+by (__name__, <label>)` of the series (which engine a replica runs; one with series but no closed window yet is
+collecting) and `up` (a replica whose last scrape failed is unreachable). The answer is `{"status": "success",
+"data": {"resultType": "matrix", "result": [...]}}`; an error answer's `errorType` and `error` are reported as they are.
 
 Replicas. The value of `monitor.prometheus_replica_label` (instance, pod, ...) names a series' replica; with
 `monitor.engines` listed, a replica's series are those whose label equals its name (and, with its `model`, whose
