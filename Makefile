@@ -1,6 +1,8 @@
 # draftops. On a fresh machine `make distill` and `make test` are the whole set-up: every target depends on `setup`.
 SHELL := /bin/bash
 PY := .venv/bin/python
+# The Python the venv is made from; a service's venv needs one outside home directories (PYTHON=/usr/bin/python3).
+PYTHON ?= python3
 # The CPU wheel of torch lies on this machine's disk; an unpinned torch would pull a multi-GB CUDA build.
 # On a GPU machine: `make setup TORCH=` after installing your own torch into .venv.
 TORCH ?= torch==2.13.0
@@ -12,7 +14,7 @@ ARGS ?=
 setup: .venv/.installed
 
 .venv/.installed: pyproject.toml
-	test -d .venv || python3 -m venv .venv
+	test -d .venv || $(PYTHON) -m venv .venv
 	.venv/bin/pip install -q --upgrade pip
 	$(if $(TORCH),.venv/bin/pip install -q --no-compile "$(TORCH)")
 	.venv/bin/pip install -q --no-compile -e '.[test]'

@@ -39,9 +39,9 @@ from pipeline.errors import OperatorError
 from pipeline.files import write_text_atomic
 from pipeline.locks import EXIT_BUSY, ModelBusy
 from pipeline.metrics import size_alias
-from pipeline.registry import set_alias, version_uri
+from pipeline.registry import set_alias, version_of_job, version_uri
 from pipeline.sources import HF_ASSISTANT_DIR, SourceError
-from pipeline.tracking import TrackingUnavailable, check_tracking, tracking_uri
+from pipeline.tracking import TrackingUnavailable, check_tracking, setup_mlflow, tracking_uri
 
 
 @dataclass
@@ -135,8 +135,12 @@ def save_result(result: DistillResult) -> None:
 
 def register_once(cfg: DraftopsConfig, result: DistillResult, target, alias: str | None = None) -> DistillResult:
     """Register a finished job's draft unless it already is (a re-run registers nothing twice); `alias` (a size
-    family's `layers-N`) is pointed at its version either way."""
-    if result.version is not None:
+    family's `layers-N`) is pointed at its version either way. Registered means in the configured registry: a job
+    registered in another tracking store (a local sqlite file, then a tracking server) is registered here too."""
+    setup_mlflow(cfg)
+    found = version_of_job(cfg.tracking.registered_model, result.job_dir.name)
+    if found is not None:
+        result.version, result.run_id = str(found.version), found.run_id
         if alias is not None:
             set_alias(cfg.tracking.registered_model, alias, result.version, lock_timeout=cfg.tracking.lock_timeout)
             result.alias = alias

@@ -280,7 +280,8 @@ def add_commands(subparsers) -> None:
 def _add_check(actions) -> None:
     check = actions.add_parser(
         "check", help="measure the champion now; exit 0 OK, 3 DRIFT, 4 DEPLOY_MISMATCH (the engine does not show the "
-                      "deployed draft's acceptance), 5 DEPLOY_FAILED (a deploy it ran failed), 2 error, 75 another "
+                      "deployed draft's acceptance), 5 DEPLOY_FAILED (a deploy it ran failed), 6 REPLICA_DOWN (a "
+                      "replica unreachable at monitor.replica_down_checks checks in a row), 2 error, 75 another "
                       "check running")
     check.add_argument("--json", action="store_true")
     config_options(check)

@@ -247,6 +247,11 @@ def set_alias(name: str, alias: str, version: str, lock_timeout: float = DEFAULT
         _client().set_registered_model_alias(name, alias, str(version))
 
 
+def version_of_job(model_name: str, job: str):
+    """The version of `model_name` registered for distill job `job` in the current registry, or None."""
+    return _version_of_job(_client(), model_name, job)
+
+
 def _version_of_job(client, model_name: str, job: str):
     """The version registered for distill job `job`, with its aliases, or None."""
     for found in client.search_model_versions(f"name='{model_name}'"):

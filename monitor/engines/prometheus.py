@@ -7,10 +7,10 @@ series at once. `increase` handles counter resets (a restarted engine) and extra
 window's counts are not whole numbers. Queried: the three counters and the per-position one of vLLM and llama.cpp
 (`{__name__=~"(vllm|llamacpp):spec_decode_..._total", <selector>}`), SGLang's acceptance gauge as
 `avg_over_time(sglang:spec_accept_rate[W])` and its `increase(sglang:spec_verify_calls_total[W])`
-(monitor.engines.sglang says what a gauge window can tell), `count by (__name__, <label>)` of the counters (which
-engine a replica runs) and `up` at the end (a replica whose last scrape failed is unreachable). The answer is
-`{"status": "success", "data": {"resultType": "matrix", "result": [{"metric": {labels}, "values": [[t, "v"], ...]}]}}`;
-an error answer carries `errorType` and `error`, reported as they are.
+(monitor.engines.sglang says what a gauge window can tell); at the check's time, not the last window's end, `count
+by (__name__, <label>)` of the series (which engine a replica runs; one with series but no closed window yet is
+collecting) and `up` (a replica whose last scrape failed is unreachable). The answer is `{"status": "success",
+"data": {"resultType": "matrix", "result": [...]}}`; an error answer's `errorType` and `error` are reported as they are.
 
 Replicas. The value of `monitor.prometheus_replica_label` (instance, pod, ...) names a series' replica; with
 `monitor.engines` listed, a replica's series are those whose label equals its name (and, with its `model`, whose
@@ -274,9 +274,11 @@ def fleet_windows(cfg: DraftopsConfig, champion_version: str, get: Get = api_get
         for start, stop in _ranges(first, end, step):
             for key, query in queries(cfg).items():
                 series.setdefault(key, []).extend(query_range(base, query, start, stop, step, m.server_timeout, get))
-    engines = _engines(cfg, end, get)
+    # now, not at the last window's end: a replica that stopped since then is down at this check, and one whose
+    # counters Prometheus holds but whose first window has not closed yet is collecting, not unreachable
+    engines = _engines(cfg, now, get)
     up = {s["metric"].get(label): float(s["value"][1]) for s in
-          query_instant(base, _selector(cfg, "up"), end, m.server_timeout, get)}
+          query_instant(base, _selector(cfg, "up"), now, m.server_timeout, get)}
     collected = _collect(series, label, endpoints)
     names = [e.name for e in endpoints] if endpoints else sorted(set(collected) | set(engines))
     kinds = {e.name: e.kind for e in endpoints if e.kind != "auto"}
@@ -289,7 +291,7 @@ def fleet_windows(cfg: DraftopsConfig, champion_version: str, get: Get = api_get
             reading = ReplicaWindows(replica, base, engine, notes=list(notes))
             if up.get(name) == 0.0:
                 reading.error = f"Prometheus: up{{{label}=\"{name}\"}} is 0 (its last scrape failed)"
-            elif replica not in collected and first <= end:
+            elif replica not in collected and first <= end and name not in engines:
                 reading.error = f"Prometheus holds no speculative-decoding series with {label}=\"{name}\""
             else:
                 reading.baseline, reading.recent, reading.latest = _windows(
@@ -300,9 +302,10 @@ def fleet_windows(cfg: DraftopsConfig, champion_version: str, get: Get = api_get
 
 
 def _engines(cfg: DraftopsConfig, at: float, get: Get) -> dict[str, str]:
-    """{replica label value: engine prefix} of the counter series present at `at`."""
+    """{replica label value: engine prefix} of the counter (or SGLang gauge) series present at `at`."""
     label = cfg.monitor.prometheus_replica_label
-    query = f"count by (__name__, {label}) ({_selector(cfg, regex=_counter_regex(COUNTERS['draft_tokens']))})"
+    regex = f"{_counter_regex(COUNTERS['draft_tokens'])}|{ACCEPT_RATE}"
+    query = f"count by (__name__, {label}) ({_selector(cfg, regex=regex)})"
     found = query_instant(cfg.monitor.prometheus_url, query, at, cfg.monitor.server_timeout, get)
     return {s["metric"].get(label): s["metric"].get("__name__", "").split(":")[0] for s in found}
 

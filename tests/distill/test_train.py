@@ -246,6 +246,15 @@ def test_a_finished_job_is_registered_once_and_not_trained_again(isolated_home, 
     other = tiny_config(isolated_home, "distill.max_steps=5")
     with pytest.raises(train.NothingToRegister, match="nothing to register"):
         run_distill(other, register_only=True)
+    # the same finished job against another tracking store (a tracking server after the local sqlite file): it is
+    # registered there, once, and the first store keeps its one version
+    server = tiny_config(isolated_home, "distill.max_steps=4", f"tracking.uri=sqlite:///{isolated_home}/server.db")
+    moved = run_distill(server)
+    there = MlflowClient(tracking_uri=server.tracking.uri, registry_uri=server.tracking.uri)
+    assert moved.version == "1" and moved.run_id != first.run_id
+    assert [v.version for v in there.search_model_versions(f"name='{name}'")] in (["1"], [1])
+    assert run_distill(server).run_id == moved.run_id and run_distill(cfg).run_id == first.run_id
+    assert [v.version for v in MlflowClient().search_model_versions(f"name='{name}'")] in (["1"], [1])
 
 
 def test_a_feature_draft_job_exports_the_speculators_format_registers_and_decodes_losslessly(isolated_home,

@@ -10,7 +10,7 @@ from monitor.check.outcome import CheckReport
 from monitor.engines.fleet import read_fleet
 from monitor.engines.prometheus import rebaseline, state_path
 from monitor.service.alerts import report_alerts
-from tests.monitor.engines.test_prometheus import END, NOW, B, D, Recorded, config
+from tests.monitor.engines.test_prometheus import END, NOW, A, B, C, D, Recorded, config
 
 HOUR = 3600
 CLOSED = "http://127.0.0.1:9"
@@ -115,3 +115,24 @@ def test_a_replica_back_up_starts_its_count_again(tmp_path):
     back = read_fleet(config(tmp_path, [{"replica": B}], replica_down_checks=1), "1",
                       get=InRange(), now=NOW + 600)
     assert back.down == [] and json.loads((tmp_path / "replicas_down.json").read_text()) == {}
+
+
+class NoWindowYet(Recorded):
+    """A Prometheus that began scraping within the last window: counters and `up` now, no window closed yet."""
+
+    def __call__(self, url: str, timeout: float) -> dict:
+        if "/api/v1/query_range" in url:
+            self.asked.append(url)
+            return {"status": "success", "data": {"resultType": "matrix", "result": []}}
+        return super().__call__(url, timeout)
+
+
+def test_up_and_the_counters_present_are_read_at_the_check_not_at_the_last_window_end(tmp_path):
+    """A replica that stopped after the last window boundary is down at this check, not an hour later; one whose
+    counters Prometheus holds but whose first window has not closed yet is collecting, not unreachable."""
+    prometheus = NoWindowYet()
+    reading = read_fleet(config(tmp_path), "1", get=prometheus, now=NOW)
+    instants = [urllib.parse.parse_qs(urllib.parse.urlsplit(u).query) for u in prometheus.asked
+                if "/api/v1/query?" in u]
+    assert instants and {q["time"][0] for q in instants} == {str(NOW)}
+    assert replicas(reading) == {A: "collecting", B: "collecting", C: "unreachable", D: "unreachable"}
