@@ -142,7 +142,8 @@ def chain_summary(chain: ChainAcceptance, *, seed: int = 0) -> dict:
 
 
 def chain_text(chain: dict) -> str:
-    """One line: `k=3 (vLLM's count): 0.73 / 0.52 / 0.35, acceptance length 2.60 [2.51, 2.69]`."""
+    """One line: `k=3 (vLLM's count, per draft): a_1 / a_2 / a_3, acceptance length L [low, high]`, each a_i the
+    share of drafts whose tokens 1..i were all accepted."""
     rates = " / ".join(f"{rate:.2f}" for rate in chain["per_position"])
     return (f"k={chain['k']} (vLLM's count, per draft): {rates}, acceptance length {chain['length']:.2f} "
             f"[{chain['length_low']:.2f}, {chain['length_high']:.2f}]")

@@ -1,26 +1,9 @@
 """Token trees: many candidate continuations verified in one target pass, and their lossless acceptance.
 
-A chain round ends at its first rejected draft, so the draft's second and third choices, often right where its first
-is wrong, are never tried; a tree offers them side by side (SpecInfer, Miao et al. 2023; EAGLE-2, Li et al. 2024).
-Verifying a few more tokens costs little on the CPUs draftops runs on (docs/concepts.md#token-trees).
-
-`TokenTree` holds the candidates: node i has a token, a parent (`ROOT` for the first level: the children of the
-pending token, the last of the sequence, which the target has not cached yet), a depth and the label of the source
-that proposed it. Sources add candidates as *trials*: under a parent, a trial offers a child token with the
-distribution q it was drawn from, or with None when it is a deterministic candidate (prompt lookup's copies, the
-draft's top-k). The same token under the same parent is one node, whoever proposed it, so identical prefixes are
-verified once; a parent's trials keep the order in which they were drawn, which the sampled test depends on.
-
-`accept` walks the verified tree. Greedy: follow the child equal to the target's argmax, and end with the argmax.
-Sampling: at each node the trials are tested in order by recursive rejection sampling (SpecInfer's multi-step
-speculative sampling; Jeon et al. 2024 for siblings drawn without replacement): a trial x ~ q is accepted with
-probability min(1, p(x)/q(x)), else p <- norm(max(0, p - q)); a deterministic candidate x is a trial with a one-hot
-q, so it is accepted with probability p(x), else p <- p with x zeroed, renormalized; when every trial is rejected the
-next token is drawn from the final p. Each step is a speculative-sampling step whose rejection branch continues with
-the residual as its target, so the output follows the target's warped distribution exactly, provided every trial's
-token was drawn from its q given everything drawn before it (which also makes a repeated token a trial of its own:
-two sampled siblings may draw the same token) and which trials exist never depends on their own tokens. The sources
-(`decode.drafters.tree_drafter`) are built that way; `tests/decode/test_token_tree_lossless.py` holds the chi-square
+`TokenTree` holds the candidates a round's sources propose (`decode.drafters.tree_drafter`), its mask and pass inputs;
+`accept` walks the verified tree. It is apart from the sources so that the one test every tree round goes through is
+written once, whoever proposed the nodes. The tree, its acceptance and the rules a source must keep for the sampled
+test to stay lossless: docs/concepts.md#token-trees; `tests/decode/test_token_tree_lossless.py` holds the chi-square
 tests.
 """
 from __future__ import annotations
@@ -44,7 +27,9 @@ class Trial:
 
 
 class TokenTree:
-    """Candidate continuations of a sequence, parents before children (node order is the target's feed order)."""
+    """Candidate continuations of a sequence, parents before children (node order is the target's feed order). The
+    same token under the same parent is one node, whoever proposed it, so identical prefixes are verified once; a
+    parent's trials keep the order in which they were drawn, which the sampled test depends on."""
 
     def __init__(self):
         self.tokens: list[int] = []
@@ -163,8 +148,11 @@ def accept_greedy(tree: TokenTree, logits: torch.Tensor) -> Verdict:
 
 
 def accept_sampled(tree: TokenTree, logits: torch.Tensor, warp: Warp, generator: torch.Generator | None) -> Verdict:
-    """Recursive rejection sampling down the tree (the module docstring): logits [N+1, V] as in `accept_greedy`,
-    warped row by row as the walk reaches them. Lossless for the warped target distribution."""
+    """Recursive rejection sampling down the tree (SpecInfer's multi-step speculative sampling; Jeon et al. 2024 for
+    siblings drawn without replacement): logits [N+1, V] as in `accept_greedy`, warped row by row as the walk reaches
+    them. Each step is a speculative-sampling step whose rejection branch continues with the residual as its target,
+    so this is lossless for the warped target distribution, provided every trial's token was drawn from its q given
+    everything drawn before it and which trials exist never depends on their own tokens."""
     node, path, tested = ROOT, [], 0
     while True:
         p = warp(logits[node + 1])

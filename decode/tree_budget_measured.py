@@ -1,26 +1,13 @@
 """What `decode.tree_budget_schedule: auto` rests on: the token tree's node budget by context length, chosen where the
 decoder runs from this machine's own costs and the draft's own rank acceptance.
 
-The best tree depends on the hardware's verify-cost curve (Sequoia, Chen et al. 2024): where a pass over 8 nodes
-costs about one target step, wide trees pay; where it costs two (a CPU without spare compute per weight read), two
-nodes a round beat eight. So one machine's schedule does not carry to another, and `auto` measures instead: the costs
-`draftops sweep` prices trees with (`decode.step_costs.measure_costs`: the target's step and its tree verify of
-`TREE_BUDGETS` nodes, the draft's rounds, a feature draft's fed the target's features, at `CONTEXTS`), once per
-machine, target and draft (a choice of `decode.runtime.machine_choice`, which caches them, or on a busy machine keeps
-them for this process only); the rank acceptances p_r are the draft's, measured by its distill on held-out responses
-(`decode.tree_budget_prediction.load_rank_acceptance`; a feature draft's at its first position). The schedule is then
-the
-sweep's own recommendation (`predict_tree_budgets`, `recommend_tree_budget`).
-
-Trees grown without a draft model (prompt lookup's branches and suffix decoding's candidates: `--draft prompt-lookup`,
-bench's `lookup_only` and `suffix_only` rows) have no rank acceptance: what they propose is not a ranked list of one
-model's choices. For them `auto` measures τ(B) itself (`replayed_tau`): the same tree drafter, greedy rounds
-replayed on responses the target wrote (sequences of the suffix index, the others searched), a node accepted where it
-continues that text, as the decoder's greedy walk accepts it where the target writes it; the schedule is then the
-budget with the most τ(B) / v_tree(B) at each context (`predict_model_free_budgets`), on the target's costs alone.
-
-Where a half is missing the built-in schedule (`pipeline.config.DEFAULT_TREE_BUDGET_SCHEDULE`) stands and the reason
-goes with it: a draft distilled before p_r were stored, or no draft model and no suffix index to replay on.
+The best tree depends on the hardware's verify-cost curve (Sequoia, Chen et al. 2024), so one machine's schedule does
+not carry to another: this module measures the costs `draftops sweep` prices trees with once per machine, target and
+draft (`decode.runtime.machine_choice` caches them) and makes the sweep's own recommendation
+(`decode.tree_budget_prediction`) at decode time. Trees without a draft model have no rank acceptance: their τ(B) is
+replayed on the target's responses (`replayed_tau`). Where a half is missing, the built-in schedule
+(`pipeline.config.DEFAULT_TREE_BUDGET_SCHEDULE`) stands and the reason goes with it (`default_choice`).
+docs/concepts.md#the-node-budget.
 """
 from __future__ import annotations
 

@@ -1,35 +1,10 @@
 """How many nodes a token tree should have at each context length: predicted tokens/s per node budget from the
 sweep's measured costs and a Sequoia-style acceptance model (Chen et al. 2024).
 
-Acceptance model (greedy decoding). A node that is its parent's r-th child, the draft's r-th choice there, is accepted
-given its parent was with probability p_r: the share of response positions at which the target's token is the draft's
-r-th choice (`rank_acceptance`, from the teacher-forced pass of `decode.acceptance.analytic_acceptance` with
-`greedy_ranks`). p_r is taken as the same at every depth and independent of what was accepted above (Sequoia's
-positional acceptance): the draft at an accepted node has seen exactly the target's prefix, which the teacher-forced
-pass reproduces, but runs of right and wrong guesses are correlated in real text, and the model ignores that. A node
-is then accepted with the product of p along its path, and a round with tree T yields τ(T) = 1 + Σ_nodes Π_path p_r
-new tokens.
-
-`best_trees` finds, for every node count n ≤ N and depth bound d ≤ D, the tree with the largest τ by Sequoia's dynamic
-program. A node's children are the draft's ranks 1..k, none skipped (the draft's tree offers its top choices), with
-subtrees of s_1..s_k nodes:
-
-    S_d(m) = max over k and s_1..s_k ≥ 1 with Σ s_i = m of Σ_i p_i · (1 + S_{d−1}(s_i − 1)),   S_0(0) = 0,
-
-S_d(m) being the expected accepted nodes of the best m nodes below a node, at most d levels deep; τ_d(n) = 1 + S_d(n).
-
-Cost of a round at context L, in target steps t(L) (`decode.step_costs.measure_costs`): d·c(d) to grow a tree of d
-levels (one draft forward per level, as a chain round of d proposals; a level's width is taken as free for the draft)
-plus v_tree(n), one tree pass over the pending token and n nodes. `predict_tree_budgets`: the predicted tokens/s at
-budget n is the best over d ≤ D of τ_d(n) / ((d·c(d) + v_tree(n)) · t(L)); the draft's prefill is left out, as in the
-γ schedule's steady state.
-
-The decoder's own tree (`decode.drafters.tree_drafter.ModelTree`) is a per-level beam, at most `tree_branching` nodes
-per
-level, γ levels (in greedy rounds the best of its candidates on all levels), chosen by cumulative draft probability
-rather than by this program, so the predicted τ is what the best tree of that size would give: an upper bound for the
-beam. Each row therefore reports its tree's depth and widest level, the γ and `tree_branching` a beam needs to reach
-that shape.
+It holds the model alone (rank acceptance, the best trees, the predicted rows and the recommended schedule), apart
+from what measures its inputs: `draftops sweep` prices trees with it, and `decode.tree_budget_measured` makes the
+same recommendation where the decoder runs. The model, its dynamic program and why its τ is an upper bound for the
+decoder's beam: docs/concepts.md#the-node-budget.
 """
 
 from __future__ import annotations
@@ -51,7 +26,11 @@ TREE_BUDGETS = (2, 3, 4, 8, 16, 32, 64)  # the node budgets whose tree verify is
 
 
 def rank_acceptance(ranks: Sequence[Sequence[int]], max_rank: int) -> list[float]:
-    """p_r for r = 1..max_rank: the share of all positions whose rank (`AnalyticAcceptance.ranks`) is r."""
+    """p_r for r = 1..max_rank: the share of all positions whose rank (`AnalyticAcceptance.ranks`) is r.
+
+    p_r is then taken as the same at every depth and independent of what was accepted above (Sequoia's positional
+    acceptance): the draft at an accepted node has seen exactly the target's prefix, which the teacher-forced pass
+    reproduces, but runs of right and wrong guesses are correlated in real text, and the model ignores that."""
     counts = Counter(r for sequence in ranks for r in sequence)
     total = sum(counts.values())
     if not total:
@@ -114,7 +93,9 @@ class BestTrees:
 
 def best_trees(p: Sequence[float], max_nodes: int, max_depth: int) -> BestTrees:
     """Sequoia's dynamic program over rank acceptances p (p[0] for rank 1; missing ranks count as 0), for every node
-    count up to max_nodes and depth bound up to max_depth."""
+    count up to max_nodes and depth bound up to max_depth. A node's children are the draft's ranks 1..k, none skipped
+    (the draft's tree offers its top choices):
+    S_d(m) = max over k and s_1..s_k ≥ 1 with Σ s_i = m of Σ_i p_i · (1 + S_{d−1}(s_i − 1)), S_0(0) = 0."""
     if max_nodes < 1 or max_depth < 1:
         raise ValueError(f"need max_nodes and max_depth >= 1, got {max_nodes} and {max_depth}")
     n = max_nodes
@@ -162,6 +143,11 @@ def draft_cost(costs: dict, draft: str, context_index: int, depth: int) -> float
 def predict_tree_budgets(costs: dict, draft: str, p: Sequence[float], budgets: Sequence[int],
                          max_depth: int) -> tuple[list[dict], list[dict]]:
     """(tree rows, chain rows) of one draft at every measured context.
+
+    A round of d levels costs d·c(d) (one draft forward per level, a level's width taken as free for the draft) plus
+    v_tree(n); the draft's prefill is left out, as in the γ schedule's steady state. The decoder's beam
+    (`decode.drafters.tree_drafter.ModelTree`) is not this program's tree, so each row reports its tree's depth and
+    widest level: the γ and `tree_branching` a beam needs to reach that shape.
 
     Tree row per (context, budget): with the best depth bound d ≤ max_depth (the smallest on a tie), τ, the tree's
     nodes that can be accepted (`BestTrees.parents`), its depth and widest level, the draft cost d·c(d) and v_tree in

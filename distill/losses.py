@@ -3,24 +3,8 @@
 torchtune kd_losses style: fp32, computed only on the masked (response) positions, summed and divided by a token
 count the caller passes in. Passing the *global* count (all processes, all accumulation micro-batches) makes the
 summed gradients equal the gradient of the global per-token mean, whatever the process/micro-batch split.
-
-Every divergence works on "buckets": log-probabilities over the same columns for p and q, shape [N, C].
-
-- Full teacher logits: the buckets are the student's vocabulary.
-- Top-k teacher (`TopKTeacher`): the buckets are the k cached ids plus one *tail* bucket. The teacher's tail is
-  1 − Σ top-k p; the student's tail is its exact mass on every other column (a logsumexp with the k columns masked
-  out). Both tails are floored at `TAIL_FLOOR` (fp16 cached values can sum slightly above 1, and k may cover the
-  whole vocabulary), so no bucket is ever log 0. The loss is then the divergence
-  between these coarse-grained (k+1)-bucket distributions — by the data-processing inequality a lower bound on the
-  full-vocabulary divergence, and equal to it when the teacher's tail is zero.
-- Reduced-vocabulary student (`token_ids`): q is 0 outside the draft vocabulary, so the teacher is the target's
-  distribution *conditioned on the draft vocabulary* (restricted to `token_ids` and renormalized). That is the
-  minimizer of the forward KL under the support constraint and one of the minimizers of the TVD (it reaches the
-  largest possible acceptance Σ_S min(p, q) = p(S)). Full teacher logits are restricted to `token_ids` here.
-- Reduced-vocabulary student with a top-k teacher: the cache holds the target's full-vocabulary top-k, with indices
-  mapped to student columns and -1 for ids the student cannot emit. Their mass joins the teacher's tail, whose
-  student counterpart is the student's mass on its own unlisted columns: still a coarse-graining of the two
-  full-vocabulary distributions (q = 0 outside the draft vocabulary), with the same argmax on the listed ids.
+Every divergence works on "buckets" (`bucket_log_probs`): log-probabilities over the same columns for p and q, shape
+[N, C], whether the teacher is full logits or a cached top-k and whether the student's vocabulary is reduced.
 """
 from __future__ import annotations
 
@@ -169,7 +153,18 @@ def bucket_log_probs(
     temperature: float = 1.0,
     token_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p, log q) over common buckets, fp32, for already-selected positions (student logits [N, V_draft])."""
+    """(log p, log q) over common buckets, fp32, for already-selected positions (student logits [N, V_draft]).
+
+    Full teacher logits: the buckets are the student's vocabulary. A reduced-vocabulary student (`token_ids`) has
+    q = 0 outside it, so the teacher is the target conditioned on the draft vocabulary (restricted and renormalized):
+    the minimizer of the forward KL under that support constraint and one of the TVD's (it reaches the largest
+    acceptance Σ_S min(p, q) = p(S)).
+
+    Top-k teacher: the k cached ids plus one tail bucket (1 − the listed mass, floored at `TAIL_FLOOR`: fp16 values can
+    sum above 1 and k may cover the whole vocabulary, so no bucket is ever log 0). The loss is then the divergence
+    between these coarse-grained distributions: by the data-processing inequality a lower bound on the full-vocabulary
+    divergence, equal to it when the teacher's tail is zero. Ids the student cannot emit (-1) join the teacher's tail.
+    """
     if isinstance(teacher, TopKTeacher):
         if temperature != 1.0:
             raise ValueError("a top-k teacher cache holds temperature-1 log-probs; use temperature 1 or online logits")

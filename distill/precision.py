@@ -1,25 +1,8 @@
-"""The precisions a distill job computes in on a CPU, each chosen by timing both candidates on this machine (clients
-of `decode.runtime.machine_choice`, which caches the timings per machine and key). A CPU without bf16 units
-(`bf16_units`) times nothing: fp32.
-
-`distill.generation_dtype: auto`: whether the target generates the training responses faster in bfloat16. A CPU with
-bf16 units (AVX512_BF16; AMX-BF16 where Linux grants this process its tile state) may multiply bf16 matrices several
-times faster than fp32 ones, and a generation step's products have as many rows as the generation batch; whether it
-does for this model's shapes depends on the CPU and torch's kernels, so it is measured: per weight shape of the
-model's linear layers, a product of `rows` rows in fp32 (the faster of torch's and oneDNN's packed kernel, what
-`cpu_linear: auto` would run) against the same product in bf16. bf16 is picked when the model's whole step (each
-shape's time times its layer count) is faster.
-
-`distill.mixed_precision: auto`: whether the draft trains faster in bf16 mixed precision. torch's CPU autocast runs
-the products in bf16 and keeps the weights, the optimizer and the loss in fp32; whether that pays depends on the CPU
-and on the model's size, not on one instruction set (the casts autocast adds can cost as much as the products save;
-docs/results.md#the-cpu-runtime). So one training step of the job's draft is timed both ways: its forward, a loss
-in fp32 and the backward, on `batch_size` rows of the job's typical length. In bf16 the attention stays fp32
-(`fp32_attention`), as in generation: torch's bf16 attention on a CPU is the slower one. On any other device `auto`
-trains in full precision.
-
-Both choices decide what the job produces (the responses, the draft's arithmetic), so both are cached from their first
-timing even on a busy machine (`pins_output`: a killed job's rerun must produce what the first run did).
+"""The precisions a distill job computes in on a CPU: `distill.generation_dtype: auto` (whether the target generates
+the training responses faster in bf16) and `distill.mixed_precision: auto` (whether the draft trains faster in bf16
+mixed precision), each chosen by timing both candidates on this machine. A CPU without bf16 units (`bf16_units`) times
+nothing: fp32. It is a client of `decode.runtime.machine_choice`, which caches the timings; both choices decide what
+the job produces, so both are cached from their first timing even on a busy machine (`pins_output`).
 """
 from __future__ import annotations
 
@@ -119,7 +102,9 @@ def step_timings(step_logits: torch.nn.Module, vocab: int, *, rows: int, length:
 def mixed_precision_choice(setting: str, step_logits: torch.nn.Module, vocab: int, *, device: torch.device,
                            rows: int, mean_length: float) -> str:
     """The mixed precision to train in: `setting` unless it is "auto"; then "bf16" on a CPU with bf16 units where a
-    training step of `rows` rows of about `mean_length` tokens measures faster with it (`step_timings`), else "no"."""
+    training step of `rows` rows of about `mean_length` tokens measures faster with it (`step_timings`), else "no".
+    Whether it pays depends on the CPU and the model's size, not on one instruction set: the casts autocast adds can
+    cost as much as the products save. Off the CPU, `auto` trains in full precision."""
     if setting != "auto":
         return setting
     if device.type != "cpu" or not bf16_units():
@@ -170,7 +155,9 @@ def step_costs(model: torch.nn.Module, rows: int) -> tuple[float, float]:
 
 def generation_dtype(model: torch.nn.Module, rows: int) -> torch.dtype:
     """The dtype the target should generate in: bfloat16 for an fp32 CPU model on a CPU with bf16 units where its
-    step of `rows` rows measures faster in bfloat16 (`step_costs`), else the model's own."""
+    step of `rows` rows measures faster in bfloat16 (`step_costs`), else the model's own. A generation step's
+    products have as many rows as the generation batch, and whether bf16 is faster for this model's shapes depends on
+    the CPU and torch's kernels, so each shape is timed against the fp32 kernel `cpu_linear: auto` would run."""
     dtype = next(model.parameters()).dtype
     if next(model.parameters()).device.type != "cpu" or dtype != torch.float32 or not bf16_units():
         return dtype

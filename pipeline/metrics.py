@@ -2,43 +2,9 @@
 
 A draft version's registration run (distill), every eval and bench of it, and every monitor check use the same
 names for the same quantities, so MLflow's compare view lines them up column by column. Metric names are
-`<group>/<quantity>[/<category>]`; MLflow's UI groups the charts by the part before the first slash.
-
-| name | meaning |
-|---|---|
-| `acceptance/alpha_t0` | α at temperature 0: greedy agreement of draft and target on held-out traffic |
-| `acceptance/alpha_t1` | α at temperature 1: E[Σ min(p, q)] = 1 − TVD |
-| `acceptance/alpha_t0/<category>` | the same per traffic category |
-| `acceptance/alpha_t0_by_target_confidence/<low>-<high>` | eval: α where the target's top probability is in that band |
-| `acceptance/alpha_t0_outside_draft_vocabulary` | eval: target probability on ids the draft lacks; α ≤ 1 − it |
-| `acceptance/draft` | the draft model's own acceptance while decoding alone (no prompt lookup): what drift is about |
-| `acceptance/decoder` | the acceptance of the decoder users run: prompt lookup first, the draft elsewhere |
-| `acceptance/tau_gamma<γ>` | tokens per target call at γ draft tokens |
-| `acceptance/pos_<i>` | the draft's acceptance at draft position i (given the position was reached) |
-| `acceptance/chain<k>_pos_<i>` | in chains of k drafts: share of drafts whose tokens 1..i were all accepted (vLLM's) |
-| `acceptance/chain<k>_length` | their mean acceptance length 1 + Σ_i `chain<k>_pos_<i>` (vLLM's and SpecForge's AL) |
-| `acceptance/server` | accepted / draft tokens that the serving engine counted since the last monitor check |
-| `acceptance/server_pos_<i>` | share of the engine's drafts (same window) whose first i tokens were all accepted |
-| `speed/...` | tokens per second, speedup vs the target alone, cost ratios c and v |
-| `draft/...` | the draft's size: parameters, layers, vocabulary |
-| `train/...` | training curves (per step) |
-| `time/<phase>_s` | seconds spent in a phase |
-| `monitor/...` | one monitor check: acceptance now vs baseline, the drop test, traffic drift, retraining |
-
-`acceptance/draft` counts accepted / verified draft tokens; `acceptance/decoder` is that of the `decode.drafters.chain`
-"decoder".
-
-Tags and aliases are named here too, so every stage writes and reads the same strings (their values are what existing
-MLflow stores hold: never rename one):
-
-| constants | values | meaning |
-|---|---|---|
-| `*_TAG` | `draftops.*`, `gamma`, `loss_kind` | run and version tags: stage, git sha, lineage, linked runs |
-| `MONITOR_*_TAG` | `draftops.monitor.*` | a monitor run's decision, cause, champion and challenger |
-| `BASELINE_RUN_TAG`, `PROMOTED_AT_TAG`, `ROLLED_BACK_AT_TAG` | `draftops.monitor.*` | version tags the monitor sets |
-| `DEPLOY_*_TAG` | `draftops.deploy.*` | a deployed version's folder, format, time, deploy run; what a deploy run did |
-| `CHAMPION`, `CHALLENGER`, `PREVIOUS_CHAMPION` | `champion`, ... | the registered model's aliases |
-| `size_alias(n)` | `layers-N` | the newest draft of N layers from `draftops distill --sizes` |
+`<group>/<quantity>[/<category>]`; MLflow's UI groups the charts by the part before the first slash. Tags and aliases
+are named here too, so every stage writes and reads the same strings. What each name means: docs/reference.md#metrics
+and #tags-and-aliases.
 """
 from __future__ import annotations
 
@@ -120,6 +86,8 @@ SWEEP_INT8_KL = "sweep/quantization/int8_kl"  # next-token KL(fp32 ‖ int8), na
 SWEEP_INT8_AGREEMENT = "sweep/quantization/int8_agreement"  # share of positions where int8's argmax is fp32's
 SWEEP_SPECULATIVE_SPEEDUP = "sweep/quantization/speculative_speedup"  # measured in the same run as the int8 rows
 SWEEP_RECOMMENDED_LAYERS = "sweep/size/recommended_layers"  # the draft size with the best mean predicted speedup
+
+# Tag and alias values are what existing MLflow stores hold: never rename one.
 
 # model-version tags that link a version to its runs
 DISTILL_RUN_TAG = "draftops.distill_run"

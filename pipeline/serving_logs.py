@@ -2,25 +2,9 @@
 
 A gateway logs each request either as the body itself (`{"model": ..., "messages": [...], ...}`) or inside an
 envelope that names it and stamps its time, e.g. `{"request_id": "r1", "timestamp": 1759280400, "body": {...}}`.
-This module turns one such record into what draftops keeps of a request: its id, its time, and its messages.
-
-- Envelope: a record that is not itself a request (no `messages`, `prompt` or `turns`) is read from its `body` or
-  `request` field, a JSON object or a string holding one. The id, category and time are looked up in the envelope
-  first, then in the body: id in `id`, `request_id`, `question_id` (Spec-Bench's), time in `ts`, `timestamp`,
-  `created`; the first key present wins.
-- Messages: a `content` is a string or a list of parts; the text parts (`{"type": "text", "text": ...}`) are
-  joined with newlines and the other parts (images, audio, files) are skipped, so a message with no text left is an
-  error. Roles: `system`, `developer` (read as `system`), `user`, `assistant`, `tool`. Tool messages stay in the
-  conversation as logged (with their `tool_call_id` and `name`), and so do an assistant's `tool_calls` (its content
-  may then be empty) and `reasoning_content`: chat templates that know them render them. The request is the next
-  assistant turn, so the conversation ends with a user turn or with a tool turn (the model answering a tool's result
-  is a request too), or with the assistant's reply to one: the reply as served, kept apart (`chat_conversation`).
-  ShareGPT's messages (`{"from": "human"|"gpt"|"system"|"tool", "value": ...}`) are read as these roles.
-- Replies: a gateway's record of the response, `{"response": {"choices": [{"message": {...}}]}}`, is the served
-  reply too; the body's `tools` (the schema the model was served with) go to the chat template.
-- Times: ISO-8601 strings (`2026-10-01T02:00:00+02:00`, `...Z`; without an offset it is read as UTC), or numbers:
-  epoch seconds, or epoch milliseconds when over 1e11. All become aware UTC datetimes, so requests are ordered by
-  the instant, never by how the time was written.
+This module turns one such record into what draftops keeps of a request: its id, its time, its messages and the reply
+as served. It knows one record's shape, apart from the files and data sets that hold records
+(`pipeline.traffic_sources`, `pipeline.traffic_records`). The formats: docs/data.md#formats.
 """
 from __future__ import annotations
 
@@ -62,7 +46,8 @@ def request_body(record: dict) -> dict:
 
 
 def envelope_field(record: dict, body: dict, keys: tuple[str, ...]) -> tuple[str, object] | tuple[None, None]:
-    """(key, value) of the first of `keys` set in the envelope, else in the body; (None, None) when none is."""
+    """(key, value) of the first of `keys` set in the envelope, else in the body; (None, None) when none is. The id is
+    looked up in `ID_KEYS` (`question_id` is Spec-Bench's), the time in `TIME_KEYS`."""
     for source in (record, body):
         for key in keys:
             if source.get(key) is not None:
@@ -80,7 +65,9 @@ def chat_messages(messages: object, key: str = "messages") -> list[dict]:
 
 def chat_conversation(messages: object, key: str = "messages") -> tuple[list[dict], dict | None]:
     """A conversation as (the request's messages, the assistant's reply to them as logged, or None). Messages are
-    OpenAI's (`role`, `content`) or ShareGPT's (`from`, `value`)."""
+    OpenAI's (`role`, `content`) or ShareGPT's (`from`, `value`). The request is the next assistant turn, so the
+    conversation ends with a user turn or a tool turn (the model answering a tool's result is a request too), or with
+    the assistant's reply to one: the reply as served, kept apart."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"'{key}' must be a non-empty list")
     kept = [_message(i, m) for i, m in enumerate(messages)]
@@ -106,6 +93,8 @@ def logged_reply(record: dict) -> dict | None:
 
 
 def _message(i: int, message: object) -> dict:
+    """One message as kept. Tool messages keep their `tool_call_id` and `name`, an assistant's its `tool_calls` (its
+    content may then be empty) and `reasoning_content`: chat templates that know them render them."""
     if isinstance(message, dict) and message.get("from") is not None and message.get("role") is None:  # ShareGPT
         if message["from"] not in SHAREGPT_ROLES:
             raise ValueError(f"message {i} needs a 'from' in {sorted(SHAREGPT_ROLES)}")
@@ -121,6 +110,8 @@ def _message(i: int, message: object) -> dict:
 
 
 def _text(i: int, content: object) -> str:
+    """A content's text: a string, or its text parts joined with newlines; other parts (images, audio, files) are
+    skipped, so a message with no text left is an error."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -139,7 +130,8 @@ def _text(i: int, content: object) -> str:
 
 
 def parse_instant(value: object) -> datetime:
-    """An aware UTC datetime from an ISO-8601 string (no offset: UTC) or a number of epoch seconds / milliseconds."""
+    """An aware UTC datetime from an ISO-8601 string (no offset: UTC) or a number of epoch seconds / milliseconds
+    (over `EPOCH_MILLISECONDS_ABOVE`), so requests are ordered by the instant, never by how the time was written."""
     if isinstance(value, datetime):
         return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
     if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -1,23 +1,12 @@
 """Traffic: requests read from logs and data sets, validated record by record, with a stable hash-based held-out
 split.
 
-Formats (`pipeline.traffic_sources` reads the containers, `pipeline.traffic_records` the shapes; docs/data.md has an
-example of each): JSONL logs of OpenAI chat requests (bare or in a gateway's envelope, `pipeline.serving_logs`),
-`{"prompt": ...}`, Spec-Bench's `{"turns": [...]}` and ShareGPT's `{"conversations": [...]}`; ShareGPT's JSON arrays;
-and data sets kept with `datasets`: a saved folder, parquet or arrow files, with `columns` naming their columns.
-
-The id is the first of `id`, `request_id`, `question_id`; a request without one gets a hash of its messages. A
-request logged again under the same id with the same messages (a client's retry, or the same id-less request) is kept
-once and counted in `Traffic.duplicates`; the same id with other messages is a malformed line. A path may be a glob
-of rotated logs (`logs/requests-*.jsonl`, `.gz` files read as gzip), read in the sorted order of the file names; the
-times, not the files, decide which requests are the most recent (`chronological`).
-
-Reading is total: every non-blank line or row yields a request or a `file:line: reason` (`file: row N: reason`)
-error (raised, or skipped and counted with `skip_malformed`), whatever it holds: JSON nested past the parser's depth,
-lone UTF-16 surrogates (a tokenizer cannot encode them), bytes that are not UTF-8, or a line longer than
-`max_line_bytes` (read in pieces, never held whole). A prompt is cut to a bound of characters derived from the token
-budget (`prompt_char_bound`) before it is tokenized, so that one huge request costs memory in proportion to the
-configuration, not to its size.
+This is the one entry every stage reads traffic through (`load_traffic`, `Traffic`); the containers are read by
+`pipeline.traffic_sources`, the record shapes by `pipeline.traffic_records` and `pipeline.serving_logs`
+(docs/data.md#formats has an example of each). Reading is total: every non-blank line or row yields a request or a
+`file:line: reason` (`file: row N: reason`) error, raised or skipped and counted (`skip_malformed`), whatever it
+holds: JSON nested past the parser's depth, lone UTF-16 surrogates, bytes that are not UTF-8, or a line longer than
+`max_line_bytes` (read in pieces, never held whole).
 """
 from __future__ import annotations
 
@@ -55,7 +44,9 @@ class Traffic:
     requests: list[Request]
     malformed: list[str] = field(default_factory=list)  # "file:line: reason", only with skip_malformed
     files: list[Path] = field(default_factory=list)
-    duplicates: int = 0  # lines repeating an earlier request (retries), not kept
+    # lines repeating an earlier request, not kept: the same id with the same messages (a client's retry, or the same
+    # id-less request, whose id is a hash of its messages); the same id with other messages is a malformed line
+    duplicates: int = 0
     outside_window: int = 0  # requests before `since` or from `until` on, not kept
     formats: dict[str, int] = field(default_factory=dict)  # requests kept per "shape (container)"
 
@@ -104,7 +95,8 @@ def first_per_category(requests: list[Request], k: int) -> list[Request]:
 
 
 def chronological(requests: list[Request]) -> list[Request]:
-    """Oldest first by the parsed time; requests without one come first, and ties keep their log order."""
+    """Oldest first by the parsed time; requests without one come first, and ties keep their log order. The times,
+    not the files (a glob of rotated logs is read in the sorted order of its file names), decide what is recent."""
     return sorted(requests, key=lambda r: (r.instant is not None, r.instant or _EPOCH))
 
 
@@ -192,7 +184,8 @@ def load_traffic(path: str | Path = "default", *, skip_malformed: bool = False, 
     `file:line: reason` (`file: row N: reason`), or is skipped and counted. With `since` / `until` (any time
     `pipeline.serving_logs.parse_instant` reads, or a datetime), only the requests logged at or after `since` and
     before `until` are kept, and a request without a time is malformed. With `max_prompt_chars`, each request keeps
-    only the last that many characters of its conversation (its id and retry detection still see all of it).
+    only the last that many characters of its conversation (its id and retry detection still see all of it), so that
+    one huge request costs memory in proportion to the configuration, not to its size (`prompt_char_bound`).
     `columns`: draftops' names (messages, id, category, time) -> a data set's own column names."""
     path = resolve_traffic_path(path)
     window = (_window_bound("since", since), _window_bound("until", until))

@@ -1,30 +1,11 @@
 """Suffix decoding: model-free candidates from what followed the longest earlier match of the sequence's last tokens.
 
-SuffixDecoding (Oliaro et al., NeurIPS 2025; snowflakedb/ArcticInference) matches the sequence's latest tokens against
-two token stores: the target's earlier outputs (a `SuffixIndex`, built once; `make distill` ships one beside the draft,
-`SUFFIX_INDEX_FILE`) and the current request (its prompt and every token accepted so far, `RequestTokens`). For every
-match length m (up to `max_depth` - 1) it counts the continuations of the m-token match, estimates a continuation's
-probability as its count over the match's count, multiplied along a path (a match that ends its sequence counts in
-the denominator: it says the text may stop there), and grows candidates greedily by that probability under a budget
-of min(budget, max_spec_factor·m + max_spec_offset) tokens, skipping those below `min_token_prob`. Of all match
-lengths and both stores, the candidates with the highest score (the sum of their probabilities) win; ties go to the
-longer match, then to the request. Longer matches are both sharper and allowed more tokens.
-
-The counts are those of the reference's suffix tree (a node counts the occurrences of its tokens), read from an
-inverted index instead of a tree: the occurrences of a (m+1)-token match are those of the m-token match whose preceding
-token is right, so each extension filters an array, and a continuation's occurrences are those of its parent followed
-by it. Memory is two int32 arrays the size of the store plus one offset per token id, whatever the depth: nothing is
-built per depth.
-
-Deviations from the reference: the current request's last position is not an occurrence of its own suffix (it has no
-continuation yet, and counting it halves every estimate from the request); the request is searched as a sequence, not
-kept as a tree; and `max_depth` bounds the match only, not match + continuation (the reference's tree stops there),
-which differs only for matches within a budget of `max_depth`.
-
-`SuffixDrafter` is the drafter (`decode.drafters.chain`): its chain (`propose`) is the candidates with only the most
-frequent continuation followed, deterministic, so the decoder's test with a one-hot q stays lossless; `candidates`
-gives the tree (plain lists: tokens, parents, scores), which `decode.drafters.text_trees.SuffixTree` adds to a
-tree round.
+After SuffixDecoding (Oliaro et al., NeurIPS 2025; snowflakedb/ArcticInference): the target's earlier outputs (a
+`SuffixIndex`, built once; `make distill` ships one beside the draft, `SUFFIX_INDEX_FILE`) and the current request
+(`RequestTokens`) are searched for the sequence's last tokens, and the continuations with the highest estimated
+probability are proposed (`SuffixSearch`). It needs no model, so it holds its stores and search apart from the
+drafters that run one; `SuffixDrafter` is its chain drafter, `decode.drafters.text_trees.SuffixTree` its tree source.
+How it estimates and bounds candidates: docs/concepts.md#drafters.
 """
 from __future__ import annotations
 
@@ -70,6 +51,10 @@ class SuffixIndex:
 
     `tokens` holds every sequence between END markers; `order` the positions of the non-END tokens sorted by token id
     and `offsets[t]:offsets[t+1]` the slice of `order` where token t occurs.
+
+    The counts are those of the reference's suffix tree, read from this inverted index instead: the occurrences of a
+    (m+1)-token match are those of the m-token match whose preceding token is right, so each extension filters an
+    array. Memory is two int32 arrays the size of the store plus one offset per token id, whatever the depth.
     """
 
     def __init__(self, sequences: Sequence[Sequence[int]]):
@@ -155,7 +140,9 @@ class RequestTokens:
             self.length = length
 
     def after(self, token: int) -> np.ndarray:
-        """The positions right after each occurrence of `token` but the last position (see the module docstring)."""
+        """The positions right after each occurrence of `token` but the last position: the request's last position
+        has no continuation yet, and counting it (as the reference does) would halve every estimate from the
+        request."""
         return np.flatnonzero(self.tokens[1:self.length] == token) + 2
 
 
@@ -213,6 +200,7 @@ def grow(tokens: np.ndarray, ends: np.ndarray, budget: int, min_prob: float, tre
     def expand(node_ends: np.ndarray, prob: float, node: int) -> None:
         pairs, following = continuations(tokens, node_ends)
         for token, number in pairs if tree else pairs[:1]:
+            # a match that ends its sequence counts in the denominator: it says the text may stop there
             child = prob * number / node_ends.size
             if child < min_prob:
                 break
@@ -235,7 +223,9 @@ def grow(tokens: np.ndarray, ends: np.ndarray, budget: int, min_prob: float, tre
 class SuffixSearch:
     """The search's settings (the reference's names and defaults: ArcticInference's suffix decoding)."""
 
-    max_depth: int = 64  # matches are shorter than this (the reference's tree depth; the budget bounds continuations)
+    # matches are shorter than max_depth; the reference's tree bounds match + continuation by it, which differs only
+    # for matches within a budget of max_depth (here the budget bounds continuations)
+    max_depth: int = 64
     max_spec_factor: float = 1.0  # a match of m tokens is continued by at most max_spec_factor·m + max_spec_offset
     max_spec_offset: float = 0.0
     min_token_prob: float = 0.1  # candidates whose estimated probability is lower are not proposed
@@ -268,7 +258,8 @@ class SuffixSearch:
     def candidates(self, index: SuffixIndex | None, request: RequestTokens, budget: int, *,
                    tree: bool = True, depth: int | None = None) -> Candidates:
         """The request's best candidates of at most `budget` tokens and `depth` levels (None: any), from the request
-        itself and the index."""
+        itself and the index; the request is searched first, so it wins a tie. Unlike the reference, the request is
+        searched as a sequence, not kept as a tree."""
         context = request.tokens[max(1, 1 + request.length - self.max_depth):1 + request.length].tolist()
         best = self.best(request, context, budget, tree, depth, Candidates())
         return best if index is None else self.best(index, context, budget, tree, depth, best)
@@ -301,7 +292,8 @@ class SuffixDrafter:
         return self.search.candidates(self.index, state, budget, tree=True, depth=depth)
 
     def propose(self, state: RequestTokens, seq: list[int], k: int, warp, generator):
-        """(drafts [k'], one-hot q [k', V] (None when greedy), 0 model forwards): the most probable chain, k' <= k."""
+        """(drafts [k'], one-hot q [k', V] (None when greedy), 0 model forwards): the most probable chain, k' <= k.
+        Deterministic, so the decoder's test with a one-hot q stays lossless."""
         state.sync(seq)
         chain = self.search.candidates(self.index, state, k, tree=False).tokens
         drafts = torch.tensor(chain, dtype=torch.long, device=self.device)

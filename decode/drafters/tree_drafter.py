@@ -1,27 +1,11 @@
-"""Tree sources: what proposes the candidates of a tree round (`decode.speculative.tree_round`), under a node budget.
+"""Tree drafters: the draft model's tree sources and the drafter that runs a tree round's sources under one budget.
 
-A `TreeSource` has three methods. `start(prompt)` returns its state for a new generation; `grow(state, tree, seq,
-budget, depth, warp, generator)` adds at most `budget` new nodes of at most `depth` levels to the round's
-`decode.token_tree.TokenTree` continuing `seq` and returns the number of model forwards it ran; `commit(state, seq)` is
-told the sequence after the round, so a model source keeps what it computed along the accepted path. A source that reads
-the target's hidden states names the layers in `feature_layers` and gets the accepted positions' states through
-`observe(state, features)` after every round, as a chain drafter does (`decode.drafters.chain`). Sources label their
-nodes (`LOOKUP`, `DRAFT`, ...), and the decoder's statistics count accepted tokens per label.
-
-A source must keep the tree's sampled test lossless (`decode.token_tree`): every sampled trial's token is drawn from
-the q it carries given what was drawn before it, trials are added in the order they were drawn, and how many trials a
-node gets is decided before they are drawn. Deterministic candidates (q None) may be chosen any way that does not look
-at the target.
-
-- `LookupTree`: prompt lookup's matches, several earlier occurrences as several branches (deterministic);
-- `SuffixTree`: suffix decoding's candidate tree (`decode.drafters.suffix`) from the target's earlier outputs and the
-request's own text (deterministic);
-- `ModelTree`: the draft model's tree, grown level by level with one draft forward per level (a per-level beam), in
-  greedy rounds the best candidates of all levels (EAGLE-2's rerank);
-- `FeatureTree`: the same tree from a feature draft (`decode.models.feature_draft`), as EAGLE-2 grows it;
-- `TreeDrafter`: what the decoder runs, its sources in order under one budget per round: lookup first, then suffix
-  decoding's candidates, then the model fills what is left (`make_tree_drafter`); the budget is fixed or set by the
-  sequence's length from a schedule (`decode.tree_budget_schedule`; `draftops sweep` recommends one).
+`ModelTree` grows the draft model's tree level by level, one draft forward per level (a per-level beam; in greedy
+rounds the best candidates of all levels, EAGLE-2's rerank); `FeatureTree` grows the same tree from a feature draft
+(`decode.models.feature_draft`). `TreeDrafter` is what the decoder runs: prompt lookup first, then suffix decoding's
+candidates (the model-free sources of `decode.drafters.text_trees`), then the model fills what is left of a budget
+fixed or set by the sequence's length (`decode.tree_budget_schedule`); `make_tree_drafter` builds it by kind. What
+every source follows, the rules of a lossless tree included: `decode.drafters.protocol.TreeSource`.
 """
 from __future__ import annotations
 

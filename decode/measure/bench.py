@@ -1,24 +1,10 @@
 """`draftops bench`: target-only greedy vs HF assisted generation vs this decoder on the same prompts.
 
-Methods: `target_only` (HF `generate` on the target alone, on the linear kernels draftops chose, `cpu_linear`),
-`target_only_torch` (the same on torch's stock kernels: what a user gets without draftops; only where draftops chose
-other kernels), `plain` (greedy decoding through this decoder's own target forward, no draft: what the runtime alone
-gains), `hf_assisted` (the same draft and γ through transformers) and `speculative` (this decoder). Every speedup is
-stated against the faster of the two target-only rows, the strongest baseline (`baseline` in the report), so that
-draftops' kernels cannot make its own denominator slow. They run interleaved (their order rotates per prompt) so
-that machine load hits all of them alike. The step costs c and v are measured separately, and again from
-the run's own timings, to compare the measured speedup with Leviathan's prediction and the overhead-free bound.
-
-When the decoder has more than one source (prompt lookup, suffix decoding, the draft model), each runs alone too
-(`draft_only`, `lookup_only`, `suffix_only`); with tree rounds, the same decoder and the draft alone also run in
-chain rounds (`chain`, `draft_only_chain`). `--compare` adds decoder rows with other decode settings
-(`decoder_rows`).
-
-Where llama.cpp is built (`decode.serving.llamacpp`), two more rows run interleaved with these: `llama_cpp_target_only`
-and `llama_cpp_speculative` (llama-server on the target's GGUF, alone and with the draft exported as GGUF), what a CPU
-user would run instead. llama.cpp computes with its own quantized kernels, so it decodes a slightly different model than
-the float32 target the other rows share: its speculative row is compared with its own target-only row (speedup,
-identical outputs, the acceptance its server reports), and it is not a candidate for the denominator above.
+Every row (`target_only`, `target_only_torch`, `plain`, `hf_assisted`, `speculative`, each source alone, chain rounds,
+`--compare` rows, llama.cpp's where it is built) decodes the same prompts, interleaved prompt by prompt
+(`decode.runtime.timing.run_interleaved`); the step costs c and v are measured apart and from the run's own timings, to
+compare the speedup with Leviathan's prediction and the overhead-free bound. It is apart from `draftops sweep`, which
+predicts speedups over a grid: bench measures the decoder users run. The rows: docs/guide.md#benchmark-make-bench.
 """
 from __future__ import annotations
 
@@ -117,7 +103,9 @@ def hf_generate_on_torch_kernels(model, prompt: list[int], **kwargs) -> list[int
 
 
 def strongest_baseline(results: dict) -> str:
-    """The target-only row with the most tokens per second: the denominator of every speedup."""
+    """The target-only row with the most tokens per second: the denominator of every speedup, so that draftops'
+    kernels cannot make its own denominator slow. llama.cpp's rows decode another (quantized) model and are no
+    candidate: its speculative row is compared with its own target-only row (`llama_cpp_summary`)."""
     return max((name for name in (TARGET_ONLY, TARGET_ONLY_TORCH) if name in results),
                key=lambda name: results[name]["tokens_per_s"]["value"])
 

@@ -1,24 +1,11 @@
 """`draftops sweep`: the boundary map. Where speculative decoding pays on this machine, and which draft and γ win.
 
-Greedy acceptance on the traffic comes from one teacher-forced pass per draft over target-greedy responses (prompt
-lookup: its lookups replayed over the same responses); `decode.acceptance.walk` over those per-token outcomes gives
-exactly the target calls the greedy decoder makes, for every γ and generation length G (tested against the decoder).
-Step costs and each cell's predicted time: `decode.step_costs`. A subset of cells is decoded for real
-(target-only greedy vs the speculative decoder, interleaved, same prompts), and the measured/predicted gap is
-reported: it holds the per-round overhead and how much acceptance moves with context. EOS does not stop any
-generation here, so every cell generates exactly G tokens. Figures and markdown: `decode.measure.sweep_report`.
-
-The batch axis (`decode.step_costs.measure_batch_costs`): the target's step and verify and each draft model's step
-for B sequences at once, and the predicted speedup by batch size from the same walks: where speculation stops paying
-as a server batches more requests.
-
-The draft-size axis (`draft_size_axis`): the draft LMs swept (e.g. the family `draftops distill --sizes` registers
-as `layers-N`) by number of layers: acceptance against cost beside the break-even curve, and the recommended size.
-
-Token trees: the same pass ranks the target's token among each draft model's choices, and the tree verify is timed
-at node budgets up to 64; `decode.tree_budget_prediction` predicts tokens/s per budget and context, and the sweep
-recommends
-a node budget by context length (`decode.tree_budget_schedule`) next to the γ schedule.
+Greedy acceptance comes from one teacher-forced pass per draft over target-greedy responses, walked
+(`decode.acceptance.walk`) to the exact target calls the greedy decoder makes for every γ and generation length G;
+the step costs are `decode.step_costs`'. A subset of cells is decoded for real, and the measured/predicted gap is
+reported: it holds the per-round overhead and how much acceptance moves with context. Its axes beside γ and context:
+batch size, draft size (`draft_size_axis`), token trees (`tree_axis`) and a quantized target (`quantization_axis`).
+Figures and markdown: `decode.measure.sweep_report`; what it maps: docs/guide.md#when-does-it-pay-make-sweep.
 """
 
 from __future__ import annotations
@@ -154,7 +141,8 @@ def measure_cells(target_model, drafts: Sequence[Draft], plan, prompts: Sequence
     """Decode each planned cell's prompts (at its context length) with the target alone and speculatively.
 
     Per (context, length), the target-only run and every planned speculative configuration take turns prompt by
-    prompt, in an order that rotates, so machine load hits them alike.
+    prompt, in an order that rotates, so machine load hits them alike. EOS stops no generation here, so every cell
+    generates exactly its length.
     """
     device = next(target_model.parameters()).device
     by_name = {d.name: d for d in drafts}

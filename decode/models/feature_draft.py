@@ -1,22 +1,12 @@
 """A feature-level draft (EAGLE-3, Li et al. 2025): one decoder layer that reads the target's own hidden states.
 
-The target computes hidden states for every token it verifies; this draft reads three of them (the states entering
-target layers `feature_layers`, by default 2, L/2 and L-3 as in vLLM and `speculators`), fuses them with one linear
-layer (`fc`), and runs one decoder layer whose attention reads [norm(embedding of the next token), norm(features)]
-concatenated (so q/k/v take 2H inputs), then the target's final norm and a (reduced-vocabulary) head. Index i of the
-draft pairs the target's features at position i with token i+1 and sits at position i+1; its output predicts token
-i+2. Beyond the verified tokens the draft feeds its own output hidden state as the next index's features.
-
-The parameter names follow `speculators`' Eagle3 layout (`fc`, `layers.0.*` with `hidden_norm`, `norm`, `lm_head`),
-so the export (`distill.register`) is a rename-free copy. The token embeddings are the target's, shared and frozen, and
-read as their plain rows (a Gemma target's embedding scale is its own forward's, which vLLM and `speculators` do not
-apply to a draft either; the layer's input norm makes it moot). The layer is a Llama layer whatever the target's family
-(`decode.models.architectures.draft_layer_config`), as speculators and vLLM build EAGLE-3 drafts.
-
-`FeatureDraft.step` is the one computation: decoding calls it with a KV cache and explicit positions; training
-(`FeatureDraft.unroll`) calls it K times over a whole sequence with "training-time test" masks (EAGLE-3, HASS): step
-j at index i sees the step-0 entries of indices <= i and its own entries of steps 1..j at index i, which is exactly
-what decoding j tokens past a verified prefix sees. `tests/decode/models/test_feature_draft.py` checks the two agree.
+The draft fuses the states entering three target layers (`feature_layers`) with one linear layer (`fc`) and runs one
+Llama decoder layer over [norm(embedding of the next token), norm(features)], then the target's final norm and a
+(reduced-vocabulary) head. Its parameter names follow `speculators`' Eagle3 layout, so the export
+(`distill.register`) is a rename-free copy. It is apart from the layer drafts (`decode.models.layer_draft`) because it
+needs the target's features at every pass: `FeatureDrafter` asks the decoder for them.
+`FeatureDraft.step` is the one computation, for decoding and for training's unroll (`FeatureDraft.unroll`);
+`tests/decode/models/test_feature_draft.py` checks the two agree.
 """
 from __future__ import annotations
 
@@ -49,7 +39,13 @@ def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
 
 
 class FeatureDraft(nn.Module):
-    """The EAGLE-3 draft head over a target of any supported family (see the module docstring)."""
+    """The EAGLE-3 draft head over a target of any supported family. Index i pairs the target's features at position
+    i with token i+1 and sits at position i+1; its output predicts token i+2. Beyond the verified tokens the draft
+    feeds its own output hidden state as the next index's features. The token embeddings are the target's, shared,
+    frozen and read as their plain rows (a Gemma target's embedding scale is its own forward's, which vLLM and
+    `speculators` do not apply to a draft either; the layer's input norm makes it moot). The layer is a Llama layer
+    whatever the target's family (`decode.models.architectures.draft_layer_config`), as speculators and vLLM build
+    EAGLE-3 drafts."""
 
     def __init__(self, target_config, embed_tokens: nn.Embedding, *, feature_layers: tuple[int, ...] | None = None,
                  token_ids: torch.Tensor | None = None, norm_before_residual: bool = False):
@@ -153,7 +149,8 @@ class FeatureDraft(nn.Module):
         position), input_ids and attention_mask [B, T] -> per step j the output hidden [B, R, H] at indices
         first[b] .. first[b] + R - 1 (R: the longest row's tokens from its `first` on; default first 0: every
         index), where index i predicts token i+2+j (as decoding j tokens past index i, with the right tokens fed in
-        between).
+        between). Step j at index i sees the step-0 entries of indices <= i and its own entries of steps 1..j at
+        index i (EAGLE-3's and HASS's masks): exactly what decoding j tokens past a verified prefix sees.
 
         Every index still feeds step 0's keys and values (later indices attend to them); only the indices from
         `first` on run attention and MLP and are unrolled further: training starts them a few indices before the

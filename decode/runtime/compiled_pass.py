@@ -4,9 +4,9 @@ A step of a small model on a CPU is mostly per-call cost and weight reads: on a 
 weights frozen into it, inductor's C++ GEMM templates on weights it packs once, on register blocks of at most
 `GEMM_BLOCK_ROWS` rows (`narrow_gemm_blocks`), and a C++ wrapper, so that one call runs the whole pass. Passes of more
 than `SHORT_PASS_TOKENS` tokens have a graph of their own. Compiling takes minutes on a small CPU and is redone by
-every process (inductor's graph cache cannot store the packed weights), so it is opt-in;
-docs/results.md#the-cpu-runtime has the measurement. The function compiled is `decode.runtime.lean.LeanDecoder`'s, on
-the layers `decode.runtime.lean_layers` reads off each family.
+every process (inductor's graph cache cannot store the packed weights), so it is opt-in (measured:
+docs/results.md#the-cpu-runtime). The function compiled is `decode.runtime.lean.LeanDecoder`'s, on the layers
+`decode.runtime.lean_layers` reads off each family.
 """
 from __future__ import annotations
 
@@ -45,9 +45,8 @@ def compile_options(device: torch.device) -> dict:
 
 def template_options(options: dict) -> dict:
     """`compile_options` with inductor's C++ GEMM templates only (`narrow_gemm_blocks` makes them fit 1-16 rows):
-    autotuning against ATen's packed products picked kernels slower in the whole pass than in isolation (on Zen 4 a
-    one-token step of the 30-layer target 31-33 ms autotuned, 20-21 ms on templates alone; wide passes likewise). Where
-    no template fits a product, inductor runs ATen's."""
+    autotuning against ATen's packed products picked kernels slower in the whole pass than in isolation, and a step
+    on templates alone was faster. Where no template fits a product, inductor runs ATen's."""
     return {**options, "max_autotune_gemm_backends": "CPP"} if options else options
 
 

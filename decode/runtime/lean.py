@@ -2,25 +2,12 @@
 generic machinery.
 
 Per call, transformers builds masks, cache objects, output dataclasses and keyword plumbing, a large share of a small
-draft's step (it runs γ times a round); docs/results.md#the-cpu-runtime has the measurement.
-`LeanDecoder` calls the same embedding, norm, projection, rotary and MLP modules in the order the family's
+draft's step (it runs γ times a round). `LeanDecoder` calls the same modules in the order the family's
 `ForCausalLM.forward` does (gpt-fast style: explicit positions into a preallocated KV cache), so it computes the same
-function; the transformers forward is the reference. The families it runs are `pipeline.families.FAMILIES`; how each
-one's block differs from Llama's (q/k norms, sliding windows, fused projections) is read off its layers in
-`decode.runtime.lean_layers`. `lean_problem` is the one check of whether the lean forward runs a model: every runner,
-compiled pass, batch and measurement asks it, and a model it refuses runs on the transformers forward
-(`notice_fallback`) or is refused in one line (`require_lean`). `tests/decode/runtime/test_lean.py` and
-`tests/decode/runtime/test_lean_layers.py` hold the parity tests. `forward_tree` feeds a
-token tree (`decode.token_tree`) at per-node positions under a tree mask; `tests/decode/test_token_tree.py` checks it
-against feeding each root-to-node path plainly.
-The eager forward runs each decoder layer's q, k, v projections as one product and its gate and up as another
-(`decode.runtime.kernels.ConcatLinear`, as gpt-fast and serving engines do): a few-row step pays per product called.
-
-`LeanDecoder(model, compiled=True)` runs the passes a decoder makes after the prompt (a step, a verify block, a tree:
-one sequence, at most `COMPILED_MAX_TOKENS` tokens, past position 1, with or without a feature draft's hidden
-states) through `torch.compile` of the same function (`decode.runtime.compiled_pass.CompiledPass`, parity-tested
-against the eager forward); prefills, wider passes and batches stay eager. Compiling takes minutes on a small CPU,
-so it is opt-in (`decode.compiled`).
+function, the transformers forward being the reference. How each family's block differs is read off its layers in
+`decode.runtime.lean_layers`; the compiled passes are `decode.runtime.compiled_pass`. `lean_problem` is the one check of
+whether the lean forward runs a model: a model it refuses runs on the transformers forward (`notice_fallback`) or is
+refused in one line (`require_lean`). docs/concepts.md#the-cpu-runtime.
 """
 from __future__ import annotations
 
@@ -174,8 +161,12 @@ class LeanDecoder:
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = self.inner.layers[0].self_attn.head_dim
         # per decoder layer: its q, k, v projections and its gate, up projections, each as one product
+        # (`decode.runtime.kernels.ConcatLinear`, as gpt-fast and serving engines do): a few-row step pays per product
         self.layers = lean_layers(model)
         self.rotate = rotary_function(model)
+        # compiled: the passes after the prompt (one sequence, at most COMPILED_MAX_TOKENS tokens, `_forward`) run
+        # through torch.compile of the same function; prefills, wider passes and batches stay eager. Compiling takes
+        # minutes on a small CPU, hence opt-in (`decode.compiled`).
         self.compiled = CompiledPass(self) if compiled else None
         self.cache_dtype = cache_dtype or model.model.embed_tokens.weight.dtype
 
@@ -232,7 +223,8 @@ class LeanDecoder:
                      tree_mask: torch.Tensor) -> torch.Tensor:
         """Feed tokens [T] into cache slots start..start+T-1 at `positions` [T] -> logits [T, V]. tree_mask [T, m]
         (m >= T) says which of the last m slots (start+T-m .. start+T-1) each token sees; it sees every slot before
-        them (`decode.token_tree.TokenTree.attention_mask`). Slots and positions differ: a node sits at its depth."""
+        them (`decode.token_tree.TokenTree.attention_mask`). Slots and positions differ: a node sits at its depth.
+        `tests/decode/test_token_tree.py` checks it against feeding each root-to-node path plainly."""
         return self.forward_tree_features(tokens, cache, start, positions, tree_mask, ())[0]
 
     def forward_tree_features(self, tokens: torch.Tensor, cache: KVCache, start: int, positions: torch.Tensor,

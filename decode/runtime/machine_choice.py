@@ -2,32 +2,10 @@
 CPU's instruction sets (`cpu_flags`, `bf16_units`), whether it is too busy to time on (`machine_busy`), timing
 candidates against each other (`interleaved_minimums`) and the one cache of what was measured (`measured`).
 
-Its clients say what they time and nothing else: `decode.runtime.kernels` (`cpu_linear: auto`: torch's kernel or
-oneDNN's per weight shape and row count), `distill.precision` (`distill.generation_dtype: auto` and
-`distill.mixed_precision: auto`: fp32 or bf16), `decode.tree_budget_measured` (`decode.tree_budget_schedule: auto`:
-the tree verify costs a node budget is chosen from).
-
-Timing. Candidates run in turns (a, b, a, b, ...) so that load on the machine hits them alike, and each keeps its
-fastest call: other load only ever adds time, so the minimum is the estimate of a candidate's own cost that a busy
-machine distorts least (a median picks the wrong one where another job holds a core).
-
-The cache. What a choice measured is kept as JSON under `$DRAFTOPS_HOME/machine_choice/<choice>/`, one file per
-machine key (the CPU's model name, torch's version and torch's thread count: what every timing depends on) and scope
-(what else the client's timings depend on, such as a row count or a model's fingerprint; hashed into the file's name,
-kept whole inside). A file holds items (a weight shape's timings, a training step's): a client asks for the items it
-needs and those the file lacks are measured and added. A file that cannot be read (corrupt, another key or scope)
-counts as empty and an item the client cannot parse as missing: they are measured again; files are written whole.
-
-The busy-machine rule. While other processes hold half the CPUs or more (`machine_busy`), a multi-threaded candidate
-waits for its descheduled threads, and that wait, not the candidate, would decide a choice that is then cached for
-good. So timings measured on a busy machine serve the process that measured them (kept in memory, `UNSAVED`: its
-later models and decoders do not time again) and are not written; a later process measures again. One exception,
-which the client declares (`pins_output`): a choice that decides what a job produces (the precision the training
-responses are generated in, the precision the draft trains in) is cached from its first measurement, busy or not,
-with a warning. A killed job's rerun must produce exactly what the first run did (the fault suite, tests/faults,
-kills jobs and compares what their reruns produce; the responses cache is keyed by the precision): timed again, a
-close choice could flip between the two runs and change the data. A stable slow pick costs speed; a flipping one
-costs reproducibility. Deleting the file times it again.
+It is apart so that its clients say what they time and nothing else: `decode.runtime.kernels` (`cpu_linear: auto`),
+`distill.precision` (`distill.generation_dtype` and `distill.mixed_precision: auto`) and
+`decode.tree_budget_measured` (`decode.tree_budget_schedule: auto`). How it times and caches, and the busy-machine
+rule: docs/concepts.md#choices-timed-on-this-machine.
 """
 from __future__ import annotations
 
@@ -145,7 +123,9 @@ BUDGET_S = 0.15  # seconds of timed turns after which the measurement stops at M
 def interleaved_minimums(calls: Sequence[Callable[[], object]], *, reps: int = REPS, min_reps: int = MIN_REPS,
                          budget_s: float = BUDGET_S, clock: Callable[[], float] = time.perf_counter) -> list[float]:
     """Fastest seconds of each call, timed in turns (a, b, a, b, ...) so that load on the machine hits them alike:
-    WARMUP untimed turns, then `reps` timed ones, or fewer (not under `min_reps`) once `budget_s` has passed."""
+    WARMUP untimed turns, then `reps` timed ones, or fewer (not under `min_reps`) once `budget_s` has passed.
+    Other load only ever adds time, so the minimum is the estimate a busy machine distorts least (a median picks the
+    wrong candidate where another job holds a core)."""
     for _ in range(WARMUP):
         for call in calls:
             call()
@@ -204,9 +184,16 @@ def measured(choice: str, scope: Mapping, items: Sequence[str], measure: Callabl
              parse: Callable[[Any], Any] = lambda value: value, pins_output: bool = False,
              timed: bool = True) -> dict[str, Any]:
     """Each of `items` (names) -> `parse` of its measurement: cached for this machine, `choice` and `scope`, and
-    measured (`measure(name)`, a JSON-able value) where the cache lacks it, then cached under the busy-machine rule
-    (module docstring): kept for this process only while the machine is busy, unless `pins_output`. `timed` False: a
-    measurement that is no timing (a replay's acceptance) is keyed by its scope alone and cached whatever the load."""
+    measured (`measure(name)`, a JSON-able value) where the cache lacks it, then cached. A file that cannot be read
+    counts as empty and an item `parse` refuses as missing: they are measured again; files are written whole.
+
+    The busy-machine rule: while other processes hold half the CPUs or more, a multi-threaded candidate waits for its
+    descheduled threads, and that wait would decide a choice cached for good. So a busy machine's timings serve this
+    process only (`UNSAVED`) and a later process measures again, unless `pins_output`: a choice that decides what a
+    job produces (the precisions of a distill job) is cached from its first measurement, busy or not, since a killed
+    job's rerun must produce exactly what the first run did (tests/faults compares them) and a close choice timed again
+    could flip. `timed` False: a measurement that is no timing (a replay's acceptance) is keyed by its scope alone and
+    cached whatever the load."""
     path = cache_file(choice, scope, timed)
     machine = machine_key() if timed else None
     found = _parsed({**read_items(path, machine, scope), **UNSAVED.get(path, {})}, items, parse)

@@ -1,43 +1,11 @@
 """`draftops export`: a distilled draft in the form a serving engine loads, checked before it is written.
 
-A draftops draft (`distill.register.export_draft`) carries files only draftops reads: a layer draft's reduced head
-(`draft_vocab.json`: its lm_head has fewer rows than `config.json`'s vocab_size says), the suffix index, the resolved
-config, and a full-vocabulary `hf_assistant/` copy inside. This module writes one of three clean folders:
-
-- `hf`, a layer draft: a plain Hugging Face checkpoint with its tokenizer that transformers loads as is
-  (`AutoModelForCausalLM.from_pretrained`, `assistant_model=`): the full-vocabulary copy (`hf_assistant/`, or the
-  checkpoint itself when its head is full; a reduced draft without the copy gets one built,
-  `decode.models.layer_draft.full_vocab_copy`). Rows of target ids the reduced head dropped are zero, so they score
-  logit 0.
-- `vllm`: what vLLM loads as the draft. A layer draft: the same folder as `hf`, served with
-  `speculative_config={"model": DIR, "method": "draft_model", "num_speculative_tokens": k}` (vLLM docs, "Draft
-  Models", docs.vllm.ai/en/v0.25.0/features/speculative_decoding/draft_model/). vLLM refuses a draft whose vocabulary
-  size differs from the target's: `SpeculativeConfig.verify_equal_vocab_size_if_draft_model` in
-  vllm/config/speculative.py (added with draft-model speculation, vllm-project/vllm#24322) compares both configs'
-  vocab_size, so a reduced head can only go as the full copy. Its weights are loaded by name into a model built from
-  `config.json`, so vocab_size, the embedding rows and the lm_head rows must agree, and an untied config needs an
-  `lm_head.weight` (`check_hf_folder`). A feature draft: its speculators Eagle3 folder as is; vLLM reads the
-  `speculators_config` in its config.json (`vllm serve DIR` alone, the verifier named inside), or takes it as
-  `{"model": DIR, "method": "eagle3", "num_speculative_tokens": k}` beside an explicit target (speculators docs,
-  "Serve in vLLM", docs.vllm.ai/projects/speculators/en/stable/user_guide/tutorials/serve_vllm/; vllm-project/vllm
-  #21345 added the format).
-- `speculators`: a feature draft's folder (`decode.serving.speculators`); a layer draft has none.
-- `gguf`, a layer draft: `draft-<dtype>.gguf` for llama.cpp's `--model-draft` (`decode.serving.gguf`), the full
-  vocabulary copy's weights under the `tokenizer.*` metadata of the target's own GGUF (the default target's, or
-  `--target FILE.gguf`), which llama.cpp compares token by token before it speculates. It is read back through
-  transformers' GGUF loader and must give the copy's logits (`check_gguf_file`); `decode.serving.llamacpp` runs it.
-  A feature draft: `draft-eagle3-<dtype>.gguf` for `--spec-type draft-eagle3`, written from its speculators folder by
-  llama.cpp's own converter with the target's Hugging Face folder beside it, and read back against the folder
-  (`decode.serving.eagle3_gguf`).
-
-SGLang (docs, "Speculative Decoding", advanced_features/speculative_decoding.md): a separate small draft model runs with
-`--speculative-algorithm STANDALONE --speculative-draft-model-path DIR`, an EAGLE-3 head with `--speculative-algorithm
-EAGLE3`, both tuned by `--speculative-num-steps`, `--speculative-eagle-topk` and `--speculative-num-draft-tokens`. Its
-EAGLE-3 examples use SpecForge's layout; that it reads the speculators config schema is not established here, and no
-engine runs on the CPU machines these folders are made on: `serving_commands` says so beside the commands it prints.
-
-Every folder is written beside `out` and swapped into place (`pipeline.files`), and a non-empty `out` is only replaced
-when asked (`force`).
+A draftops draft (`distill.register.export_draft`) carries files only draftops reads: a reduced head and its
+`draft_vocab.json`, the suffix index, the resolved config, a full-vocabulary `hf_assistant/` copy. This module writes
+one of the clean folders of `FORMATS` instead (`hf`, `vllm`, `speculators`, `gguf`; which family takes which and what
+each engine is given: docs/guide.md#export-and-serve), each read back or checked against its source before it is
+swapped into place. It is apart from the engines' runners (`decode.serving.llamacpp`) and writers
+(`decode.serving.gguf`, `decode.serving.eagle3_gguf`): it only assembles and checks folders.
 """
 from __future__ import annotations
 
@@ -131,6 +99,9 @@ def _leftovers(path: Path) -> list[str]:
 
 
 def _check_target_vocab(path: Path, vocab: int, target_vocab_size: int | None) -> None:
+    # vLLM refuses a draft whose vocab_size differs from the target's
+    # (`SpeculativeConfig.verify_equal_vocab_size_if_draft_model`, vllm-project/vllm#24322): a reduced head can only
+    # go out as its full-vocabulary copy.
     if target_vocab_size is not None and vocab != target_vocab_size:
         raise ExportError(f"{path}: the draft's vocab_size {vocab} differs from the target's {target_vocab_size}: "
                           "vLLM and SGLang need one vocabulary for both")
@@ -149,6 +120,8 @@ def check_hf_folder(path: Path, target_vocab_size: int | None = None) -> int:
     names = {module: name for name, module in model.named_modules()}
     embed_name = names[model.get_input_embeddings()] + ".weight"
     head_name = names[model.get_output_embeddings()] + ".weight"
+    # vLLM loads the weights by name into a model built from config.json, so vocab_size, the embedding rows and the
+    # lm_head rows must agree, and an untied config needs its lm_head.weight.
     shapes, vocab = _weight_shapes(path), text.vocab_size
     if embed_name not in shapes or shapes[embed_name][0] != vocab:
         raise ExportError(f"{path}: config vocab_size {vocab}, embeddings {embed_name} {shapes.get(embed_name)}")
@@ -186,7 +159,9 @@ def _copy_files(src: Path, dst: Path) -> None:
 
 
 def _write_full_vocab(draft: DraftSource, tmp: Path) -> None:
-    """A layer draft's full-vocabulary checkpoint and tokenizer into the empty folder `tmp`."""
+    """A layer draft's full-vocabulary checkpoint and tokenizer into the empty folder `tmp`: `hf_assistant/`, the
+    checkpoint itself when its head is full, or a copy built from a reduced head (`full_vocab_copy`), whose rows for
+    the target ids the reduced head dropped are zero, so they score logit 0."""
     copy_dir = draft.path / HF_ASSISTANT_DIR
     if (copy_dir / "config.json").is_file():
         _copy_files(copy_dir, tmp)
@@ -323,6 +298,8 @@ def serving_commands(family: str, fmt: str, out: Path, target: str, gamma: int) 
                   if family == LAYERS else [])]
     method, algorithm = ("draft_model", "STANDALONE") if family == LAYERS else ("eagle3", "EAGLE3")
     spec = json.dumps({"model": folder, "method": method, "num_speculative_tokens": gamma})
+    # SGLang's EAGLE-3 examples use SpecForge's layout; that it reads the speculators config schema is not
+    # established, and no engine runs on the CPU machines these folders are made on: the lines say so.
     lines = ["Serve it (commands from the vLLM and SGLang docs, not tested on this CPU machine):",
              f"  vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"]
     if family == FEATURES:
