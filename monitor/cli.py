@@ -252,11 +252,13 @@ def target_finetune_command(args) -> int:
 def report_command(args) -> int:
     from monitor.registry_report import build_report
     from pipeline.config import load_config
-    from pipeline.tracking import check_tracking
+    from pipeline.tracking import check_tracking, setup_mlflow
 
     cfg = load_config(args.config, args.overrides)
-    text = build_report(args.model or cfg.tracking.registered_model, fmt=args.format,
-                        tracking_uri=check_tracking(cfg), checks=args.checks)
+    check_tracking(cfg)
+    # MLflow set to the store the report reads, so that a failure of it names that one, not MLFLOW_TRACKING_URI's
+    text = build_report(args.model or cfg.tracking.registered_model, fmt=args.format, tracking_uri=setup_mlflow(cfg),
+                        checks=args.checks)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text)

@@ -121,7 +121,7 @@ def exchange(url: str, *, data: bytes | None = None, headers: dict[str, str] | N
         return Answer(response.status, response.reason, bytes(body), response.getheader("Location") or "")
     except (OSError, http.client.HTTPException) as exc:
         if expired.is_set() or isinstance(exc, TimeoutError):
-            raise DeadlinePassed(f"no whole answer within {timeout:g} s") from None
+            raise DeadlinePassed(f"no whole answer within {timeout:.3g} s") from None
         raise
     finally:
         timer.cancel()

@@ -68,13 +68,15 @@ def http_timeout() -> float:
         return float(TrackingConfig().http_timeout)
 
 
-def check_tracking(cfg: DraftopsConfig | None = None, timeout: float = 10.0) -> str:
+def check_tracking(cfg: DraftopsConfig | None = None, timeout: float | None = None) -> str:
     """The tracking URI, once it answers: a tracking server must accept a TCP connection within a few seconds, answer
-    its /health page within `timeout` seconds (MLflow's own client retries an unreachable server for minutes) and
-    answer its API, whole, within one request's timeout (a server whose API hangs behind a live /health); a local
-    sqlite store needs its folder. Raises `TrackingUnavailable` naming the URI, so that a job fails before its work,
-    not at its end. MLflow's later requests get deadlines too (`bound_http_requests`)."""
+    its /health page, whole, within `timeout` seconds (default: one request's, `tracking.http_timeout`; MLflow's own
+    client retries an unreachable server for minutes) and answer its API, whole, within one request's timeout (a
+    server whose API hangs behind a live /health); a local sqlite store needs its folder. Raises `TrackingUnavailable`
+    naming the URI, so that a job fails before its work, not at its end. MLflow's later requests get deadlines too
+    (`bound_http_requests`)."""
     bound_http_requests(cfg)
+    timeout = http_timeout() if timeout is None else timeout
     uri = tracking_uri(cfg)
     parsed = urllib.parse.urlparse(uri)
     if parsed.scheme in ("http", "https"):
@@ -84,7 +86,8 @@ def check_tracking(cfg: DraftopsConfig | None = None, timeout: float = 10.0) -> 
                 pass
             exchange(f"{uri.rstrip('/')}/health", timeout=timeout, max_bytes=1 << 20)  # any status: it answered
         except (OSError, ValueError, http.client.HTTPException) as exc:
-            reason = f"no whole answer from /health within {timeout:g} s" if isinstance(exc, DeadlinePassed) else exc
+            reason = exc if not isinstance(exc, DeadlinePassed) else (
+                f"no whole answer from /health within {timeout:g} s (tracking.http_timeout)")
             raise TrackingUnavailable(redact(
                 f"the MLflow tracking server {uri} does not answer ({reason}); start it, or point tracking.uri / "
                 "MLFLOW_TRACKING_URI at one that runs")) from None
@@ -121,7 +124,8 @@ def setup_mlflow(cfg: DraftopsConfig | None = None) -> str:
 
 def store_error_line(exc: BaseException) -> str | None:
     """One line for a failure of the MLflow store (an MlflowException, or the requests error under it), naming the
-    store; None for any other error. mlflow is not imported to find out."""
+    store MLflow is set to (a command that reads another store, such as `report` with `tracking.uri`, sets MLflow to
+    it first: `setup_mlflow`); None for any other error. mlflow is not imported to find out."""
     mlflow_exceptions = sys.modules.get("mlflow.exceptions")
     if mlflow_exceptions is None or not isinstance(exc, mlflow_exceptions.MlflowException):
         return None

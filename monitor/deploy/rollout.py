@@ -19,7 +19,6 @@ reload) and why, never a traceback.
 from __future__ import annotations
 
 import json
-import logging
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -55,8 +54,6 @@ from pipeline import registry
 from pipeline.config import DraftopsConfig
 from pipeline.files import write_text_atomic
 from pipeline.tracking import setup_mlflow, start_run
-
-log = logging.getLogger("draftops.monitor")
 
 
 def _now() -> str:
@@ -160,8 +157,7 @@ def _switch_reload_record(cfg: DraftopsConfig, root: Path, result: DeployResult,
         result.reloaded, failure = True, None
     except ReloadError as exc:
         failure = exc
-        result.notes.append(f"reload failed: {exc}")
-        log.error("deploy: reload failed: %s", exc)
+        result.notes.append(f"reload failed: {exc}")  # said once, by whoever catches the DeployError below
     if result.reloaded:
         state["reloaded"] = True
         _save(root, state)

@@ -191,13 +191,17 @@ def _request(target: AlertTarget, alerts: Sequence[Alert]) -> tuple[str, bytes, 
 def deliver(target: AlertTarget, alerts: Sequence[Alert], *, tries: int, deadline: float) -> bool:
     """POST `alerts` to `target`: up to `tries` attempts, all within `deadline` seconds; True once one answers 2xx.
     Each attempt is whole within its share of the deadline (`pipeline.deadline_http`: connecting, headers and body);
-    a redirect is not followed, so the secret never reaches another origin."""
+    a redirect is not followed, so the secret never reaches another origin. A delivery that fails for good is one
+    ERROR line with the last attempt's failure (each attempt's is at INFO)."""
     url, body, headers = _request(target, alerts)
     shown = redact(target.url.split("{")[0])
     end = time.monotonic() + deadline
+    secret = secret_of(target)
+    failure, attempt = f"no attempt within monitor.alerts.deadline = {deadline:g} s", 0
     for attempt in range(1, tries + 1):
         left = end - time.monotonic()
         if left <= 0:
+            attempt -= 1
             break
         try:
             answer = exchange(url, data=body, headers=headers, timeout=min(left, REQUEST_TIMEOUT),
@@ -207,10 +211,11 @@ def deliver(target: AlertTarget, alerts: Sequence[Alert], *, tries: int, deadlin
             failure = answer.said()
         except (OSError, ValueError, http.client.HTTPException) as exc:  # DeadlinePassed is an OSError
             failure = f"{type(exc).__name__}: {exc}"
-        secret = secret_of(target)
-        log.warning("alert to %s (%s) failed, attempt %d/%d: %s", target.kind, shown, attempt, tries,
-                    failure.replace(secret, "***") if secret else failure)
+        failure = failure.replace(secret, "***") if secret else failure
+        log.info("alert to %s (%s) failed, attempt %d/%d: %s", target.kind, shown, attempt, tries, failure)
         time.sleep(max(0.0, min(0.5 * attempt, end - time.monotonic())))
+    log.error("alert %s not delivered to %s (%s) after %d attempt%s: %s", ", ".join(a.name for a in alerts),
+              target.kind, shown, attempt, "" if attempt == 1 else "s", failure)
     return False
 
 
@@ -225,10 +230,8 @@ def send(config: AlertsConfig, alerts: Sequence[Alert], on_result: OnResult | No
             try:
                 ok = deliver(target, batch, tries=config.tries, deadline=config.deadline)
             except Exception:
-                log.exception("alert to %s failed", target.kind)
+                log.exception("alert %s not delivered to %s", ", ".join(a.name for a in batch), target.kind)
                 ok = False
-            if not ok:
-                log.error("alert %s not delivered to %s", ", ".join(a.name for a in batch), target.kind)
             delivered += ok
             if on_result is not None:
                 on_result(target.kind, ok)

@@ -62,8 +62,9 @@ class TrackingConfig(Section):
         "model's lock file)."))
     system_metrics: bool = Field(True, description="Log CPU/GPU/memory usage with every run.")
     http_timeout: int = Field(10, ge=1, description=(
-        "Seconds one request to a tracking server may take (MLFLOW_HTTP_REQUEST_TIMEOUT, unless set in the "
-        "environment)."))
+        "Seconds one request to a tracking server may take, its whole answer (MLFLOW_HTTP_REQUEST_TIMEOUT, unless "
+        "set in the environment); also the deadline of the /health and API check every tracked command starts "
+        "with."))
     http_retries: int = Field(2, ge=0, description=(
         "Retries of a failed request to a tracking server (MLFLOW_HTTP_REQUEST_MAX_RETRIES, unless set in the "
         "environment; MLflow's own default retries for minutes)."))

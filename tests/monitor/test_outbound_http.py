@@ -1,9 +1,10 @@
-"""Every outbound request of the monitor and the tracking check goes through one client (`pipeline.deadline_http`):
-a peer that trickles its answer a byte a second is cut off at the caller's deadline (headers or body), a redirect is
-never followed (a secret never reaches the second origin), only http(s) URLs load, and credentials written in a URL
-show in no message and no logged config."""
+"""Every outbound request of the monitor, the tracking check and llama-server goes through one client
+(`pipeline.deadline_http`): a peer that trickles its answer a byte a second is cut off at the caller's deadline (headers
+or body), a redirect is never followed (a secret never reaches the second origin), only http(s) URLs load, and
+credentials written in a URL show in no message and no logged config."""
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -192,3 +193,17 @@ def test_a_check_whose_prometheus_trickles_ends_in_time_and_releases_the_lock(ml
     assert seconds < 60, seconds  # the offline check included; the Prometheus reading is cut at 3 s a request
     with model_lock(NAME, mlflow_uri, timeout=0):
         pass
+
+
+def test_a_llama_server_trickling_its_answer_is_cut_off_at_the_deadline(tmp_path):
+    """The llama-server draftops starts is asked through the same client (`LlamaServer._post`)."""
+    from decode.serving.llamacpp import LlamaCppError, LlamaServer
+
+    peer = Trickler()
+    try:
+        server = LlamaServer(tmp_path / "model.gguf", binary=Path(sys.executable), port=int(peer.url.split(":")[-1]))
+        out, seconds = elapsed(server._post, "/completion", {"prompt": [1]}, DEADLINE)
+    finally:
+        peer.close()
+    assert isinstance(out, LlamaCppError) and "no whole answer within 3 s" in str(out), out
+    assert seconds < DEADLINE + SLACK

@@ -1,8 +1,9 @@
 """Bad input from an operator is one line and exit 2, never a traceback: a binary config, a schedule or time zone the
-service could not run, a file named .gguf that is not one, a mistyped path, CLI options outside the schema; and what
-only saves time (the fingerprint cache) never fails a command."""
+service could not run, a YAML alias bomb, a file named .gguf that is not one, a mistyped path, CLI options outside the
+schema; and what only saves time (the fingerprint cache) never fails a command."""
 import argparse
 import logging
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -28,6 +29,38 @@ def test_a_binary_config_file_is_one_line(tmp_path, capsys):
     assert f"{config}: not a text file (byte " in one_error_line(capsys)
     assert main(["config", "--config", str(tmp_path)]) == 2  # a folder
     assert "cannot be read" in one_error_line(capsys)
+
+
+def billion_laughs(levels: int = 9) -> str:
+    """A few hundred bytes of YAML whose aliases would expand ten times a level: 10**9 strings at 9 levels."""
+    lines = ['    l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"    l{n}: &l{n} [{', '.join([f'*l{n - 1}'] * 10)}]" for n in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("where", ["distill.init_config", "the top level"])
+def test_a_yaml_alias_bomb_is_refused_in_one_line_before_it_expands(where, tmp_path, capsys):
+    config = tmp_path / "bomb.yaml"
+    bomb = billion_laughs()
+    config.write_text("distill:\n  init_config:\n" + bomb if where == "distill.init_config" else
+                      "bomb:\n" + bomb)
+    assert len(config.read_bytes()) < 1000
+    started = time.monotonic()
+    assert main(["config", "--config", str(config)]) == 2
+    assert time.monotonic() - started < 5.0  # refused, not expanded (10**9 strings would take the memory first)
+    line = one_error_line(capsys)
+    first = 4 if where == "distill.init_config" else 3  # the line of the first alias
+    assert f"{config}: line {first}: YAML aliases (*l0) are not accepted in a config" in line, line
+    with pytest.raises(ConfigError, match=r"YAML aliases \(\*l0\) are not accepted"):
+        load_config(config)
+
+
+def test_an_alias_bomb_in_an_override_is_refused_in_one_line(capsys):
+    inline = "{l0: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol], " + ", ".join(
+        f"l{n}: &l{n} [{', '.join([f'*l{n - 1}'] * 10)}]" for n in range(1, 9)) + "}"
+    assert main(["config", f"distill.init_config={inline}"]) == 2
+    assert "distill.init_config: not a YAML value: line 1: YAML aliases (*l0) are not accepted" in (
+        one_error_line(capsys))
 
 
 @pytest.mark.parametrize("override, reason", [

@@ -139,3 +139,35 @@ def test_traffic_stats_counts_per_format(tmp_path, capsys, tiny_checkpoint):
     assert code == 0
     payload = json.loads(capsys.readouterr().out)
     assert payload["formats"] == {"messages (parquet)": 20, "sharegpt (jsonl)": 3}
+
+
+def _damaged(whole: bytes) -> dict[str, bytes]:
+    """A file's bytes as a disk, a copy or a hand can leave them."""
+    third = len(whole) // 3
+    return {"empty": b"", "garbage": b"not a table at all\n" * 40, "cut": whole[:len(whole) // 2],
+            "zeroed": whole[:third] + bytes(third) + whole[2 * third:]}
+
+
+# an arrow file has no checksums: a third of it zeroed inside its strings is read, as text holding NULs
+@pytest.mark.parametrize("suffix, damage", [(".parquet", "empty"), (".parquet", "garbage"), (".parquet", "cut"),
+                                           (".parquet", "zeroed"), (".arrow", "empty"), (".arrow", "garbage"),
+                                           (".arrow", "cut")])
+def test_a_corrupt_parquet_or_arrow_file_is_one_line_naming_it(suffix, damage, tmp_path, capsys, tiny_checkpoint):
+    from datasets import Dataset
+
+    rows = [{"uuid": f"d{i}", "conversation": [{"role": "user", "content": f"question {i} " * 40}]}
+            for i in range(1000)]
+    dataset = Dataset.from_list(rows)
+    if suffix == ".parquet":
+        dataset.to_parquet(str(tmp_path / "whole.parquet"))
+        whole = (tmp_path / "whole.parquet").read_bytes()
+    else:
+        dataset.save_to_disk(str(tmp_path / "saved"))
+        whole = next((tmp_path / "saved").glob("*.arrow")).read_bytes()
+    path = tmp_path / f"traffic{suffix}"
+    path.write_bytes(_damaged(whole)[damage])
+    code = main(["traffic", "stats", str(path), "--tokenizer", str(tiny_checkpoint),
+                 *[f"--column={k}={v}" for k, v in COLUMNS.items()]])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and "%|" not in line]  # datasets' progress bars
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"draftops: error: {path}"), err[-2000:]

@@ -46,7 +46,7 @@ def small_tmpfs(path, size: str = "16m"):
 
 def deploy(root, capsys) -> tuple[int, str, float]:
     """`draftops monitor deploy`: (exit code, its one error line, seconds); fails unless stderr ends with exactly one
-    `draftops: error:` line and holds no traceback."""
+    `draftops: error:` line, holds no traceback and no ERROR logged before it (the failure said twice)."""
     start = time.monotonic()
     code = main(["monitor", "deploy", "--config", str(root / "cfg.yaml")])
     seconds = time.monotonic() - start
@@ -54,6 +54,7 @@ def deploy(root, capsys) -> tuple[int, str, float]:
     lines = [line for line in err.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("draftops: error:")]
     assert "Traceback" not in err and len(errors) == 1 and lines[-1] == errors[0], err[-3000:]
+    assert not [line for line in lines if " ERROR " in line], err[-3000:]
     return code, errors[0], seconds
 
 
