@@ -139,7 +139,8 @@ def register_once(cfg: DraftopsConfig, result: DistillResult, target, alias: str
     registered in another tracking store (a local sqlite file, then a tracking server) is registered here too."""
     setup_mlflow(cfg)
     found = version_of_job(cfg.tracking.registered_model, result.job_dir.name)
-    if found is not None:
+    # a version without a saved result is a registration cut short (killed before its alias): finish it below
+    if found is not None and result.version is not None:
         result.version, result.run_id = str(found.version), found.run_id
         if alias is not None:
             set_alias(cfg.tracking.registered_model, alias, result.version, lock_timeout=cfg.tracking.lock_timeout)
