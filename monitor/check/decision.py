@@ -11,21 +11,21 @@ overflow) is an ERROR, never OK: the check cannot tell whether the champion pays
 
 With several serving replicas (monitor.engines.fleet), `with_fleet` names the replicas that drifted, makes a fleet of
 which no replica could be read an ERROR (one down is a note), and notes a replica whose acceptance parts from the
-others'.
-
-DEPLOY_MISMATCH is the post-deploy check's outcome (monitor.check.engine_acceptance): the serving engine's acceptance
-after a deploy is clearly below what the deployed draft measured offline, so the engine does not run the draft that was
-measured (a wrong or stale file, a misaligned vocabulary, an engine not reloaded). It outranks OK and DRIFT (no
-retraining can fix an engine that does not run the draft); an ERROR outranks it.
-
-DEPLOY_FAILED: a deploy this check ran (the champion not yet deployed, a promoted challenger, a rollback after a
-mismatch) failed, so the engine may not serve the champion (monitor.check.deploy_hooks). It outranks OK, DRIFT and
-DEPLOY_MISMATCH, whose reasons it keeps; an ERROR outranks it. Each has its own exit code, so that whatever watches
-exit codes sees it.
-
-REPLICA_DOWN: a replica unreachable at `monitor.replica_down_checks` checks in a row (monitor.engines.fleet) where
-the check would otherwise be OK; any other verdict outranks it and keeps the down replicas among its reasons.
-"""
+others'."""
+# DEPLOY_MISMATCH is the post-deploy check's outcome (monitor.check.engine_acceptance): the serving engine's acceptance
+# after a deploy is clearly below what the deployed draft measured offline, so the engine does not run the draft that
+# was
+# measured (a wrong or stale file, a misaligned vocabulary, an engine not reloaded). It outranks OK and DRIFT (no
+# retraining can fix an engine that does not run the draft); an ERROR outranks it.
+#
+# DEPLOY_FAILED: a deploy this check ran (the champion not yet deployed, a promoted challenger, a rollback after a
+# mismatch) failed, so the engine may not serve the champion (monitor.check.deploy_hooks). It outranks OK, DRIFT and
+# DEPLOY_MISMATCH, whose reasons it keeps; an ERROR outranks it. Each has its own exit code, so that whatever watches
+# exit codes sees it.
+#
+# REPLICA_DOWN: a replica unreachable at `monitor.replica_down_checks` checks in a row (monitor.engines.fleet) where
+# the check would otherwise be OK; any other verdict outranks it and keeps the down replicas among its reasons.
+#
 
 from __future__ import annotations
 

@@ -7,21 +7,20 @@ engine's acceptance over those windows with the offline figure of the version th
 per-prompt accepted and drafted tokens as an engine counts them at decode.gamma (`monitor.engines.offline_expectation`),
 by `engine_vs_offline_test` at monitor.level, tolerating a shortfall of `monitor.deploy.mismatch_tolerance` of the
 offline figure. With several replicas, each replica's windows and the fleet's summed windows are each compared, at
-monitor.level / (replicas + 1) (Bonferroni): one replica left on the old draft is named.
-
-When it runs (`monitor.deploy.engine_check`): `after_deploy`, the first check after a deploy (deploy.json says the
-check is pending): the post-deploy check. Clearly below -> DEPLOY_MISMATCH (the engine does not run the measured
-draft); the engine is also compared with the previous version's offline figure (its baseline, recorded before the
-drift that replaced it): not clearly below it means the deploy recovered the acceptance. `always`: every check; a
-shortfall outside a post-deploy check is the server's evidence of a drop (`monitor.check.decision`, like the window
-tests of `monitor.engines.fleet`, which need many more windows to decide).
-
-The offline figure assumes the engine drafts decode.gamma tokens a round from the draft alone and decodes greedily
-(temperature 0) up to decode.max_new_tokens, as the demo's traffic does (llama-server --spec-draft-n-max γ
---spec-draft-p-min 0; vLLM num_speculative_tokens γ). An engine that drafts fewer tokens where the draft is unsure
-(llama-server's default --spec-draft-p-min 0.75) counts a higher acceptance, never a lower one: the check stays
-one-sided and valid, only less sensitive.
-"""
+monitor.level / (replicas + 1) (Bonferroni): one replica left on the old draft is named."""
+# When it runs (`monitor.deploy.engine_check`): `after_deploy`, the first check after a deploy (deploy.json says the
+# check is pending): the post-deploy check. Clearly below -> DEPLOY_MISMATCH (the engine does not run the measured
+# draft); the engine is also compared with the previous version's offline figure (its baseline, recorded before the
+# drift that replaced it): not clearly below it means the deploy recovered the acceptance. `always`: every check; a
+# shortfall outside a post-deploy check is the server's evidence of a drop (`monitor.check.decision`, like the window
+# tests of `monitor.engines.fleet`, which need many more windows to decide).
+#
+# The offline figure assumes the engine drafts decode.gamma tokens a round from the draft alone and decodes greedily
+# (temperature 0) up to decode.max_new_tokens, as the demo's traffic does (llama-server --spec-draft-n-max γ
+# --spec-draft-p-min 0; vLLM num_speculative_tokens γ). An engine that drafts fewer tokens where the draft is unsure
+# (llama-server's default --spec-draft-p-min 0.75) counts a higher acceptance, never a lower one: the check stays
+# one-sided and valid, only less sensitive.
+#
 from __future__ import annotations
 
 import time

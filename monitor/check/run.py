@@ -1,25 +1,24 @@
-"""One monitor check: does the champion draft still fit the current target and traffic?
-
-1. Resolve the target (fingerprint) and `models:/NAME@champion` (its target-fingerprint tag, its baseline).
-2. No baseline yet: measure one on the most recent N held-out requests, record it, report OK.
-3. Else measure now: the champion on the baseline's own prompts (paired test) and on the most recent
-   held-out requests the baseline has not seen (unpaired test, token drift); live acceptance on a
-   few requests when configured. With `monitor.engines` (or `server_metrics_url`, or `prometheus_url`), also read
-   the serving replicas' windows and their window tests once enough windows exist (monitor.engines.fleet).
-   With `monitor.deploy`, first deploy the champion if it is not (monitor.check.deploy_hooks); after a deploy (or with
-   engine_check: always) read the engine's counters over a few windows and compare them with the offline figure of
-   the draft it should run (monitor.check.engine_acceptance).
-4. Decide OK / DRIFT with its cause (monitor.check.decision), or DEPLOY_MISMATCH after a deploy the engine does not
-   show; ERROR when a figure is not finite or the engine's counters cannot be true.
-5. On DRIFT with retraining on: distill a challenger, measure both on the same held-out prompts and
-   promote it only if it beats the champion by `promote_margin` (paired test); it brings its baseline.
-6. Log the check as a run in the `draftops-monitor` experiment; then record the post-deploy check, roll the deployment
-   back on a mismatch (when configured), deploy a promoted challenger. A deploy of this check that failed, before or
-   after, makes it DEPLOY_FAILED (exit 5), in its report and its run's tags.
-
-`run_check` runs these as named steps: `_start` (1, the engine readings, the models), `_record_first_baseline` (2),
-`_compare_with_baseline` (3-4), `_retrain_and_gate` (5), `_complete_decision`, `_log_run` and `_deploy_after` (6).
-"""
+"""One monitor check: does the champion draft still fit the current target and traffic?"""
+# 1. Resolve the target (fingerprint) and `models:/NAME@champion` (its target-fingerprint tag, its baseline).
+# 2. No baseline yet: measure one on the most recent N held-out requests, record it, report OK.
+# 3. Else measure now: the champion on the baseline's own prompts (paired test) and on the most recent
+#    held-out requests the baseline has not seen (unpaired test, token drift); live acceptance on a
+#    few requests when configured. With `monitor.engines` (or `server_metrics_url`, or `prometheus_url`), also read
+#    the serving replicas' windows and their window tests once enough windows exist (monitor.engines.fleet).
+#    With `monitor.deploy`, first deploy the champion if it is not (monitor.check.deploy_hooks); after a deploy (or with
+#    engine_check: always) read the engine's counters over a few windows and compare them with the offline figure of
+#    the draft it should run (monitor.check.engine_acceptance).
+# 4. Decide OK / DRIFT with its cause (monitor.check.decision), or DEPLOY_MISMATCH after a deploy the engine does not
+#    show; ERROR when a figure is not finite or the engine's counters cannot be true.
+# 5. On DRIFT with retraining on: distill a challenger, measure both on the same held-out prompts and
+#    promote it only if it beats the champion by `promote_margin` (paired test); it brings its baseline.
+# 6. Log the check as a run in the `draftops-monitor` experiment; then record the post-deploy check, roll the deployment
+#    back on a mismatch (when configured), deploy a promoted challenger. A deploy of this check that failed, before or
+#    after, makes it DEPLOY_FAILED (exit 5), in its report and its run's tags.
+#
+# `run_check` runs these as named steps: `_start` (1, the engine readings, the models), `_record_first_baseline` (2),
+# `_compare_with_baseline` (3-4), `_retrain_and_gate` (5), `_complete_decision`, `_log_run` and `_deploy_after` (6).
+#
 
 from __future__ import annotations
 

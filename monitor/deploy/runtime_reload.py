@@ -10,20 +10,19 @@ checkpoint folder given as `{"path": ...}` and can update a draft):
     POST /start_draft_weight_update                         the session's weights go to the speculative draft
     POST /update_weights        {"update_info": {"path": FOLDER}}
     POST /finish_weight_update  {"weight_version": "NAME-vN"}
-    POST /resume                                            also after a failure, given a few seconds more
-
-SGLang, `/update_weights_from_disk` with `draft_only` (the folder loaded into the draft worker alone, the target and
-its cache untouched; an SGLang that predates the field would load the folder into the target):
-
-    POST /update_weights_from_disk  {"model_path": FOLDER, "draft_only": true, "weight_version": "NAME-vN"}
-                                    -> {"success": true, "message": ...}
-
-Both are the engines' documented request shapes, tested against a fake server that records the requests; neither was
-run against a real engine here (docs/deploy.md).
-
-A request's deadline covers connecting, the headers and the body (`pipeline.deadline_http`, the one HTTP client), so
-a server that trickles its headers cannot hold the deploy (and the model lock it runs under) past `reload_timeout`.
-"""
+    POST /resume                                            also after a failure, given a few seconds more"""
+# SGLang, `/update_weights_from_disk` with `draft_only` (the folder loaded into the draft worker alone, the target and
+# its cache untouched; an SGLang that predates the field would load the folder into the target):
+#
+#     POST /update_weights_from_disk  {"model_path": FOLDER, "draft_only": true, "weight_version": "NAME-vN"}
+#                                     -> {"success": true, "message": ...}
+#
+# Both are the engines' documented request shapes, tested against a fake server that records the requests; neither was
+# run against a real engine here (docs/deploy.md).
+#
+# A request's deadline covers connecting, the headers and the body (`pipeline.deadline_http`, the one HTTP client), so
+# a server that trickles its headers cannot hold the deploy (and the model lock it runs under) past `reload_timeout`.
+#
 from __future__ import annotations
 
 import http.client

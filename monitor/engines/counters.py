@@ -9,23 +9,22 @@ achieves on all of its traffic. Both engines export the same four cumulative cou
     <prefix>:spec_decode_num_draft_tokens_total           draft tokens proposed
     <prefix>:spec_decode_num_accepted_tokens_total        draft tokens accepted
     <prefix>:spec_decode_num_accepted_tokens_per_pos_total{position="i"}
-                                                          drafts whose tokens 0..i were all accepted (i 0-based)
-
-vLLM labels each with `model_name` and `engine` (one label set per engine core; data-parallel servers have several,
-read summed or one per core: `parse_per_core`) and also exports a `_created` timestamp per counter; llama.cpp has no
-labels (in router mode the model is chosen by `?model=NAME` in the URL), prints values with 6 significant digits (a
-counter past 10^6 is rounded) and has no per-position counter before its first speculative request. Counters are
-picked by sample name: prometheus_client's parser files a counter under its name without `_total` (and a family
-without a TYPE line under its full name), while its samples keep `_total` in both cases, and `_created` samples are
-never picked. Label sets are summed, or only those whose `model_name` is the engine's configured model.
-
-A window is the difference between two scrapes (`window_between`). A counter lower than at the previous scrape means
-that the server restarted in between: the window is then the current counters alone, what the new process counted
-(the traffic between the previous scrape and the restart is lost). A restart followed by more traffic than the old
-process had counted is not seen. Window acceptance = accepted / draft tokens; acceptance at position i =
-accepted_per_pos[i] / drafts (vLLM's per-position acceptance rate: per draft, not given the position was reached).
-Where windows are kept and tested: monitor.engines.window_store and monitor.engines.fleet.
-"""
+                                                          drafts whose tokens 0..i were all accepted (i 0-based)"""
+# vLLM labels each with `model_name` and `engine` (one label set per engine core; data-parallel servers have several,
+# read summed or one per core: `parse_per_core`) and also exports a `_created` timestamp per counter; llama.cpp has no
+# labels (in router mode the model is chosen by `?model=NAME` in the URL), prints values with 6 significant digits (a
+# counter past 10^6 is rounded) and has no per-position counter before its first speculative request. Counters are
+# picked by sample name: prometheus_client's parser files a counter under its name without `_total` (and a family
+# without a TYPE line under its full name), while its samples keep `_total` in both cases, and `_created` samples are
+# never picked. Label sets are summed, or only those whose `model_name` is the engine's configured model.
+#
+# A window is the difference between two scrapes (`window_between`). A counter lower than at the previous scrape means
+# that the server restarted in between: the window is then the current counters alone, what the new process counted
+# (the traffic between the previous scrape and the restart is lost). A restart followed by more traffic than the old
+# process had counted is not seen. Window acceptance = accepted / draft tokens; acceptance at position i =
+# accepted_per_pos[i] / drafts (vLLM's per-position acceptance rate: per draft, not given the position was reached).
+# Where windows are kept and tested: monitor.engines.window_store and monitor.engines.fleet.
+#
 
 from __future__ import annotations
 

@@ -9,29 +9,28 @@ windows are complete gets the window test of its recent windows against its own 
 window the unit), and with two or more such replicas the fleet's summed windows (same window ends) get one too; with R
 replicas tested the family has R + 1 tests, each at level / (R + 1), so that the fleet's false-alarm rate stays at the
 level (one replica: the level itself). The permutation test's smallest p is 1 / C(b + r, r): a note says when the
-windows are too few to ever alarm at level / (R + 1).
-
-Verdicts: a replica is `unreachable` (not read; with Prometheus also when its `up` is 0), DRIFT (its window test
-alarms), `idle` (no draft tokens in its latest window), OK (its test ran and did not alarm), or `collecting` (too few
-windows yet); the post-deploy engine check can make it DEPLOY_MISMATCH (monitor.check.decision.with_fleet). The fleet:
-ERROR when no replica could be read (one down is a note), else the worst of DEPLOY_MISMATCH, DRIFT (a replica or the
-summed windows), OK, idle, collecting. A replica unreachable at `monitor.replica_down_checks` checks in a row is down
-(`down`; the run of checks is kept in `<monitor.state_dir>/replicas_down.json`, across processes and restarts): the
-check pages for it (DraftReplicaDown) and its decision is REPLICA_DOWN where it would have been OK. A check that could
-not read Prometheus at all counts no replica either way.
-
-The replica that parts from the others (`outlier_tests`): a two-proportion test of its accepted / drafted tokens over
-the recent windows against the pooled other replicas', z = (p_i - p_rest) / sqrt(phi p (1 - p) (1/N_i + 1/N_rest)),
-two-sided, with a quasi-binomial overdispersion phi >= 1 estimated from the windows themselves (the Pearson
-chi-square of every replica's baseline and recent windows around their own mean, over its degrees of freedom df) and
-p from Student's t with df: tokens of one window share requests and are not independent trials, and phi widens the
-test by as much as they are not. Bonferroni over the R replicas compared: a replica is named when p < level / R, step
-by step: the most significant one is named and left out, and the others are compared again among themselves (else one
-replica far below would pull the rest's mean down and make the others look high). With two replicas left the two
-comparisons are one, and only the lower one can be named. Windows of one time share the traffic's hour, which phi
-counts as noise too: the test is conservative. SGLang's gauge windows (weight 1) make it a test of mean window
-acceptance rates.
-"""
+windows are too few to ever alarm at level / (R + 1)."""
+# Verdicts: a replica is `unreachable` (not read; with Prometheus also when its `up` is 0), DRIFT (its window test
+# alarms), `idle` (no draft tokens in its latest window), OK (its test ran and did not alarm), or `collecting` (too few
+# windows yet); the post-deploy engine check can make it DEPLOY_MISMATCH (monitor.check.decision.with_fleet). The fleet:
+# ERROR when no replica could be read (one down is a note), else the worst of DEPLOY_MISMATCH, DRIFT (a replica or the
+# summed windows), OK, idle, collecting. A replica unreachable at `monitor.replica_down_checks` checks in a row is down
+# (`down`; the run of checks is kept in `<monitor.state_dir>/replicas_down.json`, across processes and restarts): the
+# check pages for it (DraftReplicaDown) and its decision is REPLICA_DOWN where it would have been OK. A check that could
+# not read Prometheus at all counts no replica either way.
+#
+# The replica that parts from the others (`outlier_tests`): a two-proportion test of its accepted / drafted tokens over
+# the recent windows against the pooled other replicas', z = (p_i - p_rest) / sqrt(phi p (1 - p) (1/N_i + 1/N_rest)),
+# two-sided, with a quasi-binomial overdispersion phi >= 1 estimated from the windows themselves (the Pearson
+# chi-square of every replica's baseline and recent windows around their own mean, over its degrees of freedom df) and
+# p from Student's t with df: tokens of one window share requests and are not independent trials, and phi widens the
+# test by as much as they are not. Bonferroni over the R replicas compared: a replica is named when p < level / R, step
+# by step: the most significant one is named and left out, and the others are compared again among themselves (else one
+# replica far below would pull the rest's mean down and make the others look high). With two replicas left the two
+# comparisons are one, and only the lower one can be named. Windows of one time share the traffic's hour, which phi
+# counts as noise too: the test is conservative. SGLang's gauge windows (weight 1) make it a test of mean window
+# acceptance rates.
+#
 from __future__ import annotations
 
 import json

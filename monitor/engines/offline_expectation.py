@@ -10,18 +10,18 @@ k = min(γ, max_new_tokens − decoded − 1) tokens; the run of accepted positi
 past the response's end, its stop token, is never accepted); the target adds one token; the response ends at its stop
 token or at max_new_tokens. With α ∈ {0, 1} (greedy, temperature 0) the replay is exact; with α strictly between, it
 is the expectation over rounds (one pass over start positions), under the usual assumption that each position is
-accepted with its teacher-forced α.
-
-The test. The offline side is per prompt (acc_i, n_i), the engine side per window between two scrapes (acc_j, n_j):
-two independent samples of different units, each a ratio estimator. The tolerance is relative: H0 is "the engine
-keeps at least (1 − tolerance) of the offline figure", A_engine ≥ (1 − t)·A_offline, since an engine's own precision
-costs a draft that is almost always accepted more than one that rarely is (a flipped near-tie ends a whole round).
-The statistic (1 − t)·A_offline − A_engine has the sum of each side's linearized variance (the delta method of
-`monitor.stats.acceptance_tests`); with only a few engine windows, the one-sided p-value and interval
-use Student's t with Welch–Satterthwaite degrees of freedom instead of the normal. The DropTest reports drop =
-A_offline − A_engine with margin t·A_offline. `tests/monitor/check/test_deploy_hooks.py` simulates its false-alarm rate
-at the level.
-"""
+accepted with its teacher-forced α."""
+# The test. The offline side is per prompt (acc_i, n_i), the engine side per window between two scrapes (acc_j, n_j):
+# two independent samples of different units, each a ratio estimator. The tolerance is relative: H0 is "the engine
+# keeps at least (1 − tolerance) of the offline figure", A_engine ≥ (1 − t)·A_offline, since an engine's own precision
+# costs a draft that is almost always accepted more than one that rarely is (a flipped near-tie ends a whole round).
+# The statistic (1 − t)·A_offline − A_engine has the sum of each side's linearized variance (the delta method of
+# `monitor.stats.acceptance_tests`); with only a few engine windows, the one-sided p-value and interval
+# use Student's t with Welch–Satterthwaite degrees of freedom instead of the normal. The DropTest reports drop =
+# A_offline − A_engine with margin t·A_offline. `tests/monitor/check/test_deploy_hooks.py` simulates its false-alarm
+# rate
+# at the level.
+#
 from __future__ import annotations
 
 from collections.abc import Sequence

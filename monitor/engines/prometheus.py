@@ -10,24 +10,24 @@ window's counts are not whole numbers. Queried: the three counters and the per-p
 (monitor.engines.sglang says what a gauge window can tell); at the check's time, not the last window's end, `count
 by (__name__, <label>)` of the series (which engine a replica runs; one with series but no closed window yet is
 collecting) and `up` (a replica whose last scrape failed is unreachable). The answer is `{"status": "success",
-"data": {"resultType": "matrix", "result": [...]}}`; an error answer's `errorType` and `error` are reported as they are.
-
-Replicas. The value of `monitor.prometheus_replica_label` (instance, pod, ...) names a series' replica; with
-`monitor.engines` listed, a replica's series are those whose label equals its name (and, with its `model`, whose
-`model_name` is that; with `per_core`, split by vLLM's `engine` label into NAME/engine=N), and a listed replica with no
-series is unreachable; without, every label value found is a replica.
-
-Versions. Windows end on multiples of W (a check and the next see the same windows). Which windows belong to the
-champion version is kept in `<monitor.state_dir>/prometheus_windows.json`: the first check ever takes the last
-baseline + recent windows as served by the champion of the moment (the history before installation); a version that
-becomes champion later owns the windows that end after the next boundary (the window in progress spans the change);
-a version that becomes champion again (rollback) keeps its baseline and takes recent windows from its return on.
-Baseline: its first `server_baseline_windows` windows with draft tokens, kept in the state file once complete (per
-replica) and read from there ever after; recent: the last `server_recent_windows` after them. A change of source (URL,
-window, label or selector) keeps the spans and the stored baselines: the new source's windows are judged against
-them, never taken as a baseline (`draftops monitor rebaseline` starts one afresh, on the operator's word). A
-range longer than Prometheus' 11,000 points per series is read as two ranges (its first windows, its last ones).
-"""
+"data": {"resultType": "matrix", "result": [...]}}`; an error answer's `errorType` and `error` are reported as they
+are."""
+# Replicas. The value of `monitor.prometheus_replica_label` (instance, pod, ...) names a series' replica; with
+# `monitor.engines` listed, a replica's series are those whose label equals its name (and, with its `model`,
+# whose `model_name` is that; with `per_core`, split by vLLM's `engine` label into NAME/engine=N), and a listed
+# replica with no series is unreachable; without, every label value found is a replica.
+#
+# Versions. Windows end on multiples of W (a check and the next see the same windows). Which windows belong to the
+# champion version is kept in `<monitor.state_dir>/prometheus_windows.json`: the first check ever takes the last
+# baseline + recent windows as served by the champion of the moment (the history before installation); a version that
+# becomes champion later owns the windows that end after the next boundary (the window in progress spans the change);
+# a version that becomes champion again (rollback) keeps its baseline and takes recent windows from its return on.
+# Baseline: its first `server_baseline_windows` windows with draft tokens, kept in the state file once complete (per
+# replica) and read from there ever after; recent: the last `server_recent_windows` after them. A change of source (URL,
+# window, label or selector) keeps the spans and the stored baselines: the new source's windows are judged against
+# them, never taken as a baseline (`draftops monitor rebaseline` starts one afresh, on the operator's word). A
+# range longer than Prometheus' 11,000 points per series is read as two ranges (its first windows, its last ones).
+#
 from __future__ import annotations
 
 import http.client

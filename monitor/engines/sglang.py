@@ -6,19 +6,19 @@ SGLang exports, labelled with `model_name` (and its parallelism ranks):
                                      interval (its "recent average"), the acceptance the monitor tests
     sglang:spec_accept_length        gauge: tokens per verification step over that interval, the bonus token included
     sglang:spec_verify_calls_total   counter (newer versions): verification steps since the start
-    sglang:generation_tokens_total   counter: output tokens since the start
-
-What a gauge window can and cannot tell. A counter's difference between two scrapes holds every draft token of the
-window, and the window test weighs each window by them. A gauge is a recent average at the moment of the scrape: it
-holds no token counts, says nothing about the traffic between two samples, and keeps its last value while the server
-is idle. So a window of SGLang is the gauge's sample(s) in it (one per scrape of the monitor's own store; Prometheus'
-`avg_over_time` over the window, every sample its scrapes took), weighted 1: the drop test then works on the windows'
-mean acceptance rates, unweighted, which is weaker than counters (a quiet window counts as much as a busy one, and a
-sample covers only the last logging interval's decode steps). Where `spec_verify_calls_total` exists, a window in which
-it did not move is idle (not kept) and its drop below the previous scrape is a restart; without it an idle server's
-stale gauge is read as a window like any other. The per-position counters of vLLM and llama.cpp have no SGLang
-counterpart.
-"""
+    sglang:generation_tokens_total   counter: output tokens since the start"""
+# What a gauge window can and cannot tell. A counter's difference between two scrapes holds every draft token of the
+# window, and the window test weighs each window by them. A gauge is a recent average at the moment of the scrape: it
+# holds no token counts, says nothing about the traffic between two samples, and keeps its last value while the server
+# is idle. So a window of SGLang is the gauge's sample(s) in it (one per scrape of the monitor's own store; Prometheus'
+# `avg_over_time` over the window, every sample its scrapes took), weighted 1: the drop test then works on the windows'
+# mean acceptance rates, unweighted, which is weaker than counters (a quiet window counts as much as a busy one, and a
+# sample covers only the last logging interval's decode steps). Where `spec_verify_calls_total` exists, a window in
+# which
+# it did not move is idle (not kept) and its drop below the previous scrape is a restart; without it an idle server's
+# stale gauge is read as a window like any other. The per-position counters of vLLM and llama.cpp have no SGLang
+# counterpart.
+#
 from __future__ import annotations
 
 import math

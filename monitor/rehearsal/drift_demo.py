@@ -10,15 +10,14 @@
 The work per phase with configs/drift_demo.yaml: 1. 291 target responses and 72 training steps; 2. 99 held-out
 responses and one acceptance pass; 3. 30 LoRA steps (responses from the cache); 4. new responses and a pass, the
 re-distillation, the gate's two passes; 5. one pass. Each phase's time is printed; a whole run's is in
-docs/results.md.
-
-Everything goes under `--out` (configs, distill jobs, the updated target, monitor state) and into the configured
-MLflow store. The demo owns its registered model (not the production one) and its folders, and starts them afresh:
-it deletes only what it created itself (a folder it marked with `OUT_MARKER`, a registered model it tagged with
-`pipeline.metrics.DRIFT_DEMO_TAG`) and refuses anything else. Target responses stay cached in $DRAFTOPS_HOME, so a
-second run generates only what changed. The last line it prints is the `draftops monitor check` command that
-re-checks the state it leaves.
-"""
+docs/results.md."""
+# Everything goes under `--out` (configs, distill jobs, the updated target, monitor state) and into the configured
+# MLflow store. The demo owns its registered model (not the production one) and its folders, and starts them afresh:
+# it deletes only what it created itself (a folder it marked with `OUT_MARKER`, a registered model it tagged with
+# `pipeline.metrics.DRIFT_DEMO_TAG`) and refuses anything else. Target responses stay cached in $DRAFTOPS_HOME, so a
+# second run generates only what changed. The last line it prints is the `draftops monitor check` command that
+# re-checks the state it leaves.
+#
 from __future__ import annotations
 
 import os
