@@ -10,6 +10,8 @@ from pipeline.config.engine import ResponsesConfig
 
 # the objectives `distill.losses.distillation_loss` computes; "ce": hard labels only (the baseline)
 LossName = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "argmax_ce", "ce", "log_acceptance", "kl_tv"]
+# each family's objective when `distill.loss` is unset: the best of docs/results.md's ablation on the default job
+FAMILY_LOSS = {"layers": "forward_kl", "features": "kl_tv"}
 
 
 class DistillConfig(Section):
@@ -73,14 +75,16 @@ class DistillConfig(Section):
         "of being reached (docs/concepts.md#training-for-acceptance).")
     onpolicy_k: int = Field(3, ge=2, le=8, description="The chains' length in the on-policy stage.")
     # objective
-    loss: LossName = Field("forward_kl", description=(
+    loss: LossName = Field(None, description=(
         "Divergence to the teacher; 'argmax_ce': cross-entropy on the teacher's most likely token at every position; "
         "'ce' is the plain cross-entropy baseline on the target's (sampled) tokens. Acceptance itself: "
         "'log_acceptance' −log Σ min(p, q); 'kl_tv' forward KL and 1 − Σ min(p, q) weighted by the batch's "
-        "acceptance (docs/concepts.md#training-for-acceptance)."))
-    ttt_weighting: Literal["uniform", "reach"] = Field("uniform", description=(
+        "acceptance (docs/concepts.md#training-for-acceptance). Unset: the family's measured best, forward_kl for "
+        "layers, kl_tv for features (docs/results.md#training-for-acceptance)."))
+    ttt_weighting: Literal["uniform", "reach"] = Field(None, description=(
         "features only: each training-time-test step's terms weighted the same (uniform), or by the chance that the "
-        "draft reaches that step, the product of the earlier steps' acceptance at the same position (reach)."))
+        "draft reaches that step, the product of the earlier steps' acceptance at the same position (reach). Unset: "
+        "reach for features, uniform for layers."))
     jsd_beta: float = Field(0.5, ge=0.0, le=1.0, description="jsd only: 0 = forward KL, 1 = reverse KL.")
     temperature: float = Field(1.0, gt=0.0, description="Distillation temperature (1 with a top-k teacher).")
     ce_weight: float = Field(0.0, ge=0.0, description="Weight of cross-entropy on the response tokens.")
@@ -108,6 +112,19 @@ class DistillConfig(Section):
     eval_every: int = Field(50, ge=1, description="Optimizer steps between held-out evaluations.")
     checkpoint_every: int = Field(25, ge=1, description="Optimizer steps between resumable checkpoints.")
     keep_checkpoints: int = Field(2, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _family_defaults(cls, data: Any) -> Any:
+        """The objective a family trains with unless set: each family's best measured on the default job."""
+        if isinstance(data, dict):
+            features = data.get("family") == "features"
+            data = {**data}
+            if data.get("loss") is None:
+                data["loss"] = FAMILY_LOSS["features" if features else "layers"]
+            if data.get("ttt_weighting") is None:
+                data["ttt_weighting"] = "reach" if features else "uniform"
+        return data
 
     @field_validator("mixed_precision", mode="before")
     @classmethod

@@ -80,3 +80,15 @@ def test_docs_config_reference_is_current():
 def test_a_bare_off_reads_as_the_word_not_as_false():
     """YAML 1.1 reads `off` as false; `monitor.deploy.engine_check=off` means the choice "off"."""
     assert load_config(None, ["monitor.deploy.engine_check=off"]).monitor.deploy.engine_check == "off"
+
+
+def test_each_family_trains_with_its_measured_best_objective_unless_set():
+    """Unset, `distill.loss` and `distill.ttt_weighting` are the family's defaults (docs/results.md): forward KL for a
+    layer draft, kl_tv with reach weights for a feature draft; a value given is kept."""
+    layers = load_config(None, []).distill
+    features = load_config(None, ["distill.family=features"]).distill
+    chosen = load_config(None, ["distill.family=features", "distill.loss=forward_kl",
+                                "distill.ttt_weighting=uniform"]).distill
+    assert (layers.loss, layers.ttt_weighting) == ("forward_kl", "uniform")
+    assert (features.loss, features.ttt_weighting) == ("kl_tv", "reach")
+    assert (chosen.loss, chosen.ttt_weighting) == ("forward_kl", "uniform")
