@@ -3,7 +3,7 @@
 `TokenTree` holds the candidates a round's sources propose (`decode.drafters.tree_drafter`), its mask and pass inputs;
 `accept` walks the verified tree. It is apart from the sources so that the one test every tree round goes through is
 written once, whoever proposed the nodes. The tree, its acceptance and the rules a source must keep for the sampled
-test to stay lossless: docs/concepts.md#token-trees; `tests/decode/test_token_tree_lossless.py` holds the chi-square
+test to stay lossless: docs/concepts.md#token-trees; `tests/lossless/test_token_trees.py` holds the chi-square
 tests.
 """
 from __future__ import annotations

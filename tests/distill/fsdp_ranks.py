@@ -1,5 +1,5 @@
 """One optimizer step of the distill loop's pieces under FSDP2, run by torchrun on gloo ranks (CPU); each rank
-writes what it saw to <out>/rank<r>.json. Driven by tests/distill/test_fsdp.py, which computes the same step in one
+writes what it saw to <out>/rank<r>.json. Driven by tests/distill/test_loop.py, which computes the same step in one
 process. The model is sharded as accelerate's FSDP2 prepare does it: each LlamaDecoderLayer, then the root."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The data and draft of the FSDP2 test (tests/distill/test_fsdp.py, tests/distill/fsdp_ranks.py): one global batch
+"""The data and draft of the FSDP2 test (tests/distill/test_loop.py, tests/distill/fsdp_ranks.py): one global batch
 of 4 cached target responses, split over the ranks, and a seeded tiny draft."""
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ from pipeline import metrics as M
 from pipeline import registry
 from pipeline.config import load_config
 from tests.conftest import make_tiny_model, make_tokenizer
+from tests.monitor.check.test_run import write_traffic
 
 NAME = "draftops-draft"
 RECORDER = """import os, sys
@@ -64,6 +65,16 @@ def write_config(root: Path, mlflow_uri: str, traffic: Path, **deploy) -> Path:
                     "deploy": {"enabled": True, "dir": str(root / "deploy"), "format": "hf",
                                "reload_command": command, **deploy}}}))
     return path
+
+
+def two_drafts_world(root: Path, mlflow_uri: str):
+    """Versions 1 (champion) and 2 of tiny drafts, and a config deploying them as hf with the recording reload: the
+    deploy tests' `world` fixture (tests/monitor/deploy/conftest.py, tests/hostile_inputs/test_deploy_failures.py)."""
+    traffic = root / "traffic.jsonl"
+    write_traffic(traffic, 0, 40)
+    assert register_tiny_draft(root, seed=1) == "1"
+    assert register_tiny_draft(root, seed=2) == "2"
+    return load_config(write_config(root, mlflow_uri, traffic)), root
 
 
 def llamacpp_text(drafts: float, draft_tokens: float, accepted: float) -> str:

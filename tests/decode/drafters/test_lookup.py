@@ -7,8 +7,8 @@ from decode.drafters.lookup import PromptLookupDrafter
 from decode.factory import model_decoder
 from decode.sampling import Warp
 from decode.speculative import GammaPolicy
-from tests.decode.test_lossless import check_first_two
 from tests.decode.tiny import greedy_reference, tiny_llama
+from tests.lossless.test_drafts_and_families import check_first_two
 
 
 def test_lookup_proposes_the_continuation_of_the_latest_longest_match():

@@ -18,8 +18,8 @@ from decode.drafters.suffix import (
 from decode.factory import model_decoder
 from decode.sampling import Warp
 from pipeline.sources import SUFFIX_INDEX_FILE
-from tests.decode.test_lossless import check_first_two
 from tests.decode.tiny import greedy_reference, tiny_llama
+from tests.lossless.test_drafts_and_families import check_first_two
 
 SEQUENCES = [[1, 2, 3, 4], [1, 2, 3, 5], [9, 2, 3, 4, 6]]
 

@@ -15,7 +15,7 @@ from decode.sampling import Warp
 from decode.step_costs import FeatureRounds, measure_costs
 from decode.token_tree import ROOT, TokenTree
 from tests.conftest import make_tiny_model
-from tests.decode.test_lossless import check_first_two
+from tests.lossless.test_drafts_and_families import check_first_two
 
 VOCAB = 40
 

@@ -4,7 +4,7 @@ First the acceptance rule alone (`decode.token_tree.accept_sampled`) on syntheti
 trees can be built to force the hard cases: sampled siblings drawing the same token, a deterministic candidate and
 sampled ones under one parent, siblings drawn without replacement, a draft whose support misses tokens. Then tree-round
 decoding end to end with tiny models (`SpeculativeDecoder` with a tree budget). Both compare the empirical law of the
-first two tokens with the exact one by a chi-square test (`tests.decode.test_lossless.assert_matches`).
+first two tokens with the exact one by a chi-square test (`tests.lossless.test_drafts_and_families.assert_matches`).
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from decode.factory import model_decoder
 from decode.sampling import Warp, sample
 from decode.speculative import SpeculativeDecoder
 from decode.token_tree import ROOT, TokenTree, accept_sampled
-from tests.decode.test_lossless import assert_matches, check_first_two
 from tests.decode.tiny import perturbed_copy, tiny_llama
+from tests.lossless.test_drafts_and_families import assert_matches, check_first_two
 
 V = 5
 

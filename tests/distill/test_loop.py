@@ -61,9 +61,9 @@ def test_two_fsdp2_ranks_clip_and_evaluate_like_one_process(tmp_path):
 
 
 def test_accelerate_runs_fsdp_only_on_accelerators(tmp_path):
-    """Why the FSDP config runs end to end only on a GPU (tests/test_cuda.py): accelerate (1.15) turns FSDP on only
-    for GPU-like distributed types; on a CPU the same launch gives plain gloo data parallelism with no FSDP plugin.
-    When this fails, accelerate runs FSDP on CPUs: run `draftops distill --accelerate-config
+    """Why the FSDP config runs end to end only on a GPU (tests/integration/test_cuda.py): accelerate (1.15) turns FSDP
+    on only for GPU-like distributed types; on a CPU the same launch gives plain gloo data parallelism with no FSDP
+    plugin. When this fails, accelerate runs FSDP on CPUs: run `draftops distill --accelerate-config
     configs/accelerate/fsdp.yaml` in a test against one process, as for configs/accelerate/cpu_2proc.yaml."""
     probe = tmp_path / "probe.py"
     probe.write_text("import sys\nfrom pathlib import Path\nfrom accelerate import Accelerator\n"

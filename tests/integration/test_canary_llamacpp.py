@@ -30,8 +30,7 @@ from monitor.rehearsal.target_update import run_finetune
 from pipeline import registry
 from pipeline.config import load_config
 from pipeline.traffic import DEFAULT_TRAFFIC
-from tests.loopback_servers import Prometheus
-from tests.monitor.engines.test_fleet_prometheus import (  # noqa: F401 - fixtures
+from tests.integration.test_fleet_prometheus import (  # noqa: F401 - fixtures
     REPO,
     ServiceCheck,
     Traffic,
@@ -40,6 +39,7 @@ from tests.monitor.engines.test_fleet_prometheus import (  # noqa: F401 - fixtur
     tracking_and_alerts,
     until_boundary,
 )
+from tests.loopback_servers import Prometheus
 from tests.monitor.rehearsal.test_serve_demo import register_copy
 
 pytestmark = [pytest.mark.integration, pytest.mark.llamacpp]

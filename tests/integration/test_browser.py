@@ -22,7 +22,7 @@ from tests.loopback_servers import TrackingServer
 
 pytestmark = pytest.mark.browser
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts"
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 PAGE_TIMEOUT_S = 60

@@ -14,7 +14,7 @@ from distill.data.responses import load_responses
 from tests.distill import engine_job
 from tests.distill.fake_engine import FakeEngine, Faults, answer
 
-ROOT = Path(__file__).resolve().parents[4]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def journal_lines(home: Path) -> int:

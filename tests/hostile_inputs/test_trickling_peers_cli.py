@@ -28,8 +28,8 @@ from pipeline import registry
 from pipeline.locks import model_lock
 from tests.conftest import WORDS, make_tiny_model, make_tokenizer
 from tests.fake_peers import Trickler
+from tests.hostile_inputs.test_tracking_hangs import one_line
 from tests.monitor.deploy_world import register_tiny_draft
-from tests.pipeline.test_tracking_hangs import one_line
 
 REPO = Path(__file__).resolve().parents[2]
 NAME = "draftops-draft"

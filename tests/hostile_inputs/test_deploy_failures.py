@@ -24,10 +24,16 @@ from monitor.deploy.rollout import ensure_deployed
 from pipeline import registry
 from pipeline.cli import main
 from tests.monitor.deploy.test_reload import running, spawner
-from tests.monitor.deploy_world import NAME, trickling_server, write_config
+from tests.monitor.deploy_world import NAME, trickling_server, two_drafts_world, write_config
 
 TIMEOUT = 2.5  # reload_timeout of the reload faults
 WORK = 15.0  # what the rest of a deploy may take on a loaded 2-core machine: the export of a tiny draft, MLflow
+
+
+@pytest.fixture
+def world(tmp_path, mlflow_uri):
+    """Versions 1 (champion) and 2 of tiny drafts, and a config deploying them as hf with the recording reload."""
+    return two_drafts_world(tmp_path, mlflow_uri)
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ from pipeline import registry
 from pipeline.cli import main
 from pipeline.locks import ModelBusy, lock_path, model_lock
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 NAME = "draftops-draft"
 
 

@@ -12,7 +12,7 @@ import yaml
 
 from monitor.service.exporter import REPLICA_VERDICTS, ServiceMetrics
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "configs" / "prometheus-rules.yaml"
 RULE_TESTS = REPO / "tests" / "monitor" / "data" / "prometheus_rules_test.yaml"
 PROMTOOL = shutil.which("promtool")

@@ -23,7 +23,7 @@ from pipeline.config import load_config
 from tests.monitor.check.test_run import write_traffic
 from tests.monitor.deploy_world import NAME, calls_of, register_tiny_draft, write_config
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 SEED = 20261204
 POINTS = 5
 

@@ -37,7 +37,7 @@ from tests.loopback_servers import Alertmanager, Prometheus, TrackingServer, bin
 from tests.monitor.rehearsal.test_serve_demo import register_copy
 
 pytestmark = [pytest.mark.integration, pytest.mark.llamacpp]
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 WINDOW = 15  # seconds: Prometheus scrapes every second, so a window holds 15 samples
 BASELINE, RECENT = 8, 3  # 1 / C(11, 3) < 0.05 / 3: each replica's test can alarm beside the fleet's
 

@@ -3,7 +3,7 @@ and a tiny registered draft that shares its tokenizer: the check's peak memory s
 request took 9.8 GB (`traffic stats`); the check now cuts it to what traffic.max_prompt_tokens can use first.
 
 `make` runs it with the integration tests (`-m integration`); `python -m
-tests.monitor.check.test_prompt_acceptance_memory` prints the figure docs/reliability.md quotes.
+tests.integration.test_prompt_acceptance_memory` prints the figure docs/reliability.md quotes.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pytest
 from pipeline import draftops_home
 from pipeline.traffic import split_of
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 BIG_BYTES = 50_000_000
 LIMIT_BYTES = 2 << 30
 REAL_HOME = draftops_home()  # where the converted target is; each measurement gets a fresh home of its own

@@ -20,10 +20,10 @@ from decode.factory import model_decoder
 from decode.runtime.forward import ModelRunner, greedy_decode
 from decode.runtime.lean import use_compiled_passes
 from tests.decode.models.test_feature_draft import make_feature_draft
-from tests.decode.test_lossless import T1, check_first_two
 from tests.decode.tiny import greedy_reference, perturbed_copy, tiny_llama
+from tests.lossless.test_drafts_and_families import T1, check_first_two
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CUDA = torch.device("cuda")
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 PROMPTS = ([5, 9, 2, 77, 3, 9, 2, 77], [1, 7], [3])
@@ -110,8 +110,8 @@ def test_bfloat16_on_cuda_decodes_what_one_token_steps_give_up_to_near_ties():
 
 @pytest.mark.parametrize("tree", [False, True])
 def test_sampling_on_cuda_keeps_the_targets_distribution(tree):
-    """The chi-square test of tests/decode/test_lossless.py with the decoder on the GPU (its own random numbers) and
-    the exact distribution from the same float64 target on the CPU."""
+    """The chi-square test of tests/lossless/test_drafts_and_families.py with the decoder on the GPU (its own random
+    numbers) and the exact distribution from the same float64 target on the CPU."""
     target = tiny_llama(10, vocab_size=16, init_range=0.15)
     draft = perturbed_copy(target, seed=11, noise=0.15)
     decoder = model_decoder(on_gpu(target), on_gpu(draft), 2, tree_budget=6 if tree else 0, tree_branching=3)
