@@ -2,7 +2,7 @@
 traffic selection every decode command shares (`load_target`, `load_target_and_draft`, `selected_requests`).
 
 Handlers import the modules their command runs when they run: the one documented exception to imports at the top, so
-that building `draftops`' parser loads neither torch, transformers nor mlflow (tests/test_layout.py)."""
+that building `draftops`' parser loads neither torch, transformers nor mlflow (tests/code_shape/)."""
 
 from __future__ import annotations
 

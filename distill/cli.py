@@ -1,7 +1,7 @@
 """`draftops distill --config FILE [key=value ...]`: distill, evaluate, export and register a draft.
 
 Command handlers import the modules their command runs when they run: the one documented exception to imports at the
-top, so that building `draftops`' parser loads neither torch, transformers nor mlflow (tests/test_layout.py)."""
+top, so that building `draftops`' parser loads neither torch, transformers nor mlflow (tests/code_shape/)."""
 from __future__ import annotations
 
 import argparse

@@ -2,7 +2,7 @@
 `draftops.commands` entry points (pyproject.toml): this module, the bottom layer, names none of them.
 
 Command handlers import the modules their command runs when they run: the one documented exception to imports at the
-top, so that building `draftops`' parser loads neither torch, transformers nor mlflow (tests/test_layout.py)."""
+top, so that building `draftops`' parser loads neither torch, transformers nor mlflow (tests/code_shape/)."""
 from __future__ import annotations
 
 import argparse

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("pipeline", "decode", "distill", "monitor")
 # the command-line modules: their handlers import what their command runs when it runs
 COMMAND_MODULES = ("cli.py", "commands.py", "bench_commands.py")
