@@ -27,6 +27,10 @@ def _positive(text: str) -> int:
     return int(text)
 
 
+def _counts(text: str) -> list[int]:
+    return [_positive(part.strip()) for part in text.split(",")]
+
+
 def _engine_actions(subparsers):
     """The actions of `draftops engine` (distill's `engine serve` may have made it already: then its own)."""
     engine = subparsers.choices.get("engine")
@@ -47,7 +51,9 @@ def add_commands(subparsers) -> None:
         "or: JSON merged into each request to the --url engine to turn drafting off (llama-server: "
         "'{\"speculative.n_max\": 0}')"))
     p.add_argument("--kind", choices=("vllm", "llamacpp", "sglang"), required=True, help="the engine")
-    p.add_argument("--draft-tokens", type=_positive, default=5, help="draft tokens a round the engine runs with")
+    p.add_argument("--draft-tokens", type=_counts, default=[5], help=(
+        "draft tokens a round the engine runs with; several, comma-separated (llama-server: each request's "
+        "speculative.n_max), each swept and the fastest recommended per concurrency"))
     p.add_argument("--metrics-url", default=None, help="its /metrics (default: URL/metrics)")
     p.add_argument("--model", default=None, help="model name sent in each request (vLLM, SGLang)")
     p.add_argument("--max-concurrency", type=_positive, default=8, help="concurrency 1, 2, 4, ... up to this")
@@ -79,9 +85,11 @@ def engine_sweep(args) -> int:
         raise SweepError(f"{cfg.traffic.path}: no held-out requests to send (traffic.heldout_fraction)")
     prompts = [list(r.messages) for r in heldout]
     metrics_url = args.metrics_url or f"{args.url.rstrip('/')}/metrics"
-    with tqdm(total=2 * len(levels(args.max_concurrency)), desc="engine sweep") as bar:
+    passes = (len(args.draft_tokens) + 1) * len(levels(args.max_concurrency))
+    with tqdm(total=passes, desc="engine sweep") as bar:
+        draft_tokens = args.draft_tokens[0] if len(args.draft_tokens) == 1 else args.draft_tokens
         result = sweep(url=args.url, plain_url=args.plain_url, plain_body=args.plain_body or {}, kind=args.kind,
-                       draft_tokens=args.draft_tokens, model=args.model, prompts=prompts,
+                       draft_tokens=draft_tokens, model=args.model, prompts=prompts,
                        max_concurrency=args.max_concurrency, requests=args.requests, max_tokens=args.max_tokens,
                        timeout=args.timeout, metrics_url=metrics_url, progress=bar.update)
     out = Path(args.out)
@@ -90,11 +98,12 @@ def engine_sweep(args) -> int:
     write_text_atomic(out / RESULT_FILE, json.dumps(result.to_dict(), indent=1))
     write_text_atomic(out / TABLE_FILE, table)
     with start_run(cfg, "engine", run_name="engine-sweep", tags={"draftops.engine.kind": args.kind}):
-        mlflow.log_params({"engine.url": args.url, "engine.kind": args.kind, "engine.draft_tokens": args.draft_tokens,
+        mlflow.log_params({"engine.url": args.url, "engine.kind": args.kind,
+                           "engine.draft_tokens": ",".join(map(str, args.draft_tokens)),
                            "engine.max_concurrency": args.max_concurrency, "engine.requests": args.requests,
                            "engine.max_tokens": args.max_tokens})
         for p in result.passes:
-            name = f"engine/{'draft' if p.draft else 'plain'}"
+            name = f"engine/{'plain' if not p.draft else f'draft{p.draft_tokens}' if p.draft_tokens else 'draft'}"
             mlflow.log_metric(f"{name}/throughput", p.throughput, step=p.concurrency)
             mlflow.log_metric(f"{name}/time_per_output_token", p.time_per_output_token, step=p.concurrency)
             if p.acceptance is not None:

@@ -36,7 +36,9 @@ def setting(kind: str, draft_tokens: int, speculate: bool, boundary: int | None)
     raise ValueError(f"engine kind {kind!r}: one of {', '.join(KINDS)}")
 
 
-def recommendations(kind: str, draft_tokens: int, speedups: dict[int, float | None], boundary: int | None
-                    ) -> dict[int, str]:
-    """{concurrency: its setting}: drafting where it paid (speedup >= 1), off where it did not."""
-    return {c: setting(kind, draft_tokens, s is not None and s >= 1.0, boundary) for c, s in sorted(speedups.items())}
+def recommendations(kind: str, draft_tokens: int | dict[int, int], speedups: dict[int, float | None],
+                    boundary: int | None) -> dict[int, str]:
+    """{concurrency: its setting}: drafting where it paid (speedup >= 1), off where it did not; `draft_tokens` one
+    number, or the fastest per concurrency."""
+    tokens = draft_tokens if isinstance(draft_tokens, dict) else dict.fromkeys(speedups, draft_tokens)
+    return {c: setting(kind, tokens[c], s is not None and s >= 1.0, boundary) for c, s in sorted(speedups.items())}

@@ -10,8 +10,10 @@ time), time per output token (the mean of wall time / completion tokens) and, wi
 engine's /metrics counted over the pass (monitor.engines.counters: vLLM, llama.cpp; SGLang's gauge after the pass).
 
 The boundary is the lowest concurrency whose throughput with the draft is below the throughput without it (None:
-it paid at every concurrency swept); `engine_settings` turns it into a setting per concurrency. Every request goes
-through `pipeline.deadline_http.exchange` (a deadline for the whole reply).
+it paid at every concurrency swept); `engine_settings` turns it into a setting per concurrency. With several numbers
+of draft tokens (llama-server only, whose requests take `speculative.n_max`), every concurrency runs one drafted pass
+per number and the fastest is the one compared and recommended. Every request goes through
+`pipeline.deadline_http.exchange` (a deadline for the whole reply).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from pipeline.deadline_http import DeadlinePassed, exchange
 from pipeline.errors import OperatorError
 
 RESULT_FILE, TABLE_FILE = "engine_sweep.json", "engine_sweep.md"
+PER_REQUEST_TOKENS = "speculative.n_max"  # llama-server's per-request number of draft tokens
 
 
 class SweepError(OperatorError):
@@ -48,6 +51,7 @@ class Pass:
     tokens_per_second: list[float] = field(default_factory=list)  # per request
     time_per_output_token: float = 0.0
     acceptance: float | None = None
+    draft_tokens: int | None = None  # the request's own number of draft tokens, where the sweep set one
 
     @property
     def throughput(self) -> float:
@@ -62,12 +66,25 @@ class Pass:
 @dataclass
 class SweepResult:
     kind: str
-    draft_tokens: int
+    draft_tokens: int | list[int]
     passes: list[Pass]
 
+    def _by(self) -> dict[tuple[int, bool], Pass]:
+        """{(concurrency, drafted): its pass}, the fastest drafted pass where several numbers of tokens ran."""
+        by: dict[tuple[int, bool], Pass] = {}
+        for p in self.passes:
+            if (p.concurrency, p.draft) not in by or p.throughput > by[p.concurrency, p.draft].throughput:
+                by[p.concurrency, p.draft] = p
+        return by
+
+    def best_draft_tokens(self) -> dict[int, int]:
+        """{concurrency: the number of draft tokens of its fastest drafted pass}."""
+        first = self.draft_tokens if isinstance(self.draft_tokens, int) else self.draft_tokens[0]
+        return {c: (p.draft_tokens or first) for (c, d), p in self._by().items() if d}
+
     def speedups(self) -> dict[int, float | None]:
-        """{concurrency: throughput with the draft / without}."""
-        by = {(p.concurrency, p.draft): p for p in self.passes}
+        """{concurrency: throughput with the draft (its fastest number of tokens) / without}."""
+        by = self._by()
         return {c: (by[c, True].throughput / by[c, False].throughput if by[c, False].throughput > 0 else None)
                 for c, d in by if d and (c, False) in by}
 
@@ -77,19 +94,22 @@ class SweepResult:
         return next((c for c, s in sorted(self.speedups().items()) if s is not None and s < 1.0), None)
 
     def settings(self) -> dict[int, str]:
-        return recommendations(self.kind, self.draft_tokens, self.speedups(), self.boundary)
+        return recommendations(self.kind, self.best_draft_tokens(), self.speedups(), self.boundary)
 
     def to_dict(self) -> dict:
         return {"engine": self.kind, "draft_tokens": self.draft_tokens, "boundary_concurrency": self.boundary,
+                "best_draft_tokens": {str(c): k for c, k in self.best_draft_tokens().items()},
                 "speedups": {str(c): s for c, s in self.speedups().items()},
                 "settings": {str(c): s for c, s in self.settings().items()},
                 "passes": [p.to_dict() for p in self.passes]}
 
     def markdown(self, heading: str) -> str:
-        by = {(p.concurrency, p.draft): p for p in self.passes}
+        by = self._by()
+        several = not isinstance(self.draft_tokens, int) and len(self.draft_tokens) > 1
         lines = [f"# {heading}", "", "| concurrency | tokens/s a request (draft / none) | throughput (draft / none) | "
-                 "time per output token, ms (draft / none) | acceptance | speedup | setting |",
-                 "|---|---|---|---|---|---|---|"]
+                 "time per output token, ms (draft / none) | acceptance | speedup | setting |"
+                 + (" throughput by draft tokens |" if several else ""),
+                 "|---|---|---|---|---|---|---|" + ("---|" if several else "")]
         settings, speedups = self.settings(), self.speedups()
         for c in sorted({c for c, _ in by}):
             d, n = by.get((c, True)), by.get((c, False))
@@ -100,11 +120,16 @@ class SweepResult:
             lines.append(f"| {c} | {cells[0]} / {cells[1]} | {d.throughput if d else 0:.1f} / "
                          f"{n.throughput if n else 0:.1f} | {1000 * (d.time_per_output_token if d else 0):.1f} / "
                          f"{1000 * (n.time_per_output_token if n else 0):.1f} | {acceptance} | {speedup} | "
-                         f"`{settings.get(c, '–')}` |")
+                         f"`{settings.get(c, '–')}` |" + (f" {self._by_tokens(c)} |" if several else ""))
         stop = self.boundary
         lines += ["", f"Speculation stops paying at concurrency {stop}." if stop else
                   "Speculation paid at every concurrency swept."]
         return "\n".join(lines) + "\n"
+
+
+    def _by_tokens(self, concurrency: int) -> str:
+        return ", ".join(f"{p.draft_tokens}: {p.throughput:.1f}" for p in self.passes
+                         if p.draft and p.concurrency == concurrency)
 
 
 def complete(url: str, model: str | None, messages: list[dict], max_tokens: int, extra: dict, timeout: float
@@ -160,7 +185,8 @@ def run_pass(url: str, model: str | None, prompts: list[list[dict]], concurrency
     except ServerMetricsError:
         after = None
     return Pass(concurrency, draft, len(done), sum(t for t, _ in done), seconds, [t / s for t, s in done],
-                statistics.mean(s / t for t, s in done), _acceptance(before, after) if draft else None)
+                statistics.mean(s / t for t, s in done), _acceptance(before, after) if draft else None,
+                extra.get(PER_REQUEST_TOKENS) if draft else None)
 
 
 def levels(maximum: int) -> list[int]:
@@ -172,15 +198,22 @@ def levels(maximum: int) -> list[int]:
     return out + [maximum]
 
 
-def sweep(*, url: str, plain_url: str | None, plain_body: dict, kind: str, draft_tokens: int, model: str | None,
-          prompts: list[list[dict]], max_concurrency: int, requests: int, max_tokens: int, timeout: float,
-          metrics_url: str | None, progress: Callable[[], None] = lambda: None) -> SweepResult:
-    """Every concurrency with and without the draft (module docstring)."""
+def sweep(*, url: str, plain_url: str | None, plain_body: dict, kind: str, draft_tokens: int | list[int],
+          model: str | None, prompts: list[list[dict]], max_concurrency: int, requests: int, max_tokens: int,
+          timeout: float, metrics_url: str | None, progress: Callable[[], None] = lambda: None) -> SweepResult:
+    """Every concurrency with and without the draft, the drafted pass once per number of draft tokens where several
+    are given (module docstring)."""
+    several = not isinstance(draft_tokens, int) and len(draft_tokens) > 1
+    if several and kind != "llamacpp":
+        raise SweepError(f"several --draft-tokens ({draft_tokens}) need a per-request number of draft tokens, which "
+                         f"llama-server takes and {kind} does not: sweep one number per server start")
+    extras = [{PER_REQUEST_TOKENS: k} for k in draft_tokens] if several else [{}]
     passes = []
     for c in levels(max_concurrency):
         batch = [prompts[i % len(prompts)] for i in range(max(requests, c))]
-        passes.append(run_pass(url, model, batch, c, True, max_tokens, {}, timeout, metrics_url))
-        progress()
+        for extra in extras:
+            passes.append(run_pass(url, model, batch, c, True, max_tokens, extra, timeout, metrics_url))
+            progress()
         passes.append(run_pass(plain_url or url, model, batch, c, False, max_tokens, plain_body, timeout))
         progress()
     return SweepResult(kind, draft_tokens, passes)

@@ -26,13 +26,14 @@ class FakeEngine(http.server.BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         server = self.server
         drafting = server.draft and body.get("speculative.n_max", 1) != 0
+        tokens = body.get("speculative.n_max", 3)
         with server.lock:
             server.active += 1
             server.bodies.append(body)
         work = 1.0
         while work > 0:
             time.sleep(0.002)
-            work -= 0.002 / server.seconds(server.active, drafting)
+            work -= 0.002 / server.seconds(server.active, drafting, tokens)
         with server.lock:
             server.active -= 1
             if drafting:
@@ -55,8 +56,8 @@ class FakeEngine(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def paying_until_four(active, drafting):
-    """The draft halves a request's time while at most 2 run at once, and doubles it beyond."""
+def paying_until_four(active, drafting, tokens=3):
+    """The draft quarters a request's time while at most 2 run at once, and doubles it beyond."""
     base = 0.2
     return (base / 4 if active <= 2 else base * 2) if drafting else base
 
@@ -163,3 +164,29 @@ def test_a_result_with_no_boundary_says_it_paid_everywhere():
                                      Pass(1, False, 2, 20, 2.0, [5.0, 5.0], 0.2)])
     assert result.boundary is None and result.speedups() == {1: 2.0}
     assert "paid at every concurrency" in result.markdown("x")
+
+
+def fewer_tokens_pay_more(active, drafting, tokens=3):
+    """Drafting pays at every concurrency, most with 2 draft tokens a round."""
+    return 0.2 / (3 if tokens == 2 else 1.5) if drafting else 0.2
+
+
+def test_several_numbers_of_draft_tokens_each_swept_and_the_fastest_recommended(tmp_path):
+    with fake_engine(seconds=fewer_tokens_pay_more) as (server, url):
+        result = sweep(url=url, plain_url=None, plain_body={"speculative.n_max": 0}, kind="llamacpp",
+                       draft_tokens=[2, 5], model=None, prompts=PROMPTS, max_concurrency=2, requests=2,
+                       max_tokens=TOKENS, timeout=30, metrics_url=f"{url}/metrics")
+    assert sorted({b.get("speculative.n_max") for b in server.bodies}) == [0, 2, 5]
+    assert [(p.concurrency, p.draft, p.draft_tokens) for p in result.passes] == [
+        (1, True, 2), (1, True, 5), (1, False, None), (2, True, 2), (2, True, 5), (2, False, None)]
+    assert result.best_draft_tokens() == {1: 2, 2: 2} and result.boundary is None
+    assert result.settings() == {1: "--draft-max 2 --draft-min 0", 2: "--draft-max 2 --draft-min 0"}
+    assert "throughput by draft tokens" in result.markdown("x") and "2: " in result.markdown("x")
+
+
+def test_several_numbers_of_draft_tokens_need_the_engines_per_request_count():
+    from monitor.engines.engine_sweep import SweepError
+    with pytest.raises(SweepError, match="llama-server takes and vllm does not"):
+        sweep(url="http://127.0.0.1:9", plain_url="http://127.0.0.1:9", plain_body={}, kind="vllm",
+              draft_tokens=[2, 5], model=None, prompts=PROMPTS, max_concurrency=1, requests=1, max_tokens=TOKENS,
+              timeout=2, metrics_url=None)
