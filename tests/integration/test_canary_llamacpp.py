@@ -98,8 +98,9 @@ def test_a_canary_on_three_llama_servers(tmp_path, binaries, tracking_and_alerts
     updated = run_finetune(cfg).path
     bad_cfg = load_config(REPO / "configs" / "serve_demo.yaml", [*common, f"target={updated}"])
     served = target_gguf(cfg.target)
-    engines = {n: ServedEngine(served, draft=served_draft(tmp_path / "v1", cfg), draft_max=cfg.decode.gamma,
-                               threads=1, log_dir=tmp_path / f"engine-{n}") for n in "abc"}
+    draft = served_draft(tmp_path / "v1", cfg)
+    engines = {n: ServedEngine(served, draft=draft, draft_max=cfg.decode.gamma, threads=1,
+                               log_dir=tmp_path / f"engine-{n}") for n in "abc"}
     script = tmp_path / "reload_fleet.py"
     script.write_text(RELOAD_FLEET)
     started, traffic, prometheus = [], [], None
