@@ -25,7 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from monitor.engines.counters import ServerMetricsError, parse_spec_counters, scrape, window_between
+from monitor.engines.counters import ServerMetricsError, SpecCounters, parse_spec_counters, scrape, window_between
 from monitor.engines.engine_settings import recommendations
 from monitor.engines.sglang import is_sglang, parse_sglang
 from pipeline.deadline_http import DeadlinePassed, exchange
@@ -155,23 +155,46 @@ def complete(url: str, model: str | None, messages: list[dict], max_tokens: int,
     return tokens, seconds
 
 
-def _acceptance(before: str | None, after: str | None) -> float | None:
-    """The engine's acceptance between two pages of its /metrics (SGLang: its gauge after); None without them."""
-    if after is None:
+def _window(before: str | None, after: str | None) -> SpecCounters | None:
+    """The engine's speculative counters between two pages of its /metrics; None without them (or for SGLang)."""
+    if after is None or before is None or is_sglang(after):
         return None
-    if is_sglang(after):
-        return parse_sglang(after).accept_rate
     try:
-        window, _ = window_between(parse_spec_counters(before) if before else None, parse_spec_counters(after))
+        window, restarted = window_between(parse_spec_counters(before), parse_spec_counters(after))
     except ServerMetricsError:
         return None
+    return None if restarted else window
+
+
+def _acceptance(before: str | None, after: str | None) -> float | None:
+    """The engine's acceptance between two pages of its /metrics (SGLang: its gauge after); None without them."""
+    if after is not None and is_sglang(after):
+        return parse_sglang(after).accept_rate
+    window = _window(before, after)
     return window.acceptance if window is not None and window.draft_tokens > 0 else None
+
+
+def _check_switch(url: str, draft: bool, extra: dict, window: SpecCounters | None) -> None:
+    """A request's own switch (`--plain-body`, a per-request number of draft tokens) held, as the engine's counters
+    over the pass say; SweepError where the engine ignored it (llama-server builds that disable per-request
+    speculative settings)."""
+    if window is None or not extra:
+        return
+    if not draft and window.draft_tokens > 0:
+        raise SweepError(f"{url} kept drafting with --plain-body {json.dumps(extra)} ({window.draft_tokens:.0f} draft "
+                         "tokens counted): this engine ignores the per-request switch; give --plain-url, a second "
+                         "server of the target without the draft")
+    tokens = extra.get(PER_REQUEST_TOKENS)
+    if draft and tokens and window.drafts > 0 and window.draft_tokens > tokens * window.drafts:
+        raise SweepError(f"{url} drafted {window.draft_tokens / window.drafts:.1f} tokens a round where requests asked "
+                         f"for at most {tokens} ({PER_REQUEST_TOKENS}): this engine ignores the per-request number; "
+                         "sweep one --draft-tokens per server start")
 
 
 def run_pass(url: str, model: str | None, prompts: list[list[dict]], concurrency: int, draft: bool, max_tokens: int,
              extra: dict, timeout: float, metrics_url: str | None = None) -> Pass:
     """`prompts` sent `concurrency` at a time; the pass's figures."""
-    page = (lambda: scrape(metrics_url, timeout)) if metrics_url else (lambda: None)
+    page = (lambda: scrape(metrics_url, timeout)) if metrics_url and (draft or extra) else (lambda: None)
     try:
         before = page()
     except ServerMetricsError:
@@ -184,6 +207,7 @@ def run_pass(url: str, model: str | None, prompts: list[list[dict]], concurrency
         after = page()
     except ServerMetricsError:
         after = None
+    _check_switch(url, draft, extra, _window(before, after))
     return Pass(concurrency, draft, len(done), sum(t for t, _ in done), seconds, [t / s for t, s in done],
                 statistics.mean(s / t for t, s in done), _acceptance(before, after) if draft else None,
                 extra.get(PER_REQUEST_TOKENS) if draft else None)
@@ -214,6 +238,7 @@ def sweep(*, url: str, plain_url: str | None, plain_body: dict, kind: str, draft
         for extra in extras:
             passes.append(run_pass(url, model, batch, c, True, max_tokens, extra, timeout, metrics_url))
             progress()
-        passes.append(run_pass(plain_url or url, model, batch, c, False, max_tokens, plain_body, timeout))
+        passes.append(run_pass(plain_url or url, model, batch, c, False, max_tokens, plain_body, timeout,
+                               None if plain_url else metrics_url))
         progress()
     return SweepResult(kind, draft_tokens, passes)

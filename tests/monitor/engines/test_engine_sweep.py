@@ -25,8 +25,9 @@ class FakeEngine(http.server.BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         server = self.server
-        drafting = server.draft and body.get("speculative.n_max", 1) != 0
-        tokens = body.get("speculative.n_max", 3)
+        asked = body.get("speculative.n_max") if server.per_request else None
+        drafting = server.draft and asked != 0
+        tokens = asked or 3
         with server.lock:
             server.active += 1
             server.bodies.append(body)
@@ -37,14 +38,15 @@ class FakeEngine(http.server.BaseHTTPRequestHandler):
         with server.lock:
             server.active -= 1
             if drafting:
-                server.draft_tokens += 3 * body["max_tokens"]
+                server.drafts += body["max_tokens"]
+                server.draft_tokens += tokens * body["max_tokens"]
         answer = json.dumps({"choices": [{"message": {"content": "x"}}],
                              "usage": {"completion_tokens": body["max_tokens"]}}).encode()
         self._send(answer)
 
     def do_GET(self):
         s = self.server
-        self._send(llamacpp_text(s.draft_tokens / 3, s.draft_tokens, round(0.6 * s.draft_tokens)).encode())
+        self._send(llamacpp_text(s.drafts, s.draft_tokens, round(0.6 * s.draft_tokens)).encode())
 
     def _send(self, body):
         self.send_response(200)
@@ -63,9 +65,11 @@ def paying_until_four(active, drafting, tokens=3):
 
 
 @contextlib.contextmanager
-def fake_engine(draft=True, seconds=paying_until_four):
+def fake_engine(draft=True, seconds=paying_until_four, per_request=True):
+    """`per_request`: the engine takes each request's `speculative.n_max` (builds that ignore it: False)."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeEngine)
     server.draft, server.seconds, server.active, server.draft_tokens = draft, seconds, 0, 0
+    server.drafts, server.per_request = 0, per_request
     server.lock, server.bodies = threading.Lock(), []
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
@@ -190,3 +194,18 @@ def test_several_numbers_of_draft_tokens_need_the_engines_per_request_count():
         sweep(url="http://127.0.0.1:9", plain_url="http://127.0.0.1:9", plain_body={}, kind="vllm",
               draft_tokens=[2, 5], model=None, prompts=PROMPTS, max_concurrency=1, requests=1, max_tokens=TOKENS,
               timeout=2, metrics_url=None)
+
+
+def test_an_engine_that_ignores_the_per_request_switch_is_one_line_not_a_table():
+    """llama-server builds that disable per-request speculative settings keep drafting under `--plain-body`: the sweep
+    would compare the draft with itself, so it stops and says so."""
+    from monitor.engines.engine_sweep import SweepError
+    with fake_engine(per_request=False) as (_, url):
+        with pytest.raises(SweepError, match="kept drafting with --plain-body .* give --plain-url"):
+            sweep(url=url, plain_url=None, plain_body={"speculative.n_max": 0}, kind="llamacpp", draft_tokens=3,
+                  model=None, prompts=PROMPTS, max_concurrency=1, requests=1, max_tokens=TOKENS, timeout=30,
+                  metrics_url=f"{url}/metrics")
+        with pytest.raises(SweepError, match="ignores the per-request number"):
+            sweep(url=url, plain_url=url, plain_body={}, kind="llamacpp", draft_tokens=[1, 2], model=None,
+                  prompts=PROMPTS, max_concurrency=1, requests=1, max_tokens=TOKENS, timeout=30,
+                  metrics_url=f"{url}/metrics")
