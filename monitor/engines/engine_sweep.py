@@ -12,7 +12,8 @@ engine's /metrics counted over the pass (monitor.engines.counters: vLLM, llama.c
 The boundary is the lowest concurrency whose throughput with the draft is below the throughput without it (None:
 it paid at every concurrency swept); `engine_settings` turns it into a setting per concurrency. With several numbers
 of draft tokens (llama-server only, whose requests take `speculative.n_max`), every concurrency runs one drafted pass
-per number and the fastest is the one compared and recommended. Every request goes through
+per number and the fastest is the one compared and recommended. llama-server's requests ask it not to reuse a
+cached prompt (`cache_prompt: false`): every pass sends the same prompts. Every request goes through
 `pipeline.deadline_http.exchange` (a deadline for the whole reply).
 """
 from __future__ import annotations
@@ -33,6 +34,9 @@ from pipeline.errors import OperatorError
 
 RESULT_FILE, TABLE_FILE = "engine_sweep.json", "engine_sweep.md"
 PER_REQUEST_TOKENS = "speculative.n_max"  # llama-server's per-request number of draft tokens
+# every pass sends the same prompts: an engine that keeps them cached would prefill only the first pass's, so its
+# later passes (the other arm's, at the next concurrency) start ahead; llama-server takes a per-request switch
+UNCACHED = {"llamacpp": {"cache_prompt": False}}
 
 
 class SweepError(OperatorError):
@@ -178,7 +182,7 @@ def _check_switch(url: str, draft: bool, extra: dict, window: SpecCounters | Non
     """A request's own switch (`--plain-body`, a per-request number of draft tokens) held, as the engine's counters
     over the pass say; SweepError where the engine ignored it (llama-server builds that disable per-request
     speculative settings)."""
-    if window is None or not extra:
+    if window is None or not (extra.keys() - {"cache_prompt"}):
         return
     if not draft and window.draft_tokens > 0:
         raise SweepError(f"{url} kept drafting with --plain-body {json.dumps(extra)} ({window.draft_tokens:.0f} draft "
@@ -231,14 +235,15 @@ def sweep(*, url: str, plain_url: str | None, plain_body: dict, kind: str, draft
     if several and kind != "llamacpp":
         raise SweepError(f"several --draft-tokens ({draft_tokens}) need a per-request number of draft tokens, which "
                          f"llama-server takes and {kind} does not: sweep one number per server start")
-    extras = [{PER_REQUEST_TOKENS: k} for k in draft_tokens] if several else [{}]
+    fresh = UNCACHED.get(kind, {})
+    extras = [{**fresh, PER_REQUEST_TOKENS: k} for k in draft_tokens] if several else [fresh]
     passes = []
     for c in levels(max_concurrency):
         batch = [prompts[i % len(prompts)] for i in range(max(requests, c))]
         for extra in extras:
             passes.append(run_pass(url, model, batch, c, True, max_tokens, extra, timeout, metrics_url))
             progress()
-        passes.append(run_pass(plain_url or url, model, batch, c, False, max_tokens, plain_body, timeout,
+        passes.append(run_pass(plain_url or url, model, batch, c, False, max_tokens, {**fresh, **plain_body}, timeout,
                                None if plain_url else metrics_url))
         progress()
     return SweepResult(kind, draft_tokens, passes)

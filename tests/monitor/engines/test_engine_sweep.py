@@ -121,6 +121,7 @@ def test_one_endpoint_with_the_engines_per_request_switch(tmp_path, mlflow_uri):
     assert result["settings"]["1"] == "--draft-max 4 --draft-min 0"
     assert sum(1 for b in server.bodies if b.get("speculative.n_max") == 0) == len(server.bodies) // 2
     assert all(b["temperature"] == 0 and b["max_tokens"] == TOKENS for b in server.bodies)
+    assert all(b["cache_prompt"] is False for b in server.bodies)  # each pass prefills its prompts afresh
     assert "| concurrency |" in (tmp_path / "out" / TABLE_FILE).read_text()
     from mlflow import MlflowClient
     client = MlflowClient()
