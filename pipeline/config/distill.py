@@ -80,7 +80,7 @@ class DistillConfig(Section):
         "'ce' is the plain cross-entropy baseline on the target's (sampled) tokens. Acceptance itself: "
         "'log_acceptance' −log Σ min(p, q); 'kl_tv' forward KL and 1 − Σ min(p, q) weighted by the batch's "
         "acceptance (docs/concepts.md#training-for-acceptance). Unset: the family's measured best, forward_kl for "
-        "layers, kl_tv for features (docs/results.md#training-for-acceptance)."))
+        "layers, kl_tv for features (docs/results.md#the-draft-what-distillation-buys)."))
     ttt_weighting: Literal["uniform", "reach"] = Field(None, description=(
         "features only: each training-time-test step's terms weighted the same (uniform), or by the chance that the "
         "draft reaches that step, the product of the earlier steps' acceptance at the same position (reach). Unset: "
