@@ -11,7 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
-from monitor.engines.commands import add_commands as add_engine_commands
+from monitor.fleet.commands import add_commands as add_engine_commands
 from pipeline import metrics as M
 from pipeline.command_options import config_options
 from pipeline.locks import ModelBusy
@@ -116,7 +116,7 @@ def _simulate_server(cfg, windows, args) -> int:
     """`simulate --server`: the window test of the serving engines' counters, on the given windows, else on those the
     window store keeps (at least 2), else on synthetic ones of --requests-per-window requests; with --replicas R at
     monitor.level / (R + 1), as the check runs it for each of R replicas."""
-    from monitor.engines.window_store import recorded_windows
+    from monitor.fleet.window_store import recorded_windows
     from monitor.service.scheduler import state_dir
     from monitor.stats.window_simulation import simulate_window_checks
 
@@ -163,8 +163,8 @@ def rebaseline_command(args) -> int:
 
 def rollback_command(args) -> int:
     from monitor.check.run import rollback
-    from monitor.deploy.layout import DeployError
-    from monitor.deploy.rollout import ensure_deployed
+    from monitor.release.layout import DeployError
+    from monitor.release.rollout import ensure_deployed
     from monitor.service.alerts import rollback_alert, send_within_deadline
     from monitor.service.scheduler import EXIT_BUSY
     from pipeline.config import load_config
@@ -191,8 +191,8 @@ def rollback_command(args) -> int:
 
 
 def deploy_command(args) -> int:
-    from monitor.deploy.layout import DeployError
-    from monitor.deploy.rollout import ensure_deployed, rollback_deployment
+    from monitor.release.layout import DeployError
+    from monitor.release.rollout import ensure_deployed, rollback_deployment
     from monitor.service.scheduler import EXIT_BUSY, check_lock
     from pipeline.config import load_config
 

@@ -19,7 +19,7 @@ ACCEPTANCE_DRAFT_HIGH = "acceptance/draft_ci_high"
 ACCEPTANCE_DECODER = "acceptance/decoder"
 ACCEPTANCE_DECODER_LOW = "acceptance/decoder_ci_low"
 ACCEPTANCE_DECODER_HIGH = "acceptance/decoder_ci_high"
-ACCEPTANCE_SERVER = "acceptance/server"  # a serving engine's counters over one window (monitor.engines.counters)
+ACCEPTANCE_SERVER = "acceptance/server"  # a serving engine's counters over one window (monitor.fleet.counters)
 DRAFT_EFFICIENCY = "acceptance/draft_efficiency"
 
 # speed
@@ -138,7 +138,7 @@ MONITOR_ERROR_TAG = "draftops.monitor.error"
 PROMOTED_AT_TAG = "draftops.monitor.promoted_at"
 ROLLED_BACK_AT_TAG = "draftops.monitor.rolled_back_at"
 
-# deployments (monitor.deploy): tags of the deployed model version, and of the deploy run
+# deployments (monitor.release): tags of the deployed model version, and of the deploy run
 DEPLOY_FOLDER_TAG = "draftops.deploy.folder"
 DEPLOY_FORMAT_TAG = "draftops.deploy.format"
 DEPLOYED_AT_TAG = "draftops.deploy.deployed_at"

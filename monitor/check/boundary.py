@@ -1,4 +1,4 @@
-"""The boundary watch (`monitor.engine_boundary`): where the engines report running requests (monitor.engines.load),
+"""The boundary watch (`monitor.engine_boundary`): where the engines report running requests (monitor.fleet.load),
 a replica whose window ran more requests at once than the concurrency where speculation stopped paying (the
 boundary `draftops engine sweep` measured, read from its engine_sweep.json) is a note in the check's report and a
 gauge on the service's /metrics (draftops_monitor_replica_past_boundary). Never a DRIFT: acceptance can hold while
@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from monitor.engines.load import read_load
+from monitor.fleet.load import read_load
 from pipeline.config import DraftopsConfig
 
 

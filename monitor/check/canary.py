@@ -2,12 +2,12 @@
 alone, judged on what the engines count, then rolled out to every replica or rolled back.
 
 - A promotion (or any new champion the fleet's folder does not hold yet) starts a canary instead of a fleet-wide
-  deploy (monitor.deploy.canary.begin); while it runs, the fleet's folder stays on the old champion.
-- Each later check judges it from the windows it read (monitor.engines.fleet): every replica's windows of the new
+  deploy (monitor.release.canary.begin); while it runs, the fleet's folder stays on the old champion.
+- Each later check judges it from the windows it read (monitor.fleet.verdicts): every replica's windows of the new
   champion that started after the canary was deployed, the last `canary.windows` of each. The canary replicas'
   windows (summed, when several) are compared with each other replica's by the fleet's replica-parting test
   (`outlier_tests`: two-proportion t with the windows' own overdispersion, Bonferroni over the replicas); the canary
-  fails when it is named and lower. Where the engines report tokens per second (monitor.engines.load), it also fails
+  fails when it is named and lower. Where the engines report tokens per second (monitor.fleet.load), it also fails
   when its mean is below (1 - `speed_tolerance`) of the others'. Until every canary replica and one other have the
   windows, it is collecting.
 - Pass: the fleet's folder switched to the new champion. Fail: the canary's folder switched back, the champion alias
@@ -25,13 +25,13 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
 from monitor.check.canary_power import CANARY, canary_power, requests_per_window
-from monitor.deploy import canary as steps
-from monitor.deploy.layout import CURRENT, DeployError, linked, root_of
-from monitor.deploy.rollout import FAILED, DeployResult, ensure_deployed
-from monitor.engines.counters import sum_counters
-from monitor.engines.fleet import FleetReading, outlier_tests
-from monitor.engines.load import EngineLoad, read_load
-from monitor.engines.window_store import ReplicaWindows, Window
+from monitor.fleet.counters import sum_counters
+from monitor.fleet.load import EngineLoad, read_load
+from monitor.fleet.verdicts import FleetReading, outlier_tests
+from monitor.fleet.window_store import ReplicaWindows, Window
+from monitor.release import canary as steps
+from monitor.release.layout import CURRENT, DeployError, linked, root_of
+from monitor.release.rollout import FAILED, DeployResult, ensure_deployed
 from pipeline import registry
 from pipeline.config import DraftopsConfig
 

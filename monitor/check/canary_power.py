@@ -1,19 +1,19 @@
 """How strong the canary's test is: the rate at which it fails a canary whose acceptance is `drop` below the other
 replicas', at the configured number of windows, by simulation.
 
-The same simulation as the fleet's replica-parting test (tests/monitor/engines/test_fleet.py): each replica's windows
+The same simulation as the fleet's replica-parting test (tests/monitor/fleet/test_verdicts.py): each replica's windows
 are sums of beta-binomial requests (monitor.stats.window_simulation.synthetic_windows; heterogeneous prompts,
 correlated tokens within one), the canary's accepted tokens lowered by `drop` of its draft tokens, and the test run
-as the canary runs it (monitor.engines.fleet.outlier_tests, the canary against each other replica, Bonferroni over
+as the canary runs it (monitor.fleet.verdicts.outlier_tests, the canary against each other replica, Bonferroni over
 the replicas; failed when the canary is named and lower). With `drop` 0 the rate is the test's false failures.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from monitor.engines.counters import SpecCounters
-from monitor.engines.fleet import outlier_tests
-from monitor.engines.window_store import ReplicaWindows, Window
+from monitor.fleet.counters import SpecCounters
+from monitor.fleet.verdicts import outlier_tests
+from monitor.fleet.window_store import ReplicaWindows, Window
 from monitor.stats.false_alarms import BetaBinomialTraffic
 from monitor.stats.window_simulation import synthetic_windows
 

@@ -9,7 +9,7 @@ with neither, a drop that only the serving engine saw is "server_acceptance_drop
 held-out traffic did not see it), any other "unexplained". A measurement that is not a finite number (NaN weights, an
 overflow) is an ERROR, never OK: the check cannot tell whether the champion pays.
 
-With several serving replicas (monitor.engines.fleet), `with_fleet` names the replicas that drifted, makes a fleet of
+With several serving replicas (monitor.fleet.verdicts), `with_fleet` names the replicas that drifted, makes a fleet of
 which no replica could be read an ERROR (one down is a note), and notes a replica whose acceptance parts from the
 others'."""
 # DEPLOY_MISMATCH is the post-deploy check's outcome (monitor.check.engine_acceptance): the serving engine's acceptance
@@ -23,7 +23,7 @@ others'."""
 # DEPLOY_MISMATCH, whose reasons it keeps; an ERROR outranks it. Each has its own exit code, so that whatever watches
 # exit codes sees it.
 #
-# REPLICA_DOWN: a replica unreachable at `monitor.replica_down_checks` checks in a row (monitor.engines.fleet) where
+# REPLICA_DOWN: a replica unreachable at `monitor.replica_down_checks` checks in a row (monitor.fleet.verdicts) where
 # the check would otherwise be OK; any other verdict outranks it and keeps the down replicas among its reasons.
 #
 
@@ -34,10 +34,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from monitor.engines.fleet import DEPLOY_MISMATCH, UNREACHABLE, FleetReading
-from monitor.engines.fleet import DRIFT as REPLICA_DRIFT
-from monitor.engines.fleet import ERROR as FLEET_ERROR
-from monitor.engines.offline_expectation import ENGINE_VS_OFFLINE
+from monitor.fleet.offline_expectation import ENGINE_VS_OFFLINE
+from monitor.fleet.verdicts import DEPLOY_MISMATCH, UNREACHABLE, FleetReading
+from monitor.fleet.verdicts import DRIFT as REPLICA_DRIFT
+from monitor.fleet.verdicts import ERROR as FLEET_ERROR
 from monitor.stats.acceptance_tests import AcceptanceCheck, DropTest, PromptAcceptance, TrafficDrift, paired_drop_test
 
 EXIT_OK, EXIT_ERROR, EXIT_DRIFT, EXIT_DEPLOY_MISMATCH, EXIT_DEPLOY_FAILED, EXIT_REPLICA_DOWN = 0, 2, 3, 4, 5, 6
@@ -171,7 +171,7 @@ def challenger_gate(
 
 
 def with_fleet(decision: Decision, fleet: FleetReading | None, mismatched: Sequence[str] = ()) -> Decision:
-    """The check's decision once the fleet's reading is in (monitor.engines.fleet): ERROR when no replica could be read
+    """The check's decision once the fleet's reading is in (monitor.fleet.verdicts): ERROR when no replica could be read
     (its other reasons kept as notes); the drifting replicas named beside those that did not drift; a replica down,
     idle, collecting windows, or parting from the others, noted. `mismatched`: the replicas the post-deploy engine
     check found clearly below the deployed draft's figure (their verdict becomes DEPLOY_MISMATCH)."""

@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 from monitor.check import canary
 from monitor.check.decision import Decision, Status
-from monitor.deploy.layout import MISMATCH, VERIFIED, DeployError
-from monitor.deploy.rollout import FAILED, DeployResult, ensure_deployed, record_check, rollback_deployment
+from monitor.release.layout import MISMATCH, VERIFIED, DeployError
+from monitor.release.rollout import FAILED, DeployResult, ensure_deployed, record_check, rollback_deployment
 from pipeline import registry
 from pipeline.config import DraftopsConfig
 

@@ -4,7 +4,7 @@ The check reads the speculative-decoding counters of every replica with a URL (`
 `monitor.server_metrics_url`) `check_windows` times over windows of `check_window_seconds` (a window with fewer than
 `min_window_draft_tokens` draft tokens over the fleet is extended, up to three times its length), then compares the
 engine's acceptance over those windows with the offline figure of the version the engine should serve: its baseline's
-per-prompt accepted and drafted tokens as an engine counts them at decode.gamma (`monitor.engines.offline_expectation`),
+per-prompt accepted and drafted tokens as an engine counts them at decode.gamma (`monitor.fleet.offline_expectation`),
 by `engine_vs_offline_test` at monitor.level, tolerating a shortfall of `monitor.deploy.mismatch_tolerance` of the
 offline figure. With several replicas, each replica's windows and the fleet's summed windows are each compared, at
 monitor.level / (replicas + 1) (Bonferroni): one replica left on the old draft is named."""
@@ -13,7 +13,7 @@ monitor.level / (replicas + 1) (Bonferroni): one replica left on the old draft i
 # draft); the engine is also compared with the previous version's offline figure (its baseline, recorded before the
 # drift that replaced it): not clearly below it means the deploy recovered the acceptance. `always`: every check; a
 # shortfall outside a post-deploy check is the server's evidence of a drop (`monitor.check.decision`, like the window
-# tests of `monitor.engines.fleet`, which need many more windows to decide).
+# tests of `monitor.fleet.verdicts`, which need many more windows to decide).
 #
 # The offline figure assumes the engine drafts decode.gamma tokens a round from the draft alone and decodes greedily
 # (temperature 0) up to decode.max_new_tokens, as the demo's traffic does (llama-server --spec-draft-n-max γ
@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 
 from monitor.check.decision import Decision, Status
 from monitor.check.prompt_acceptance import Baseline, Measurement
-from monitor.deploy.layout import PENDING, read_state, root_of
-from monitor.engines.counters import ImpossibleCounters, ServerMetricsError, SpecCounters, sum_counters, window_between
-from monitor.engines.offline_expectation import engine_vs_offline_test
-from monitor.engines.sglang import SglangGauges, gauge_window
-from monitor.engines.window_store import read_endpoint
+from monitor.fleet.counters import ImpossibleCounters, ServerMetricsError, SpecCounters, sum_counters
+from monitor.fleet.offline_expectation import engine_vs_offline_test
+from monitor.fleet.sglang import SglangGauges
+from monitor.fleet.window_store import read_endpoint
+from monitor.release.layout import PENDING, read_state, root_of
 from monitor.stats.acceptance_tests import DropTest
 from pipeline import registry
 from pipeline.config import DraftopsConfig
@@ -151,11 +151,7 @@ def _windows(before: dict, now: dict) -> tuple[dict[str, SpecCounters], bool]:
     """Each replica's window between two readings of the fleet, and whether any restarted."""
     out, restarted = {}, False
     for name, reading in now.items():
-        previous = before.get(name)
-        if isinstance(reading, SglangGauges):
-            window, again = gauge_window(previous if isinstance(previous, SglangGauges) else None, reading)
-        else:
-            window, again = window_between(previous if isinstance(previous, SpecCounters) else None, reading)
+        window, again = reading.window_since(before.get(name))
         if window is not None:
             out[name] = window
         restarted |= again

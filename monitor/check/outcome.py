@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from monitor.check.decision import Decision, Status
 from monitor.check.engine_acceptance import EngineCheck
-from monitor.deploy.rollout import FAILED, DeployResult
-from monitor.engines.fleet import FleetReading
+from monitor.fleet.verdicts import FleetReading
+from monitor.release.rollout import FAILED, DeployResult
 from monitor.stats.acceptance_tests import AcceptanceCheck, DropTest, TrafficDrift
 from pipeline import metrics as M
 

@@ -6,7 +6,7 @@ alpha_t = sum_x min(p_t, q_t) over its response tokens (acc) and their number (n
 speculative decoding; prompt i contributes accepted and verified draft tokens.
 
 The analytic measurement also keeps, per prompt, the accepted and drafted tokens a serving engine would count for that
-response at decode.gamma (`monitor.engines.offline_expectation.engine_rounds`): what the post-deploy check compares an
+response at decode.gamma (`monitor.fleet.offline_expectation.engine_rounds`): what the post-deploy check compares an
 engine's counters with.
 
 Both run on torch's own linear kernels (`decode.runtime.kernels.torch_kernels`), whatever `cpu_linear` says: oneDNN's
@@ -29,7 +29,7 @@ from decode.drafters.protocol import DRAFT
 from decode.factory import build_decoder
 from decode.runtime.kernels import torch_kernels
 from distill.data.responses import cached_responses
-from monitor.engines.offline_expectation import engine_rounds
+from monitor.fleet.offline_expectation import engine_rounds
 from monitor.stats.acceptance_tests import PromptAcceptance
 from pipeline.config import DraftopsConfig
 from pipeline.traffic import chronological, encode_configured, load_configured_traffic

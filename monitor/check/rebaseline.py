@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from monitor.engines import prometheus, window_store
+from monitor.fleet import prometheus, window_store
 from pipeline import metrics as M
 from pipeline import registry
 from pipeline.config import DraftopsConfig

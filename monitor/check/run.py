@@ -4,7 +4,7 @@
 # 3. Else measure now: the champion on the baseline's own prompts (paired test) and on the most recent
 #    held-out requests the baseline has not seen (unpaired test, token drift); live acceptance on a
 #    few requests when configured. With `monitor.engines` (or `server_metrics_url`, or `prometheus_url`), also read
-#    the serving replicas' windows and their window tests once enough windows exist (monitor.engines.fleet).
+#    the serving replicas' windows and their window tests once enough windows exist (monitor.fleet.verdicts).
 #    With `monitor.deploy`, first deploy the champion if it is not (monitor.check.deploy_hooks); after a deploy (or with
 #    engine_check: always) read the engine's counters over a few windows and compare them with the offline figure of
 #    the draft it should run (monitor.check.engine_acceptance).
@@ -42,7 +42,7 @@ from monitor.check.prompt_acceptance import (
     new_baseline,
 )
 from monitor.check.retrain import distill_challenger
-from monitor.engines import fleet
+from monitor.fleet import verdicts
 from monitor.registry_report import monitor_checks, monitor_history_figure
 from monitor.stats.acceptance_tests import AcceptanceCheck, DropTest, TrafficDrift, acceptance_check, traffic_drift
 from pipeline import metrics as M
@@ -161,9 +161,9 @@ def _start(cfg: DraftopsConfig, load: Callable, wait: Callable[[float], None]) -
         raise TrafficError(f"{cfg.traffic.path}: the held-out split is empty at traffic.heldout_fraction="
                            f"{cfg.traffic.heldout_fraction}; the check measures held-out requests only")
     server = None
-    if fleet.configured(cfg):
+    if verdicts.configured(cfg):
         with timer("server_metrics"):
-            server = fleet.read_fleet(cfg, champ.version)
+            server = verdicts.read_fleet(cfg, champ.version)
     engine = engine_acceptance.due(cfg, champ.version)
     if engine is not None:
         with timer("engine_windows"):

@@ -2,7 +2,7 @@
 
 1. distill a champion against the original target (version 1);
 2. llama-server serves the original target's GGUF; version 1 is deployed to it (exported as GGUF into the deploy
-   folder, `current` flipped, the engine restarted with the draft through its reload endpoint: monitor.deploy);
+   folder, `current` flipped, the engine restarted with the draft through its reload endpoint: monitor.release);
 3. check: the post-deploy check reads the engine's counters over windows of replayed held-out prompts and confirms the
    draft's offline figure; the baseline is recorded: OK;
 4. the target update (`target finetune`: LoRA, merged) is written as the served GGUF and rolled out to the engine;
@@ -12,7 +12,7 @@
 6. check: the post-deploy check confirms the new draft in the engine and compares it with the pre-drift figure;
 7. with `--rehearse-mismatch`: the engine restarted with the old draft's file while the new one is deployed: the
    post-deploy check says DEPLOY_MISMATCH (exit code 4) and rolls the deployment back;
-8. llama.cpp with the draft against llama.cpp alone on the same prompts (monitor.engines.speed).
+8. llama.cpp with the draft against llama.cpp alone on the same prompts (monitor.fleet.speed).
 
 The summary prints the engine's acceptance per window in each phase with the offline figures, the decisions, the
 checks, the time per phase, and the speed table; the demo's runs (distill, checks, target update, deploys, the
@@ -32,9 +32,7 @@ from decode.serving.export import draft_source, export_format, target_gguf
 from distill.train import run_distill
 from monitor.check.decision import Status
 from monitor.check.prompt_acceptance import heldout_by_recency
-from monitor.deploy.layout import CURRENT, linked, root_of
-from monitor.deploy.rollout import ensure_deployed
-from monitor.engines.speed import measure_speed, settings_for, speed_table
+from monitor.fleet.speed import measure_speed, settings_for, speed_table
 from monitor.rehearsal.demo_engine import Replayer, ServedEngine, write_target_gguf
 from monitor.rehearsal.drift_demo import (
     Phases,
@@ -45,6 +43,8 @@ from monitor.rehearsal.drift_demo import (
     start_afresh,
 )
 from monitor.rehearsal.target_update import run_finetune
+from monitor.release.layout import CURRENT, linked, root_of
+from monitor.release.rollout import ensure_deployed
 from pipeline import metrics as M
 from pipeline import registry
 from pipeline.config import DraftopsConfig, save_config
@@ -209,7 +209,7 @@ def _rehearse(cfg: DraftopsConfig, engine: ServedEngine, check) -> bool:
 
 
 def _speed(cfg: DraftopsConfig, engine: ServedEngine, prompts: list[list[int]], out: Path) -> list:
-    """Settings around the deployed draft on the served target (`monitor.engines.speed.settings_for`): f16 and Q8_0, γ,
+    """Settings around the deployed draft on the served target (`monitor.fleet.speed.settings_for`): f16 and Q8_0, γ,
     2 and 1 tokens, a minimum draft probability."""
     deployed = linked(root_of(cfg), CURRENT)
     q8 = export_format(draft_source(deployed.source), "gguf", out / "speed" / "draft-q8_0", force=True,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from monitor.check.decision import Status
 from monitor.check.outcome import CheckReport
-from monitor.engines.fleet import DRIFT, fleet_verdict
+from monitor.fleet.verdicts import DRIFT, fleet_verdict
 from pipeline.config import DraftopsConfig
 from pipeline.config.alerts import AlertsConfig, AlertTarget
 from pipeline.deadline_http import exchange

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app
 
 from monitor.check.decision import Status
 from monitor.check.outcome import CheckReport
-from monitor.engines.fleet import COLLECTING, DEPLOY_MISMATCH, DRIFT, IDLE, OK, UNREACHABLE
+from monitor.fleet.verdicts import COLLECTING, DEPLOY_MISMATCH, DRIFT, IDLE, OK, UNREACHABLE
 from pipeline.config import DraftopsConfig
 from pipeline.files import write_text_atomic
 

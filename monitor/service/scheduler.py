@@ -7,7 +7,7 @@ the stored next run time while the schedule is unchanged: a check missed while t
 down then runs once (`coalesce=True`) if it is less than `misfire_grace_time` late. A file lock
 keeps a scheduled check, a manual `draftops monitor check` and a retrain from ever overlapping. Beside it, without
 Prometheus, an in-memory interval job scrapes the serving engines every `monitor.scrape_interval_minutes` into the
-window store (monitor.engines.window_store), on its own thread and without the lock.
+window store (monitor.fleet.window_store), on its own thread and without the lock.
 
 After each check, with the lock released, the running service records its figures on its own /metrics
 (monitor.service.exporter) and sends the alerts it is worth (monitor.service.alerts) from a background thread.
@@ -51,7 +51,7 @@ JOB_ID = "draftops-monitor-check"
 SCHEDULED_JOB = "monitor.service.scheduler:run_scheduled_check"
 DEFAULT_CHECK = "monitor.check.run:scheduled_check"  # callable(cfg) -> CheckReport or exit code, under the lock
 SCRAPE_JOB_ID = "draftops-engine-scrape"
-SCRAPE_JOB = "monitor.engines.window_store:scrape_job"  # the engines' windows between checks (no Prometheus)
+SCRAPE_JOB = "monitor.fleet.window_store:scrape_job"  # the engines' windows between checks (no Prometheus)
 EXIT_BUSY = locks.EXIT_BUSY  # another check or retrain holds the lock; try again later
 STALE_POLL_SECONDS = 60.0  # how often the service looks whether no check has succeeded for too long
 

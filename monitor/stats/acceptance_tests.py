@@ -15,7 +15,7 @@ the bootstrap (`pipeline.intervals.bootstrap_ci`) takes its p-value from the sha
 at or below the margin and its interval by BCa, whose bias and skew correction can move the
 bound a little off that share's quantile.
 
-A serving engine's counters (monitor.engines.counters) give acceptance per window between two
+A serving engine's counters (monitor.fleet.counters) give acceptance per window between two
 scrapes, not per prompt: there the window is the unit (`window_drop_test`).
 """
 

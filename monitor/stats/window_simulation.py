@@ -2,7 +2,7 @@
 catch a drop, for a given window length and traffic per window?
 
 Each simulated check runs `window_drop_test` on b baseline and r recent windows, as the check runs it for one replica
-(monitor.engines.fleet; with R replicas each test runs at level / (R + 1)). Windows are resampled with replacement
+(monitor.fleet.verdicts; with R replicas each test runs at level / (R + 1)). Windows are resampled with replacement
 from a pool: recorded (accepted, draft tokens) windows, else `pool_size` synthetic ones, each the sum of
 `requests_per_window` beta-binomial requests (`false_alarms.BetaBinomialTraffic`: heterogeneity between prompts,
 correlation within one). A drop thins the recent windows' accepted tokens.

@@ -1,5 +1,5 @@
 """`monitor.deploy:`: the champion exported into a deploy folder after every promotion and rollback, the serving engine
-reloaded, and the engine's acceptance checked against what the draft measured offline (monitor.deploy)."""
+reloaded, and the engine's acceptance checked against what the draft measured offline (monitor.release)."""
 from __future__ import annotations
 
 import string

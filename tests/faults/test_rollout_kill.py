@@ -16,8 +16,8 @@ from pathlib import Path
 
 import mlflow
 
-from monitor.deploy.layout import CURRENT, PREVIOUS, linked, read_state
-from monitor.deploy.rollout import ensure_deployed
+from monitor.release.layout import CURRENT, PREVIOUS, linked, read_state
+from monitor.release.rollout import ensure_deployed
 from pipeline import registry
 from pipeline.config import load_config
 from tests.monitor.check.test_run import write_traffic

@@ -18,13 +18,13 @@ import time
 import psutil
 import pytest
 
-from monitor.deploy.layout import CURRENT, PREVIOUS, linked, read_state
-from monitor.deploy.reload import GROUP_GONE_SECONDS, ReloadPlan
-from monitor.deploy.rollout import ensure_deployed
+from monitor.release.layout import CURRENT, PREVIOUS, linked, read_state
+from monitor.release.reload import GROUP_GONE_SECONDS, ReloadPlan
+from monitor.release.rollout import ensure_deployed
 from pipeline import registry
 from pipeline.cli import main
-from tests.monitor.deploy.test_reload import running, spawner
 from tests.monitor.deploy_world import NAME, trickling_server, two_drafts_world, write_config
+from tests.monitor.release.test_reload import running, spawner
 
 TIMEOUT = 2.5  # reload_timeout of the reload faults
 WORK = 15.0  # what the rest of a deploy may take on a loaded 2-core machine: the export of a tiny draft, MLflow
@@ -107,7 +107,7 @@ def test_a_full_deploy_folder_is_one_line(world, mlflow_uri, capsys, monkeypatch
         else:
             def full(*args, **kwargs):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(args[0]))
-            monkeypatch.setattr("monitor.deploy.rollout.write_text_atomic", full)
+            monkeypatch.setattr("monitor.release.rollout.write_text_atomic", full)
         code, line, _ = deploy(root, capsys)
         assert code == 2 and "No space left on device" in line
         assert f"deploy step {'export' if mounted else 'manifest'}" in line

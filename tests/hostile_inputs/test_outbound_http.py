@@ -14,9 +14,9 @@ from mlflow import MlflowClient
 
 from monitor.check.decision import Status
 from monitor.check.run import run_check
-from monitor.deploy.runtime_reload import ReloadError, send_deployment
-from monitor.engines.counters import ServerMetricsError, scrape
-from monitor.engines.prometheus import PrometheusError, api_get
+from monitor.fleet.counters import ServerMetricsError, scrape
+from monitor.fleet.prometheus import PrometheusError, api_get
+from monitor.release.runtime_reload import ReloadError, send_deployment
 from monitor.service.alerts import deliver, rollback_alert
 from pipeline import metrics as M
 from pipeline.config import ConfigError, load_config

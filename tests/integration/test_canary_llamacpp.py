@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 
 from decode.serving.export import draft_source, export_format, target_gguf
-from monitor.deploy import canary as steps
-from monitor.deploy.layout import CURRENT, linked, read_manifest
 from monitor.rehearsal.demo_engine import ServedEngine
 from monitor.rehearsal.serve_demo import replayed_prompts
 from monitor.rehearsal.target_update import run_finetune
+from monitor.release import canary as steps
+from monitor.release.layout import CURRENT, linked, read_manifest
 from pipeline import registry
 from pipeline.config import load_config
 from pipeline.traffic import DEFAULT_TRAFFIC

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from decode.serving.export import draft_source, export_format, target_gguf
 from decode.serving.llamacpp import find_server, free_port
 from monitor.check.decision import Cause, Status
-from monitor.engines.fleet import fleet_verdict
+from monitor.fleet.verdicts import fleet_verdict
 from monitor.rehearsal.demo_engine import ServedEngine, write_target_gguf
 from monitor.rehearsal.serve_demo import replayed_prompts
 from monitor.rehearsal.target_update import run_finetune

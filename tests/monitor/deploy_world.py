@@ -69,7 +69,7 @@ def write_config(root: Path, mlflow_uri: str, traffic: Path, **deploy) -> Path:
 
 def two_drafts_world(root: Path, mlflow_uri: str):
     """Versions 1 (champion) and 2 of tiny drafts, and a config deploying them as hf with the recording reload: the
-    deploy tests' `world` fixture (tests/monitor/deploy/conftest.py, tests/hostile_inputs/test_deploy_failures.py)."""
+    deploy tests' `world` fixture (tests/monitor/release/conftest.py, tests/hostile_inputs/test_deploy_failures.py)."""
     traffic = root / "traffic.jsonl"
     write_traffic(traffic, 0, 40)
     assert register_tiny_draft(root, seed=1) == "1"

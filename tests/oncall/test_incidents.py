@@ -15,8 +15,8 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from monitor.engines.counters import ServerMetricsError, scrape
-from monitor.engines.fleet import read_fleet
+from monitor.fleet.counters import ServerMetricsError, scrape
+from monitor.fleet.verdicts import read_fleet
 from pipeline import metrics as M
 from pipeline import registry
 from pipeline.cli import main

@@ -7,10 +7,10 @@ import urllib.parse
 
 from monitor.check.decision import EXIT_REPLICA_DOWN, Decision, Status, with_fleet
 from monitor.check.outcome import CheckReport
-from monitor.engines.fleet import read_fleet
-from monitor.engines.prometheus import rebaseline, state_path
+from monitor.fleet.prometheus import rebaseline, state_path
+from monitor.fleet.verdicts import read_fleet
 from monitor.service.alerts import report_alerts
-from tests.monitor.engines.test_prometheus import END, NOW, A, B, C, D, Recorded, config
+from tests.monitor.fleet.test_prometheus import END, NOW, A, B, C, D, Recorded, config
 
 HOUR = 3600
 CLOSED = "http://127.0.0.1:9"

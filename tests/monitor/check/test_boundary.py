@@ -8,8 +8,8 @@ from prometheus_client import generate_latest
 from monitor.check.boundary import watch
 from monitor.check.decision import Decision, Status
 from monitor.check.outcome import CheckReport
-from monitor.engines.fleet import FleetReading
-from monitor.engines.load import EngineLoad, parse_load, prometheus_load
+from monitor.fleet.load import EngineLoad, parse_load, prometheus_load
+from monitor.fleet.verdicts import FleetReading
 from monitor.service.exporter import ServiceMetrics, report_figures
 from pipeline.config import load_config
 

@@ -11,8 +11,8 @@ from mlflow import MlflowClient
 from monitor.check.decision import Cause, Status
 from monitor.check.prompt_acceptance import Measurement
 from monitor.check.run import run_check
-from monitor.deploy.layout import CURRENT, MISMATCH, VERIFIED, linked, read_state
-from monitor.engines.offline_expectation import engine_rounds, engine_vs_offline_test
+from monitor.fleet.offline_expectation import engine_rounds, engine_vs_offline_test
+from monitor.release.layout import CURRENT, MISMATCH, VERIFIED, linked, read_state
 from pipeline import metrics as M
 from pipeline.config import load_config
 from tests.monitor.check.test_run import World, write_traffic

@@ -7,12 +7,12 @@ import yaml
 from mlflow import MlflowClient
 
 from monitor.check.rebaseline import BY_TAG, REASON_TAG
-from monitor.engines.fleet import read_fleet
-from monitor.engines.prometheus import state_path
+from monitor.fleet.prometheus import state_path
+from monitor.fleet.verdicts import read_fleet
 from pipeline import metrics as M
 from pipeline.cli import main
 from pipeline.config import load_config
-from tests.monitor.engines.test_prometheus import NOW, B, Recorded
+from tests.monitor.fleet.test_prometheus import NOW, B, Recorded
 
 NAME = "draftops-draft"
 

@@ -7,7 +7,7 @@ import yaml
 
 from monitor.check.decision import EXIT_DRIFT, Decision, Status
 from monitor.check.outcome import RetrainOutcome
-from monitor.engines.fleet import DRIFT, OK, FleetReading, ReplicaReading
+from monitor.fleet.verdicts import DRIFT, OK, FleetReading, ReplicaReading
 from monitor.service import alerts
 from monitor.service.scheduler import MonitorService, run_scheduled_check
 from pipeline.config import ConfigError, load_config

@@ -12,9 +12,9 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from monitor.engines.counters import SpecCounters
-from monitor.engines.fleet import COLLECTING, DRIFT, OK, FleetReading, ReplicaReading
-from monitor.engines.window_store import Window
+from monitor.fleet.counters import SpecCounters
+from monitor.fleet.verdicts import COLLECTING, DRIFT, OK, FleetReading, ReplicaReading
+from monitor.fleet.window_store import Window
 from monitor.service.exporter import MetricsServer, ServiceMetrics
 from monitor.service.scheduler import MonitorService
 from monitor.stats.acceptance_tests import DropTest

@@ -13,11 +13,11 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from monitor.engines.window_store import load_store, store_path
+from monitor.fleet.window_store import load_store, store_path
 from monitor.service.scheduler import EXIT_BUSY, JOB_ID, MonitorService, jobstore_path, run_scheduled_check
 from pipeline import metrics as M
 from pipeline.config import ConfigError, load_config
-from tests.monitor.engines.test_counters import RECORDED, plus, vllm_text
+from tests.monitor.fleet.test_counters import RECORDED, plus, vllm_text
 
 REPO = Path(__file__).resolve().parents[3]
 MARKER = "tests.monitor.jobs:append_marker"

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from monitor.check.decision import Decision, Status, with_fleet
-from monitor.engines.fleet import fleet_verdict, read_fleet
-from monitor.engines.prometheus import PrometheusError, api_get, fleet_windows, queries, state_path
+from monitor.fleet.prometheus import PrometheusError, api_get, fleet_windows, queries, state_path
+from monitor.fleet.verdicts import fleet_verdict, read_fleet
 from pipeline.config import load_config
 
 DATA = Path(__file__).parent.parent / "data" / "prometheus"

@@ -11,9 +11,9 @@ from mlflow import MlflowClient
 from monitor.check import canary
 from monitor.check.decision import Status
 from monitor.check.run import run_check
-from monitor.deploy import canary as steps
-from monitor.deploy.layout import CURRENT, PREVIOUS, linked, read_state
-from monitor.engines.load import EngineLoad
+from monitor.fleet.load import EngineLoad
+from monitor.release import canary as steps
+from monitor.release.layout import CURRENT, PREVIOUS, linked, read_state
 from monitor.service.alerts import report_alerts
 from pipeline import registry
 from pipeline.config import load_config
@@ -152,7 +152,7 @@ def test_a_canary_cut_at_any_phase_is_finished_by_the_next_check(fleet, phase):
         steps.save(cfg, {**state, "phase": phase})
     elif phase == steps.ROLLING_BACK:  # the canary's folder switched back, killed before the alias moved
         steps.resume_deploy(cfg, {**state, "phase": steps.DEPLOYING})
-        from monitor.deploy.rollout import rollback_deployment
+        from monitor.release.rollout import rollback_deployment
         rollback_deployment(steps.canary_config(cfg), "canary failed")
         steps.save(cfg, {**state, "phase": phase, "reason": "acceptance 0.3 vs 0.6"})
     else:  # passed, killed before the fleet's folder was switched

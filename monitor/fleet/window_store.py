@@ -30,16 +30,15 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from monitor.engines.counters import (
+from monitor.fleet.counters import (
     GAUGE_ENGINE,
     ServerMetricsError,
     SpecCounters,
     parse_per_core,
     scrape,
     sum_counters,
-    window_between,
 )
-from monitor.engines.sglang import SglangGauges, gauge_window, is_sglang, parse_sglang
+from monitor.fleet.sglang import SglangGauges, is_sglang, parse_sglang, reading_from_dict
 from pipeline import registry
 from pipeline.config import DraftopsConfig, load_config
 from pipeline.config.fleet import EngineEndpoint
@@ -184,12 +183,7 @@ def _window(state: dict, reading: SpecCounters | SglangGauges) -> tuple[SpecCoun
     last = state["last"]
     if last is None:
         return None, False
-    previous = last["reading"]
-    if isinstance(reading, SglangGauges):
-        return gauge_window(SglangGauges.from_dict(previous) if previous.get("engine") == GAUGE_ENGINE else None,
-                            reading)
-    return window_between(SpecCounters.from_dict(previous) if previous.get("engine") != GAUGE_ENGINE else None,
-                          reading)
+    return reading.window_since(reading_from_dict(last["reading"]))
 
 
 def _unreachable(store: dict, endpoint: EngineEndpoint, error: str) -> dict[str, ReplicaWindows]:

@@ -7,7 +7,7 @@ alone, or the same endpoint with `plain_body` merged into each request (the engi
 has one, e.g. llama-server's `{"speculative.n_max": 0}`). Each pass records per-request tokens per second (completion
 tokens / the request's wall time, prefill included), aggregate throughput (the pass's completion tokens / its wall
 time), time per output token (the mean of wall time / completion tokens) and, with the draft, the acceptance the
-engine's /metrics counted over the pass (monitor.engines.counters: vLLM, llama.cpp; SGLang's gauge after the pass).
+engine's /metrics counted over the pass (monitor.fleet.counters: vLLM, llama.cpp; SGLang's gauge after the pass).
 
 The boundary is the lowest concurrency whose throughput with the draft is below the throughput without it (None:
 it paid at every concurrency swept); `engine_settings` turns it into a setting per concurrency. With several numbers
@@ -26,9 +26,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from monitor.engines.counters import ServerMetricsError, SpecCounters, parse_spec_counters, scrape, window_between
-from monitor.engines.engine_settings import recommendations
-from monitor.engines.sglang import is_sglang, parse_sglang
+from monitor.fleet.counters import ServerMetricsError, SpecCounters, parse_spec_counters, scrape, window_between
+from monitor.fleet.engine_settings import recommendations
+from monitor.fleet.sglang import is_sglang, parse_sglang
 from pipeline.deadline_http import DeadlinePassed, exchange
 from pipeline.errors import OperatorError
 

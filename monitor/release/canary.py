@@ -2,8 +2,8 @@
 alone, then to every replica, or the canary rolled back and the champion alias moved back.
 
 The canary replicas serve a deploy folder of their own (`canary.dir`, default `<monitor.deploy.dir>/canary`), laid
-out as the fleet's (monitor.deploy.layout: versions/, `current`, `previous`, deploy.json) and written by the same
-rollout (monitor.deploy.rollout) with the canary's reload action; so each folder, the canary's and the fleet's, is
+out as the fleet's (monitor.release.layout: versions/, `current`, `previous`, deploy.json) and written by the same
+rollout (monitor.release.rollout) with the canary's reload action; so each folder, the canary's and the fleet's, is
 always on a whole deployment, whatever step a kill stops. What the canary is doing is kept in
 `<monitor.deploy.dir>/canary.json`, replaced whole (pipeline.files.write_text_atomic), with its phase:
 
@@ -24,8 +24,8 @@ import logging
 from datetime import datetime, timezone
 from pathlib import Path
 
-from monitor.deploy.layout import CURRENT, linked, read_state, root_of
-from monitor.deploy.rollout import DeployResult, deploy_version, ensure_deployed, rollback_deployment
+from monitor.release.layout import CURRENT, linked, read_state, root_of
+from monitor.release.rollout import DeployResult, deploy_version, ensure_deployed, rollback_deployment
 from pipeline import metrics as M
 from pipeline import registry
 from pipeline.config import DraftopsConfig

@@ -1,8 +1,8 @@
 """The serving fleet: every replica's windows, its own verdict, the fleet's aggregate, and the replica that parts from
 the others.
 
-Where windows come from: Prometheus' API when `monitor.prometheus_url` is set (monitor.engines.prometheus), else the
-monitor's own window store (monitor.engines.window_store: a check scrapes when the service's periodic scrape has not).
+Where windows come from: Prometheus' API when `monitor.prometheus_url` is set (monitor.fleet.prometheus), else the
+monitor's own window store (monitor.fleet.window_store: a check scrapes when the service's periodic scrape has not).
 
 Tests, all at the check's level split evenly (Bonferroni) over the family: each replica whose baseline and recent
 windows are complete gets the window test of its recent windows against its own baseline (`window_drop_test`, the
@@ -41,9 +41,9 @@ from pathlib import Path
 
 from scipy import stats as sps
 
-from monitor.engines.counters import SpecCounters, sum_counters
-from monitor.engines.prometheus import PrometheusError, api_get, fleet_windows
-from monitor.engines.window_store import ReplicaWindows, Window, scrape_due, scrape_fleet, stored_fleet
+from monitor.fleet.counters import SpecCounters, sum_counters
+from monitor.fleet.prometheus import PrometheusError, api_get, fleet_windows
+from monitor.fleet.window_store import ReplicaWindows, Window, scrape_due, scrape_fleet, stored_fleet
 from monitor.stats.acceptance_tests import DropTest, window_drop_test
 from pipeline.config import DraftopsConfig
 from pipeline.files import write_text_atomic

@@ -20,7 +20,7 @@ from mlflow import MlflowClient
 from monitor.check.decision import Cause, Decision, Status, decide
 from monitor.check.engine_acceptance import EngineCheck, read_windows, with_engine
 from monitor.check.run import run_check
-from monitor.engines.counters import (
+from monitor.fleet.counters import (
     ImpossibleCounters,
     ServerMetricsError,
     SpecCounters,
@@ -29,8 +29,8 @@ from monitor.engines.counters import (
     scrape,
     window_between,
 )
-from monitor.engines.fleet import read_fleet
-from monitor.engines.window_store import load_store, record, replica_state, store_path
+from monitor.fleet.verdicts import read_fleet
+from monitor.fleet.window_store import load_store, record, replica_state, store_path
 from monitor.stats.acceptance_tests import window_drop_test
 from monitor.stats.window_simulation import simulate_window_checks
 from pipeline import metrics as M
@@ -333,7 +333,7 @@ def fake_check(tmp_path, mlflow_uri):
 
 def test_a_server_drop_is_a_drift_the_offline_check_does_not_see(fake_check, monkeypatch):
     cfg, world = fake_check
-    monkeypatch.setattr("monitor.engines.window_store.scrape", lambda url, timeout: vllm_text(RECORDED))
+    monkeypatch.setattr("monitor.fleet.window_store.scrape", lambda url, timeout: vllm_text(RECORDED))
     run_check(cfg, load=world.load, measure=world.measure)  # the offline baseline and the first scrape
     store = load_store(store_path(cfg))
     state = store["replicas"]["serving.invalid"]
@@ -343,7 +343,7 @@ def test_a_server_drop_is_a_drift_the_offline_check_does_not_see(fake_check, mon
         closing(state, c, "1", f"2026-10-0{step + 1}", 4, 4)
     store_path(cfg).write_text(json.dumps(store))
     last = plus(c, 1000, 5000, 2600, (800, 700, 600, 300, 200))
-    monkeypatch.setattr("monitor.engines.window_store.scrape", lambda url, timeout: vllm_text(last))
+    monkeypatch.setattr("monitor.fleet.window_store.scrape", lambda url, timeout: vllm_text(last))
     report = run_check(cfg, load=world.load, measure=world.measure)
     assert report.decision.status is Status.DRIFT and report.decision.cause is Cause.SERVER_ACCEPTANCE_DROPPED
     assert not report.acceptance.alarm  # the offline measurement saw nothing
@@ -362,7 +362,7 @@ def test_a_server_drop_is_a_drift_the_offline_check_does_not_see(fake_check, mon
     def unreachable(url, timeout):
         raise ServerMetricsError(f"{url}: server unreachable: [Errno 111] Connection refused")
 
-    monkeypatch.setattr("monitor.engines.window_store.scrape", unreachable)
+    monkeypatch.setattr("monitor.fleet.window_store.scrape", unreachable)
     report = run_check(cfg, load=world.load, measure=world.measure)  # the offline check still runs
     assert report.decision.status is Status.ERROR and report.server.error is None  # its one replica down: ERROR
     assert report.server.replicas[0].verdict == "unreachable"

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from monitor.engines.counters import ServerMetricsError
-from monitor.engines.sglang import SglangGauges, gauge_window, is_sglang, parse_sglang
+from monitor.fleet.counters import ServerMetricsError
+from monitor.fleet.sglang import SglangGauges, gauge_window, is_sglang, parse_sglang
 
 SGLANG = (Path(__file__).parent.parent / "data" / "sglang_metrics.txt").read_text()
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

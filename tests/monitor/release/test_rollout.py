@@ -8,8 +8,8 @@ import threading
 import pytest
 from mlflow import MlflowClient
 
-from monitor.deploy.layout import CURRENT, MANIFEST, PENDING, PREVIOUS, DeployError, linked, read_state
-from monitor.deploy.rollout import ensure_deployed, rollback_deployment
+from monitor.release.layout import CURRENT, MANIFEST, PENDING, PREVIOUS, DeployError, linked, read_state
+from monitor.release.rollout import ensure_deployed, rollback_deployment
 from pipeline import metrics as M
 from pipeline import registry
 from tests.monitor.deploy_world import NAME, calls_of, recorder

@@ -1,5 +1,5 @@
 """`draftops engine sweep`: where speculation stops paying in a running engine, by concurrency
-(monitor.engines.engine_sweep), written as engine_sweep.json (what `monitor.engine_boundary` reads) and
+(monitor.fleet.engine_sweep), written as engine_sweep.json (what `monitor.engine_boundary` reads) and
 engine_sweep.md, and logged as an MLflow run (experiment `draftops-engine`, run name `engine-sweep`)."""
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def engine_sweep(args) -> int:
     import mlflow
     from tqdm.auto import tqdm
 
-    from monitor.engines.engine_sweep import RESULT_FILE, TABLE_FILE, SweepError, levels, sweep
+    from monitor.fleet.engine_sweep import RESULT_FILE, TABLE_FILE, SweepError, levels, sweep
     from pipeline.config import load_config
     from pipeline.files import write_text_atomic
     from pipeline.tracking import start_run

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from monitor.engines.counters import GAUGE_ENGINE, ServerMetricsError, SpecCounters
+from monitor.fleet.counters import GAUGE_ENGINE, ServerMetricsError, SpecCounters
 
 ACCEPT_RATE = "sglang:spec_accept_rate"
 ACCEPT_LENGTH = "sglang:spec_accept_length"
@@ -50,6 +50,15 @@ class SglangGauges:
     def from_dict(cls, data: dict) -> SglangGauges:
         return cls(float(data["accept_rate"]), float(data["accept_length"]), data.get("verify_calls"),
                    data.get("generation_tokens"))
+
+    def window_since(self, previous: object) -> tuple[SpecCounters | None, bool]:
+        """`gauge_window` this reading and the replica's previous one (none, or another kind: no window)."""
+        return gauge_window(previous if isinstance(previous, SglangGauges) else None, self)
+
+
+def reading_from_dict(data: dict) -> SpecCounters | SglangGauges:
+    """A stored reading (`to_dict`) of either kind."""
+    return SglangGauges.from_dict(data) if data.get("engine") == GAUGE_ENGINE else SpecCounters.from_dict(data)
 
 
 def is_sglang(text: str) -> bool:

@@ -12,7 +12,7 @@ Where would the draft pay? llama-server's synthetic acceptance (`--spec-synth-le
 and costs what it costs, but a round accepts as if the mean accepted length, target token included, were L) gives
 tokens/s against the acceptance the draft would need, with the draft's real cost:
 
-    python -m monitor.engines.speed --target TARGET.gguf --draft DRAFT.gguf [--draft-q8 DRAFT_Q8.gguf] [--synthetic]
+    python -m monitor.fleet.speed --target TARGET.gguf --draft DRAFT.gguf [--draft-q8 DRAFT_Q8.gguf] [--synthetic]
 """
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def settings_for(draft: Path, draft_q8: Path | None, gamma: int, synthetic: bool
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m monitor.engines.speed", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m monitor.fleet.speed", description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", required=True, help="the target's GGUF")
     parser.add_argument("--draft", required=True, type=Path, help="the draft's GGUF (f16)")
     parser.add_argument("--draft-q8", type=Path, help="the same draft as Q8_0")

@@ -1,6 +1,6 @@
 """Deploy the champion to a serving engine: export it into a deploy folder, switch atomically, reload the engine.
 
-The deploy folder's layout is in `monitor.deploy.layout`. A deploy exports into a folder of its own (through
+The deploy folder's layout is in `monitor.release.layout`. A deploy exports into a folder of its own (through
 `pipeline.files`: a temporary sibling swapped in), writes the manifest, writes deploy.json (not reloaded), points
 `previous` at the folder `current` points at, then flips `current` (a new symlink renamed over the old one: one
 rename, so a reader sees the old target or the new one), then runs the reload action and records it. A process killed
@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from decode.serving.export import ExportError, draft_source, export_format, folder_vocab_size, target_gguf
-from monitor.deploy.layout import (
+from monitor.release.layout import (
     CURRENT,
     MANIFEST,
     PENDING,
@@ -48,7 +48,7 @@ from monitor.deploy.layout import (
     tidy,
     write_state,
 )
-from monitor.deploy.reload import ReloadError, ReloadPlan, check_reload, plan_reload
+from monitor.release.reload import ReloadError, ReloadPlan, check_reload, plan_reload
 from pipeline import metrics as M
 from pipeline import registry
 from pipeline.config import DraftopsConfig

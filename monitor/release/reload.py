@@ -10,7 +10,7 @@ behind. A process it starts that leaves the group (`setsid`) is found among this
 too: on Linux this process is made a child subreaper (prctl PR_SET_CHILD_SUBREAPER), so that such a process stays a
 descendant even once its parent has exited; where that is not available (other systems) only descendants whose
 parents still run are found. Each request is cut off at the deadline however slowly its server answers
-(`monitor.deploy.runtime_reload`).
+(`monitor.release.runtime_reload`).
 A command that ends in time is never killed: a restart may leave its server running.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from monitor.deploy.runtime_reload import ReloadError, push_to_sglang, push_to_vllm, send_deployment
+from monitor.release.runtime_reload import ReloadError, push_to_sglang, push_to_vllm, send_deployment
 from pipeline.config.deploy import RELOAD_PLACEHOLDERS, DeployConfig, expand_placeholders
 
 OUTPUT_TAIL_BYTES = 4000

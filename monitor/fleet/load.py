@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from monitor.engines.counters import ServerMetricsError, scrape
-from monitor.engines.prometheus import PrometheusError, _selector, api_get, query_instant
+from monitor.fleet.counters import ServerMetricsError, scrape
+from monitor.fleet.prometheus import PrometheusError, _selector, api_get, query_instant
 from pipeline.config import DraftopsConfig
 
 RUNNING = {"vllm": "vllm:num_requests_running", "llamacpp": "llamacpp:requests_processing",

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 
 from monitor.check.decision import Decision, Status, with_fleet
-from monitor.engines.counters import ServerMetricsError, SpecCounters
-from monitor.engines.fleet import evaluate, outlier_tests, read_fleet
-from monitor.engines.window_store import ReplicaWindows, Window, load_store, scrape_due, scrape_fleet, store_path
+from monitor.fleet.counters import ServerMetricsError, SpecCounters
+from monitor.fleet.verdicts import evaluate, outlier_tests, read_fleet
+from monitor.fleet.window_store import ReplicaWindows, Window, load_store, scrape_due, scrape_fleet, store_path
 from monitor.stats.false_alarms import BetaBinomialTraffic
 from monitor.stats.window_simulation import synthetic_windows
 from pipeline.config import load_config
-from tests.monitor.engines.test_counters import LLAMACPP, RECORDED, plus, vllm_text, with_second_engine
-from tests.monitor.engines.test_sglang import SGLANG
+from tests.monitor.fleet.test_counters import LLAMACPP, RECORDED, plus, vllm_text, with_second_engine
+from tests.monitor.fleet.test_sglang import SGLANG
 
 VLLM_URL, LLAMA_URL, SGLANG_URL = "http://10.0.0.5:8000/metrics", "http://10.0.0.6:8080/metrics", \
     "http://10.0.0.7:30000/metrics"

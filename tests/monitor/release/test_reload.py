@@ -1,4 +1,4 @@
-"""The reload action of a deploy (monitor.deploy.reload, monitor.deploy.runtime_reload), without MLflow: placeholders
+"""The reload action of a deploy (monitor.deploy.reload, monitor.release.runtime_reload), without MLflow: placeholders
 expanded as documented and nothing else, one deadline shared by the command and the request, the command's process
 group killed past it, a request cut off however slowly its server answers its headers, and the request shapes of
 vLLM's and SGLang's weight-update endpoints (fake servers that record them; no real engine)."""
@@ -8,8 +8,8 @@ import time
 import psutil
 import pytest
 
-from monitor.deploy.reload import GROUP_GONE_SECONDS, become_subreaper, check_reload, plan_reload, run_command
-from monitor.deploy.runtime_reload import ReloadError, push_to_sglang, push_to_vllm
+from monitor.release.reload import GROUP_GONE_SECONDS, become_subreaper, check_reload, plan_reload, run_command
+from monitor.release.runtime_reload import ReloadError, push_to_sglang, push_to_vllm
 from pipeline.config import ConfigError, load_config
 from pipeline.config.deploy import DeployConfig, expand_placeholders
 from tests.monitor.deploy_world import recording_engine, trickling_server

@@ -1,5 +1,5 @@
 """Live acceptance read from a serving engine's Prometheus endpoint: vLLM's `/metrics`, llama.cpp's
-`llama-server --metrics` (SGLang's gauges: monitor.engines.sglang).
+`llama-server --metrics` (SGLang's gauges: monitor.fleet.sglang).
 
 The offline check measures the champion on held-out traffic; a serving engine counts what the draft it serves really
 achieves on all of its traffic. Both engines export the same four cumulative counters, with prefix `vllm` or
@@ -23,7 +23,7 @@ achieves on all of its traffic. Both engines export the same four cumulative cou
 # (the traffic between the previous scrape and the restart is lost). A restart followed by more traffic than the old
 # process had counted is not seen. Window acceptance = accepted / draft tokens; acceptance at position i =
 # accepted_per_pos[i] / drafts (vLLM's per-position acceptance rate: per draft, not given the position was reached).
-# Where windows are kept and tested: monitor.engines.window_store and monitor.engines.fleet.
+# Where windows are kept and tested: monitor.fleet.window_store and monitor.fleet.verdicts.
 #
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class SpecCounters:
 
     @property
     def gauge(self) -> bool:
-        """A window of SGLang's acceptance-rate gauge (monitor.engines.sglang): `accepted` is the gauge's mean over
+        """A window of SGLang's acceptance-rate gauge (monitor.fleet.sglang): `accepted` is the gauge's mean over
         the window and `draft_tokens` its weight (1 per window), not token counts."""
         return self.engine == GAUGE_ENGINE
 
@@ -87,6 +87,10 @@ class SpecCounters:
     def from_dict(cls, data: dict) -> SpecCounters:
         return cls(data["engine"], float(data["drafts"]), float(data["draft_tokens"]), float(data["accepted"]),
                    tuple(float(v) for v in data.get("accepted_per_pos", ())))
+
+    def window_since(self, previous: object) -> tuple[SpecCounters | None, bool]:
+        """`window_between` this reading and the replica's previous one (none, or another kind: no window)."""
+        return window_between(previous if isinstance(previous, SpecCounters) else None, self)
 
 
 def _seen(names: list[str]) -> str:

@@ -7,7 +7,7 @@ series at once. `increase` handles counter resets (a restarted engine) and extra
 window's counts are not whole numbers. Queried: the three counters and the per-position one of vLLM and llama.cpp
 (`{__name__=~"(vllm|llamacpp):spec_decode_..._total", <selector>}`), SGLang's acceptance gauge as
 `avg_over_time(sglang:spec_accept_rate[W])` and its `increase(sglang:spec_verify_calls_total[W])`
-(monitor.engines.sglang says what a gauge window can tell); at the check's time, not the last window's end, `count
+(monitor.fleet.sglang says what a gauge window can tell); at the check's time, not the last window's end, `count
 by (__name__, <label>)` of the series (which engine a replica runs; one with series but no closed window yet is
 collecting) and `up` (a replica whose last scrape failed is unreachable). The answer is `{"status": "success",
 "data": {"resultType": "matrix", "result": [...]}}`; an error answer's `errorType` and `error` are reported as they
@@ -39,9 +39,9 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
-from monitor.engines.counters import COUNTERS, ENGINES, GAUGE_ENGINE, PER_POSITION, ServerMetricsError, SpecCounters
-from monitor.engines.sglang import ACCEPT_RATE, VERIFY_CALLS
-from monitor.engines.window_store import ReplicaWindows, Window
+from monitor.fleet.counters import COUNTERS, ENGINES, GAUGE_ENGINE, PER_POSITION, ServerMetricsError, SpecCounters
+from monitor.fleet.sglang import ACCEPT_RATE, VERIFY_CALLS
+from monitor.fleet.window_store import ReplicaWindows, Window
 from pipeline.config import DraftopsConfig
 from pipeline.config.fleet import EngineEndpoint, duration_seconds
 from pipeline.deadline_http import DeadlinePassed, exchange, origin
