@@ -30,7 +30,7 @@ from monitor.fleet.load import EngineLoad, read_load
 from monitor.fleet.verdicts import FleetReading, outlier_tests
 from monitor.fleet.window_store import ReplicaWindows, Window
 from monitor.release import canary as steps
-from monitor.release.layout import CURRENT, DeployError, linked, root_of
+from monitor.release.layout import CURRENT, DeployError, DeployFolder
 from monitor.release.rollout import FAILED, DeployResult, ensure_deployed
 from pipeline import registry
 from pipeline.config import DraftopsConfig
@@ -165,7 +165,7 @@ def before_check(cfg: DraftopsConfig) -> list[DeployResult]:
 
 def _sync(cfg: DraftopsConfig) -> list[DeployResult]:
     champion = registry.champion(cfg.tracking.registered_model).version
-    current = linked(root_of(cfg), CURRENT)
+    current = DeployFolder.of(cfg).linked(CURRENT)
     if current is not None and current.version != champion and int(champion) > int(current.version):
         return steps.begin(cfg, champion, current.version)
     results = [ensure_deployed(cfg)]
@@ -178,7 +178,7 @@ def after_check(cfg: DraftopsConfig, report, *, load: Callable = read_load) -> N
     """After the check's run: a promoted challenger starts a canary; a canary being judged is judged on this check's
     windows and rolled out or back. Appends to `report.deploys`, sets `report.canary`."""
     if report.retrain is not None and report.retrain.promoted:
-        serving = linked(root_of(cfg), CURRENT)  # what the other replicas serve: the canary's way back
+        serving = DeployFolder.of(cfg).linked(CURRENT)  # what the other replicas serve: the canary's way back
         previous = serving.version if serving is not None else report.retrain.previous_champion
         report.deploys += _safely("canary deploy", lambda: steps.begin(
             cfg, report.retrain.challenger_version, previous))

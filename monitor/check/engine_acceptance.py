@@ -33,7 +33,7 @@ from monitor.fleet.counters import ImpossibleCounters, ServerMetricsError, SpecC
 from monitor.fleet.offline_expectation import engine_vs_offline_test
 from monitor.fleet.sglang import SglangGauges
 from monitor.fleet.window_store import read_endpoint
-from monitor.release.layout import PENDING, read_state, root_of
+from monitor.release.layout import PENDING, DeployFolder
 from monitor.stats.acceptance_tests import DropTest
 from pipeline import registry
 from pipeline.config import DraftopsConfig
@@ -121,7 +121,7 @@ def due(cfg: DraftopsConfig, champion_version: str) -> EngineCheck | None:
     endpoints = [e for e in m.replica_endpoints() if e.url]
     if not endpoints or d.engine_check == "off":
         return None
-    state = read_state(root_of(cfg)) if d.enabled else {}
+    state = DeployFolder.of(cfg).read_state() if d.enabled else {}
     pending = bool(state) and state.get("check") == PENDING and bool(state.get("reloaded"))
     if not pending and d.engine_check != "always":
         return None

@@ -43,7 +43,7 @@ from monitor.rehearsal.drift_demo import (
     start_afresh,
 )
 from monitor.rehearsal.target_update import run_finetune
-from monitor.release.layout import CURRENT, linked, root_of
+from monitor.release.layout import CURRENT, PREVIOUS, DeployFolder
 from monitor.release.rollout import ensure_deployed
 from pipeline import metrics as M
 from pipeline import registry
@@ -159,7 +159,7 @@ def run_serve_demo(cfg: DraftopsConfig, out: str | Path = DEFAULT_OUT, *, champi
                                                **({"retrain": retrain} if retrain else {})))
         result.drift_from_engine = bool(drift.engine and drift.engine.test and drift.engine.test.alarm)
         result.champion_after = registry.champion(name).version
-        current = linked(root_of(updated), CURRENT)
+        current = DeployFolder.of(updated).linked(CURRENT)
         result.deployed_after = current.version if current else None
         after = phase("post-deploy check (expect OK: the new draft confirmed, acceptance recovered)",
                       lambda: check(updated, f"updated target, version {result.champion_after}"))
@@ -197,8 +197,7 @@ def _roll_out_update(cfg: DraftopsConfig, engine: ServedEngine, served_target: P
 
 def _rehearse(cfg: DraftopsConfig, engine: ServedEngine, check) -> bool:
     """Deploy the champion again while the engine is pinned to the previous version's file; the check must fail."""
-    root = root_of(cfg)
-    previous = linked(root, "previous")
+    previous = DeployFolder.of(cfg).linked(PREVIOUS)
     engine.pin_draft = previous.file
     try:
         ensure_deployed(cfg, force=True)
@@ -211,7 +210,7 @@ def _rehearse(cfg: DraftopsConfig, engine: ServedEngine, check) -> bool:
 def _speed(cfg: DraftopsConfig, engine: ServedEngine, prompts: list[list[int]], out: Path) -> list:
     """Settings around the deployed draft on the served target (`monitor.fleet.speed.settings_for`): f16 and Q8_0, γ,
     2 and 1 tokens, a minimum draft probability."""
-    deployed = linked(root_of(cfg), CURRENT)
+    deployed = DeployFolder.of(cfg).linked(CURRENT)
     q8 = export_format(draft_source(deployed.source), "gguf", out / "speed" / "draft-q8_0", force=True,
                        vocabulary=target_gguf(cfg.monitor.deploy.gguf_vocabulary or cfg.target), gguf_dtype="q8_0")
     settings = settings_for(deployed.file, next(q8.glob("*.gguf")), cfg.decode.gamma, synthetic=False)

@@ -24,7 +24,7 @@ import logging
 from datetime import datetime, timezone
 from pathlib import Path
 
-from monitor.release.layout import CURRENT, linked, read_state, root_of
+from monitor.release.layout import CURRENT, DeployFolder
 from monitor.release.rollout import DeployResult, deploy_version, ensure_deployed, rollback_deployment
 from pipeline import metrics as M
 from pipeline import registry
@@ -59,7 +59,7 @@ def canary_config(cfg: DraftopsConfig) -> DraftopsConfig:
 
 
 def state_path(cfg: DraftopsConfig) -> Path:
-    return root_of(cfg) / STATE_FILE
+    return DeployFolder.of(cfg).root / STATE_FILE
 
 
 def read(cfg: DraftopsConfig) -> dict:
@@ -84,8 +84,8 @@ def in_progress(state: dict) -> bool:
 def on(cfg: DraftopsConfig, version: str) -> DeployResult | None:
     """Deploy `version` to the canary's folder (`cfg` from canary_config) unless it is current there and reloaded
     (None then)."""
-    root = root_of(cfg)
-    current, state = linked(root, CURRENT), read_state(root)
+    folder = DeployFolder.of(cfg)
+    current, state = folder.linked(CURRENT), folder.read_state()
     if (current is not None and current.version == version and current.format == cfg.monitor.deploy.format
             and state.get("folder") == current.folder.name and state.get("reloaded")):
         return None
@@ -106,7 +106,7 @@ def begin(cfg: DraftopsConfig, version: str, previous: str | None) -> list[Deplo
 def resume_deploy(cfg: DraftopsConfig, state: dict) -> list[DeployResult]:
     """The `deploying` phase, from wherever a kill stopped it; then `judging`."""
     canary, results = canary_config(cfg), []
-    current = linked(root_of(canary), CURRENT)
+    current = DeployFolder.of(canary).linked(CURRENT)
     if state.get("previous") and (current is None or current.version not in (state["previous"], state["version"])):
         results.append(deploy_version(canary, state["previous"], action="canary"))
     done = on(canary, state["version"])
@@ -130,7 +130,7 @@ def roll_back(cfg: DraftopsConfig, state: dict, figures: dict, reason: str) -> l
     state = save(cfg, {**state, "phase": ROLLING_BACK, "figures": figures or state.get("figures", {}),
                        "reason": reason or state.get("reason", "")})
     canary, results = canary_config(cfg), []
-    current = linked(root_of(canary), CURRENT)
+    current = DeployFolder.of(canary).linked(CURRENT)
     if current is not None and current.version == state["version"]:
         result = rollback_deployment(canary, f"canary failed: {state['reason']}")
         result.action = "canary-rollback"

@@ -69,10 +69,6 @@ class Deployment:
         return {**asdict(self), "folder": str(self.folder), "file": str(self.file)}
 
 
-def root_of(cfg: DraftopsConfig) -> Path:
-    return Path(cfg.monitor.deploy.dir).resolve()
-
-
 def read_manifest(folder: Path) -> Deployment | None:
     """The deployment in `folder`, or None when it is not a whole one (no manifest, or a file missing or resized)."""
     try:
@@ -86,105 +82,129 @@ def read_manifest(folder: Path) -> Deployment | None:
         return None
 
 
-def linked(root: Path, name: str) -> Deployment | None:
-    """The deployment behind link `current` or `previous`, or None."""
-    link = root / name
-    return read_manifest(link.resolve()) if link.is_symlink() else None
+@dataclass(frozen=True)
+class DeployFolder:
+    """The deploy folder and what a deploy does to it: read its links and state, lock it, finish what a killed deploy
+    left, move a link, prune old versions. Every path below is under `root`."""
 
+    root: Path
 
-def read_state(root: Path) -> dict:
-    try:
-        return json.loads((root / STATE_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
+    @classmethod
+    def of(cls, cfg: DraftopsConfig) -> DeployFolder:
+        return cls(Path(cfg.monitor.deploy.dir).resolve())
 
+    def linked(self, name: str) -> Deployment | None:
+        """The deployment behind link `current` or `previous`, or None."""
+        link = self.root / name
+        return read_manifest(link.resolve()) if link.is_symlink() else None
 
-def write_state(root: Path, state: dict) -> None:
-    write_text_atomic(root / STATE_FILE, json.dumps(state, indent=1))
-
-
-def point(root: Path, name: str, folder: Path) -> None:
-    """Point link `name` at `folder` by renaming a new relative symlink over it (atomic); a failure leaves no
-    temporary link."""
-    tmp = root / f".{name}.tmp{os.getpid()}"
-    with step("switch", f"{name} -> {os.path.relpath(folder, root)}"):
+    def read_state(self) -> dict:
         try:
-            if tmp.is_symlink() or tmp.exists():
-                tmp.unlink()
-            os.symlink(os.path.relpath(folder, root), tmp)
-            os.replace(tmp, root / name)
-        except OSError:
-            if tmp.is_symlink():
-                with contextlib.suppress(OSError):
+            return json.loads((self.root / STATE_FILE).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def write_state(self, state: dict) -> None:
+        with step("state", str(self.root / STATE_FILE)):
+            write_text_atomic(self.root / STATE_FILE, json.dumps(state, indent=1))
+
+    def point(self, name: str, folder: Path) -> None:
+        """Point link `name` at `folder` by renaming a new relative symlink over it (atomic); a failure leaves no
+        temporary link."""
+        root = self.root
+        tmp = root / f".{name}.tmp{os.getpid()}"
+        with step("switch", f"{name} -> {os.path.relpath(folder, root)}"):
+            try:
+                if tmp.is_symlink() or tmp.exists():
                     tmp.unlink()
-            raise
+                os.symlink(os.path.relpath(folder, root), tmp)
+                os.replace(tmp, root / name)
+            except OSError:
+                if tmp.is_symlink():
+                    with contextlib.suppress(OSError):
+                        tmp.unlink()
+                raise
 
+    def switch(self, deployment: Deployment, previous: Deployment | None) -> None:
+        """Make `deployment` current and `previous` previous, each link by one rename."""
+        if previous is not None and self.linked(PREVIOUS) != previous:
+            self.point(PREVIOUS, previous.folder)
+        if self.linked(CURRENT) != deployment:
+            self.point(CURRENT, deployment.folder)
 
-def own_links(root: Path) -> None:
-    """Refuse a `current` or `previous` that is not a link draftops made (a folder or a file put there by hand, a link
-    out of versions/): a deploy replaces only its own links."""
-    for name in (CURRENT, PREVIOUS):
-        link = root / name
-        if link.is_symlink():
-            target = os.readlink(link)
-            if os.path.isabs(target) or Path(os.path.normpath(root / target)).parent != root / VERSIONS:
-                raise DeployError(f"{link} points at {target}, not at a folder of {root / VERSIONS}: it is not the "
-                                  "link draftops made; move it away (a deploy replaces only its own links)")
-        elif link.exists():
-            raise DeployError(f"{link} is a {'folder' if link.is_dir() else 'file'}, not the link draftops made: move "
-                              "it away (a deploy replaces only its own links)")
+    def previous_of(self, deployment: Deployment) -> Deployment | None:
+        """What `previous` holds once `deployment` is current: the current one, unless it is `deployment` itself."""
+        old = self.linked(CURRENT)
+        return self.linked(PREVIOUS) if old is not None and old.folder == deployment.folder else old
 
+    def own_links(self) -> None:
+        """Refuse a `current` or `previous` that is not a link draftops made (a folder or a file put there by hand, a
+        link out of versions/): a deploy replaces only its own links."""
+        root = self.root
+        for name in (CURRENT, PREVIOUS):
+            link = root / name
+            if link.is_symlink():
+                target = os.readlink(link)
+                if os.path.isabs(target) or Path(os.path.normpath(root / target)).parent != root / VERSIONS:
+                    raise DeployError(f"{link} points at {target}, not at a folder of {root / VERSIONS}: it is not "
+                                      "the link draftops made; move it away (a deploy replaces only its own links)")
+            elif link.exists():
+                raise DeployError(f"{link} is a {'folder' if link.is_dir() else 'file'}, not the link draftops made: "
+                                  "move it away (a deploy replaces only its own links)")
 
-@contextlib.contextmanager
-def locked(root: Path) -> Iterator[None]:
-    """The deploy folder's lock (created with the folder when there is none)."""
-    with step("lock", str(root / ".deploy.lock")):
-        root.mkdir(parents=True, exist_ok=True)
-        lock = FileLock(str(root / ".deploy.lock"))
-        lock.acquire()
-    try:
-        yield
-    finally:
-        lock.release()
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[DeployFolder]:
+        """The folder under its lock (created with the folder when there is none), its links checked and what killed
+        deploys left finished (`own_links`, `tidy`)."""
+        with step("lock", str(self.root / ".deploy.lock")):
+            self.root.mkdir(parents=True, exist_ok=True)
+            lock = FileLock(str(self.root / ".deploy.lock"))
+            lock.acquire()
+        try:
+            self.own_links()
+            with step("tidy", str(self.root)):
+                self.tidy()
+            yield self
+        finally:
+            lock.release()
 
+    def tidy(self) -> None:
+        """Finish or drop what killed deploys left: half-swapped version folders, temporary links."""
+        for link in self.root.glob(".*.tmp*"):
+            if link.is_symlink():
+                link.unlink()
+        versions = self.root / VERSIONS
+        if versions.is_dir():
+            names = {f.name.split(".tmp")[0].removesuffix(".old") for f in versions.iterdir()}
+            for name in sorted(names):
+                recover_dir(versions / name)
 
-def tidy(root: Path) -> None:
-    """Finish or drop what killed deploys left: half-swapped version folders, temporary links."""
-    for link in root.glob(".*.tmp*"):
-        if link.is_symlink():
-            link.unlink()
-    versions = root / VERSIONS
-    if versions.is_dir():
-        names = {f.name.split(".tmp")[0].removesuffix(".old") for f in versions.iterdir()}
-        for name in sorted(names):
-            recover_dir(versions / name)
+    def kept(self) -> list[Deployment]:
+        versions = self.root / VERSIONS
+        found = [read_manifest(f) for f in sorted(versions.iterdir())] if versions.is_dir() else []
+        return [d for d in found if d is not None]
 
+    def _busy(self) -> set[Path]:
+        return {p.resolve() for p in (self.root / CURRENT, self.root / PREVIOUS) if p.is_symlink()}
 
-def kept(root: Path) -> list[Deployment]:
-    versions = root / VERSIONS
-    found = [read_manifest(f) for f in sorted(versions.iterdir())] if versions.is_dir() else []
-    return [d for d in found if d is not None]
+    def new_folder(self, version: str) -> Path:
+        """versions/v<N>, or v<N>-2, ... when that name is taken by the current or previous deployment."""
+        busy = self._busy()
+        for i in range(1, 1000):
+            folder = self.root / VERSIONS / (f"v{version}" if i == 1 else f"v{version}-{i}")
+            if folder.resolve() not in busy:
+                return folder
+        raise DeployError(f"{self.root / VERSIONS}: no free folder name for version {version}")
 
-
-def new_folder(root: Path, version: str) -> Path:
-    """versions/v<N>, or v<N>-2, ... when that name is taken by the current or previous deployment."""
-    busy = {p.resolve() for p in (root / CURRENT, root / PREVIOUS) if p.is_symlink()}
-    for i in range(1, 1000):
-        folder = root / VERSIONS / (f"v{version}" if i == 1 else f"v{version}-{i}")
-        if folder.resolve() not in busy:
-            return folder
-    raise DeployError(f"{root / VERSIONS}: no free folder name for version {version}")
-
-
-def prune(root: Path, keep: int) -> None:
-    """Delete the oldest version folders beyond `keep`; never `current` or `previous`."""
-    busy = {p.resolve() for p in (root / CURRENT, root / PREVIOUS) if p.is_symlink()}
-    versions = root / VERSIONS
-    try:
-        folders = sorted((f for f in versions.iterdir() if f.is_dir()), key=lambda f: f.stat().st_mtime, reverse=True)
-    except OSError as exc:  # the deployment is done; old folders stay until a later deploy can prune them
-        log.warning("deploy: old deployments not pruned: %s", exc)
-        return
-    for folder in folders[keep:]:
-        if folder.resolve() not in busy:
-            shutil.rmtree(folder, ignore_errors=True)
+    def prune(self, keep: int) -> None:
+        """Delete the oldest version folders beyond `keep`; never `current` or `previous`."""
+        busy = self._busy()
+        try:
+            folders = sorted((f for f in (self.root / VERSIONS).iterdir() if f.is_dir()),
+                             key=lambda f: f.stat().st_mtime, reverse=True)
+        except OSError as exc:  # the deployment is done; old folders stay until a later deploy can prune them
+            log.warning("deploy: old deployments not pruned: %s", exc)
+            return
+        for folder in folders[keep:]:
+            if folder.resolve() not in busy:
+                shutil.rmtree(folder, ignore_errors=True)

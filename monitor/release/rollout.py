@@ -31,22 +31,11 @@ from monitor.release.layout import (
     PENDING,
     PREVIOUS,
     ROLLED_BACK,
-    STATE_FILE,
     DeployError,
+    DeployFolder,
     Deployment,
-    kept,
-    linked,
-    locked,
-    new_folder,
-    own_links,
-    point,
-    prune,
     read_manifest,
-    read_state,
-    root_of,
     step,
-    tidy,
-    write_state,
 )
 from monitor.release.reload import ReloadError, ReloadPlan, check_reload, plan_reload
 from pipeline import metrics as M
@@ -125,33 +114,14 @@ class DeployResult:
                 "reloaded": self.reloaded, "notes": self.notes, "seconds": self.seconds, "run_id": self.run_id}
 
 
-def _previous_of(root: Path, deployment: Deployment) -> Deployment | None:
-    """What `previous` holds once `deployment` is current: the current one, unless it is `deployment` itself."""
-    old = linked(root, CURRENT)
-    return linked(root, PREVIOUS) if old is not None and old.folder == deployment.folder else old
-
-
-def _switch(root: Path, deployment: Deployment, previous: Deployment | None) -> None:
-    """Make `deployment` current and `previous` previous, each link by one rename."""
-    if previous is not None and linked(root, PREVIOUS) != previous:
-        point(root, PREVIOUS, previous.folder)
-    if linked(root, CURRENT) != deployment:
-        point(root, CURRENT, deployment.folder)
-
-
-def _save(root: Path, state: dict) -> None:
-    with step("state", str(root / STATE_FILE)):
-        write_state(root, state)
-
-
-def _switch_reload_record(cfg: DraftopsConfig, root: Path, result: DeployResult, state: dict, start: float
-                          ) -> DeployResult:
+def _switch_reload_record(cfg: DraftopsConfig, folder: DeployFolder, result: DeployResult, state: dict,
+                          start: float) -> DeployResult:
     """Plan the reload, write the state (not reloaded), switch, reload, write the state again (reloaded), log the
     run, prune old folders. A reload that fails is logged, then raised as a DeployError."""
     d = result.deployment
-    plan = _reload_plan(cfg, root, d)
-    _save(root, state)
-    _switch(root, d, result.previous)
+    plan = _reload_plan(cfg, folder.root, d)
+    folder.write_state(state)
+    folder.switch(d, result.previous)
     try:
         result.notes += plan.run()
         result.reloaded, failure = True, None
@@ -160,10 +130,10 @@ def _switch_reload_record(cfg: DraftopsConfig, root: Path, result: DeployResult,
         result.notes.append(f"reload failed: {exc}")  # said once, by whoever catches the DeployError below
     if result.reloaded:
         state["reloaded"] = True
-        _save(root, state)
+        folder.write_state(state)
     result.seconds = time.perf_counter() - start
     result.run_id = log_deployment(cfg, result)
-    prune(root, cfg.monitor.deploy.keep)
+    folder.prune(cfg.monitor.deploy.keep)
     if failure is not None:
         raise DeployError(f"deploy step reload: {failure}; `current` is version {d.version} ({d.folder.name}), not "
                           "reloaded: the next deploy or check reloads it")
@@ -174,24 +144,20 @@ def deploy_version(cfg: DraftopsConfig, version: str, *, force: bool = False, ac
     """Export (or reuse) `version`, switch `current` to it, reload the engine, record it. With `force` the version is
     exported again into a new folder even where one is kept."""
     start = time.perf_counter()
-    root = root_of(cfg)
     _check_reload(cfg)
-    with locked(root):
-        own_links(root)
-        with step("tidy", str(root)):
-            tidy(root)
+    with DeployFolder.of(cfg).locked() as folder:
         fmt = cfg.monitor.deploy.format
-        reuse = None if force else next((k for k in kept(root) if (k.version, k.format, k.model) == (
+        reuse = None if force else next((k for k in folder.kept() if (k.version, k.format, k.model) == (
             version, fmt, cfg.tracking.registered_model)), None)
         result = DeployResult(action, reuse)
         if reuse is None:
-            result.deployment = export_version(cfg, version, new_folder(root, version))
+            result.deployment = export_version(cfg, version, folder.new_folder(version))
             result.exported = True
-        result.previous = _previous_of(root, result.deployment)
+        result.previous = folder.previous_of(result.deployment)
         state = {"version": version, "folder": result.deployment.folder.name, "format": fmt, "deployed_at": _now(),
                  "action": action, "reloaded": False, "check": PENDING,
                  "previous_version": result.previous.version if result.previous else None}
-        return _switch_reload_record(cfg, root, result, state, start)
+        return _switch_reload_record(cfg, folder, result, state, start)
 
 
 def _check_reload(cfg: DraftopsConfig) -> None:
@@ -204,22 +170,22 @@ def _check_reload(cfg: DraftopsConfig) -> None:
 def ensure_deployed(cfg: DraftopsConfig, *, force: bool = False) -> DeployResult:
     """Deploy the champion unless it is deployed and the engine reloaded (then nothing; a deployment whose reload a
     kill cut short is reloaded). A version whose post-deploy check failed is not deployed again unless `force`."""
-    root, name = root_of(cfg), cfg.tracking.registered_model
+    folder, name = DeployFolder.of(cfg), cfg.tracking.registered_model
     setup_mlflow(cfg)
     champion = registry.champion(name).version
-    own_links(root)
-    current, state = linked(root, CURRENT), read_state(root)
+    folder.own_links()
+    current, state = folder.linked(CURRENT), folder.read_state()
     if not force and current is not None and current.version == champion and current.format == \
             cfg.monitor.deploy.format and current.model == name:
         if state.get("folder") == current.folder.name and state.get("reloaded"):
             return DeployResult("none", current)
         _check_reload(cfg)
-        with locked(root):
-            result = DeployResult("reload", current, linked(root, PREVIOUS))
+        with folder.locked():
+            result = DeployResult("reload", current, folder.linked(PREVIOUS))
             state = {**state, "version": champion, "folder": current.folder.name, "format": current.format,
                      "reloaded": False, "check": state.get("check", PENDING) if state.get("folder") ==
                      current.folder.name else PENDING, "action": "reload"}
-            return _switch_reload_record(cfg, root, result, state, time.perf_counter())
+            return _switch_reload_record(cfg, folder, result, state, time.perf_counter())
     if not force and state.get("failed_version") == champion:
         return DeployResult("none", current, notes=[
             f"version {champion} failed its post-deploy check and was rolled back: not deployed again (`draftops "
@@ -231,26 +197,24 @@ def rollback_deployment(cfg: DraftopsConfig, reason: str) -> DeployResult:
     """Switch `current` back to `previous` and reload (the registry is left as it is); the version rolled back from
     is remembered as failed, so that it is not deployed again by itself."""
     start = time.perf_counter()
-    root = root_of(cfg)
     _check_reload(cfg)
-    with locked(root):
-        own_links(root)
-        current, previous = linked(root, CURRENT), linked(root, PREVIOUS)
+    with DeployFolder.of(cfg).locked() as folder:
+        current, previous = folder.linked(CURRENT), folder.linked(PREVIOUS)
         if previous is None or current is None:
-            raise DeployError(f"{root}: no previous deployment to roll back to")
+            raise DeployError(f"{folder.root}: no previous deployment to roll back to")
         result = DeployResult("rollback", previous, current, notes=[reason])
         state = {"version": previous.version, "folder": previous.folder.name, "format": previous.format,
                  "deployed_at": _now(), "action": "rollback", "reloaded": False, "check": ROLLED_BACK,
                  "previous_version": current.version, "failed_version": current.version}
-        return _switch_reload_record(cfg, root, result, state, start)
+        return _switch_reload_record(cfg, folder, result, state, start)
 
 
 def record_check(cfg: DraftopsConfig, outcome: str) -> None:
     """Write the post-deploy check's outcome (VERIFIED or MISMATCH) into deploy.json."""
-    root = root_of(cfg)
-    state = read_state(root)
+    folder = DeployFolder.of(cfg)
+    state = folder.read_state()
     if state and state.get("check") == PENDING:
-        _save(root, {**state, "check": outcome, "checked_at": _now()})
+        folder.write_state({**state, "check": outcome, "checked_at": _now()})
 
 
 def log_deployment(cfg: DraftopsConfig, result: DeployResult) -> str | None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import mlflow
 
-from monitor.release.layout import CURRENT, PREVIOUS, linked, read_state
+from monitor.release.layout import CURRENT, PREVIOUS, DeployFolder
 from monitor.release.rollout import ensure_deployed
 from pipeline import registry
 from pipeline.config import load_config
@@ -81,15 +81,15 @@ def test_kill_9_during_deploy_leaves_the_old_or_the_new_deployment_whole(tmp_pat
         shutil.copytree(start, work, symlinks=True)
         killed = draftops(work, command, ["kill", point])
         assert killed.returncode == -9, f"{point}: the kill point was not reached\n{killed.stderr[-3000:]}"
-        current, previous = linked(deploy_root, CURRENT), linked(deploy_root, PREVIOUS)
+        current, previous = DeployFolder(deploy_root).linked(CURRENT), DeployFolder(deploy_root).linked(PREVIOUS)
         assert current is not None and current.version in ("1", "2"), point  # whole: every file as its manifest
         assert previous is None or previous.version == "1", point
         left = current.version
         again = draftops(work, command)
         assert again.returncode == 0, f"{point}: the re-run failed\n{again.stderr[-3000:]}"
-        current, previous = linked(deploy_root, CURRENT), linked(deploy_root, PREVIOUS)
+        current, previous = DeployFolder(deploy_root).linked(CURRENT), DeployFolder(deploy_root).linked(PREVIOUS)
         assert (current.version, previous.version) == ("2", "1"), point
-        state = read_state(deploy_root)
+        state = DeployFolder(deploy_root).read_state()
         assert state["version"] == "2" and state["reloaded"] and state["folder"] == current.folder.name, point
         reloads = [call[0] for call in calls_of(work / "reloads.txt")]
         assert reloads[0] == "1" and reloads[-1] == "2", (point, reloads)

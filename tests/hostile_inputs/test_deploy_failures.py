@@ -18,7 +18,7 @@ import time
 import psutil
 import pytest
 
-from monitor.release.layout import CURRENT, PREVIOUS, linked, read_state
+from monitor.release.layout import CURRENT, PREVIOUS, DeployFolder
 from monitor.release.reload import GROUP_GONE_SECONDS, ReloadPlan
 from monitor.release.rollout import ensure_deployed
 from pipeline import registry
@@ -72,9 +72,9 @@ def deployed_v1_then_promote_v2(cfg) -> None:
 def assert_whole(deploy_root, version: str) -> None:
     """`current` on a whole deployment of `version`, no temporary link left, deploy.json not claiming a reload that
     did not happen."""
-    assert linked(deploy_root, CURRENT).version == version
+    assert DeployFolder(deploy_root).linked(CURRENT).version == version
     assert not [p.name for p in deploy_root.glob(".*.tmp*")]
-    state = read_state(deploy_root)
+    state = DeployFolder(deploy_root).read_state()
     assert not state.get("reloaded") or (state["version"], state["folder"]) == ("1", "v1")
 
 
@@ -127,7 +127,7 @@ def test_a_current_that_is_not_draftops_link_is_refused(world, mlflow_uri, capsy
                                        "away (a deploy replaces only its own links)")
     assert (deploy_root / CURRENT / "model.safetensors").read_text() == "by hand"  # untouched
     assert sorted(p.name for p in (deploy_root / "versions").iterdir()) == ["v1"]  # refused before the export
-    assert linked(deploy_root, PREVIOUS) is None and not list(deploy_root.glob(".*.tmp*"))
+    assert DeployFolder(deploy_root).linked(PREVIOUS) is None and not list(deploy_root.glob(".*.tmp*"))
     (deploy_root / CURRENT / "model.safetensors").unlink()
     (deploy_root / CURRENT).rmdir()
     (deploy_root / CURRENT).symlink_to("/etc")  # a link, but not one draftops made
@@ -146,7 +146,7 @@ def test_a_reload_command_with_a_brace_or_an_unknown_placeholder_is_refused_befo
     assert code == 2 and "monitor.deploy.reload_command" in line
     assert re.search(why, line)
     assert_whole(root / "deploy", "1")
-    assert read_state(root / "deploy")["version"] == "1"  # nothing was written
+    assert DeployFolder(root / "deploy").read_state()["version"] == "1"  # nothing was written
 
 
 def timed_reloads(monkeypatch) -> list[float]:
@@ -175,7 +175,7 @@ def test_a_reload_url_trickling_its_headers_is_cut_off_at_reload_timeout(world, 
     assert line.endswith("`current` is version 2 (v2), not reloaded: the next deploy or check reloads it")
     assert reloads and reloads[0] < TIMEOUT + 1.0 and seconds < TIMEOUT + WORK
     assert_whole(root / "deploy", "2")
-    assert read_state(root / "deploy")["reloaded"] is False
+    assert DeployFolder(root / "deploy").read_state()["reloaded"] is False
 
 
 def test_a_hung_reload_command_is_killed_with_what_it_started(world, mlflow_uri, capsys, monkeypatch, tmp_path):
@@ -190,7 +190,7 @@ def test_a_hung_reload_command_is_killed_with_what_it_started(world, mlflow_uri,
     assert running([int(pid) for pid in pids.read_text().split()]) == []
     assert psutil.Process().children(recursive=True) == []
     assert_whole(root / "deploy", "2")
-    assert read_state(root / "deploy")["reloaded"] is False
+    assert DeployFolder(root / "deploy").read_state()["reloaded"] is False
     write_config(root, mlflow_uri, root / "traffic.jsonl", reload_command=[sys.executable, "-c", "pass"])
     assert main(["monitor", "deploy", "--config", str(root / "cfg.yaml")]) == 0  # the next deploy reloads it
-    assert read_state(root / "deploy")["reloaded"] is True
+    assert DeployFolder(root / "deploy").read_state()["reloaded"] is True

@@ -26,7 +26,7 @@ from monitor.rehearsal.demo_engine import ServedEngine
 from monitor.rehearsal.serve_demo import replayed_prompts
 from monitor.rehearsal.target_update import run_finetune
 from monitor.release import canary as steps
-from monitor.release.layout import CURRENT, linked, read_manifest
+from monitor.release.layout import CURRENT, DeployFolder, read_manifest
 from pipeline import registry
 from pipeline.config import load_config
 from pipeline.traffic import DEFAULT_TRAFFIC
@@ -121,19 +121,20 @@ def test_a_canary_on_three_llama_servers(tmp_path, binaries, tracking_and_alerts
             f"monitor.alerts.targets={json.dumps([{'kind': 'alertmanager', 'url': alertmanager.url}])}"]
         traffic = [Traffic(engine, replayed_prompts(cfg), cfg.decode.max_new_tokens) for engine in engines.values()]
         fleet_root, canary_root = tmp_path / "deploy", tmp_path / "deploy" / "canary"
+        fleet_folder, canary_folder = DeployFolder(fleet_root), DeployFolder(canary_root)
         first = checked(overrides)  # version 1 to the fleet's folder and the canary's
-        assert linked(fleet_root, CURRENT).version == linked(canary_root, CURRENT).version == "1", first.summary()
+        assert fleet_folder.linked(CURRENT).version == canary_folder.linked(CURRENT).version == "1", first.summary()
         fleet_reloads = {n: len(engines[n].reloads) for n in "bc"}
 
         # a challenger that serves worse: a copy of the updated target, a draft of another target
         assert register_copy(bad_cfg, tmp_path / "v2") == "2"
         registry.promote(name, "2")
         begun = checked(overrides)
-        assert linked(canary_root, CURRENT).version == "2" and linked(fleet_root, CURRENT).version == "1"
+        assert canary_folder.linked(CURRENT).version == "2" and fleet_folder.linked(CURRENT).version == "1"
         assert [r.action for r in begun.deploys] == ["canary"], begun.summary()
         failed = until_judged(overrides)
         assert failed.canary.verdict == "fail" and failed.canary.canary == ["a"], failed.summary()
-        assert registry.champion(name).version == "1" and linked(canary_root, CURRENT).version == "1"
+        assert registry.champion(name).version == "1" and canary_folder.linked(CURRENT).version == "1"
         assert sorted(os.listdir(fleet_root / "versions")) == ["v1"]
         assert {n: len(engines[n].reloads) for n in "bc"} == fleet_reloads  # b and c never touched
         alerts = eventually(lambda: [a["labels"] for a in alertmanager.alerts()
@@ -146,7 +147,7 @@ def test_a_canary_on_three_llama_servers(tmp_path, binaries, tracking_and_alerts
         checked(overrides)
         passed = until_judged(overrides)
         assert passed.canary.verdict == "pass", passed.summary()
-        assert linked(fleet_root, CURRENT).version == "3" and linked(canary_root, CURRENT).version == "3"
+        assert fleet_folder.linked(CURRENT).version == "3" and canary_folder.linked(CURRENT).version == "3"
         assert all(Path(engines[n].draft).parent.name.startswith("v3") for n in "abc")
 
         # killed in the middle of a canary, then checked again: it ends, every folder whole
@@ -168,7 +169,7 @@ def test_a_canary_on_three_llama_servers(tmp_path, binaries, tracking_and_alerts
                 break
         assert ended in (steps.PASSED, steps.FAILED), ended
         for root in (fleet_root, canary_root):
-            current = linked(root, CURRENT)
+            current = DeployFolder(root).linked(CURRENT)
             assert current is not None and read_manifest(current.folder) == current
     finally:
         for flow in traffic:

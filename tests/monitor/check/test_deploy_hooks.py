@@ -12,7 +12,7 @@ from monitor.check.decision import Cause, Status
 from monitor.check.prompt_acceptance import Measurement
 from monitor.check.run import run_check
 from monitor.fleet.offline_expectation import engine_rounds, engine_vs_offline_test
-from monitor.release.layout import CURRENT, MISMATCH, VERIFIED, linked, read_state
+from monitor.release.layout import CURRENT, MISMATCH, VERIFIED, DeployFolder
 from pipeline import metrics as M
 from pipeline.config import load_config
 from tests.monitor.check.test_run import World, write_traffic
@@ -104,7 +104,7 @@ def test_post_deploy_check_confirms_then_catches_an_engine_without_the_new_draft
     assert first.decision.status is Status.OK and [r.action for r in first.deploys] == ["deploy"]
     assert first.engine.post_deploy and len(first.engine.windows) == 3 and not first.engine.mismatch
     assert first.engine.expected == pytest.approx(first.current_acceptance * ENGINE_SHARE)
-    assert read_state(deploy_root)["check"] == VERIFIED
+    assert DeployFolder(deploy_root).read_state()["check"] == VERIFIED
     assert check(cfg, world).engine is None  # verified: later checks read no windows (engine_check: after_deploy)
 
     # the target changes; the engine's acceptance with the old draft falls; retraining promotes version 2
@@ -124,7 +124,7 @@ def test_post_deploy_check_confirms_then_catches_an_engine_without_the_new_draft
     assert mismatch.engine.pre_drift.alarm and mismatch.engine.recovered is False
     assert [(r.action, r.deployment.version) for r in mismatch.deploys] == [("rollback", "1")]
     assert os.readlink(deploy_root / CURRENT) == "versions/v1" and calls_of(calls)[-1][0] == "1"
-    state = read_state(deploy_root)
+    state = DeployFolder(deploy_root).read_state()
     assert state["failed_version"] == "2" and state["check"] == "rolled_back"
     run = MlflowClient().get_run(mismatch.run_id)
     assert run.data.tags[M.MONITOR_DECISION_TAG] == "DEPLOY_MISMATCH"
@@ -133,7 +133,7 @@ def test_post_deploy_check_confirms_then_catches_an_engine_without_the_new_draft
     assert "DEPLOY_MISMATCH" in mismatch.summary() and "NOT what the engine runs" in mismatch.summary()
 
     after = check(cfg, world)  # the failed version is not deployed again by itself
-    assert linked(deploy_root, CURRENT).version == "1"
+    assert DeployFolder(deploy_root).linked(CURRENT).version == "1"
     assert "version 2 failed its post-deploy check" in after.summary()
 
     # fixed by hand: deployed again, and the engine now shows the new draft's acceptance: confirmed and recovered
@@ -143,7 +143,7 @@ def test_post_deploy_check_confirms_then_catches_an_engine_without_the_new_draft
     recovered = check(cfg, world)
     assert recovered.decision.status is Status.OK and recovered.engine.post_deploy
     assert not recovered.engine.mismatch and recovered.engine.recovered is True
-    assert read_state(deploy_root)["check"] == VERIFIED
+    assert DeployFolder(deploy_root).read_state()["check"] == VERIFIED
 
 
 def test_engine_check_always_sees_the_drop_in_the_servers_counters(loop):
@@ -157,7 +157,7 @@ def test_engine_check_always_sees_the_drop_in_the_servers_counters(loop):
     assert not report.engine.post_deploy and not report.acceptance.alarm
     assert "recent vs the champion's offline figure on 30 prompts" in report.decision.reasons[0]
     assert not (root / "deploy").exists()
-    assert read_state(root / "deploy") == {} and MISMATCH == "mismatch"
+    assert DeployFolder(root / "deploy").read_state() == {} and MISMATCH == "mismatch"
 
 
 def test_a_check_whose_deploy_fails_is_deploy_failed_never_ok(loop):
@@ -188,7 +188,8 @@ def test_a_check_whose_deploy_fails_is_deploy_failed_never_ok(loop):
     assert run.data.tags[M.MONITOR_DECISION_TAG] == "DEPLOY_FAILED"
     assert run.data.tags["mlflow.runName"] == "check-deploy_failed"
     assert run.data.metrics[M.MONITOR_DEPLOY_FAILED] == 1 and run.data.metrics[M.MONITOR_DRIFT] == 1
-    assert linked(deploy_root, CURRENT).version == "2" and not read_state(deploy_root)["reloaded"]
+    folder = DeployFolder(deploy_root)
+    assert folder.linked(CURRENT).version == "2" and not folder.read_state()["reloaded"]
 
 
 def test_engine_counters_that_cannot_be_true_are_an_error_not_a_confirmation(loop):
@@ -199,4 +200,5 @@ def test_engine_counters_that_cannot_be_true_are_an_error_not_a_confirmation(loo
     assert report.engine.impossible and not report.engine.mismatch and report.engine.test is None
     assert "cannot be true" in report.decision.reasons[-1]
     assert "confirmed" not in report.summary()
-    assert read_state(root / "deploy")["check"] == "pending"  # not verified: the next check reads the engine again
+    # not verified: the next check reads the engine again
+    assert DeployFolder(root / "deploy").read_state()["check"] == "pending"

@@ -13,7 +13,7 @@ from monitor.check.decision import Status
 from monitor.check.run import run_check
 from monitor.fleet.load import EngineLoad
 from monitor.release import canary as steps
-from monitor.release.layout import CURRENT, PREVIOUS, linked, read_state
+from monitor.release.layout import CURRENT, PREVIOUS, DeployFolder
 from monitor.service.alerts import report_alerts
 from pipeline import registry
 from pipeline.config import load_config
@@ -81,13 +81,14 @@ def judged(cfg, world, checks=6):
 def test_a_canary_catches_a_challenger_that_serves_worse_and_passes_a_good_one(fleet, bad):
     cfg, engines, root, calls, canary_calls = fleet
     world, fleet_root, canary_root = EngineWorld(), root / "deploy", root / "deploy" / "canary"
+    fleet_folder, canary_folder = DeployFolder(fleet_root), DeployFolder(canary_root)
     first = check(cfg, world)  # version 1 to the fleet's folder and the canary's
     assert {r.deployment.version for r in first.deploys} == {"1"}
-    assert linked(fleet_root, CURRENT).version == linked(canary_root, CURRENT).version == "1"
+    assert fleet_folder.linked(CURRENT).version == canary_folder.linked(CURRENT).version == "1"
 
     drift = promote_version_2(cfg, world, root)
     assert [(r.action, r.deployment.version) for r in drift.deploys] == [("canary", "2")]
-    assert linked(canary_root, CURRENT).version == "2" and linked(fleet_root, CURRENT).version == "1"
+    assert canary_folder.linked(CURRENT).version == "2" and fleet_folder.linked(CURRENT).version == "1"
     assert steps.read(cfg)["phase"] == steps.JUDGING and calls_of(canary_calls)[-1][0] == "2"
     if bad:
         engines["a"].acceptance = 0.3  # the canary serves the new draft worse than the others serve the old one
@@ -100,7 +101,7 @@ def test_a_canary_catches_a_challenger_that_serves_worse_and_passes_a_good_one(f
     if bad:
         assert judgement.verdict == canary.FAIL and judgement.acceptance < 0.4 < 0.55 < judgement.rest_acceptance
         assert [r.action for r in report.deploys] == ["canary-rollback"]
-        assert linked(canary_root, CURRENT).version == "1" and linked(canary_root, PREVIOUS).version == "2"
+        assert canary_folder.linked(CURRENT).version == "1" and canary_folder.linked(PREVIOUS).version == "2"
         assert registry.champion(NAME).version == "1"
         assert [c[0] for c in calls_of(calls)] == ["1"]  # the fleet's folder: only ever version 1
         assert os.listdir(fleet_root / "versions") == ["v1"]
@@ -109,11 +110,11 @@ def test_a_canary_catches_a_challenger_that_serves_worse_and_passes_a_good_one(f
         assert alert.labels == {"replica": "a", "version": "2"} and "canary a" in alert.summary
         assert "acceptance 0.3" in alert.description and "on b, c" in alert.description
         after = check(cfg, world)  # nothing more happens: version 1 everywhere
-        assert linked(fleet_root, CURRENT).version == linked(canary_root, CURRENT).version == "1"
+        assert fleet_folder.linked(CURRENT).version == canary_folder.linked(CURRENT).version == "1"
         assert not [r for r in after.deploys if r.action != "none"]
     else:
         assert judgement.verdict == canary.PASS, judgement.summary()
-        assert linked(fleet_root, CURRENT).version == "2" and calls_of(calls)[-1][0] == "2"
+        assert fleet_folder.linked(CURRENT).version == "2" and calls_of(calls)[-1][0] == "2"
         assert registry.champion(NAME).version == "2" and steps.read(cfg)["phase"] == steps.PASSED
         assert not [a for a in report_alerts(report) if a.name == "CanaryFailed"]
     runs = MlflowClient().search_runs([MlflowClient().get_experiment_by_name("draftops-monitor").experiment_id])
@@ -143,6 +144,7 @@ def test_a_canary_cut_at_any_phase_is_finished_by_the_next_check(fleet, phase):
     reading the same config finishes that phase, and each folder stays on a whole deployment."""
     cfg, engines, root, calls, _ = fleet
     fleet_root, canary_root = root / "deploy", root / "deploy" / "canary"
+    fleet_folder, canary_folder = DeployFolder(fleet_root), DeployFolder(canary_root)
     assert canary.before_check(cfg)  # version 1 to both folders
     assert register_tiny_draft(root, seed=2) == "2"
     registry.promote(NAME, "2")
@@ -166,10 +168,10 @@ def test_a_canary_cut_at_any_phase_is_finished_by_the_next_check(fleet, phase):
     ended = steps.read(restarted)
     expected = {steps.DEPLOYING: ("2", "1", "2", steps.JUDGING), steps.ROLLING_BACK: ("1", "1", "1", steps.FAILED),
                 steps.PROMOTING: ("2", "2", "2", steps.PASSED)}[phase]
-    assert (linked(canary_root, CURRENT).version, linked(fleet_root, CURRENT).version,
+    assert (canary_folder.linked(CURRENT).version, fleet_folder.linked(CURRENT).version,
             registry.champion(NAME).version, ended["phase"]) == expected
     for folder in (fleet_root, canary_root):
-        assert read_state(folder)["reloaded"] and linked(folder, CURRENT) is not None
+        assert DeployFolder(folder).read_state()["reloaded"] and DeployFolder(folder).linked(CURRENT) is not None
 
 
 def test_power_is_stated_from_the_fleet_tests_simulation():

@@ -8,7 +8,7 @@ import threading
 import pytest
 from mlflow import MlflowClient
 
-from monitor.release.layout import CURRENT, MANIFEST, PENDING, PREVIOUS, DeployError, linked, read_state
+from monitor.release.layout import CURRENT, MANIFEST, PENDING, PREVIOUS, DeployError, DeployFolder
 from monitor.release.rollout import ensure_deployed, rollback_deployment
 from pipeline import metrics as M
 from pipeline import registry
@@ -21,11 +21,12 @@ def test_deploy_switches_current_atomically_and_keeps_the_previous(world):
     first = ensure_deployed(cfg)
     assert first.action == "deploy" and first.exported and first.reloaded and first.previous is None
     assert os.readlink(deploy_root / CURRENT) == "versions/v1"  # a relative link, flipped by one rename
-    v1 = linked(deploy_root, CURRENT)
+    v1 = DeployFolder(deploy_root).linked(CURRENT)
     assert v1.version == "1" and v1.format == "hf" and "config.json" in v1.files and v1.file == v1.folder
     assert not (v1.folder / "draft_vocab.json").exists()  # the export, not draftops' own checkpoint
     assert calls_of(calls) == [["1", str(v1.folder), str(v1.folder), str(deploy_root / CURRENT)]]
-    assert read_state(deploy_root)["check"] == PENDING and read_state(deploy_root)["reloaded"]
+    state = DeployFolder(deploy_root).read_state()
+    assert state["check"] == PENDING and state["reloaded"]
 
     assert ensure_deployed(cfg).action == "none" and len(calls_of(calls)) == 1  # deployed: nothing to do
 
@@ -34,9 +35,9 @@ def test_deploy_switches_current_atomically_and_keeps_the_previous(world):
     assert second.exported and second.previous.version == "1"
     assert os.readlink(deploy_root / CURRENT) == "versions/v2"
     assert os.readlink(deploy_root / PREVIOUS) == "versions/v1"
-    assert linked(deploy_root, PREVIOUS) == v1  # kept whole: every file of its manifest, same sizes
+    assert DeployFolder(deploy_root).linked(PREVIOUS) == v1  # kept whole: every file of its manifest, same sizes
     assert calls_of(calls)[-1][:1] == ["2"]
-    state = read_state(deploy_root)
+    state = DeployFolder(deploy_root).read_state()
     assert (state["version"], state["previous_version"], state["folder"]) == ("2", "1", "v2")
 
     client = MlflowClient()
@@ -66,7 +67,8 @@ def test_rollback_switches_back_to_the_kept_folder(world, capsys):
 
     # a deployment rolled back by hand (the registry unchanged): v2's folder is the one flipped back to
     assert main(["monitor", "deploy", "--config", str(root / "cfg.yaml"), "--rollback"]) == 0
-    assert os.readlink(deploy_root / CURRENT) == "versions/v2" and read_state(deploy_root)["failed_version"] == "1"
+    assert os.readlink(deploy_root / CURRENT) == "versions/v2"
+    assert DeployFolder(deploy_root).read_state()["failed_version"] == "1"
 
 
 def test_the_previous_deployment_survives_pruning_and_old_ones_go(world):
@@ -90,11 +92,12 @@ def test_a_failed_reload_is_reported_and_done_by_the_next_deploy(world):
     with pytest.raises(DeployError, match=r"^deploy step reload: reload command .* exited with 1: engine refused "
                                           r"the reload; `current` is version 1 \(v1\), not reloaded"):
         ensure_deployed(cfg)
-    assert linked(deploy_root, CURRENT).version == "1" and not read_state(deploy_root)["reloaded"]
+    folder = DeployFolder(deploy_root)
+    assert folder.linked(CURRENT).version == "1" and not folder.read_state()["reloaded"]
     (root / "reloads.txt.fail").unlink()
     again = ensure_deployed(cfg)
     assert again.action == "reload" and again.reloaded and not again.exported
-    assert [c[0] for c in calls_of(calls)] == ["1"] and read_state(deploy_root)["reloaded"]
+    assert [c[0] for c in calls_of(calls)] == ["1"] and DeployFolder(deploy_root).read_state()["reloaded"]
 
 
 class ReloadHandler(http.server.BaseHTTPRequestHandler):
@@ -126,7 +129,7 @@ def test_reload_by_http_request(world):
         cfg = cfg.model_copy(update={"monitor": cfg.monitor.model_copy(update={"deploy": deploy})})
         with pytest.raises(DeployError, match=r"reload request: .*/elsewhere answered HTTP 404 Not Found"):
             ensure_deployed(cfg, force=True)
-        assert not read_state(root / "deploy")["reloaded"]
+        assert not DeployFolder(root / "deploy").read_state()["reloaded"]
     finally:
         server.shutdown()
         server.server_close()
@@ -146,7 +149,7 @@ def test_a_draft_that_cannot_be_exported_names_why_and_nothing_switches(world):
 def test_a_folder_missing_a_file_is_not_a_deployment(world):
     cfg, root = world
     ensure_deployed(cfg)
-    folder = linked(root / "deploy", CURRENT).folder
+    folder = DeployFolder(root / "deploy").linked(CURRENT).folder
     assert json.loads((folder / MANIFEST).read_text())["version"] == "1"
     (folder / "config.json").unlink()
-    assert linked(root / "deploy", CURRENT) is None
+    assert DeployFolder(root / "deploy").linked(CURRENT) is None
