@@ -69,15 +69,16 @@ def write_traffic(path, start, count, category="chat"):
                                 "messages": [{"role": "user", "content": f"question {i}"}]}) + "\n")
 
 
-@pytest.fixture
-def setup(tmp_path, mlflow_uri):
+def check_world(tmp_path, mlflow_uri, **monitor):
+    """A config over 120 requests of traffic (`monitor` keys on top of the check's), version 1 of NAME registered as
+    champion, and the fake models: (cfg, World(), the traffic file)."""
     traffic = tmp_path / "traffic.jsonl"
     write_traffic(traffic, 0, 120)
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(yaml.safe_dump({
         "traffic": {"path": str(traffic), "heldout_fraction": 0.5},
         "tracking": {"uri": mlflow_uri, "system_metrics": False},
-        "monitor": {"heldout_requests": 30, "state_dir": str(tmp_path / "state"), "n_bootstrap": 500},
+        "monitor": {"heldout_requests": 30, "state_dir": str(tmp_path / "state"), "n_bootstrap": 500, **monitor},
     }))
     cfg = load_config(cfg_path)
     client = MlflowClient()
@@ -85,6 +86,11 @@ def setup(tmp_path, mlflow_uri):
     client.create_model_version(NAME, source="file:///nonexistent", tags={M.TARGET_FINGERPRINT_TAG: "fp-A"})
     client.set_registered_model_alias(NAME, M.CHAMPION, "1")
     return cfg, World(), traffic
+
+
+@pytest.fixture
+def setup(tmp_path, mlflow_uri):
+    return check_world(tmp_path, mlflow_uri)
 
 
 def check(cfg, world, **kw):

@@ -38,7 +38,7 @@ from pipeline import registry
 from pipeline.config import load_config
 from pipeline.sources import save_checkpoint
 from tests.conftest import WORDS, make_tiny_model, make_tokenizer
-from tests.monitor.check.test_run import NAME, World, write_traffic
+from tests.monitor.check.test_run import NAME, check_world
 
 DATA = Path(__file__).parent.parent / "data"
 VLLM = (DATA / "vllm_metrics.txt").read_text()
@@ -315,20 +315,9 @@ def test_http_scrape_of_a_local_server(server):
 @pytest.fixture
 def fake_check(tmp_path, mlflow_uri):
     """The check with fake models (tests/monitor/check/test_run.py) and a server source."""
-    traffic = tmp_path / "traffic.jsonl"
-    write_traffic(traffic, 0, 120)
-    cfg_path = tmp_path / "cfg.yaml"
-    cfg_path.write_text(yaml.safe_dump({
-        "traffic": {"path": str(traffic), "heldout_fraction": 0.5},
-        "tracking": {"uri": mlflow_uri, "system_metrics": False},
-        "monitor": {"heldout_requests": 30, "state_dir": str(tmp_path / "state"), "n_bootstrap": 500,
-                    "server_metrics_url": "http://serving.invalid/metrics", "server_baseline_windows": 4,
-                    "server_recent_windows": 4, "scrape_interval_minutes": 0}}))
-    client = MlflowClient()
-    client.create_registered_model(NAME)
-    client.create_model_version(NAME, source="file:///nonexistent", tags={M.TARGET_FINGERPRINT_TAG: "fp-A"})
-    client.set_registered_model_alias(NAME, M.CHAMPION, "1")
-    return load_config(cfg_path), World()
+    cfg, world, _ = check_world(tmp_path, mlflow_uri, server_metrics_url="http://serving.invalid/metrics",
+                                server_baseline_windows=4, server_recent_windows=4, scrape_interval_minutes=0)
+    return cfg, world
 
 
 def test_a_server_drop_is_a_drift_the_offline_check_does_not_see(fake_check, monkeypatch):
