@@ -17,17 +17,22 @@ from tests.conftest import WORDS, make_tiny_model, make_tokenizer
 NAME = "draftops-draft"
 
 
+def write_word_traffic(path, n: int):
+    """`n` requests of 3-7 words of the tiny tokenizer's vocabulary, a minute apart."""
+    with open(path, "w") as f:
+        for i in range(n):
+            words = " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(3 + i % 5))
+            f.write(json.dumps({"id": f"q{i}", "ts": f"2026-10-01T00:{i:02d}:00Z",
+                                "messages": [{"role": "user", "content": words}]}) + "\n")
+    return path
+
+
 @pytest.fixture
 def world(tmp_path, mlflow_uri):
     tokenizer = make_tokenizer()
     target_a = save_checkpoint(make_tiny_model(len(tokenizer), seed=0), tokenizer, tmp_path / "target_a")
     target_b = save_checkpoint(make_tiny_model(len(tokenizer), seed=1), tokenizer, tmp_path / "target_b")
-    traffic = tmp_path / "traffic.jsonl"
-    with open(traffic, "w") as f:
-        for i in range(60):
-            words = " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(3 + i % 5))
-            f.write(json.dumps({"id": f"q{i}", "ts": f"2026-10-01T00:{i:02d}:00Z",
-                                "messages": [{"role": "user", "content": words}]}) + "\n")
+    traffic = write_word_traffic(tmp_path / "traffic.jsonl", 60)
 
     def config(target, *overrides):
         path = tmp_path / "cfg.yaml"

@@ -37,7 +37,8 @@ from pipeline import metrics as M
 from pipeline import registry
 from pipeline.config import load_config
 from pipeline.sources import save_checkpoint
-from tests.conftest import WORDS, make_tiny_model, make_tokenizer
+from tests.conftest import make_tiny_model, make_tokenizer
+from tests.monitor.check.test_prompt_acceptance import write_word_traffic
 from tests.monitor.check.test_run import NAME, check_world
 
 DATA = Path(__file__).parent.parent / "data"
@@ -365,12 +366,7 @@ def test_draftops_monitor_check_reads_a_local_vllm_server(tmp_path, mlflow_uri, 
 
     tokenizer = make_tokenizer()
     target = save_checkpoint(make_tiny_model(len(tokenizer), seed=0), tokenizer, tmp_path / "target")
-    traffic = tmp_path / "traffic.jsonl"
-    with open(traffic, "w") as f:
-        for i in range(40):
-            words = " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(3 + i % 5))
-            f.write(json.dumps({"id": f"q{i}", "ts": f"2026-10-01T00:{i:02d}:00Z",
-                                "messages": [{"role": "user", "content": words}]}) + "\n")
+    traffic = write_word_traffic(tmp_path / "traffic.jsonl", 40)
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(yaml.safe_dump({
         "target": str(target), "device": "cpu",
