@@ -30,8 +30,8 @@ from monitor.fleet.load import EngineLoad, read_load
 from monitor.fleet.verdicts import FleetReading, outlier_tests
 from monitor.fleet.window_store import ReplicaWindows, Window
 from monitor.release import canary as steps
-from monitor.release.layout import CURRENT, DeployError, DeployFolder
-from monitor.release.rollout import FAILED, DeployResult, ensure_deployed
+from monitor.release.layout import DeployError
+from monitor.release.rollout import FAILED, DeployResult
 from pipeline import registry
 from pipeline.config import DraftopsConfig
 
@@ -146,51 +146,32 @@ def _safely(what: str, fn: Callable[[], list[DeployResult]]) -> list[DeployResul
         return [DeployResult(FAILED, None, notes=[f"{what} failed: {exc}"])]
 
 
+STEP_NAMES = {steps.DEPLOYING: "canary deploy", steps.PROMOTING: "canary rollout",
+              steps.ROLLING_BACK: "canary rollback"}
+
+
 def before_check(cfg: DraftopsConfig) -> list[DeployResult]:
-    """What a check deploys first when a canary is configured: a canary's interrupted step finished; else a new
-    champion the fleet does not serve yet starts a canary; else the fleet's and the canary's folders brought to the
-    champion (a reload a kill cut short, a first deploy)."""
+    """What a check deploys first when a canary is configured (monitor.release.canary.catch_up)."""
     state = steps.read(cfg)
-    phase = state.get("phase")
-    if phase == steps.DEPLOYING:
-        return _safely("canary deploy", lambda: steps.resume_deploy(cfg, state))
-    if phase == steps.PROMOTING:
-        return _safely("canary rollout", lambda: steps.promote(cfg, state, {}))
-    if phase == steps.ROLLING_BACK:
-        return _safely("canary rollback", lambda: steps.roll_back(cfg, state, {}, ""))
-    if phase == steps.JUDGING:
-        return []
-    return _safely("deploy of the champion", lambda: _sync(cfg))
-
-
-def _sync(cfg: DraftopsConfig) -> list[DeployResult]:
-    champion = registry.champion(cfg.tracking.registered_model).version
-    current = DeployFolder.of(cfg).linked(CURRENT)
-    if current is not None and current.version != champion and int(champion) > int(current.version):
-        return steps.begin(cfg, champion, current.version)
-    results = [ensure_deployed(cfg)]
-    canary = steps.on(steps.canary_config(cfg), champion)
-    results += [canary] if canary is not None else []
-    return [r for r in results if r.action != "none" or r.notes]
+    what = STEP_NAMES.get(state.get("phase"), "deploy of the champion")
+    return _safely(what, lambda: steps.catch_up(cfg, state))
 
 
 def after_check(cfg: DraftopsConfig, report, *, load: Callable = read_load) -> None:
     """After the check's run: a promoted challenger starts a canary; a canary being judged is judged on this check's
     windows and rolled out or back. Appends to `report.deploys`, sets `report.canary`."""
-    if report.retrain is not None and report.retrain.promoted:
-        serving = DeployFolder.of(cfg).linked(CURRENT)  # what the other replicas serve: the canary's way back
-        previous = serving.version if serving is not None else report.retrain.previous_champion
-        report.deploys += _safely("canary deploy", lambda: steps.begin(
-            cfg, report.retrain.challenger_version, previous))
+    retrain = report.retrain
+    if retrain is not None and retrain.promoted:
+        report.deploys += _safely("canary deploy", lambda: steps.begin_after_promotion(
+            cfg, retrain.challenger_version, retrain.previous_champion))
         return
     state = steps.read(cfg)
     if state.get("phase") != steps.JUDGING:
         return
     loads, _ = load(cfg, time.time())
-    judgement = judge(cfg, state, report.server, loads)
-    report.canary = judgement
-    if judgement.verdict == PASS:
-        report.deploys += _safely("canary rollout", lambda: steps.promote(cfg, state, judgement.figures()))
-    elif judgement.verdict == FAIL:
+    judgement = report.canary = judge(cfg, state, report.server, loads)
+    if judgement.verdict in (PASS, FAIL):
         reason = f"canary {', '.join(judgement.canary)}: " + "; ".join(judgement.reasons)
-        report.deploys += _safely("canary rollback", lambda: steps.roll_back(cfg, state, judgement.figures(), reason))
+        report.deploys += _safely(STEP_NAMES[steps.PROMOTING if judgement.verdict == PASS else steps.ROLLING_BACK],
+                                  lambda: steps.conclude(cfg, state, judgement.verdict == PASS, judgement.figures(),
+                                                         reason))

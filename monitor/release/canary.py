@@ -115,6 +115,40 @@ def resume_deploy(cfg: DraftopsConfig, state: dict) -> list[DeployResult]:
     return results
 
 
+def catch_up(cfg: DraftopsConfig, state: dict) -> list[DeployResult]:
+    """What a check deploys first: the step a kill cut short (deploying, promoting, rolling_back) finished; nothing
+    while the canary is judged; else a new champion the fleet does not serve yet starts a canary, or both folders are
+    brought to the champion (a reload a kill cut short, a first deploy)."""
+    phase = state.get("phase")
+    if phase == DEPLOYING:
+        return resume_deploy(cfg, state)
+    if phase == PROMOTING:
+        return promote(cfg, state, {})
+    if phase == ROLLING_BACK:
+        return roll_back(cfg, state, {}, "")
+    if phase == JUDGING:
+        return []
+    champion = registry.champion(cfg.tracking.registered_model).version
+    current = DeployFolder.of(cfg).linked(CURRENT)
+    if current is not None and current.version != champion and int(champion) > int(current.version):
+        return begin(cfg, champion, current.version)
+    results = [ensure_deployed(cfg)]
+    canary = on(canary_config(cfg), champion)
+    results += [canary] if canary is not None else []
+    return [r for r in results if r.action != "none" or r.notes]
+
+
+def begin_after_promotion(cfg: DraftopsConfig, challenger: str, previous_champion: str | None) -> list[DeployResult]:
+    """A promoted challenger's canary; its way back is what the fleet's folder serves (else the previous champion)."""
+    serving = DeployFolder.of(cfg).linked(CURRENT)
+    return begin(cfg, challenger, serving.version if serving is not None else previous_champion)
+
+
+def conclude(cfg: DraftopsConfig, state: dict, passed: bool, figures: dict, reason: str) -> list[DeployResult]:
+    """A judged canary rolled out to every replica (passed) or rolled back."""
+    return promote(cfg, state, figures) if passed else roll_back(cfg, state, figures, reason)
+
+
 def promote(cfg: DraftopsConfig, state: dict, figures: dict) -> list[DeployResult]:
     """The canary passed: the fleet's folder switched to the challenger (the champion), then `passed`."""
     state = save(cfg, {**state, "phase": PROMOTING, "figures": figures or state.get("figures", {})})
