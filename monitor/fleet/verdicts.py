@@ -178,8 +178,8 @@ class FleetReading:
                 "down": self.down}
 
     def summary(self) -> str:
-        if self.error:
-            return f"  engines ({self.source}): {self.error}"
+        if self.verdict == ERROR:  # why is the decision's reason (monitor.check.decision.with_fleet): said once
+            return f"  engines ({self.source}): none read"
         lines = [f"  engines ({self.source}): {self.verdict}, {len(self.replicas)} replica(s)"]
         if self.pooled is not None:
             t = self.pooled

@@ -134,6 +134,7 @@ def test_a_trickling_prometheus_makes_monitor_check_an_error_in_one_line(checked
     reasons = [line.strip() for line in out.splitlines() if line.strip().startswith("reason:")]
     assert reasons == [f"reason: no serving replica could be read (Prometheus at {peer.url}: no whole answer within "
                        f"{DEADLINE} s (monitor.server_timeout))"], out
+    assert out.count("no whole answer") == 1 and "  engines (prometheus): none read" in out, out  # said once
     assert_in_time(peer, ended, rest=CHECK)  # the check goes on without the engine's figures: a tiny one
     assert_lock_free(mlflow_uri)
 
