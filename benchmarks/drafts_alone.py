@@ -11,7 +11,8 @@ new tokens, as `make bench`): `plain`, greedy decoding through the target's comp
 passes compiled, a layer draft's too, a feature draft's own eager), every row taking its turn prompt by prompt
 (`run_interleaved`); the speedup of each draft over `plain` paired over prompts with a bootstrap interval, whether its
 text is `plain`'s on every prompt, its acceptance α̂ and tokens per round τ, and its chains of k = 3 over `plain`'s
-text as vLLM counts them (acceptance at each draft position, mean acceptance length). bench's own rows compare one
+text as vLLM counts them (acceptance at each draft position, mean acceptance length); each row's seconds and tokens
+per prompt. bench's own rows compare one
 draft and a challenger; this script puts any number beside each other without HF's rows.
 """
 from __future__ import annotations
@@ -61,7 +62,9 @@ def run(cfg, target, drafts: dict, prompts: list[list[int]], seed: int, chain_k:
         target.model.parameters()).device)
     texts = {name: [o if isinstance(o, list) else o.token_ids for o in outs] for name, outs in runs.outputs.items()}
     tokens = {name: [len(t) for t in outs] for name, outs in texts.items()}
-    rows = {PLAIN: {"tokens_per_s": sum(tokens[PLAIN]) / sum(runs.seconds[PLAIN])}}
+    # each prompt's seconds and tokens kept, so that an interval pulled wide by a few prompts can be traced to them
+    rows = {PLAIN: {"tokens_per_s": sum(tokens[PLAIN]) / sum(runs.seconds[PLAIN]),
+                    "per_prompt": {"seconds": runs.seconds[PLAIN], "tokens": tokens[PLAIN]}}}
     for name in decoders:
         summary = aggregate_stats([o.stats for o in runs.outputs[name]], ["all"] * len(prompts), seed=seed)
         rows[name] = {"tokens_per_s": sum(tokens[name]) / sum(runs.seconds[name]),
@@ -70,6 +73,7 @@ def run(cfg, target, drafts: dict, prompts: list[list[int]], seed: int, chain_k:
                       "same_text_as_plain": sum(a == b for a, b in zip(texts[name], texts[PLAIN])),
                       "alpha": summary["acceptance_rate"], "tau": summary["tau"],
                       "drafter": decoders[name].drafter.name,
+                      "per_prompt": {"seconds": runs.seconds[name], "tokens": tokens[name]},
                       "chain": text_chains(target, drafts[name], prompts, texts[PLAIN], chain_k, seed)}
     return {"prompts": len(prompts), "rows": rows}
 

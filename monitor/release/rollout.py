@@ -71,10 +71,10 @@ def export_version(cfg: DraftopsConfig, version: str, folder: Path) -> Deploymen
     return read_manifest(folder)
 
 
-def _reload_plan(cfg: DraftopsConfig, root: Path, deployment: Deployment) -> ReloadPlan:
+def _reload_plan(cfg: DraftopsConfig, folder: DeployFolder, deployment: Deployment) -> ReloadPlan:
     """The reload action for `deployment`, built before the switch; DeployError when it cannot be."""
     values = {"path": str(deployment.folder), "file": str(deployment.file), "version": deployment.version,
-              "current": str(root / CURRENT)}
+              "current": str(folder.root / CURRENT)}
     body = {**values, "format": deployment.format, "model": deployment.model}
     try:
         return plan_reload(cfg.monitor.deploy, values, body, f"{deployment.model}-v{deployment.version}")
@@ -119,7 +119,7 @@ def _switch_reload_record(cfg: DraftopsConfig, folder: DeployFolder, result: Dep
     """Plan the reload, write the state (not reloaded), switch, reload, write the state again (reloaded), log the
     run, prune old folders. A reload that fails is logged, then raised as a DeployError."""
     d = result.deployment
-    plan = _reload_plan(cfg, folder.root, d)
+    plan = _reload_plan(cfg, folder, d)
     folder.write_state(state)
     folder.switch(d, result.previous)
     try:
