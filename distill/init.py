@@ -13,7 +13,13 @@ import copy
 import torch
 from transformers import AutoModelForCausalLM
 
-from decode.models.feature_draft import FEATURES, FeatureDraft, default_feature_layers, feature_draft_from_target
+from decode.models.feature_draft import (
+    FEATURES,
+    FeatureDraft,
+    default_feature_layers,
+    feature_draft_from_target,
+    random_feature_draft,
+)
 from decode.models.layer_draft import draft_from_target_layers, reduce_vocabulary
 from decode.serving.speculators import load_speculators, saved_feature_layers
 from pipeline.config import DistillConfig
@@ -57,13 +63,16 @@ def init_draft(cfg: DistillConfig, target, *, token_ids: torch.Tensor | None = N
     With `token_ids`, the head is cut to those rows, taken from the target's head; a checkpoint with a reduced head
     over other ids keeps its rows for the ids both share (`remap_vocabulary`). `tokenizer`: the target's; a checkpoint
     to start from must map text to the same ids (`check_tokenizer_compat`), or its weights mean other tokens.
-    family "features": a `decode.models.feature_draft.FeatureDraft` from the target's weights, or with
-    init=checkpoint from a speculators folder (`feature_draft_from_checkpoint`); init_layers and init_config do not
-    apply to it.
+    family "features": a `decode.models.feature_draft.FeatureDraft` from the target's weights, with init=config from
+    random weights but the target's head rows (`random_feature_draft`, speculators' start), or with init=checkpoint
+    from a speculators folder (`feature_draft_from_checkpoint`); init_layers and init_config do not apply to it.
     """
     if cfg.family == FEATURES:
-        draft = (feature_draft_from_checkpoint(cfg, target, token_ids) if cfg.init == "checkpoint"
-                 else feature_draft_from_target(target, token_ids, norm_before_residual=cfg.norm_before_residual))
+        if cfg.init == "checkpoint":
+            draft = feature_draft_from_checkpoint(cfg, target, token_ids)
+        else:
+            start = random_feature_draft if cfg.init == "config" else feature_draft_from_target
+            draft = start(target, token_ids, norm_before_residual=cfg.norm_before_residual)
         return float32_weights(draft, target).train()
     if cfg.init == "target_layers":
         draft = draft_from_target_layers(target, cfg.init_layers)

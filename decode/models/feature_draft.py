@@ -223,6 +223,27 @@ def feature_draft_from_target(target, token_ids: torch.Tensor | None = None,
     return draft
 
 
+def random_feature_draft(target, token_ids: torch.Tensor | None = None,
+                         feature_layers: tuple[int, ...] | None = None,
+                         norm_before_residual: bool = False) -> FeatureDraft:
+    """A feature draft whose `fc` and decoder layer start from random weights (normal with the target's
+    `initializer_range`, biases 0) and its norms at 1, as speculators' EAGLE-3 heads start; only the head rows are the
+    target's (the embeddings are shared)."""
+    draft = FeatureDraft(target.config, target.get_input_embeddings(), feature_layers=feature_layers,
+                         token_ids=token_ids, norm_before_residual=norm_before_residual).to(
+        device=target.device, dtype=target.dtype)
+    std = getattr(target.config.get_text_config(decoder=True), "initializer_range", 0.02)
+    with torch.no_grad():
+        for module in [draft.fc, *draft.layer.modules()]:
+            if isinstance(module, nn.Linear):
+                module.weight.normal_(0.0, std)
+                if module.bias is not None:
+                    module.bias.zero_()
+        head = target.get_output_embeddings().weight
+        draft.lm_head.weight.copy_(head if token_ids is None else head[token_ids.to(head.device)])
+    return draft
+
+
 @dataclass
 class FeatureState:
     """A feature drafter's state: its cache holds `verified` indices built from target features; `pending` holds the

@@ -30,7 +30,8 @@ class DistillConfig(Section):
     init: Literal["target_layers", "checkpoint", "config"] = Field(
         "target_layers", description="target_layers: copy init_layers + embeddings, norm, head from the target; "
         "checkpoint: start from init_checkpoint (a feature draft: its speculators folder); config: random init from "
-        "the target's config + init_config.")
+        "the target's config + init_config (a feature draft: its layer and fc random, the head rows the target's, "
+        "as speculators starts).")
     init_layers: list[int] = Field([0, 1], min_length=1, description="Target layers the draft starts from.")
     init_checkpoint: str | None = Field(None, description="Model source for init=checkpoint.")
     init_config: dict[str, Any] = Field({}, description="Config overrides for init=config, e.g. num_hidden_layers: 2.")

@@ -163,6 +163,26 @@ def test_a_feature_draft_starts_from_a_saved_one_with_its_loss(feature_target, t
     assert abs(loss - first_step_loss(fresh, target, cfg, token_ids)) > 1e-3
 
 
+def test_a_feature_draft_from_config_starts_random_with_the_targets_head_rows(feature_target):
+    """init=config: speculators' start, the layer and fc drawn at the target's initializer_range, the norms at 1,
+    the head the target's rows; the same seed, the same draft."""
+    target, token_ids = feature_target, torch.tensor([0, 2, 3, 5, 8])
+    cfg = DistillConfig(family="features", init="config")
+    torch.manual_seed(0)
+    draft = init_draft(cfg, target, token_ids=token_ids)
+    torch.manual_seed(0)
+    again = init_draft(cfg, target, token_ids=token_ids)
+    copied = init_draft(DistillConfig(family="features"), target, token_ids=token_ids)
+    assert draft.training and torch.equal(draft.lm_head.weight, target.lm_head.weight[token_ids])
+    for name, value in draft.state_dict().items():
+        assert torch.equal(value, again.state_dict()[name]), name
+    q = draft.layer.self_attn.q_proj.weight
+    assert not torch.equal(q, copied.layer.self_attn.q_proj.weight) and not torch.equal(draft.fc.weight,
+                                                                                          copied.fc.weight)
+    assert float(q.std()) == pytest.approx(target.config.initializer_range, rel=0.2)
+    assert torch.equal(draft.norm.weight, torch.ones_like(draft.norm.weight))
+
+
 def test_a_new_vocabulary_keeps_the_rows_both_heads_share_and_takes_the_targets_for_the_rest(feature_target, tmp_path):
     target = feature_target
     champion = trained(target, torch.tensor([0, 2, 4, 6, 8]))
