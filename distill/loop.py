@@ -68,7 +68,8 @@ def step_batches(cfg: DraftopsConfig, draft, tokenizer, data: TrainingData, indi
         else:
             batches.append(collate(data.train, rows, pad_id=pad_id, token_ids=data.token_ids,
                                    with_teacher=d.teacher == "topk", topk=d.topk,
-                                   with_features=data.train.features is not None))
+                                   with_features=data.train.features is not None,
+                                   with_final=data.train.final_hidden is not None))
     return batches, onpolicy
 
 

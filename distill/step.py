@@ -103,11 +103,27 @@ def step_mask(loss_mask: torch.Tensor, j: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def features_and_teacher(batch: dict, target, layers: tuple[int, ...], device) -> tuple[torch.Tensor, object]:
+def final_teacher(batch: dict, target, token_ids: torch.Tensor | None, device) -> TopKTeacher:
+    """teacher=final: the target's log-probabilities over the draft's vocabulary at every position [B, T, V_draft],
+    rebuilt from its cached final hidden states and log-normalizers; as a top-k teacher whose k columns are the whole
+    draft vocabulary, so its mass on ids the draft cannot emit stays in the tail bucket, never acceptable
+    (`distill.losses.bucket_log_probs`)."""
+    hidden = batch["final"].to(device=device, dtype=target.dtype)
+    rows = None if token_ids is None else token_ids.to(device)
+    logprobs = head_logits(target, hidden, rows).float() - batch["final_log_z"].to(device)[..., None]
+    columns = torch.arange(logprobs.shape[-1], device=device).expand(logprobs.shape)
+    return TopKTeacher(logprobs, columns)
+
+
+@torch.no_grad()
+def features_and_teacher(batch: dict, target, layers: tuple[int, ...], device,
+                         token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
     """The target's features [B, T, len(layers) * H] on the batch (cached in it by `distill.data.features`, else from a
-    target pass), and its teacher [B, T, ...] (the cached top-k when the batch has it, else the target's logits from
-    the same pass)."""
+    target pass), and its teacher [B, T, ...] (the whole distribution rebuilt from cached final states with
+    teacher=final, the cached top-k when the batch has it, else the target's logits from the same pass)."""
     input_ids, attention_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    if "final" in batch and "features" in batch:
+        return batch["features"].to(device), final_teacher(batch, target, token_ids, device)
     if "teacher" in batch and "features" in batch:
         teacher = batch["teacher"]
         return batch["features"].to(device), TopKTeacher(teacher.logprobs.to(device), teacher.indices.to(device))
@@ -134,7 +150,7 @@ def feature_loss_step(model, batch: dict, settings: DistillConfig, *, target, la
     """`loss_step` for a feature draft: the mean over its training-time-test steps of `settings.loss` against the
     teacher, each step's sum divided by `num_tokens` (the global batch's response tokens, as in `loss_step`); with
     `ttt_weighting: reach` each term weighted by the chance that its step is reached (`reach_weights`)."""
-    features, teacher = features_and_teacher(batch, target, layers, device)
+    features, teacher = features_and_teacher(batch, target, layers, device, token_ids)
     loss_mask = batch["loss_mask"].to(device)
     per_step = model(features=features, input_ids=batch["input_ids"].to(device),
                      attention_mask=batch["attention_mask"].to(device), loss_mask=loss_mask)

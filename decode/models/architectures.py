@@ -120,11 +120,16 @@ def llama_layer_weights(layer: torch.nn.Module, config) -> LlamaLayerWeights:
                              norm_gain(before_mlp, text.model_type))
 
 
-def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+def head_logits(model, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """`model`'s logits from its last hidden states [..., H] (after the final norm), as its own forward computes
-    them: the output head, then the family's final scaling (Gemma 2's `final_logit_softcapping`: c·tanh(x/c);
-    Granite's `logits_scaling`: x/s; Cohere's `logit_scale`: x·s)."""
-    logits = model.get_output_embeddings()(hidden)
+    them: the output head (only its `rows`, if given), then the family's final scaling (Gemma 2's
+    `final_logit_softcapping`: c·tanh(x/c); Granite's `logits_scaling`: x/s; Cohere's `logit_scale`: x·s)."""
+    head = model.get_output_embeddings()
+    if rows is None:
+        logits = head(hidden)
+    else:
+        bias = None if head.bias is None else head.bias[rows]
+        logits = torch.nn.functional.linear(hidden, head.weight[rows], bias)
     config = text_config(model.config)
     if (cap := getattr(config, "final_logit_softcapping", None)) is not None:
         logits = torch.tanh(logits / cap) * cap

@@ -40,12 +40,13 @@ def micro_batch(indices: list[int], micro: int, rank: int, num_processes: int, b
 
 
 def collate(responses: ResponseSet, indices: list[int], *, pad_id: int, token_ids: torch.Tensor | None,
-            with_teacher: bool, topk: int, with_features: bool = False) -> dict:
+            with_teacher: bool, topk: int, with_features: bool = False, with_final: bool = False) -> dict:
     """Right-padded batch of prompt+response sequences.
 
     loss_mask[b, j] is True where position j predicts a response token (j = start-1 … len-2); labels hold that next
     token in student columns; teacher (if asked) holds the cached top-k at those positions, ids mapped to columns;
-    features (if asked) the target's cached features at every position (fp32, zeros on padding).
+    features (if asked) the target's cached features at every position (fp32, zeros on padding); final and
+    final_log_z (if asked) its cached final hidden states and log-normalizers there (teacher=final).
     """
     seqs = [responses.prompt_ids[i] + responses.response_ids[i] for i in indices]
     width = max(len(s) for s in seqs)
@@ -75,4 +76,11 @@ def collate(responses: ResponseSet, indices: list[int], *, pad_id: int, token_id
         for row, i in enumerate(indices):
             features[row, : len(seqs[row])] = responses.feature_rows(i).float()
         batch["features"] = features
+    if with_final:
+        final = torch.zeros(len(seqs), width, responses.final_hidden.shape[1])
+        log_z = torch.zeros(len(seqs), width)
+        for row, i in enumerate(indices):
+            hidden, z = responses.final_rows(i)
+            final[row, : len(seqs[row])], log_z[row, : len(seqs[row])] = hidden.float(), z
+        batch["final"], batch["final_log_z"] = final, log_z
     return batch

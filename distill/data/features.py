@@ -6,6 +6,7 @@ Recomputing them on every training step would run the whole target again each st
 layer); one pass over the data, stored fp16 (len(layers) · hidden · 2 bytes a token) and read back by the batches,
 costs that once per data set. The file is keyed by the layers read and the number of responses it covers
 (`features-<layers>-x<n>.safetensors` in the response cache folder) and is replaced whole, like the response cache.
+With teacher=final the target's final hidden states and log-normalizers are cached the same way (`final-x<n>`).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from decode.models.architectures import head_logits
 from decode.runtime.forward import target_features
 from distill.data.responses import ResponseSet
 from pipeline.files import TMP_SUFFIX
@@ -28,29 +30,75 @@ def features_file(cache_dir: Path, layers: tuple[int, ...], n_sequences: int) ->
     return cache_dir / f"features-{'-'.join(map(str, layers))}-x{n_sequences}.safetensors"
 
 
+def final_file(cache_dir: Path, n_sequences: int) -> Path:
+    return cache_dir / f"final-x{n_sequences}.safetensors"
+
+
 @torch.inference_mode()
-def teacher_forced_features(model, sequences: list[list[int]], layers: tuple[int, ...], *, batch_size: int = 16,
-                            progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(features [Σ len, len(layers) · H] fp16 on the CPU, offsets [n + 1]) of every position of every sequence,
-    in the order given; batches of similar lengths, right-padded (causal: padding after a sequence changes nothing
-    before it)."""
+def _teacher_forced(model, sequences: list[list[int]], rows_of, *, batch_size: int, progress: bool,
+                    desc: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows_of(ids, mask) [B, T, F] of every position of every sequence, concatenated in the order given; offsets
+    [n + 1]); batches of similar lengths, right-padded (causal: padding after a sequence changes nothing before it)."""
     device = next(model.parameters()).device
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     rows: dict[int, torch.Tensor] = {}
     batches = [order[b : b + batch_size] for b in range(0, len(order), batch_size)]
-    for batch in tqdm(batches, desc="target features", unit="batch", disable=not progress):
+    for batch in tqdm(batches, desc=desc, unit="batch", disable=not progress):
         width = max(len(sequences[i]) for i in batch)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         mask = torch.zeros(len(batch), width, dtype=torch.long)
         for row, i in enumerate(batch):
             ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
             mask[row, : len(sequences[i])] = 1
-        out = model.model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True)
-        features = target_features(out.hidden_states, layers).half().cpu()
+        values = rows_of(ids.to(device), mask.to(device))
         for row, i in enumerate(batch):
-            rows[i] = features[row, : len(sequences[i])]
+            rows[i] = values[row, : len(sequences[i])]
     lengths = torch.tensor([0] + [len(s) for s in sequences])
     return torch.cat([rows[i] for i in range(len(sequences))]), lengths.cumsum(0)
+
+
+def teacher_forced_features(model, sequences: list[list[int]], layers: tuple[int, ...], *, batch_size: int = 16,
+                            progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(features [Σ len, len(layers) · H] fp16 on the CPU, offsets [n + 1]) of every position of every sequence."""
+    def rows_of(ids, mask):
+        out = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        return target_features(out.hidden_states, layers).half().cpu()
+    return _teacher_forced(model, sequences, rows_of, batch_size=batch_size, progress=progress,
+                           desc="target features")
+
+
+def teacher_forced_final(model, sequences: list[list[int]], *, batch_size: int = 16, progress: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(final hidden states [Σ len, H] fp16, log-normalizers [Σ len] fp32, offsets [n + 1]): what the target's
+    distribution at every position is rebuilt from over any rows of its head (`distill.step.final_teacher`)."""
+    def rows_of(ids, mask):
+        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        # one sequence's [T, V] logits at a time, not the batch's [B, T, V]
+        log_z = torch.stack([torch.logsumexp(head_logits(model, h).float(), -1) for h in hidden])
+        return torch.cat([hidden.float(), log_z[..., None]], -1).cpu()
+    rows, offsets = _teacher_forced(model, sequences, rows_of, batch_size=batch_size, progress=progress,
+                                    desc="target final states")
+    return rows[:, :-1].half(), rows[:, -1].contiguous(), offsets
+
+
+def _read_cache(path: Path, offsets: list[int]) -> dict[str, torch.Tensor] | None:
+    """The cached tensors at `path` when they cover these sequences; None (a warning when there was a file) else."""
+    if not path.exists():
+        return None
+    try:
+        saved = load_file(str(path))
+        if saved["offsets"].tolist() == offsets:
+            return saved
+        log.warning("%s does not fit these responses; computed again", path)
+    except Exception as exc:  # a damaged file: computed again
+        log.warning("damaged cache %s (%s); computed again", path, exc)
+    return None
+
+
+def _write_cache(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    tmp = path.with_name(f"{path.name}{TMP_SUFFIX}{os.getpid()}")  # renamed into place: never half a file
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    os.replace(tmp, path)
 
 
 def cached_features(model, responses: ResponseSet, cache_dir: Path, layers: tuple[int, ...], *,
@@ -61,22 +109,28 @@ def cached_features(model, responses: ResponseSet, cache_dir: Path, layers: tupl
     (features, offsets, whether from the cache)."""
     sequences = [p + r for p, r in zip(responses.prompt_ids, responses.response_ids)]
     path = features_file(cache_dir, layers, len(sequences))
-    lengths = [0] + [len(s) for s in sequences]
-    recorded = (responses.features is not None
-                and responses.feature_offsets.tolist() == torch.tensor(lengths).cumsum(0).tolist())
-    if path.exists():
-        try:
-            saved = load_file(str(path))
-            if saved["offsets"].tolist() == torch.tensor(lengths).cumsum(0).tolist():
-                return saved["features"], saved["offsets"], True
-            log.warning("%s does not fit these responses; computed again", path)
-        except Exception as exc:  # a damaged file: computed again
-            log.warning("damaged feature cache %s (%s); computed again", path, exc)
-    if recorded:
+    offsets = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0).tolist()
+    saved = _read_cache(path, offsets)
+    if saved is not None:
+        return saved["features"], saved["offsets"], True
+    if responses.features is not None and responses.feature_offsets.tolist() == offsets:
         features, offsets = responses.features, responses.feature_offsets
     else:
         features, offsets = teacher_forced_features(model, sequences, layers, progress=progress)
-    tmp = path.with_name(f"{path.name}{TMP_SUFFIX}{os.getpid()}")  # renamed into place: never half a file
-    save_file({"features": features.contiguous(), "offsets": offsets}, str(tmp))
-    os.replace(tmp, path)
+    _write_cache(path, {"features": features, "offsets": offsets})
     return features, offsets, False
+
+
+def cached_final(model, responses: ResponseSet, cache_dir: Path, *, progress: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """`teacher_forced_final` of the responses' sequences, cached as the features are. Returns (final hidden
+    states, log-normalizers, whether from the cache)."""
+    sequences = [p + r for p, r in zip(responses.prompt_ids, responses.response_ids)]
+    path = final_file(cache_dir, len(sequences))
+    offsets = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0).tolist()
+    saved = _read_cache(path, offsets)
+    if saved is not None:
+        return saved["hidden"], saved["log_z"], True
+    hidden, log_z, offsets = teacher_forced_final(model, sequences, progress=progress)
+    _write_cache(path, {"hidden": hidden, "log_z": log_z, "offsets": offsets})
+    return hidden, log_z, False

@@ -14,7 +14,7 @@ from accelerate import PartialState
 
 from decode.models.feature_draft import FEATURES
 from decode.models.layer_draft import frequent_token_ids
-from distill.data.features import cached_features
+from distill.data.features import cached_features, cached_final
 from distill.data.generation.generate import engine_cached_responses
 from distill.data.recorded import check_served_by, recorded_responses
 from distill.data.responses import ResponseSet, cached_responses, check_teacher, generation_model
@@ -100,6 +100,12 @@ def prepare_data(cfg: DraftopsConfig, state: PartialState, target, timings: Timi
         size = train.features.numel() * train.features.element_size() / 2**20
         how = "from the cache" if hit else "recorded as the target generated" if recorded else "computed"
         state.print(f"draftops distill: target features of layers {list(layers)} ({size:.0f} MiB fp16) {how}")
+        if d.teacher == "final":  # the whole-distribution teacher, rebuilt per batch (`distill.step.final_teacher`)
+            with timings.measure("target_final_states"), state.main_process_first():
+                train.final_hidden, train.final_log_z, hit = cached_final(
+                    target.model, train, train_dir, progress=state.is_local_main_process)
+            state.print(f"draftops distill: target final states for the teacher "
+                        f"{'from the cache' if hit else 'computed'}")
     token_ids = None
     if d.draft_vocab_size:
         token_ids = frequent_token_ids(train.response_ids, d.draft_vocab_size, target.tokenizer.all_special_ids)

@@ -51,6 +51,10 @@ class ResponseSet:
     # a feature draft's inputs (`distill.data.features`): flat [Σ len(prompt + response), F] with `feature_offsets`
     features: torch.Tensor | None = None
     feature_offsets: torch.Tensor | None = None
+    # teacher=final (`distill.data.features.cached_final`): the target's final hidden states [Σ len, H] and each
+    # position's log-normalizer over its whole vocabulary [Σ len], at the same offsets as the features
+    final_hidden: torch.Tensor | None = None
+    final_log_z: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -61,6 +65,10 @@ class ResponseSet:
 
     def feature_rows(self, i: int) -> torch.Tensor:
         return self.features[int(self.feature_offsets[i]) : int(self.feature_offsets[i + 1])]
+
+    def final_rows(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        begin, end = int(self.feature_offsets[i]), int(self.feature_offsets[i + 1])
+        return self.final_hidden[begin:end], self.final_log_z[begin:end]
 
     @property
     def num_response_tokens(self) -> int:

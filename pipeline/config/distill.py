@@ -62,9 +62,11 @@ class DistillConfig(Section):
     responses: ResponsesConfig = Field(ResponsesConfig(), description=(
         "Where the training responses and their top-k teacher come from: the built-in generator or inference "
         "servers (docs/engines.md)."))
-    teacher: Literal["topk", "online"] = Field(
+    teacher: Literal["topk", "online", "final"] = Field(
         "topk", description="topk: cache the target's top-k log-probs while it generates; online: run the target "
-        "on every training batch.")
+        "on every training batch; final (feature drafts): the target's whole distribution over the draft vocabulary "
+        "(its mass elsewhere one bucket), from its final hidden states and log-normalizers cached beside the features "
+        "by one more pass over the data.")
     topk: int = Field(64, ge=1, description="Teacher log-probs kept per response token (fp16 + int32 ids).")
     onpolicy_fraction: float = Field(
         0.0, ge=0.0, le=1.0, description="Share of steps trained on continuations sampled from the current draft, "
@@ -141,6 +143,8 @@ class DistillConfig(Section):
         if self.family == "features" and self.onpolicy_fraction > 0:
             raise ValueError("distill.onpolicy_fraction applies to family 'layers': a feature draft cannot generate "
                              "continuations without the target's features")
+        if self.family != "features" and self.teacher == "final":
+            raise ValueError("distill.teacher=final applies to family 'features': it is cached beside the features")
         return self
 
 

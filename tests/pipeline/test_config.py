@@ -92,3 +92,9 @@ def test_each_family_trains_with_its_measured_best_objective_unless_set():
     assert (layers.loss, layers.ttt_weighting) == ("forward_kl", "uniform")
     assert (features.loss, features.ttt_weighting) == ("kl_tv", "reach")
     assert (chosen.loss, chosen.ttt_weighting) == ("forward_kl", "uniform")
+
+
+def test_the_final_states_teacher_is_a_feature_drafts_alone():
+    assert load_config(None, ["distill.family=features", "distill.teacher=final"]).distill.teacher == "final"
+    with pytest.raises(ConfigError, match="teacher=final applies to family 'features'"):
+        load_config(None, ["distill.teacher=final"])

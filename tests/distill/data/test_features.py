@@ -3,7 +3,7 @@ job reads them back; a file that does not fit the responses is computed again.""
 import torch
 
 from decode.runtime.forward import target_features
-from distill.data.features import cached_features, features_file, teacher_forced_features
+from distill.data.features import cached_features, cached_final, features_file, teacher_forced_features
 from distill.data.responses import ResponseSet
 from tests.conftest import make_tiny_model
 
@@ -55,3 +55,32 @@ def test_features_recorded_as_the_target_generates_are_kept_without_a_teacher_fo
     again, _, all_cached = cached_responses(model, make_tokenizer(), "fp", requests, prompts, capture=LAYERS, **kw)
     assert all_cached and again.features is None
     assert torch.equal(cached_features(model, again, cache_dir, LAYERS)[0], features)
+
+
+def test_cached_final_states_rebuild_the_targets_whole_distribution_over_any_head_rows(tmp_path):
+    """teacher=final: the cached final states and log-normalizers, through the batch, give the target's own
+    log-probabilities at every position over a reduced vocabulary, and its mass on the other ids in the tail."""
+    from distill.data.batches import collate
+    from distill.losses import bucket_log_probs
+    from distill.step import final_teacher
+
+    model = make_tiny_model(40, seed=2, layers=4)
+    responses = ResponseSet(["a", "b"], [[1, 5, 9], [1, 8]], [[7, 2], [3, 4, 6]])
+    hidden, log_z, hit = cached_final(model, responses, tmp_path)
+    assert not hit and hidden.dtype == torch.float16 and log_z.shape == (10,)
+    again, _, hit = cached_final(model, responses, tmp_path)
+    assert hit and torch.equal(again, hidden)
+    responses.final_hidden, responses.final_log_z = hidden, log_z
+    responses.feature_offsets = torch.tensor([0, 5, 10])
+    token_ids = torch.tensor([0, 2, 3, 7, 9, 11])
+    batch = collate(responses, [0, 1], pad_id=0, token_ids=token_ids, with_teacher=False, topk=4, with_final=True)
+    teacher = final_teacher(batch, model, token_ids, "cpu")
+    for row, seq in enumerate([[1, 5, 9, 7, 2], [1, 8, 3, 4, 6]]):
+        full = torch.log_softmax(model(torch.tensor([seq])).logits[0].float(), -1)
+        torch.testing.assert_close(teacher.logprobs[row], full[:, token_ids], atol=5e-3, rtol=5e-3)
+    mask = batch["loss_mask"]
+    log_p, _ = bucket_log_probs(torch.zeros(int(mask.sum()), len(token_ids)), teacher[mask])
+    outside = torch.ones(40, dtype=torch.bool)
+    outside[token_ids] = False
+    full = torch.log_softmax(model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float(), -1)
+    torch.testing.assert_close(log_p[:, -1].exp(), full[mask][:, outside].exp().sum(-1), atol=5e-3, rtol=5e-3)
