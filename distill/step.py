@@ -104,15 +104,17 @@ def step_mask(loss_mask: torch.Tensor, j: int) -> torch.Tensor:
 
 @torch.no_grad()
 def final_teacher(batch: dict, target, token_ids: torch.Tensor | None, device) -> TopKTeacher:
-    """teacher=final: the target's log-probabilities over the draft's vocabulary at every position [B, T, V_draft],
-    rebuilt from its cached final hidden states and log-normalizers; as a top-k teacher whose k columns are the whole
-    draft vocabulary, so its mass on ids the draft cannot emit stays in the tail bucket, never acceptable
-    (`distill.losses.bucket_log_probs`)."""
-    hidden = batch["final"].to(device=device, dtype=target.dtype)
+    """teacher=final: the target's log-probabilities over the draft's vocabulary [B, T, V_draft] at the response
+    positions (elsewhere -inf, never read), rebuilt from its cached final hidden states and log-normalizers; as a
+    top-k teacher whose k columns are the whole draft vocabulary, so its mass on ids the draft cannot emit stays in
+    the tail bucket, never acceptable (`distill.losses.bucket_log_probs`)."""
+    scored = batch["loss_mask"].to(device)  # step j reads the teacher at these positions alone (`shifted`, `step_mask`)
+    hidden = batch["final"].to(device)[scored].to(target.dtype)
     rows = None if token_ids is None else token_ids.to(device)
-    logprobs = head_logits(target, hidden, rows).float() - batch["final_log_z"].to(device)[..., None]
-    columns = torch.arange(logprobs.shape[-1], device=device).expand(logprobs.shape)
-    return TopKTeacher(logprobs, columns)
+    scores = head_logits(target, hidden, rows).float() - batch["final_log_z"].to(device)[scored][:, None]
+    logprobs = scores.new_full((*scored.shape, scores.shape[-1]), float("-inf"))
+    logprobs[scored] = scores
+    return TopKTeacher(logprobs, torch.arange(scores.shape[-1], device=device).expand(logprobs.shape))
 
 
 @torch.no_grad()

@@ -75,10 +75,11 @@ def test_cached_final_states_rebuild_the_targets_whole_distribution_over_any_hea
     token_ids = torch.tensor([0, 2, 3, 7, 9, 11])
     batch = collate(responses, [0, 1], pad_id=0, token_ids=token_ids, with_teacher=False, topk=4, with_final=True)
     teacher = final_teacher(batch, model, token_ids, "cpu")
+    mask = batch["loss_mask"]  # the response positions, the only ones a step reads
     for row, seq in enumerate([[1, 5, 9, 7, 2], [1, 8, 3, 4, 6]]):
         full = torch.log_softmax(model(torch.tensor([seq])).logits[0].float(), -1)
-        torch.testing.assert_close(teacher.logprobs[row], full[:, token_ids], atol=5e-3, rtol=5e-3)
-    mask = batch["loss_mask"]
+        torch.testing.assert_close(teacher.logprobs[row][mask[row]], full[mask[row]][:, token_ids], atol=5e-3,
+                                   rtol=5e-3)
     log_p, _ = bucket_log_probs(torch.zeros(int(mask.sum()), len(token_ids)), teacher[mask])
     outside = torch.ones(40, dtype=torch.bool)
     outside[token_ids] = False
