@@ -1,4 +1,4 @@
-"""The on-policy stage: a layer draft trained on its own chains of k tokens, scored by the target.
+"""The on-policy stage: a draft trained on its own chains of k tokens, scored by the target.
 
 From every response position i of a training row (the last verified token), the draft proposes a chain d(i, 1..k) as
 the decoder does: greedily on even rows, sampled on odd ones. The chains are laid out after the row, one level per
@@ -6,7 +6,7 @@ chain depth, under a tree mask: a level-j node of start i sits at position i + j
 chain before it. One target pass over the layout scores every node against the target's distribution given the
 draft's own tokens, and one draft pass trains on them; node (j, i) counts with the chance that the chain reaches it,
 the product of its chain's earlier acceptances (detached). The training-time test of EAGLE, for a draft that reads
-tokens.
+tokens; a feature draft's chains are its unroll fed its own proposals (`propose_features`).
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from decode.models.architectures import head_logits
+from decode.models.feature_draft import FeatureDraft, window_start
 from decode.runtime.masks import FULL, layer_windows
 from distill.losses import acceptance_rate, distillation_loss
 from pipeline.config import DistillConfig
@@ -106,6 +107,42 @@ def propose(draft, chains: ChainLayout, token_ids: torch.Tensor | None, temperat
         chains.input_ids[:, t + (j - 1) * s : t + j * s] = tokens
 
 
+def start_offsets(chains: ChainLayout, first: torch.Tensor) -> torch.Tensor:
+    """[B, S]: each chain start p's index in a feature draft's unroll window from `first`: its step j at index p − 1
+    proposes the (j + 1)-th token past p (`FeatureDraft.unroll`: index i predicts token i + 2 + j)."""
+    return (chains.starts - 1 - first[:, None]).clamp(min=0)
+
+
+@torch.no_grad()
+def propose_features(draft: FeatureDraft, batch: dict, chains: ChainLayout, token_ids: torch.Tensor | None,
+                     temperature: float, generator: torch.Generator) -> torch.Tensor:
+    """`propose` for a feature draft: its unroll from every index, each step fed the draft's own proposal of the step
+    before (argmax on even rows, a sample at `temperature` on odd rows) where training feeds the response's token.
+    Fills the layout's chain tokens; returns the tokens fed to steps 1..k − 1 [k − 1, B, R], which training feeds
+    again (`distill.step.FeatureStepLogits`)."""
+    b, k, s = chains.nodes.shape
+    t = chains.input_ids.shape[1] - (k - 1) * s
+    device = chains.input_ids.device
+    first = window_start(batch["loss_mask"].to(device), k)
+    offsets = start_offsets(chains, first)
+    sampled_rows = (torch.arange(b, device=device) % 2 == 1)[:, None]
+    fed = []
+
+    def own(j: int, hidden: torch.Tensor) -> torch.Tensor:
+        logits = draft.logits(hidden).float()  # [B, R, V_draft]
+        draws = torch.multinomial(torch.softmax(logits / temperature, -1).flatten(0, 1).cpu(), 1, generator=generator)
+        columns = torch.where(sampled_rows, draws.view(logits.shape[:2]).to(device), logits.argmax(-1))
+        tokens = columns if token_ids is None else token_ids.to(device)[columns]
+        at_starts = tokens.gather(1, offsets.clamp(max=tokens.shape[1] - 1))
+        chains.input_ids[:, t + (j - 1) * s : t + j * s] = at_starts
+        fed.append(tokens)
+        return tokens
+
+    draft.unroll(batch["features"].to(device), batch["input_ids"].to(device), batch["attention_mask"].to(device), k,
+                 first=first, fed=own)
+    return torch.stack(fed)
+
+
 def chain_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, chains: ChainLayout, d: DistillConfig, *,
                token_ids: torch.Tensor | None, num_tokens: int | torch.Tensor) -> torch.Tensor:
     """`d.loss` at every valid node, each weighted by the chance its chain reaches it, over `num_tokens`.
@@ -125,15 +162,20 @@ def valid_logits(model, chains: ChainLayout) -> torch.Tensor:
 
 
 def chain_batch(batch: dict, draft, d: DistillConfig, token_ids: torch.Tensor | None, seed: int) -> dict:
-    """A collated batch with the draft's chains of `d.onpolicy_k` laid out after every row (`batch["chains"]`)."""
+    """A collated batch with the draft's chains of `d.onpolicy_k` laid out after every row (`batch["chains"]`); for a
+    feature draft (its batch carries the target's features) also the tokens its steps were fed (`batch["fed"]`)."""
     check_attention(draft.config)
     device = next(draft.parameters()).device
-    dtype = draft.get_input_embeddings().weight.dtype
+    dtype = draft.get_input_embeddings().weight.dtype  # the target's: a feature draft shares its embeddings
     chains = layout(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], d.onpolicy_k, dtype).to(device)
+    generator = torch.Generator().manual_seed(seed)
     was_training = draft.training
     draft.eval()
     try:
-        propose(draft, chains, token_ids, d.onpolicy_temperature, torch.Generator().manual_seed(seed))
+        if isinstance(draft, FeatureDraft):
+            fed = propose_features(draft, batch, chains, token_ids, d.onpolicy_temperature, generator)
+            return {**batch, "chains": chains, "fed": fed}
+        propose(draft, chains, token_ids, d.onpolicy_temperature, generator)
     finally:
         draft.train(was_training)
     return {**batch, "chains": chains}

@@ -56,7 +56,8 @@ def step_batches(cfg: DraftopsConfig, draft, tokenizer, data: TrainingData, indi
     for micro in range(d.grad_accum):
         rows = micro_batch(indices, micro, rank, num_processes, d.batch_size)
         if chain_stage:
-            batch = collate(data.train, rows, pad_id=pad_id, token_ids=data.token_ids, with_teacher=False, topk=d.topk)
+            batch = collate(data.train, rows, pad_id=pad_id, token_ids=data.token_ids, with_teacher=False, topk=d.topk,
+                            with_features=data.train.features is not None)
             batches.append(chain_batch(batch, draft, d, data.token_ids, seed=cfg.seed * 1_000_003 + step * 97 + micro))
         elif onpolicy:
             sampled = draft_continuations(
@@ -129,7 +130,7 @@ def optimizer_step(d: DistillConfig, accelerator, prepared: Prepared, target, dr
         with nullcontext() if micro == d.grad_accum - 1 else accelerator.no_sync(model):
             if "chains" in batch:
                 loss = chain_loss_step(model, batch, d, target=target, num_tokens=global_tokens,
-                                       token_ids=data.token_ids)
+                                       token_ids=data.token_ids, device=accelerator.device)
             elif d.family == "features":
                 loss = feature_loss_step(model, batch, d, target=target, layers=draft.feature_layers,
                                          num_tokens=global_tokens, token_ids=data.token_ids, device=accelerator.device)

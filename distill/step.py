@@ -10,7 +10,7 @@ import torch
 from decode.models.architectures import head_logits
 from decode.models.feature_draft import FEATURES, FeatureDraft, window_start
 from decode.runtime.forward import target_features
-from distill.chains import ChainLayout, chain_loss, valid_logits
+from distill.chains import ChainLayout, chain_loss, check_attention, start_offsets, valid_logits
 from distill.losses import TopKTeacher, acceptance_rate, distillation_loss, reach_weights
 from pipeline.config import DistillConfig
 
@@ -66,13 +66,20 @@ def loss_step(model, batch: dict, settings: DistillConfig, *, num_tokens: int | 
 
 
 def chain_loss_step(model, batch: dict, settings: DistillConfig, *, target, num_tokens: int | torch.Tensor,
-                    token_ids: torch.Tensor | None) -> torch.Tensor:
+                    token_ids: torch.Tensor | None, device: torch.device | str) -> torch.Tensor:
     """`loss_step` for the on-policy stage: the draft's own chains in `batch["chains"]`, scored by `target` at each
-    node (`distill.chains.chain_loss`)."""
+    node (`distill.chains.chain_loss`); a feature draft's unroll is fed again the tokens it proposed
+    (`batch["fed"]`)."""
     chains = batch["chains"]
+    check_attention(target.config)  # one full-attention mask over the layout
     with torch.no_grad():
         target_logits = valid_logits(target, chains)
-    logits = model(input_ids=None, attention_mask=None, loss_mask=None, chains=chains)
+    if "fed" in batch:
+        logits = model(features=batch["features"].to(device), input_ids=batch["input_ids"].to(device),
+                       attention_mask=batch["attention_mask"].to(device), loss_mask=batch["loss_mask"].to(device),
+                       chains=chains, fed=batch["fed"])
+    else:
+        logits = model(input_ids=None, attention_mask=None, loss_mask=None, chains=chains)
     return chain_loss(logits, target_logits, chains, settings, token_ids=token_ids, num_tokens=num_tokens)
 
 
@@ -86,8 +93,12 @@ class FeatureStepLogits(torch.nn.Module):
         super().__init__()
         self.draft, self.steps = draft, steps
 
-    def forward(self, features, input_ids, attention_mask, loss_mask, steps: int | None = None) -> list[torch.Tensor]:
-        """steps: how many steps to unroll (default: the training's)."""
+    def forward(self, features, input_ids, attention_mask, loss_mask, steps: int | None = None,
+                chains: ChainLayout | None = None, fed: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """steps: how many steps to unroll (default: the training's). chains, fed: the on-policy stage's layout and
+        the tokens its steps were fed (`distill.chains.propose_features`); then the logits at its valid nodes."""
+        if chains is not None:
+            return self.chain_logits(features, input_ids, attention_mask, loss_mask, chains, fed)
         steps = steps or self.steps
         first = window_start(loss_mask, steps)
         outputs = self.draft.unroll(features, input_ids, attention_mask, steps, first=first)
@@ -95,6 +106,18 @@ class FeatureStepLogits(torch.nn.Module):
         scored = torch.cat([loss_mask, loss_mask.new_zeros(loss_mask.shape[0], 1)], dim=1)  # last column: none
         return [self.draft.logits(hidden[scored.gather(1, (window + 1 + j).clamp(max=scored.shape[1] - 1))])
                 for j, hidden in enumerate(outputs)]
+
+
+    def chain_logits(self, features, input_ids, attention_mask, loss_mask, chains: ChainLayout,
+                     fed: torch.Tensor) -> torch.Tensor:
+        """[N, V_draft] at the layout's valid nodes, in `chains.valid` order: node (j, p) is step j at index p − 1."""
+        k = chains.nodes.shape[1]
+        first = window_start(loss_mask, k)
+        outputs = self.draft.unroll(features, input_ids, attention_mask, k, first=first, fed=lambda j, _: fed[j - 1])
+        hidden = torch.stack(outputs, 1)  # [B, k, R, H]
+        offsets = start_offsets(chains, first).clamp(max=hidden.shape[2] - 1)
+        at_nodes = hidden.gather(2, offsets[:, None, :, None].expand(-1, k, -1, hidden.shape[-1]))
+        return self.draft.logits(at_nodes[chains.valid])
 
 
 def step_mask(loss_mask: torch.Tensor, j: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ needs the target's features at every pass: `FeatureDrafter` asks the decoder for
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -144,7 +145,8 @@ class FeatureDraft(nn.Module):
         return self.finish(q, cache.keys[0][:, :, :end], cache.values[0][:, :, :end], mask, residual)[0]
 
     def unroll(self, features: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-               steps: int, first: torch.Tensor | None = None) -> list[torch.Tensor]:
+               steps: int, first: torch.Tensor | None = None,
+               fed: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Training-time test over whole right-padded sequences: features [B, T, 3H] (the target's, at every
         position), input_ids and attention_mask [B, T] -> per step j the output hidden [B, R, H] at indices
         first[b] .. first[b] + R - 1 (R: the longest row's tokens from its `first` on; default first 0: every
@@ -155,7 +157,8 @@ class FeatureDraft(nn.Module):
         Every index still feeds step 0's keys and values (later indices attend to them); only the indices from
         `first` on run attention and MLP and are unrolled further: training starts them a few indices before the
         response (`window_start`), since prompt indices are never scored. Indices past a row's end (its padding, or
-        past T) give outputs to ignore."""
+        past T) give outputs to ignore. fed(j, hidden): the tokens [B, R] fed to step j >= 1 at the window's indices,
+        given step j - 1's output (the on-policy stage feeds the draft's own proposals); default the sequence's own."""
         b, n = input_ids.shape
         device = input_ids.device
         first = torch.zeros(b, dtype=torch.long, device=device) if first is None else first.to(device)
@@ -174,7 +177,7 @@ class FeatureDraft(nn.Module):
         hidden = self.finish(q, k, v, causal[:, None], residual)
         outputs = [hidden]
         for j in range(1, steps):
-            tokens = padded.gather(1, (window + 1 + j).clamp(max=n + steps - 1))
+            tokens = padded.gather(1, (window + 1 + j).clamp(max=n + steps - 1)) if fed is None else fed(j, hidden)
             q, k, v, residual = self.project(hidden, tokens, window + 1 + j)
             keys.append(k)
             values.append(v)

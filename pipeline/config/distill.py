@@ -73,7 +73,7 @@ class DistillConfig(Section):
         "scored by the target online.")
     onpolicy_temperature: float = Field(1.0, gt=0.0, description="Temperature of the draft's sampled proposals.")
     onpolicy_steps: int = Field(
-        0, ge=0, description="layers only: optimizer steps after the epochs on the draft's own chains of onpolicy_k "
+        0, ge=0, description="Optimizer steps after the epochs on the draft's own chains of onpolicy_k "
         "tokens from every response position (greedy and sampled), scored by the target and weighted by the chance "
         "of being reached (docs/concepts.md#training-for-acceptance).")
     onpolicy_k: int = Field(3, ge=2, le=8, description="The chains' length in the on-policy stage.")
@@ -137,9 +137,6 @@ class DistillConfig(Section):
 
     @model_validator(mode="after")
     def _features_train_on_target_responses(self) -> DistillConfig:
-        if self.family == "features" and self.onpolicy_steps > 0:
-            raise ValueError("distill.onpolicy_steps applies to family 'layers': a feature draft's training-time test "
-                             "already unrolls its own steps")
         if self.family == "features" and self.onpolicy_fraction > 0:
             raise ValueError("distill.onpolicy_fraction applies to family 'layers': a feature draft cannot generate "
                              "continuations without the target's features")

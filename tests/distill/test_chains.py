@@ -3,9 +3,12 @@ its chains are the draft's own proposals."""
 import torch
 
 from decode.models.architectures import head_logits
+from decode.runtime.forward import target_features
 from distill.chains import chain_batch, chain_loss, layout, node_hidden, propose, valid_logits
+from distill.step import FeatureStepLogits
 from pipeline.config import DistillConfig
 from tests.conftest import make_tiny_model
+from tests.decode.models.test_feature_draft import make_feature_draft
 
 K = 3
 
@@ -83,3 +86,43 @@ def test_chain_loss_weights_each_node_by_its_chains_reach():
     reach[:, 2] = grid[:, 0] * grid[:, 1]
     expected = (-(alpha + 1e-3).log() * reach[chains.valid]).sum() / 4
     assert abs(loss.item() - expected.item()) < 1e-5
+
+
+def test_a_feature_drafts_chains_are_what_decoding_proposes_and_training_scores_what_decoding_computes():
+    """A feature draft's chains: on the greedy row, each start's chain is what decoding proposes past that verified
+    prefix (its steps fed its own tokens); the training forward's logits at every node are decoding's there; the
+    sampled row repeats for a seed; the reach-weighted loss trains the draft."""
+    target = make_tiny_model(40, seed=3, layers=4)
+    draft = make_feature_draft(target)
+    batch = a_batch()
+    with torch.no_grad():
+        hidden_states = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                               output_hidden_states=True).hidden_states
+    features = target_features(hidden_states, draft.feature_layers)
+    batch = {**batch, "features": features}
+    made = chain_batch(batch, draft, DistillConfig(onpolicy_k=K), None, seed=7)
+    chains, fed = made["chains"], made["fed"]
+    again = chain_batch(batch, draft, DistillConfig(onpolicy_k=K), None, seed=7)
+    assert torch.equal(again["chains"].input_ids, chains.input_ids) and torch.equal(again["fed"], fed)
+    logits = FeatureStepLogits(draft, K)(features, batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
+                                         chains=chains, fed=fed)
+    row = torch.full(chains.valid.shape, -1)
+    row[chains.valid] = torch.arange(len(logits))
+    t, seq = batch["input_ids"].shape[1], batch["input_ids"][0]
+    with torch.no_grad():
+        for s in range(3):
+            p = int(chains.starts[0, s])
+            text = chain_text(chains, 0, s, t)
+            cache = draft.new_cache()  # decoding past the verified prefix seq[: p + 1], as `FeatureDrafter` does
+            out = draft.step(draft.fuse(features[0, :p]), seq[1 : p + 1], cache, 0, torch.arange(1, p + 1))[-1:]
+            for j in range(K):
+                if chains.valid[0, j, s]:
+                    torch.testing.assert_close(logits[row[0, j, s]], draft.logits(out)[0], atol=1e-5, rtol=1e-5)
+                if j + 1 < K:
+                    proposed = int(draft.logits(out)[0].argmax())
+                    assert text[p + 1 + j] == proposed
+                    out = draft.step(out, torch.tensor([proposed]), cache, p + j, torch.tensor([p + 1 + j]))
+    teacher = valid_logits(target, chains).detach()
+    loss = chain_loss(logits, teacher, chains, DistillConfig(loss="kl_tv"), token_ids=None, num_tokens=4)
+    loss.backward()
+    assert torch.isfinite(loss) and draft.fc.weight.grad.abs().sum() > 0
