@@ -184,7 +184,6 @@ def log_step(cfg: DraftopsConfig, state: dict, figures: dict) -> str:
 
     tags = {M.MONITOR_DECISION_TAG: f"CANARY_{state['phase'].upper()}", M.DEPLOY_VERSION_TAG: state["version"],
             M.MONITOR_CHAMPION_VERSION_TAG: state["version"], M.REGISTERED_MODEL_TAG: cfg.tracking.registered_model}
-    setup_mlflow(cfg)
     with start_run(cfg, "monitor", run_name=f"canary-{state['phase']}", tags=tags) as run:
         mlflow.log_params({"canary.version": state["version"], "canary.previous": state.get("previous"),
                            "canary.replicas": ",".join(state["replicas"]), "canary.windows": state["windows"]})
