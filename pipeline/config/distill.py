@@ -10,8 +10,16 @@ from pipeline.config.engine import ResponsesConfig
 
 # the objectives `distill.losses.distillation_loss` computes; "ce": hard labels only (the baseline)
 LossName = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "argmax_ce", "ce", "log_acceptance", "kl_tv"]
-# each family's objective when `distill.loss` is unset: the best of docs/results.md's ablation on the default job
-FAMILY_LOSS = {"layers": "forward_kl", "features": "kl_tv"}
+# What each family trains with where a key is unset: the best of docs/results.md's ablation on the default job. A
+# layer draft keeps the fields' own defaults; a feature draft starts as speculators' EAGLE-3 head does (random layer,
+# the target's head rows frozen, norm before the residual, Muon + AdamW at 1e-3 on a linear schedule) and trains for
+# acceptance (kl_tv, each unrolled step weighted by its reach).
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "layers": {"loss": "forward_kl", "ttt_weighting": "uniform"},
+    "features": {"loss": "kl_tv", "ttt_weighting": "reach", "init": "config", "train_head": False,
+                 "norm_before_residual": True, "optimizer": "muon", "learning_rate": 1e-3, "lr_schedule": "linear",
+                 "warmup_steps": 5, "min_lr_ratio": 0.0, "weight_decay": 0.01},
+}
 
 
 class DistillConfig(Section):
@@ -28,7 +36,8 @@ class DistillConfig(Section):
                            "test), each fed the draft's own previous output.")
     # draft initialization
     init: Literal["target_layers", "checkpoint", "config"] = Field(
-        "target_layers", description="target_layers: copy init_layers + embeddings, norm, head from the target; "
+        "target_layers", description="target_layers (features: config): copy init_layers + embeddings, norm, head "
+        "from the target; "
         "checkpoint: start from init_checkpoint (a feature draft: its speculators folder); config: random init from "
         "the target's config + init_config (a feature draft: its layer and fc random, the head rows the target's, "
         "as speculators starts).")
@@ -41,10 +50,10 @@ class DistillConfig(Section):
     train_embeddings: bool = Field(
         False, description="Also train the input embeddings (always, when tied to the head).")
     train_head: bool = Field(
-        True, description="Train the head's rows; false keeps the target's (speculators freezes them).")
+        True, description="Train the head's rows; false (features' default) keeps the target's, as speculators does.")
     norm_before_residual: bool = Field(
-        False, description="features only: the draft layer adds its attention output to the normed features rather "
-        "than the raw ones (speculators' EAGLE-3 default).")
+        False, description="features only (their default: true): the draft layer adds its attention output to the "
+        "normed features rather than the raw ones (speculators' EAGLE-3 default).")
     # data
     train_prompts: int = Field(0, ge=0, description="Train-split prompts used; 0: all of them.")
     responses_per_prompt: int = Field(
@@ -96,8 +105,9 @@ class DistillConfig(Section):
     batch_size: int = Field(16, ge=1, description="Sequences per process per micro-batch.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     optimizer: Literal["adamw", "muon"] = Field(
-        "adamw", description="adamw: AdamW over every trained parameter; muon: Muon over the draft layers' weight "
-        "matrices and AdamW over the rest (embeddings, head, norms), both at learning_rate.")
+        "adamw", description="adamw: AdamW over every trained parameter; muon (features' default, with lr 1e-3 on a "
+        "linear schedule to 0 after 5 warmup steps, weight decay 0.01): Muon over the draft layers' weight matrices "
+        "and AdamW over the rest (embeddings, head, norms), both at learning_rate.")
     lr_schedule: Literal["cosine", "linear"] = Field(
         "cosine", description="After warmup_steps, the decay to min_lr_ratio · learning_rate.")
     learning_rate: float = Field(3e-3, gt=0.0)
@@ -119,14 +129,13 @@ class DistillConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _family_defaults(cls, data: Any) -> Any:
-        """The objective a family trains with unless set: each family's best measured on the default job."""
+        """The keys a family trains with unless set (`FAMILY_DEFAULTS`)."""
         if isinstance(data, dict):
-            features = data.get("family") == "features"
+            family = "features" if data.get("family") == "features" else "layers"
             data = {**data}
-            if data.get("loss") is None:
-                data["loss"] = FAMILY_LOSS["features" if features else "layers"]
-            if data.get("ttt_weighting") is None:
-                data["ttt_weighting"] = "reach" if features else "uniform"
+            for key, value in FAMILY_DEFAULTS[family].items():
+                if data.get(key) is None:
+                    data[key] = value
         return data
 
     @field_validator("mixed_precision", mode="before")

@@ -82,16 +82,24 @@ def test_a_bare_off_reads_as_the_word_not_as_false():
     assert load_config(None, ["monitor.deploy.engine_check=off"]).monitor.deploy.engine_check == "off"
 
 
-def test_each_family_trains_with_its_measured_best_objective_unless_set():
-    """Unset, `distill.loss` and `distill.ttt_weighting` are the family's defaults (docs/results.md): forward KL for a
-    layer draft, kl_tv with reach weights for a feature draft; a value given is kept."""
+def test_each_family_trains_with_its_measured_best_recipe_unless_set():
+    """Unset, a family's keys are its defaults (docs/results.md): forward KL from the target's layers under AdamW for a
+    layer draft; for a feature draft speculators' start and optimizer (random layer, frozen head rows, norm before the
+    residual, Muon + AdamW 1e-3 linear) with kl_tv and reach weights; a value given is kept."""
     layers = load_config(None, []).distill
     features = load_config(None, ["distill.family=features"]).distill
-    chosen = load_config(None, ["distill.family=features", "distill.loss=forward_kl",
-                                "distill.ttt_weighting=uniform"]).distill
-    assert (layers.loss, layers.ttt_weighting) == ("forward_kl", "uniform")
-    assert (features.loss, features.ttt_weighting) == ("kl_tv", "reach")
-    assert (chosen.loss, chosen.ttt_weighting) == ("forward_kl", "uniform")
+    chosen = load_config(None, ["distill.family=features", "distill.loss=forward_kl", "distill.ttt_weighting=uniform",
+                                "distill.init=target_layers", "distill.train_head=true", "distill.optimizer=adamw",
+                                "distill.learning_rate=3e-3"]).distill
+    assert (layers.loss, layers.ttt_weighting, layers.init, layers.train_head, layers.optimizer,
+            layers.learning_rate, layers.lr_schedule) == ("forward_kl", "uniform", "target_layers", True, "adamw",
+                                                          3e-3, "cosine")
+    assert (features.loss, features.ttt_weighting, features.init, features.train_head, features.norm_before_residual,
+            features.optimizer, features.learning_rate, features.lr_schedule, features.min_lr_ratio,
+            features.weight_decay) == ("kl_tv", "reach", "config", False, True, "muon", 1e-3, "linear", 0.0, 0.01)
+    assert (chosen.loss, chosen.ttt_weighting, chosen.init, chosen.train_head, chosen.optimizer,
+            chosen.learning_rate) == ("forward_kl", "uniform", "target_layers", True, "adamw", 3e-3)
+    assert chosen.norm_before_residual and chosen.lr_schedule == "linear"  # the keys not given: the family's
 
 
 def test_the_final_states_teacher_is_a_feature_drafts_alone():
