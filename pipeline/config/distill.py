@@ -30,8 +30,8 @@ class DistillConfig(Section):
     register_model: bool = Field(True, description="Log the run to MLflow and register the exported draft.")
     family: Literal["layers", "features"] = Field(
         "layers", description="layers: a small LM (init below) that reads tokens; features: an EAGLE-3 head that "
-        "reads the target's hidden states (one decoder layer from the target's weights, or with init=checkpoint from a "
-        "feature draft's speculators folder: a champion, an imported head).")
+        "reads the target's hidden states (one decoder layer, random as speculators starts it, or with init=checkpoint "
+        "from a feature draft's speculators folder: a champion, an imported head).")
     ttt_steps: int = Field(3, ge=1, description="features only: draft steps unrolled in training (training-time "
                            "test), each fed the draft's own previous output.")
     # draft initialization
