@@ -107,7 +107,6 @@ class FeatureStepLogits(torch.nn.Module):
         return [self.draft.logits(hidden[scored.gather(1, (window + 1 + j).clamp(max=scored.shape[1] - 1))])
                 for j, hidden in enumerate(outputs)]
 
-
     def chain_logits(self, features, input_ids, attention_mask, loss_mask, chains: ChainLayout,
                      fed: torch.Tensor) -> torch.Tensor:
         """[N, V_draft] at the layout's valid nodes, in `chains.valid` order: node (j, p) is step j at index p − 1."""
