@@ -107,10 +107,12 @@ def propose(draft, chains: ChainLayout, token_ids: torch.Tensor | None, temperat
         chains.input_ids[:, t + (j - 1) * s : t + j * s] = tokens
 
 
-def start_offsets(chains: ChainLayout, first: torch.Tensor) -> torch.Tensor:
-    """[B, S]: each chain start p's index in a feature draft's unroll window from `first`: its step j at index p − 1
-    proposes the (j + 1)-th token past p (`FeatureDraft.unroll`: index i predicts token i + 2 + j)."""
-    return (chains.starts - 1 - first[:, None]).clamp(min=0)
+def chain_window(chains: ChainLayout, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A feature draft's unroll over the layout's chains: where each row's window starts (`window_start`) and, [B, S],
+    each chain start p's index in it: step j at index p − 1 proposes the (j + 1)-th token past p
+    (`FeatureDraft.unroll`: index i predicts token i + 2 + j)."""
+    first = window_start(loss_mask, chains.nodes.shape[1])
+    return first, (chains.starts - 1 - first[:, None]).clamp(min=0)
 
 
 @torch.no_grad()
@@ -123,8 +125,7 @@ def propose_features(draft: FeatureDraft, batch: dict, chains: ChainLayout, toke
     b, k, s = chains.nodes.shape
     t = chains.input_ids.shape[1] - (k - 1) * s
     device = chains.input_ids.device
-    first = window_start(batch["loss_mask"].to(device), k)
-    offsets = start_offsets(chains, first)
+    first, offsets = chain_window(chains, batch["loss_mask"].to(device))
     sampled_rows = (torch.arange(b, device=device) % 2 == 1)[:, None]
     fed = []
 

@@ -10,7 +10,7 @@ import torch
 from decode.models.architectures import head_logits
 from decode.models.feature_draft import FEATURES, FeatureDraft, window_start
 from decode.runtime.forward import target_features
-from distill.chains import ChainLayout, chain_loss, check_attention, start_offsets, valid_logits
+from distill.chains import ChainLayout, chain_loss, chain_window, check_attention, valid_logits
 from distill.losses import TopKTeacher, acceptance_rate, distillation_loss, reach_weights
 from pipeline.config import DistillConfig
 
@@ -111,10 +111,10 @@ class FeatureStepLogits(torch.nn.Module):
                      fed: torch.Tensor) -> torch.Tensor:
         """[N, V_draft] at the layout's valid nodes, in `chains.valid` order: node (j, p) is step j at index p − 1."""
         k = chains.nodes.shape[1]
-        first = window_start(loss_mask, k)
+        first, offsets = chain_window(chains, loss_mask)
         outputs = self.draft.unroll(features, input_ids, attention_mask, k, first=first, fed=lambda j, _: fed[j - 1])
         hidden = torch.stack(outputs, 1)  # [B, k, R, H]
-        offsets = start_offsets(chains, first).clamp(max=hidden.shape[2] - 1)
+        offsets = offsets.clamp(max=hidden.shape[2] - 1)
         at_nodes = hidden.gather(2, offsets[:, None, :, None].expand(-1, k, -1, hidden.shape[-1]))
         return self.draft.logits(at_nodes[chains.valid])
 
