@@ -45,6 +45,11 @@ def main(out: Path) -> None:
         "world": world, "loss": total.item(), "grad_norm": float(grad_norm.full_tensor()),
         "sharded": sharded, "grads_on_parameters_before_prepare": stale,
         "eval": metrics}))
+    # Both ranks past their last collective before teardown, and no tensor of a gloo work left for interpreter exit:
+    # a rank that destroys its group while the other still gathers aborts ("terminate called without an active
+    # exception"), as the distill loop's own `wait_for_everyone` before `end_training` prevents.
+    dist.barrier()
+    del model, optimizer, loss, total, grad_norm
     dist.destroy_process_group()
 
 
