@@ -15,7 +15,7 @@ from decode.drafters.protocol import DECODER, DRAFT, LOOKUP, SUFFIX
 from decode.drafters.suffix import SuffixIndex, load_suffix_index
 from decode.drafters.tree_drafter import make_tree_drafter
 from decode.runtime.forward import ModelRunner
-from decode.runtime.lean import compiled_lean, lean_problem, notice_fallback, use_compiled_passes
+from decode.runtime.lean import build_compiled_graphs, compiled_lean, lean_problem, notice_fallback, use_compiled_passes
 from decode.speculative import GREEDY, GammaPolicy, Sampling, SpeculativeDecoder
 from decode.tree_budget_measured import BudgetChoice, DecoderChoice, TextTrees, choose_trees
 from pipeline.config import AUTO, DecodeConfig
@@ -67,6 +67,9 @@ def build_decoder(target, draft, decode: DecodeConfig, *, kind: str = DECODER, g
         drafter = make_drafter(kind, target.model, draft_model, draft_token_ids=token_ids,
                                lookup_min_ngram=lookup_min_ngram, draft_min_confidence=decode.draft_min_confidence,
                                lean=lean)
+    if compiled:  # every graph its rounds can need, now rather than in the middle of a request
+        build_compiled_graphs(target.model, drafter.feature_layers)
+        build_compiled_graphs(draft_model)
     eos = target_eos_ids(target.model, target.tokenizer)
     return SpeculativeDecoder(runner, drafter, gamma_policy(decode, gamma), eos_token_ids=eos,
                               sampling=sampling_of(decode))

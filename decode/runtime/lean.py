@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from decode.runtime.compiled_pass import COMPILED_MAX_TOKENS, CompiledPass, CompileUnavailable
+from decode.runtime.compiled_pass import COMPILED_MAX_TOKENS, SHORT_PASS_TOKENS, CompiledPass, CompileUnavailable
 from decode.runtime.lean_layers import lean_layers, rotary_function, rotations, soft_capped, window_masks
 from pipeline.families import FAMILIES, FAMILY_NAMES
 
@@ -84,6 +84,14 @@ def compiled_lean(model) -> LeanDecoder | None:
     """The compiled forward `use_compiled_passes` gave `model`, if any."""
     holder = model.__dict__.get(COMPILED_ATTRIBUTE)
     return None if holder is None else holder.lean
+
+
+def build_compiled_graphs(model, capture: tuple[int, ...] = ()) -> None:
+    """Every graph `model`'s compiled passes can run with `capture` (`LeanDecoder.build_graphs`), built now where
+    `use_compiled_passes` gave it some; a no-op otherwise."""
+    lean = None if model is None else compiled_lean(model)
+    if lean is not None:
+        lean.build_graphs(capture)
 
 
 def attention_dtype(model) -> torch.dtype:
@@ -169,6 +177,26 @@ class LeanDecoder:
         # minutes on a small CPU, hence opt-in (`decode.compiled`).
         self.compiled = CompiledPass(self) if compiled else None
         self.cache_dtype = cache_dtype or model.model.embed_tokens.weight.dtype
+
+    @torch.inference_mode()  # as decoders run: dynamo guards on the grad mode
+    def build_graphs(self, capture: tuple[int, ...] = ()) -> None:
+        """The compiled passes' graphs of every width, capturing `capture`, built now on a scratch cache. A graph first
+        needed in the middle of a request stalls it for the minutes compiling takes (a feature draft's one-token
+        verify, say, after a round the draft proposed nothing), so a decoder builds them all when it is built, as a
+        serving engine captures its graphs at startup. A no-op without compiled passes or where they are built."""
+        if self.compiled is None:
+            return
+        device = self.inner.embed_tokens.weight.device
+        for n in (1, SHORT_PASS_TOKENS, COMPILED_MAX_TOKENS):
+            if self.compiled is None:  # compiling failed: the eager forward runs instead
+                return
+            cache = self.new_cache()
+            self.forward_logits(torch.zeros(2, dtype=torch.long, device=device), cache, 0, False)  # eager prefill
+            tokens = torch.zeros(n, dtype=torch.long, device=device)
+            if capture:
+                self.forward_features(tokens, cache, 2, capture)
+            else:
+                self.forward_logits(tokens, cache, 2, False)
 
     def new_cache(self, batch: int = 1) -> KVCache:
         device = self.inner.embed_tokens.weight.device

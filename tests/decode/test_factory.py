@@ -5,6 +5,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
+from torch._dynamo.utils import counters
 
 from decode.drafters.protocol import DECODER, DRAFT, LOOKUP
 from decode.factory import build_decoder, model_decoder
@@ -12,10 +14,12 @@ from decode.measure.bench import bench_decoders
 from decode.measure.bench_rows import DRAFT_ONLY_CHAIN
 from decode.measure.evaluate import eval_decoders
 from decode.measure.sweep_drafts import Draft
+from decode.runtime.lean import compiled_lean
 from decode.speculative import SpeculativeDecoder
 from monitor.check.prompt_acceptance import live_decoder
 from pipeline.config import DecodeConfig, load_config
 from pipeline.families import FAMILY_NAMES
+from tests.decode.models.test_feature_draft import make_feature_draft
 from tests.decode.tiny import greedy_reference, perturbed_copy, tiny_llama
 from tests.families import perturbed, tiny_family
 
@@ -87,3 +91,27 @@ def test_compiled_passes_fall_back_to_the_eager_forward(capsys):
         f"draftops: notice: this gpt_neox model runs on the transformers forward, not the lean one (the same tokens, "
         f"more time per call{extra}): the lean forward runs {FAMILY_NAMES} models"
         for extra in ("; decode.compiled does not apply to it", "")]  # the target's, then the draft's
+
+
+@torch.inference_mode()
+def test_a_compiled_decoder_builds_every_graph_it_can_need_before_its_first_request():
+    """Compiling a graph takes minutes on the real target: a feature draft's decoder that first needs its one-token
+    verify in the middle of a request (after a round its draft proposed nothing) stalled that request for them. The
+    decoder builds every width, capturing the draft's layers, when it is built; decoding then builds none."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_llama(6).to(torch.float32)  # the dtype inductor's C++ GEMMs run
+    draft = make_feature_draft(model)
+    target = SimpleNamespace(model=model, tokenizer=None, source="target", path=None)
+    drafts = SimpleNamespace(model=draft, tokenizer=None, token_ids=None, source="draft", path=None)
+    decoder = build_decoder(target, drafts, DecodeConfig(compiled=True, tree_budget=0, gamma=3), kind=DRAFT)
+    passes = compiled_lean(model).compiled
+    assert passes.built == {"step+features", "short+features", "wide+features"}
+    built = counters["stats"]["unique_graphs"]
+    for prompt in ([5, 9, 2, 77, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]):
+        decoder.generate(prompt, max_new_tokens=12)
+    runner = decoder.target_runner  # a one-token verify with features: the pass that stalled
+    cache = runner.new_cache()
+    runner.forward_features(torch.tensor([5, 9, 2]), cache, 0, draft.feature_layers)
+    runner.forward_features(torch.tensor([4]), cache, 3, draft.feature_layers)
+    assert counters["stats"]["unique_graphs"] == built and passes.rebuilt == 0
