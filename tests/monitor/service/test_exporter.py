@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from monitor.fleet.counters import SpecCounters
 from monitor.fleet.verdicts import COLLECTING, DRIFT, OK, FleetReading, ReplicaReading
 from monitor.fleet.window_store import Window
-from monitor.service.exporter import MetricsServer, ServiceMetrics
+from monitor.service.exporter import READ_TIMEOUT, MetricsServer, ServiceMetrics
 from monitor.service.scheduler import MonitorService
 from monitor.stats.acceptance_tests import DropTest
 from tests.monitor.service.fake_endpoints import drift_report, free_port
@@ -163,9 +163,10 @@ def test_the_mlflow_unit_serves_the_store_the_monitor_unit_waits_for():
     assert "ConditionPathExists=/etc/draftops/monitor.yaml" in text
 
 
-def test_healthz_answers_within_a_second_while_twenty_clients_hold_connections():
+def test_healthz_answers_before_any_held_connection_times_out_while_twenty_clients_hold_them():
     """Half a request and silence, or a request trickled a byte at a time: each such client holds its own thread,
-    never the endpoint."""
+    never the endpoint. A server that served connections in turn would answer after READ_TIMEOUT at the soonest; the
+    bound is well below that and well above a busy CI machine's scheduling delay (1.02 s seen)."""
     server = MetricsServer(ServiceMetrics("draftops-draft"), lambda: True, "127.0.0.1", 0)
     clients = []
     try:
@@ -175,7 +176,7 @@ def test_healthz_answers_within_a_second_while_twenty_clients_hold_connections()
             clients.append(client)
         start = time.monotonic()
         assert scrape(server.port, "/healthz") == (200, "ok\n")
-        assert time.monotonic() - start < 1.0
+        assert time.monotonic() - start < READ_TIMEOUT / 2
     finally:
         for client in clients:
             client.close()
