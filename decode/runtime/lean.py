@@ -183,7 +183,8 @@ class LeanDecoder:
         """The compiled passes' graphs of every width, capturing `capture`, built now on a scratch cache. A graph first
         needed in the middle of a request stalls it for the minutes compiling takes (a feature draft's one-token
         verify, say, after a round the draft proposed nothing), so a decoder builds them all when it is built, as a
-        serving engine captures its graphs at startup. A no-op without compiled passes or where they are built."""
+        serving engine captures its graphs at startup. Without compiled passes a no-op; a graph built before is
+        not built again (the passes run, on the scratch cache)."""
         if self.compiled is None:
             return
         device = self.inner.embed_tokens.weight.device

@@ -166,7 +166,7 @@ def test_the_mlflow_unit_serves_the_store_the_monitor_unit_waits_for():
 def test_healthz_answers_before_any_held_connection_times_out_while_twenty_clients_hold_them():
     """Half a request and silence, or a request trickled a byte at a time: each such client holds its own thread,
     never the endpoint. A server that served connections in turn would answer after READ_TIMEOUT at the soonest; the
-    bound is well below that and well above a busy CI machine's scheduling delay (1.02 s seen)."""
+    bound is well below that, and above the scheduling delays a shared CI machine shows."""
     server = MetricsServer(ServiceMetrics("draftops-draft"), lambda: True, "127.0.0.1", 0)
     clients = []
     try:
