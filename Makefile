@@ -77,11 +77,11 @@ ENGINE_CONFIG ?= configs/engine_llamacpp.yaml
 distill-engine: llama-cpp
 	.venv/bin/draftops engine serve --config $(ENGINE_CONFIG) -- .venv/bin/draftops distill --config $(ENGINE_CONFIG) $(ARGS)
 
-# The draft-size family at the default budget (the target's first 1, 2, 4, 6 layers; the 2-layer job is `make
-# distill`'s, not trained twice), registered as models:/draftops-draft@layers-N for `make sweep` to compare.
+# The layer-draft family at the default budget (the target's first 1, 2, 4, 6 layers), registered as
+# models:/draftops-draft@layers-N for `make sweep` to compare.
 SIZES ?= 1,2,4,6
 distill-sizes: setup
-	.venv/bin/draftops distill --config $(CONFIG) --sizes $(SIZES) $(ARGS)
+	.venv/bin/draftops distill --config $(CONFIG) --sizes $(SIZES) distill.family=layers $(ARGS)
 
 # Benchmarks on the held-out split of the traffic draftops ships (prompts the draft never trained on). The README's
 # Spec-Bench figures: make bench BENCH_TRAFFIC=../shared/data/spec_bench.jsonl BENCH_SPLIT=all (read by path).

@@ -72,9 +72,11 @@ from pipeline.sources import locate
 
 def job_config(args, family: str = "features"):
     """The default job as `draftops distill` reads it, as a feature draft job (so its data carries the features; for
-    evaluating only, as the layer job: the held-out responses are the same)."""
-    overrides = [f"distill.family={family}", "device=cpu", *([f"tracking.uri={args.tracking_uri}"]
-                                                            if args.tracking_uri else []), *args.overrides]
+    evaluating only, as the layer job: the held-out responses are the same), at the layer draft's batch and epochs
+    (16 × 3: 528 steps), as the peer was first measured."""
+    tracking = [f"tracking.uri={args.tracking_uri}"] if args.tracking_uri else []
+    overrides = [f"distill.family={family}", "distill.batch_size=16", "distill.epochs=3", "device=cpu", *tracking,
+                 *args.overrides]
     return load_config(args.config, overrides)
 
 

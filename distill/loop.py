@@ -40,7 +40,7 @@ def global_batch_and_steps(d: DistillConfig, n_examples: int, num_processes: int
     if n_examples < global_batch:
         raise ValueError(f"{n_examples} training responses cannot fill one global batch of {global_batch} "
                          f"(batch_size {d.batch_size} × {num_processes} processes × grad_accum {d.grad_accum})")
-    total_steps = d.epochs * (n_examples // global_batch)
+    total_steps = int(d.epochs * (n_examples // global_batch))
     return global_batch, min(total_steps, d.max_steps) if d.max_steps else total_steps
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from decode.models.feature_draft import FeatureDraft
 from decode.runtime.kernels import Shape, linear_shapes, onednn_linear, streamed_weights
 from decode.runtime.machine_choice import bf16_units, interleaved_minimums, measured, measured_once
 
@@ -65,20 +66,24 @@ def step_scope(draft: torch.nn.Module, rows: int, length: int) -> dict:
 
 def time_steps(step_logits: torch.nn.Module, vocab: int, *, rows: int, length: int) -> tuple[float, float]:
     """(fp32 s, bf16 s): the fastest of interleaved training steps (forward, cross-entropy in fp32, backward) of
-    `step_logits` (a `distill.step.ResponseLogits`) on random ids, every position scored. The gradients are cleared
-    after each step and the global random state is left as it was."""
+    `step_logits` (a `distill.step.ResponseLogits`, or a `FeatureStepLogits` fed random features) on random ids, every
+    position scored. The gradients are cleared after each step and the global random state is left as it was."""
     parameters = [p for p in step_logits.parameters() if p.requires_grad]
+    draft = step_logits.draft
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        input_ids = torch.randint(0, step_logits.draft.config.vocab_size, (rows, length))
+        input_ids = torch.randint(0, draft.config.vocab_size, (rows, length))
         labels = torch.randint(0, vocab, (rows * length,))
+        features = ({"features": torch.randn(rows, length, draft.fc.in_features)}
+                    if isinstance(draft, FeatureDraft) else {})
     attention_mask = torch.ones(rows, length, dtype=torch.long)
     loss_mask = torch.ones(rows, length, dtype=torch.bool)
 
     def step(bf16: bool):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), fp32_attention(step_logits.draft, bf16):
-            logits = step_logits(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask)
-        F.cross_entropy(logits.float(), labels).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), fp32_attention(draft, bf16):
+            logits = step_logits(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask, **features)
+        per_step = logits if isinstance(logits, list) else [logits]  # a feature draft: one per unrolled step
+        sum(F.cross_entropy(s.float(), labels[: len(s)]) for s in per_step).backward()
         for p in parameters:
             p.grad = None
 

@@ -32,7 +32,7 @@ from distill.init import init_draft
 from distill.loop import NonFiniteLoss, train_loop
 from distill.precision import fp32_attention, mixed_precision_choice
 from distill.register import export_draft, log_and_register
-from distill.step import ResponseLogits, draft_module
+from distill.step import draft_module
 from distill.timings import Timings
 from pipeline.config import DraftopsConfig, load_config
 from pipeline.errors import OperatorError
@@ -86,13 +86,13 @@ def make_accelerator(cfg: DraftopsConfig, mixed: str) -> Accelerator:
 
 def training_precision(cfg: DraftopsConfig, state: PartialState, draft, data: TrainingData) -> str:
     """`distill.mixed_precision`, "auto" resolved by timing a step of this draft on this CPU (`distill.precision`;
-    the main process measures first, the others read its cache). A feature draft trains in full precision on auto."""
+    the main process measures first, the others read its cache), for either family."""
     d = cfg.distill
-    if d.mixed_precision != "auto" or d.family == FEATURES:
-        return "no" if d.mixed_precision == "auto" else d.mixed_precision
+    if d.mixed_precision != "auto":
+        return d.mixed_precision
     lengths = [len(p) + len(r) for p, r in zip(data.train.prompt_ids, data.train.response_ids)]
     with state.main_process_first():
-        return mixed_precision_choice("auto", ResponseLogits(draft), draft.lm_head.out_features,
+        return mixed_precision_choice("auto", draft_module(d, draft), draft.lm_head.out_features,
                                       device=state.device, rows=d.batch_size,
                                       mean_length=sum(lengths) / len(lengths))
 

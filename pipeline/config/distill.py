@@ -12,13 +12,14 @@ from pipeline.config.engine import ResponsesConfig
 LossName = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "argmax_ce", "ce", "log_acceptance", "kl_tv"]
 # What each family trains with where a key is unset: the best of docs/results.md's ablation on the default job. A
 # layer draft keeps the fields' own defaults; a feature draft starts as speculators' EAGLE-3 head does (random layer,
-# the target's head rows frozen, norm before the residual, Muon + AdamW at 1e-3 on a linear schedule) and trains for
-# acceptance (kl_tv, each unrolled step weighted by its reach).
+# the target's head rows frozen, norm before the residual, Muon + AdamW at 1e-3 on a linear schedule), trains for
+# acceptance (kl_tv, each unrolled step weighted by its reach) and takes half the batch for 1.5 epochs: the layer
+# draft's number of steps in about its training time.
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "layers": {"loss": "forward_kl", "ttt_weighting": "uniform"},
+    "layers": {"loss": "forward_kl", "ttt_weighting": "uniform", "batch_size": 16, "epochs": 3},
     "features": {"loss": "kl_tv", "ttt_weighting": "reach", "init": "config", "train_head": False,
                  "norm_before_residual": True, "optimizer": "muon", "learning_rate": 1e-3, "lr_schedule": "linear",
-                 "warmup_steps": 5, "min_lr_ratio": 0.0, "weight_decay": 0.01},
+                 "warmup_steps": 5, "min_lr_ratio": 0.0, "weight_decay": 0.01, "batch_size": 8, "epochs": 1.5},
 }
 
 
@@ -31,7 +32,8 @@ class DistillConfig(Section):
     family: Literal["layers", "features"] = Field(
         "layers", description="layers: a small LM (init below) that reads tokens; features: an EAGLE-3 head that "
         "reads the target's hidden states (one decoder layer, random as speculators starts it, or with init=checkpoint "
-        "from a feature draft's speculators folder: a champion, an imported head).")
+        "from a feature draft's speculators folder: a champion, an imported head). configs/default.yaml (`make "
+        "distill`) sets features.")
     ttt_steps: int = Field(3, ge=1, description="features only: draft steps unrolled in training (training-time "
                            "test), each fed the draft's own previous output.")
     # draft initialization
@@ -101,8 +103,10 @@ class DistillConfig(Section):
     temperature: float = Field(1.0, gt=0.0, description="Distillation temperature (1 with a top-k teacher).")
     ce_weight: float = Field(0.0, ge=0.0, description="Weight of cross-entropy on the response tokens.")
     # optimization
-    epochs: int = Field(3, ge=1)
-    batch_size: int = Field(16, ge=1, description="Sequences per process per micro-batch.")
+    epochs: float = Field(None, gt=0, description="Passes over the training responses (whole global batches; a "
+                          "fraction runs that share of the next pass). Unset: 3 for layers, 1.5 for features.")
+    batch_size: int = Field(None, ge=1, description="Sequences per process per micro-batch. Unset: 16 for layers, 8 "
+                            "for features.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     optimizer: Literal["adamw", "muon"] = Field(
         "adamw", description="adamw: AdamW over every trained parameter; muon (features' default, with lr 1e-3 on a "

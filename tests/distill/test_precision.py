@@ -5,15 +5,19 @@ job records what it trained in. Both are cached even when timed on a busy machin
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
+from accelerate import PartialState
 
+from decode.models.feature_draft import feature_draft_from_target
 from decode.runtime import machine_choice
 from decode.runtime.machine_choice import cache_file
 from distill import precision
-from distill.step import ResponseLogits
-from distill.train import run_distill
+from distill.step import FeatureStepLogits, ResponseLogits
+from distill.train import run_distill, training_precision
+from pipeline.config import load_config
 from tests.conftest import make_tiny_model
 from tests.distill.tiny_job import tiny_config
 
@@ -62,6 +66,28 @@ def test_a_real_timing_leaves_no_gradients_and_the_random_state_alone():
     assert fp32_s > 0 and bf16_s > 0
     assert all(p.grad is None for p in step_logits.parameters())
     assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_a_feature_drafts_step_is_timed_on_random_features_and_leaves_no_gradients():
+    target = make_tiny_model(64, seed=0)
+    step_logits = FeatureStepLogits(feature_draft_from_target(target), steps=2)
+    fp32_s, bf16_s = precision.time_steps(step_logits, 64, rows=2, length=16)
+    assert fp32_s > 0 and bf16_s > 0
+    assert all(p.grad is None for p in step_logits.parameters())
+
+
+def test_auto_times_the_step_of_the_drafts_own_family(isolated_home, monkeypatch):
+    """A feature draft's precision is timed on its own training-time-test step, as a layer draft's is on its."""
+    monkeypatch.setattr(precision, "bf16_units", lambda: ["avx512_bf16"])
+    timed = []
+    monkeypatch.setattr(precision, "time_steps",
+                        lambda module, *a, **k: timed.append(type(module).__name__) or (2.0, 1.0))
+    target = make_tiny_model(64, seed=0)
+    data = SimpleNamespace(train=SimpleNamespace(prompt_ids=[[1, 2]], response_ids=[[3, 4, 5]]))
+    for family, draft in (("layers", make_tiny_model(64, seed=1)), ("features", feature_draft_from_target(target))):
+        cfg = load_config(None, [f"distill.family={family}"])
+        assert training_precision(cfg, PartialState(), draft, data) == "bf16"
+    assert timed == ["ResponseLogits", "FeatureStepLogits"]
 
 
 def test_a_job_on_auto_says_and_records_what_it_trained_in(isolated_home, monkeypatch, capsys):

@@ -34,7 +34,8 @@ def tiny_config(root: Path, *overrides: str) -> DraftopsConfig:
     if not traffic.exists():
         write_traffic(traffic)
     return load_config(None, [
-        f"target={target}", "device=cpu", "seed=0", f"traffic.path={traffic}", "traffic.heldout_fraction=0.25",
+        "distill.family=layers", f"target={target}", "device=cpu", "seed=0", f"traffic.path={traffic}",
+        "traffic.heldout_fraction=0.25",
         f"tracking.uri=sqlite:///{root}/mlflow.db", "tracking.system_metrics=false",
         f"distill.output_dir={root}/out", "distill.init_layers=[0]", "distill.draft_vocab_size=24",
         "distill.responses_per_prompt=2", "distill.eval_prompts=6", "distill.max_new_tokens=12",

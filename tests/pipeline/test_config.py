@@ -10,7 +10,8 @@ def test_default_config_is_the_embedded_default():
     assert cfg.target == "smollm2-135m-instruct"
     assert cfg.traffic.path == "default"
     assert cfg.decode.gamma == 5
-    assert cfg == DraftopsConfig()  # configs/default.yaml spells out the schema defaults
+    # configs/default.yaml spells out the schema defaults, and picks the default job's draft family
+    assert cfg == DraftopsConfig(distill={"family": "features"})
 
 
 def test_overrides_are_typed_and_nested():
@@ -85,9 +86,12 @@ def test_a_bare_off_reads_as_the_word_not_as_false():
 def test_each_family_trains_with_its_measured_best_recipe_unless_set():
     """Unset, a family's keys are its defaults (docs/results.md): forward KL from the target's layers under AdamW for a
     layer draft; for a feature draft speculators' start and optimizer (random layer, frozen head rows, norm before the
-    residual, Muon + AdamW 1e-3 linear) with kl_tv and reach weights; a value given is kept."""
-    layers = load_config(None, []).distill
-    features = load_config(None, ["distill.family=features"]).distill
+    residual, Muon + AdamW 1e-3 linear) with kl_tv and reach weights, at half the batch for 1.5 epochs; a value given
+    is kept. configs/default.yaml distills a feature draft."""
+    layers = load_config(None, ["distill.family=layers"]).distill
+    features = load_config(None, []).distill
+    assert features.family == "features" and DraftopsConfig().distill.family == "layers"
+    assert (layers.batch_size, layers.epochs, features.batch_size, features.epochs) == (16, 3, 8, 1.5)
     chosen = load_config(None, ["distill.family=features", "distill.loss=forward_kl", "distill.ttt_weighting=uniform",
                                 "distill.init=target_layers", "distill.train_head=true", "distill.optimizer=adamw",
                                 "distill.learning_rate=3e-3"]).distill
@@ -105,4 +109,4 @@ def test_each_family_trains_with_its_measured_best_recipe_unless_set():
 def test_the_final_states_teacher_is_a_feature_drafts_alone():
     assert load_config(None, ["distill.family=features", "distill.teacher=final"]).distill.teacher == "final"
     with pytest.raises(ConfigError, match="teacher=final applies to family 'features'"):
-        load_config(None, ["distill.teacher=final"])
+        load_config(None, ["distill.family=layers", "distill.teacher=final"])
