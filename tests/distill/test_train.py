@@ -359,7 +359,7 @@ def test_size_family_arguments_are_checked():
             layer_counts(bad)
     with pytest.raises(ValueError, match="family=layers"):
         sizes_config(load_config(None, ["distill.family=features"]), 2)
-    assert sizes_config(load_config(None), 3).distill.init_layers == [0, 1, 2]
+    assert sizes_config(load_config(None, ["distill.family=layers"]), 3).distill.init_layers == [0, 1, 2]
 
 
 def test_the_job_key_follows_what_training_reads_and_not_later_decoding():

@@ -329,4 +329,6 @@ def test_a_challenger_starts_warm_from_the_champion_by_default():
     warm = challenger_config(cfg).distill
     assert (warm.init, warm.init_checkpoint, warm.register_model) == ("checkpoint", "models:/drafts@champion", True)
     cold = challenger_config(load_config(None, ["monitor.retrain_init=config"])).distill
+    assert (cold.init, cold.register_model) == ("config", True)  # the default job's own start: a random feature layer
+    cold = challenger_config(load_config(None, ["monitor.retrain_init=config", "distill.family=layers"])).distill
     assert (cold.init, cold.init_layers, cold.register_model) == ("target_layers", [0, 1], True)
