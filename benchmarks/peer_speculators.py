@@ -86,6 +86,7 @@ def last_hidden_states(target, features: torch.Tensor, offsets: torch.Tensor, fi
     """[Σ len, H] float16: the target's last hidden state (before its final norm) at every position, from the cached
     state entering layer `first` (the features' last H columns) through the target's layers from `first` on."""
     model = copy.copy(target.model)
+    model._modules = dict(target.model._modules)  # a shallow copy shares its modules' dict: leave the target whole
     model.layers = target.model.layers[first:]
     model.norm = torch.nn.Identity()
     lengths = (offsets[1:] - offsets[:-1]).tolist()
