@@ -16,8 +16,8 @@ from decode.acceptance import analytic_acceptance, draft_rank, simulated_tau, to
 from decode.chain_acceptance import ENGINE_CHAIN, chain_summary, chains_from_matches, chains_from_steps
 from decode.sampling import to_student_columns
 from distill.data.batches import collate
+from distill.data.features import heldout_features
 from distill.data.responses import ResponseSet
-from distill.step import features_and_teacher
 from pipeline.intervals import ratio_ci
 from pipeline.turns import request_of, turn_position
 
@@ -125,21 +125,23 @@ def feature_eval(step_logits, target, responses: ResponseSet, token_ids: torch.T
     taken from the draft's unrolled steps at the round's start (what decoding proposes there).
 
     step_logits: a `distill.step.FeatureStepLogits` (or what accelerate prepared from it) unrolling at least γ steps;
-    target: the HF target, which gives the features. α(T=0) is exact; at T=1 a draft position's acceptance is Σ over
-    the cached top-k of min(p, q) along the response (a lower bound), and τ(T=1) is walked with those values.
+    target: the HF target, which gives the features (once per response set: `heldout_features`). α(T=0) is exact;
+    at T=1 a draft position's acceptance is Σ over the cached top-k of min(p, q) along the response (a lower bound),
+    and τ(T=1) is walked with those values.
     with_ranks: also `ranks` (`exact_eval`'s), in the order of the first draft position. chain_k: also `chain`,
     chains of that many drafts at T=0 (`exact_eval`'s), and the interval of α(T=0).
     """
     device = next(step_logits.parameters()).device
     module = getattr(step_logits, "module", step_logits)
     layers, k = module.draft.feature_layers, responses.topk_indices.shape[1]
+    heldout_features(target, responses, layers)
     steps = max(gamma, chain_k or 0)
     chains = {0.0: [], 1.0: []}  # per response: [steps, positions] acceptance of draft position j at each round start
     ranks: list[list[int]] = []
     for begin in range(0, len(responses), batch_size):
         rows = list(range(begin, min(begin + batch_size, len(responses))))
-        batch = collate(responses, rows, pad_id=0, token_ids=None, with_teacher=True, topk=k)
-        features, _ = features_and_teacher(batch, target, layers, device)
+        batch = collate(responses, rows, pad_id=0, token_ids=None, with_teacher=True, topk=k, with_features=True)
+        features = batch["features"].to(device)
         mask = batch["loss_mask"].to(device)
         every = torch.ones_like(mask)
         per_step = step_logits(features=features, input_ids=batch["input_ids"].to(device),

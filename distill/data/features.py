@@ -58,11 +58,12 @@ def _teacher_forced(model, sequences: list[list[int]], rows_of, *, batch_size: i
 
 
 def teacher_forced_features(model, sequences: list[list[int]], layers: tuple[int, ...], *, batch_size: int = 16,
-                            progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(features [Σ len, len(layers) · H] fp16 on the CPU, offsets [n + 1]) of every position of every sequence."""
+                            progress: bool = False, dtype: torch.dtype = torch.float16
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(features [Σ len, len(layers) · H] on the CPU, offsets [n + 1]) of every position of every sequence."""
     def rows_of(ids, mask):
         out = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-        return target_features(out.hidden_states, layers).half().cpu()
+        return target_features(out.hidden_states, layers).to(dtype).cpu()
     return _teacher_forced(model, sequences, rows_of, batch_size=batch_size, progress=progress,
                            desc="target features")
 
@@ -119,6 +120,17 @@ def cached_features(model, responses: ResponseSet, cache_dir: Path, layers: tupl
         features, offsets = teacher_forced_features(model, sequences, layers, progress=progress)
     _write_cache(path, {"features": features, "offsets": offsets})
     return features, offsets, False
+
+
+def heldout_features(model, responses: ResponseSet, layers: tuple[int, ...]) -> None:
+    """The target's features of the held-out responses, kept on them at the target's own precision: a job evaluates
+    its draft on the same responses every `eval_every` steps, and one target pass serves every evaluation."""
+    width = len(layers) * model.get_input_embeddings().embedding_dim
+    if responses.features is not None and responses.features.shape[1] == width:
+        return
+    sequences = [p + r for p, r in zip(responses.prompt_ids, responses.response_ids)]
+    responses.features, responses.feature_offsets = teacher_forced_features(
+        model, sequences, layers, dtype=next(model.parameters()).dtype)
 
 
 def cached_final(model, responses: ResponseSet, cache_dir: Path, *, progress: bool = False
