@@ -57,6 +57,13 @@ def latest_checkpoint(checkpoints: Path) -> Path | None:
     return done[-1] if done else None
 
 
+def checkpoint_precision(job_dir: Path) -> str | None:
+    """The precision ("no", "bf16", "fp16") the job's last checkpoint trained in; None without a checkpoint or from
+    one that did not record it. Read as JSON: nothing of the checkpoint is unpickled."""
+    last = latest_checkpoint(job_dir / "checkpoints")
+    return None if last is None else json.loads((last / STATE_FILE).read_text()).get("mixed_precision")
+
+
 def save_training_state(accelerator, checkpoints: Path, step: int, state: dict, keep: int) -> None:
     """accelerate.save_state + our step/best/history, written to a temporary folder and renamed into place."""
     final = checkpoints / f"step-{step:07d}"

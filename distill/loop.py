@@ -110,9 +110,9 @@ def prepare_training(d: DistillConfig, accelerator, draft, total_steps: int) -> 
 def resumed_state(d: DistillConfig, accelerator, job_dir: Path, total_steps: int) -> dict:
     """The loop's state (step, history, evaluations, best evaluation): the last checkpoint's with `resume`, else new."""
     last = latest_checkpoint(job_dir / "checkpoints") if d.resume else None
-    if last is None:
-        return {"step": 0, "history": [], "evals": [], "best": None}
-    state = load_training_state(accelerator, last, job_dir)
+    if last is None:  # the precision goes into every checkpoint: a resumed job keeps it (`train.training_precision`)
+        return {"step": 0, "history": [], "evals": [], "best": None, "mixed_precision": accelerator.mixed_precision}
+    state = {"mixed_precision": accelerator.mixed_precision, **load_training_state(accelerator, last, job_dir)}
     accelerator.print(f"draftops distill: resuming from {last} (step {state['step']} of {total_steps})")
     return state
 

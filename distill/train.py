@@ -24,7 +24,7 @@ from decode.drafters.suffix import SuffixIndex
 from decode.models.feature_draft import FEATURES
 from decode.serving.loading import load_model
 from decode.tree_budget_prediction import TREE_BUDGETS, rank_acceptance
-from distill.checkpoints import UnsafeCheckpoint, job_key, load_best, point_latest
+from distill.checkpoints import UnsafeCheckpoint, checkpoint_precision, job_key, load_best, point_latest
 from distill.data.prepare import TrainingData, prepare_data
 from distill.data.recorded import RecordedMismatch
 from distill.heldout_eval import exact_eval, feature_eval
@@ -84,12 +84,18 @@ def make_accelerator(cfg: DraftopsConfig, mixed: str) -> Accelerator:
     return Accelerator(cpu=cpu, mixed_precision=mixed if usable else "no")
 
 
-def training_precision(cfg: DraftopsConfig, state: PartialState, draft, data: TrainingData) -> str:
+def training_precision(cfg: DraftopsConfig, state: PartialState, draft, data: TrainingData,
+                       job_dir: Path | None = None) -> str:
     """`distill.mixed_precision`, "auto" resolved by timing a step of this draft on this CPU (`distill.precision`;
-    the main process measures first, the others read its cache), for either family."""
+    the main process measures first, the others read its cache), for either family; a job resumed from a checkpoint
+    goes on in the precision it recorded."""
     d = cfg.distill
     if d.mixed_precision != "auto":
         return d.mixed_precision
+    # timed and cached per thread count: a job resumed under other conditions could time the other way
+    resumed = checkpoint_precision(job_dir) if d.resume and job_dir is not None else None
+    if resumed is not None:
+        return resumed
     lengths = [len(p) + len(r) for p, r in zip(data.train.prompt_ids, data.train.response_ids)]
     with state.main_process_first():
         return mixed_precision_choice("auto", draft_module(d, draft), draft.lm_head.out_features,
@@ -229,7 +235,7 @@ def train(cfg: DraftopsConfig, state: PartialState, target, draft, data: Trainin
         if draft.get_output_embeddings().weight is embeddings:
             raise ValueError("distill.train_head=false: this draft's head is tied to its embeddings")
         draft.get_output_embeddings().weight.requires_grad_(False)
-    accelerator = make_accelerator(cfg, training_precision(cfg, state, draft, data))
+    accelerator = make_accelerator(cfg, training_precision(cfg, state, draft, data, job_dir))
     mixed = accelerator.mixed_precision
     accelerator.print(f"draftops distill: draft of {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M parameters "
                       f"({sum(p.numel() for p in draft.parameters() if p.requires_grad) / 1e6:.1f}M trained), "

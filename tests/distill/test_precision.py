@@ -167,3 +167,22 @@ def test_generation_precision_timed_on_a_busy_machine_is_cached_all_the_same(mon
 def test_a_real_generation_measurement_returns_both_times():
     fp32_ms, bf16_ms = precision.measure_shape((32, 16), 4)
     assert fp32_ms > 0 and bf16_ms > 0
+
+
+def test_a_resumed_job_trains_on_in_the_precision_its_checkpoint_recorded(isolated_home, monkeypatch):
+    """auto is timed per process and cached per thread count: a job killed and resumed under other conditions may
+    time the other way, and would change precision halfway through its schedule."""
+    import distill.train as train_job
+
+    monkeypatch.setattr(train_job, "mixed_precision_choice", lambda *a, **k: "bf16")
+    cfg = tiny_config(isolated_home, "distill.max_steps=4", "distill.checkpoint_every=2",
+                      "distill.register_model=false")
+    first = run_distill(cfg)
+    assert first.mixed_precision == "bf16"
+    (first.job_dir / "result.json").unlink()  # as if killed after its checkpoint of step 2
+    monkeypatch.setattr(train_job, "mixed_precision_choice", lambda *a, **k: "no")
+    resumed = run_distill(cfg)
+    assert resumed.mixed_precision == "bf16" and len(resumed.history) == 4
+    (first.job_dir / "result.json").unlink()
+    assert run_distill(cfg.model_copy(update={"distill": cfg.distill.model_copy(update={"resume": False})})
+                       ).mixed_precision == "no"  # no checkpoint read: timed afresh
