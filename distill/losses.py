@@ -188,6 +188,23 @@ def bucket_log_probs(
 # --------------------------------------------------------------------------- the training loss
 
 
+def token_losses(student_logits: torch.Tensor, teacher: torch.Tensor | TopKTeacher, *, loss: LossName,
+                 beta: float = 0.5, temperature: float = 1.0, token_ids: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the divergence `loss` [N], the acceptance α [N] where the objective uses it, else None) at already-selected
+    positions (student logits [N, V_draft]); not "ce". One log-softmax of the student serves both."""
+    log_p, log_q = bucket_log_probs(student_logits, teacher, temperature=temperature, token_ids=token_ids)
+    if loss in ACCEPTANCE_LOSSES:
+        if isinstance(teacher, TopKTeacher):  # `acceptance_rate`'s value: the listed buckets, never the tail
+            alpha = torch.minimum(log_p[..., :-1], log_q[..., :-1]).exp().sum(-1)
+        else:  # a full teacher's buckets are renormalized over the draft vocabulary; α is not
+            alpha = acceptance_rate(student_logits, teacher, temperature=temperature, token_ids=token_ids)
+        return acceptance_loss(loss, alpha, log_p, log_q), alpha
+    if loss == "jsd":
+        return generalized_jsd(log_p, log_q, beta), None
+    return DIVERGENCES[loss](log_p, log_q), None
+
+
 def distillation_loss(
     student_logits: torch.Tensor,
     teacher: torch.Tensor | TopKTeacher | None,
@@ -201,6 +218,7 @@ def distillation_loss(
     ce_weight: float = 0.0,
     num_tokens: int | torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
+    per_token: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum of per-token divergences (+ ce_weight · cross-entropy on `labels`) over `mask`, divided by `num_tokens`.
 
@@ -210,7 +228,8 @@ def distillation_loss(
     mask the positions are already selected (a head evaluated only at response positions): student_logits [N, V_draft],
     teacher [N, ...], labels [N]. `num_tokens` defaults to the number of selected positions; with none selected the
     result is a zero that still carries a graph, so backward() and DDP gradient sync work as usual. weights [N]
-    (selected positions) scale each position's divergence: a later draft step's chance of being reached.
+    (selected positions) scale each position's divergence: a later draft step's chance of being reached. per_token:
+    that divergence when the caller has it already (`token_losses` at the selected positions).
     """
     if mask is not None:
         mask = mask.bool()
@@ -222,14 +241,9 @@ def distillation_loss(
     if loss == "ce":  # the plain-CE baseline: the teacher's sampled tokens, none of its distribution
         total = F.cross_entropy(student_logits.float(), labels, ignore_index=-100, reduction="sum")
     else:
-        log_p, log_q = bucket_log_probs(student_logits, teacher, temperature=temperature, token_ids=token_ids)
-        if loss in ACCEPTANCE_LOSSES:
-            alpha = acceptance_rate(student_logits, teacher, temperature=temperature, token_ids=token_ids)
-            per_token = acceptance_loss(loss, alpha, log_p, log_q)
-        elif loss == "jsd":
-            per_token = generalized_jsd(log_p, log_q, beta)
-        else:
-            per_token = DIVERGENCES[loss](log_p, log_q)
+        if per_token is None:
+            per_token, _ = token_losses(student_logits, teacher, loss=loss, beta=beta, temperature=temperature,
+                                        token_ids=token_ids)
         total = (per_token if weights is None else per_token * weights).sum()
     if ce_weight:
         total = total + ce_weight * F.cross_entropy(student_logits.float(), labels, ignore_index=-100, reduction="sum")

@@ -11,7 +11,7 @@ from decode.models.architectures import head_logits
 from decode.models.feature_draft import FEATURES, FeatureDraft, window_start
 from decode.runtime.forward import target_features
 from distill.chains import ChainLayout, chain_loss, chain_window, check_attention, valid_logits
-from distill.losses import TopKTeacher, acceptance_rate, distillation_loss, reach_weights
+from distill.losses import TopKTeacher, acceptance_rate, distillation_loss, reach_weights, token_losses
 from pipeline.config import DistillConfig
 
 
@@ -181,18 +181,23 @@ def feature_loss_step(model, batch: dict, settings: DistillConfig, *, target, la
     labels = batch["labels"].to(device)
     masks = [step_mask(loss_mask, j) for j in range(len(per_step))]
     teachers = [shifted(teacher, j)[mask] for j, mask in enumerate(masks)]
+    # each step's divergence and α from one log-softmax of its logits: α also sets the later steps' reach weights
+    terms = [(None, None) if settings.loss == "ce" else
+             token_losses(logits, t, loss=settings.loss, beta=settings.jsd_beta, temperature=settings.temperature,
+                          token_ids=token_ids) for logits, t in zip(per_step, teachers)]
     weights: list = [None] * len(per_step)
     if settings.ttt_weighting == "reach":
         with torch.no_grad():
-            alphas = [acceptance_rate(logits, t, temperature=settings.temperature, token_ids=token_ids)
-                      for logits, t in zip(per_step, teachers)]
+            alphas = [alpha.detach() if alpha is not None else
+                      acceptance_rate(logits, t, temperature=settings.temperature, token_ids=token_ids)
+                      for (_, alpha), logits, t in zip(terms, per_step, teachers)]
         weights = reach_weights(alphas, masks)
     total = 0
     for j, logits in enumerate(per_step):
         total = total + distillation_loss(
             logits, teachers[j], loss=settings.loss, beta=settings.jsd_beta,
             temperature=settings.temperature, token_ids=token_ids, labels=labels[:, 1 + j :][masks[j]],
-            ce_weight=settings.ce_weight, num_tokens=num_tokens, weights=weights[j])
+            ce_weight=settings.ce_weight, num_tokens=num_tokens, weights=weights[j], per_token=terms[j][0])
     return total / len(per_step)
 
 

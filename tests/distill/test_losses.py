@@ -292,3 +292,22 @@ def test_weights_scale_each_position():
     lam = 1 - alpha.mean()
     per = lam * forward_kl(teacher.log_softmax(-1), student.log_softmax(-1)) + (1 - lam) * (1 - alpha)
     assert weighted.item() == pytest.approx(((per * w).sum() / 3).item(), abs=1e-6)
+
+
+def test_token_losses_acceptance_is_acceptance_rates_for_a_top_k_teacher_with_its_gradient():
+    """α from the loss's own buckets: the listed ids inside the draft vocabulary, never the tail or an id the draft
+    cannot emit (-1), equal to `acceptance_rate` in value and gradient."""
+    from distill.losses import acceptance_rate, token_losses
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 6, requires_grad=True)
+    teacher = TopKTeacher(torch.log_softmax(torch.randn(4, 3), -1).half() - 0.5,
+                          torch.tensor([[0, 5, -1], [2, -1, -1], [1, 3, 4], [-1, -1, -1]]).int())
+    per_token, alpha = token_losses(logits, teacher, loss="kl_tv")
+    expected = acceptance_rate(logits, teacher)
+    torch.testing.assert_close(alpha, expected, rtol=0, atol=1e-7)
+    assert alpha[3].item() == 0.0  # nothing listed the draft can emit: nothing acceptable
+    grad, = torch.autograd.grad(alpha.sum(), logits, retain_graph=True)
+    expected_grad, = torch.autograd.grad(expected.sum(), logits)
+    torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-7)
+    assert torch.isfinite(per_token).all()

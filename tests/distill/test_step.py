@@ -244,3 +244,21 @@ def test_acceptance_losses_train_a_feature_step():
                                  device="cpu")
         loss.backward()
         assert torch.isfinite(loss) and model.logits.grad.abs().sum() > 0
+
+
+def test_kl_tv_with_reach_weights_by_hand_from_one_log_softmax_per_step(monkeypatch):
+    """Uniform q = 1/3. Step 0 scores index 0 against position 1 (listed p = 1/2: α = 1/3) and index 1 against
+    position 2 (p = 1/4: α = 1/4); step 1 scores index 0 against position 2 (α = 1/4), reached with chance 1/3.
+    Each step's λ = 1 − its mean α; each term λ·KL + (1 − λ)·(1 − α). The student's log-softmax runs once a step."""
+    kl_1 = 0.5 * math.log(1.5) + 0.5 * math.log(0.75)
+    kl_2 = 0.25 * math.log(0.75) + 0.75 * math.log(9 / 8)
+    lam_0, lam_1 = 1 - (1 / 3 + 1 / 4) / 2, 1 - 1 / 4
+    step_0 = lam_0 * (kl_1 + kl_2) + (1 - lam_0) * ((1 - 1 / 3) + (1 - 1 / 4))
+    step_1 = lam_1 * kl_2 + (1 - lam_1) * (1 - 1 / 4)
+    calls, log_softmax = [], torch.nn.functional.log_softmax
+    monkeypatch.setattr(torch.nn.functional, "log_softmax", lambda *a, **k: calls.append(1) or log_softmax(*a, **k))
+    loss = feature_loss_step(UniformSteps(steps=2), batch_with_two_response_tokens(),
+                             DistillConfig(loss="kl_tv", ttt_weighting="reach"), target=target_with_features(),
+                             layers=(0, 2), num_tokens=4, token_ids=None, device="cpu")
+    assert loss.item() == pytest.approx((step_0 / 4 + step_1 / 3 / 4) / 2, abs=1e-6)
+    assert len(calls) == 2
