@@ -261,10 +261,10 @@ def test_a_finished_job_is_registered_once_and_not_trained_again(isolated_home, 
 def test_a_feature_draft_job_exports_the_speculators_format_registers_and_decodes_losslessly(isolated_home,
                                                                                              monkeypatch):
     """family=features end to end on a 4-layer tiny target (3 increasing feature layers): its features recorded as
-    the target generates (no teacher-forced pass), trained with training-time test and one step of the on-policy
-    stage on its own chains, evaluated by draft position,
-    exported as speculators Eagle3, registered, then loaded back from the registry through `load_draft` and decoded
-    greedily: the target's own output. A re-run trains nothing."""
+    the target generates (a teacher-forced pass over the held-out responses alone), trained with training-time test
+    and one step of the on-policy stage on its own chains, evaluated by draft position, exported as speculators
+    Eagle3, registered, then loaded back from the registry through `load_draft` and decoded greedily: the target's
+    own output. A re-run trains nothing."""
     from decode.factory import build_decoder
     from decode.models.feature_draft import FeatureDraft
     from decode.runtime.forward import ModelRunner, greedy_decode
@@ -278,9 +278,15 @@ def test_a_feature_draft_job_exports_the_speculators_format_registers_and_decode
     save_checkpoint(make_tiny_model(len(tokenizer), seed=0, layers=4), tokenizer, isolated_home / "target")
     cfg = tiny_config(isolated_home, "distill.family=features", "distill.ttt_steps=2", "distill.max_steps=4",
                       "decode.gamma=3", "distill.onpolicy_steps=1")
-    monkeypatch.setattr("distill.data.features.teacher_forced_features", lambda *a, **k: (_ for _ in ()).throw(
-        AssertionError("the features were recorded as the target generated")))
+    from distill.data import features
+
+    passes, teacher_forced = [], features.teacher_forced_features
+    monkeypatch.setattr(features, "teacher_forced_features",
+                        lambda model, sequences, *a, **k: passes.append(len(sequences)) or teacher_forced(
+                            model, sequences, *a, **k))
     result = run_distill(cfg)
+    # one teacher-forced pass in the job: the held-out responses', for every evaluation; none over the training set
+    assert len(passes) == 1 and passes[0] < result.metrics["train_responses"]
     assert result.version == "1" and is_speculators_dir(result.export_dir)
     assert [h["stage"] for h in result.history] == ["epochs"] * 4 + ["chains"]
     assert {f"alpha_t0_pos{j}" for j in (1, 2, 3)} <= set(result.metrics) and result.metrics["tau_t0"] >= 1
