@@ -125,12 +125,13 @@ def cached_features(model, responses: ResponseSet, cache_dir: Path, layers: tupl
 def heldout_features(model, responses: ResponseSet, layers: tuple[int, ...]) -> None:
     """The target's features of the held-out responses, kept on them at the target's own precision: a job evaluates
     its draft on the same responses every `eval_every` steps, and one target pass serves every evaluation."""
-    width = len(layers) * model.get_input_embeddings().embedding_dim
-    if responses.features is not None and responses.features.shape[1] == width:
+    key = (id(model), tuple(layers))
+    if responses.features is not None and responses.feature_key == key:
         return
     sequences = [p + r for p, r in zip(responses.prompt_ids, responses.response_ids)]
     responses.features, responses.feature_offsets = teacher_forced_features(
         model, sequences, layers, dtype=next(model.parameters()).dtype)
+    responses.feature_key = key
 
 
 def cached_final(model, responses: ResponseSet, cache_dir: Path, *, progress: bool = False

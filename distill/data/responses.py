@@ -51,6 +51,7 @@ class ResponseSet:
     # a feature draft's inputs (`distill.data.features`): flat [Σ len(prompt + response), F] with `feature_offsets`
     features: torch.Tensor | None = None
     feature_offsets: torch.Tensor | None = None
+    feature_key: tuple | None = None  # (model, layers) the held-out features were taken from (`heldout_features`)
     # teacher=final (`distill.data.features.cached_final`): the target's final hidden states [Σ len, H] and each
     # position's log-normalizer over its whole vocabulary [Σ len], at the same offsets as the features
     final_hidden: torch.Tensor | None = None

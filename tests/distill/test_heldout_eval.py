@@ -45,12 +45,19 @@ def test_the_kept_features_are_the_targets_own_at_every_position():
         torch.testing.assert_close(heldout.feature_rows(i), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_features_of_other_layers_are_computed_again():
+def test_features_of_other_layers_or_another_target_are_computed_again():
+    """Kept features serve only the layers and the target they came from, even at the same width."""
     heldout, target = responses(), heldout_target()
-    heldout.features = torch.zeros(1, 3)  # kept from a draft of other layers
-    feature_eval(FeatureStepLogits(feature_draft_from_target(target), steps=2).eval(), target, heldout, None,
-                 gamma=2)
-    assert heldout.features.shape[1] == len(feature_draft_from_target(target).feature_layers) * 64
+    calls = counted_forwards(target)
+    draft = feature_draft_from_target(target)
+    feature_eval(FeatureStepLogits(draft, steps=2).eval(), target, heldout, None, gamma=2)
+    kept = heldout.features.clone()
+    draft.feature_layers = tuple(reversed(draft.feature_layers))  # the same width, other features
+    feature_eval(FeatureStepLogits(draft, steps=2).eval(), target, heldout, None, gamma=2)
+    assert calls[0] == 2 and not torch.equal(heldout.features, kept)
+    other = heldout_target()
+    feature_eval(FeatureStepLogits(draft, steps=2).eval(), other, heldout, None, gamma=2)
+    assert heldout.feature_key[0] == id(other)
 
 
 def heldout_target():
