@@ -164,7 +164,7 @@ def rebaseline_command(args) -> int:
 def rollback_command(args) -> int:
     from monitor.check.run import rollback
     from monitor.release.layout import DeployError
-    from monitor.release.rollout import ensure_deployed
+    from monitor.release.rollout import deploy_champion
     from monitor.service.alerts import rollback_alert, send_within_deadline
     from monitor.service.scheduler import EXIT_BUSY
     from pipeline.config import load_config
@@ -181,7 +181,7 @@ def rollback_command(args) -> int:
     send_within_deadline(cfg, [rollback_alert(cfg.tracking.registered_model, version)])
     if cfg.monitor.deploy.enabled:  # the rolled-back champion deployed too (its kept folder when there is one)
         try:
-            result = ensure_deployed(cfg)
+            result = deploy_champion(cfg)
         except DeployError as exc:
             print(f"draftops: error: {exc}", file=sys.stderr)
             return 2
@@ -192,7 +192,7 @@ def rollback_command(args) -> int:
 
 def deploy_command(args) -> int:
     from monitor.release.layout import DeployError
-    from monitor.release.rollout import ensure_deployed, rollback_deployment
+    from monitor.release.rollout import Rollout, deploy_champion
     from monitor.service.scheduler import EXIT_BUSY, check_lock
     from pipeline.config import load_config
 
@@ -200,8 +200,8 @@ def deploy_command(args) -> int:
     cfg = load_config(args.config, args.overrides)
     try:
         with check_lock(cfg):
-            result = (rollback_deployment(cfg, "rolled back by hand") if args.rollback
-                      else ensure_deployed(cfg, force=args.force))
+            result = (Rollout(cfg).roll_back("rolled back by hand") if args.rollback
+                      else deploy_champion(cfg, force=args.force))
     except ModelBusy as exc:
         print(f"draftops: {exc}; not deploying (try again when it is free)", file=sys.stderr)
         return EXIT_BUSY

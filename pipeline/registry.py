@@ -296,6 +296,14 @@ def load_baseline(model_version) -> dict | None:
     return mlflow.artifacts.load_dict(f"runs:/{run_id}/{BASELINE_ARTIFACT}")
 
 
+def stored_baseline(name: str, version: str) -> dict | None:
+    """The baseline payload of version `version` of `name`; None when it has none, or the registry lacks it."""
+    try:
+        return load_baseline(find_version(version_uri(name, version)))
+    except RegistryError:
+        return None
+
+
 def break_even(model_version, default: float | None) -> tuple[float | None, str]:
     """The version's measured break-even acceptance (its latest `draftops bench`), else `default` from the config
     (None: no break-even, and no absolute alarm)."""

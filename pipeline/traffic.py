@@ -211,6 +211,12 @@ def load_configured_traffic(traffic_cfg, path: str | Path | None = None) -> Traf
                         max_prompt_chars=prompt_char_bound(traffic_cfg.max_prompt_tokens))
 
 
+def heldout_by_recency(traffic_cfg) -> list[Request]:
+    """All held-out requests of the configured traffic, oldest first (by the instant they were logged, then log
+    order): the last N are the most recent."""
+    return chronological(load_configured_traffic(traffic_cfg).split("heldout", traffic_cfg.heldout_fraction))
+
+
 def encode_configured(requests: list[Request], tokenizer, traffic_cfg) -> tuple[list[list[int]], int]:
     """`encode_prompts` as the `traffic:` section says: its token budget, reasoning and chat template."""
     return encode_prompts(requests, tokenizer, traffic_cfg.max_prompt_tokens, prompt_style(traffic_cfg))

@@ -6,11 +6,9 @@ the draft costs throughput, and what to do (a batch-size rule, fewer draft token
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
 from pathlib import Path
 
-from monitor.fleet.load import read_load
+from monitor.fleet.load import EngineLoad
 from pipeline.config import DraftopsConfig
 
 
@@ -23,27 +21,27 @@ def boundary_of(path: str) -> int | None:
     return None if value is None else int(value)
 
 
-def watch(cfg: DraftopsConfig, report, *, load: Callable = read_load, now: float | None = None) -> None:
-    """Each replica's running requests against the boundary: `report.load` ({replica: [running, past]}) and a note
-    for each replica past it."""
+def watch(cfg: DraftopsConfig, report, reading: tuple[dict[str, EngineLoad], str | None] | None) -> None:
+    """Each replica's running requests (`reading`: monitor.fleet.load.read_load's, None when not read) against the
+    boundary: `report.load` ({replica: [running, past]}) and a note for each replica past it."""
     path = cfg.monitor.engine_boundary
-    if not path or report.server is None:
+    if not path or reading is None:
         return
     try:
         boundary = boundary_of(path)
     except ValueError as exc:
         report.decision.notes.append(str(exc))
         return
-    loads, error = load(cfg, time.time() if now is None else now)
+    loads, error = reading
     if error:
         report.decision.notes.append(f"boundary watch: running requests not read: {error}")
-    for name, reading in sorted(loads.items()):
-        if reading.running is None:
+    for name, load in sorted(loads.items()):
+        if load.running is None:
             continue
-        past = boundary is not None and reading.running > boundary
-        report.load[name] = [reading.running, past]
+        past = boundary is not None and load.running > boundary
+        report.load[name] = [load.running, past]
         if past:
             report.decision.notes.append(
-                f"replica {name}: {reading.running:.1f} requests running at once over its window, past concurrency "
+                f"replica {name}: {load.running:.1f} requests running at once over its window, past concurrency "
                 f"{boundary} where speculation stopped paying in the engine sweep ({path}): the draft may cost "
                 "throughput there (acceptance is not the question)")

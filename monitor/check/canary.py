@@ -1,41 +1,27 @@
-"""The canary in the monitor's checks (`monitor.deploy.canary`): a promoted challenger served by the canary replicas
-alone, judged on what the engines count, then rolled out to every replica or rolled back.
+"""The canary's judgement in a monitor check (`monitor.deploy.canary`): the canary replicas' windows against every
+other replica's, and the verdict that rolls the new champion out or back (monitor.check.deploy_hooks.CanaryDeploys
+acts on it; monitor.release.canary holds the steps and their state).
 
-- A promotion (or any new champion the fleet's folder does not hold yet) starts a canary instead of a fleet-wide
-  deploy (monitor.release.canary.begin); while it runs, the fleet's folder stays on the old champion.
-- Each later check judges it from the windows it read (monitor.fleet.verdicts): every replica's windows of the new
-  champion that started after the canary was deployed, the last `canary.windows` of each. The canary replicas'
-  windows (summed, when several) are compared with each other replica's by the fleet's replica-parting test
-  (`outlier_tests`: two-proportion t with the windows' own overdispersion, Bonferroni over the replicas); the canary
-  fails when it is named and lower. Where the engines report tokens per second (monitor.fleet.load), it also fails
-  when its mean is below (1 - `speed_tolerance`) of the others'. Until every canary replica and one other have the
-  windows, it is collecting.
-- Pass: the fleet's folder switched to the new champion. Fail: the canary's folder switched back, the champion alias
-  moved back, and the report carries the figures (the service alerts with them: CanaryFailed).
-
-The test's power at the configured windows (monitor.check.canary_power, the fleet tests' simulation, with windows as
-large as the ones read) is in every judgement and its MLflow run.
+Each check judges from the windows it read (monitor.fleet.verdicts): every replica's windows of the new champion that
+started after the canary was deployed, the last `canary.windows` of each. The canary replicas' windows (summed, when
+several) are compared with each other replica's by the fleet's replica-parting test (`outlier_tests`: two-proportion
+t with the windows' own overdispersion, Bonferroni over the replicas); the canary fails when it is named and lower.
+Where the engines report tokens per second (monitor.fleet.load), it also fails when its mean is below
+(1 - `speed_tolerance`) of the others'. Until every canary replica and one other have the windows, it is collecting.
+The test's power at the configured windows (monitor.check.canary_power) is in every judgement and its MLflow run.
 """
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
 from monitor.check.canary_power import CANARY, canary_power, requests_per_window
 from monitor.fleet.counters import sum_counters
-from monitor.fleet.load import EngineLoad, read_load
+from monitor.fleet.load import EngineLoad
 from monitor.fleet.verdicts import FleetReading, outlier_tests
 from monitor.fleet.window_store import ReplicaWindows, Window
-from monitor.release import canary as steps
-from monitor.release.layout import DeployError
-from monitor.release.rollout import FAILED, DeployResult
-from pipeline import registry
 from pipeline.config import DraftopsConfig
 
-log = logging.getLogger("draftops.monitor")
 COLLECTING, PASS, FAIL = "collecting", "pass", "fail"
 POWER_DROPS = (0.0, 0.05, 0.10)
 
@@ -136,42 +122,3 @@ def judge(cfg: DraftopsConfig, state: dict, server: FleetReading | None, load: d
     judgement.power = canary_power(n, len(judgement.others), cfg.monitor.level, POWER_DROPS,
                                    requests_per_window(tokens), seed=cfg.seed)
     return judgement
-
-
-def _safely(what: str, fn: Callable[[], list[DeployResult]]) -> list[DeployResult]:
-    try:
-        return fn()
-    except (DeployError, registry.RegistryError, OSError) as exc:
-        log.error("%s failed: %s", what, exc)
-        return [DeployResult(FAILED, None, notes=[f"{what} failed: {exc}"])]
-
-
-STEP_NAMES = {steps.DEPLOYING: "canary deploy", steps.PROMOTING: "canary rollout",
-              steps.ROLLING_BACK: "canary rollback"}
-
-
-def before_check(cfg: DraftopsConfig) -> list[DeployResult]:
-    """What a check deploys first when a canary is configured (monitor.release.canary.catch_up)."""
-    state = steps.read(cfg)
-    what = STEP_NAMES.get(state.get("phase"), "deploy of the champion")
-    return _safely(what, lambda: steps.catch_up(cfg, state))
-
-
-def after_check(cfg: DraftopsConfig, report, *, load: Callable = read_load) -> None:
-    """After the check's run: a promoted challenger starts a canary; a canary being judged is judged on this check's
-    windows and rolled out or back. Appends to `report.deploys`, sets `report.canary`."""
-    retrain = report.retrain
-    if retrain is not None and retrain.promoted:
-        report.deploys += _safely("canary deploy", lambda: steps.begin_after_promotion(
-            cfg, retrain.challenger_version, retrain.previous_champion))
-        return
-    state = steps.read(cfg)
-    if state.get("phase") != steps.JUDGING:
-        return
-    loads, _ = load(cfg, time.time())
-    judgement = report.canary = judge(cfg, state, report.server, loads)
-    if judgement.verdict in (PASS, FAIL):
-        reason = f"canary {', '.join(judgement.canary)}: " + "; ".join(judgement.reasons)
-        report.deploys += _safely(STEP_NAMES[steps.PROMOTING if judgement.verdict == PASS else steps.ROLLING_BACK],
-                                  lambda: steps.conclude(cfg, state, judgement.verdict == PASS, judgement.figures(),
-                                                         reason))

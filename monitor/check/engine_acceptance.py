@@ -28,14 +28,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from monitor.check.decision import Decision, Status
-from monitor.check.prompt_acceptance import Baseline, Measurement
+from monitor.check.prompt_acceptance import Measurement
 from monitor.fleet.counters import ImpossibleCounters, ServerMetricsError, SpecCounters, sum_counters
 from monitor.fleet.offline_expectation import engine_vs_offline_test
 from monitor.fleet.sglang import SglangGauges
 from monitor.fleet.window_store import read_endpoint
 from monitor.release.layout import PENDING, DeployFolder
 from monitor.stats.acceptance_tests import DropTest
-from pipeline import registry
 from pipeline.config import DraftopsConfig
 
 EXTENSIONS = 3  # a window with too few draft tokens is read again this many times at most
@@ -59,6 +58,7 @@ class EngineCheck:
     notes: list[str] = field(default_factory=list)
     error: str | None = None
     impossible: bool = False  # the error: counters that cannot be true (an ERROR, never a confirmation)
+    endpoints: list = field(default_factory=list, repr=False)  # the replicas read (monitor.config.Endpoint)
 
     @property
     def acceptance(self) -> float | None:
@@ -115,8 +115,9 @@ class EngineCheck:
         return "\n".join(lines)
 
 
-def due(cfg: DraftopsConfig, champion_version: str) -> EngineCheck | None:
-    """The engine check this check runs (not yet read), or None: none configured, or none due."""
+def due(cfg: DraftopsConfig) -> EngineCheck | None:
+    """The engine check this check runs (not yet read), or None: none configured, or none due. Its `version` is the
+    one deploy.json names; empty when none does (the champion's, filled in by the caller)."""
     m, d = cfg.monitor, cfg.monitor.deploy
     endpoints = [e for e in m.replica_endpoints() if e.url]
     if not endpoints or d.engine_check == "off":
@@ -125,19 +126,18 @@ def due(cfg: DraftopsConfig, champion_version: str) -> EngineCheck | None:
     pending = bool(state) and state.get("check") == PENDING and bool(state.get("reloaded"))
     if not pending and d.engine_check != "always":
         return None
-    return EngineCheck(", ".join(e.url for e in endpoints), str(state.get("version") or champion_version), pending,
-                       previous_version=state.get("previous_version") if pending else None)
+    return EngineCheck(", ".join(e.url for e in endpoints), str(state.get("version") or ""), pending,
+                       previous_version=state.get("previous_version") if pending else None, endpoints=endpoints)
 
 
-def _read_all(cfg: DraftopsConfig, fetch: Callable[[str, float], str] | None
+def _read_all(endpoints: list, timeout: float, fetch: Callable[[str, float], str] | None
               ) -> dict[str, SpecCounters | SglangGauges]:
-    """One scrape of every replica with a URL: {replica: its reading}; ServerMetricsError when none can be read."""
-    endpoints = [e for e in cfg.monitor.replica_endpoints() if e.url]
+    """One scrape of every replica in `endpoints`: {replica: its reading}; ServerMetricsError when none can be read."""
     readings, errors = {}, []
     for endpoint in endpoints:
         try:
             readings.update({name: reading for name, (_, reading) in
-                             read_endpoint(endpoint, cfg.monitor.server_timeout, fetch).items()})
+                             read_endpoint(endpoint, timeout, fetch).items()})
         except ImpossibleCounters:  # an engine that cannot be right is an ERROR, whatever the others read
             raise
         except ServerMetricsError as exc:
@@ -162,14 +162,15 @@ def read_windows(cfg: DraftopsConfig, check: EngineCheck, wait: Callable[[float]
                  fetch: Callable[[str, float], str] | None = None) -> EngineCheck:
     """Scrape every replica once, then once after each window (module docstring); `wait(seconds)` lets time (and
     traffic) pass. `windows` sums the replicas' counter windows; `replica_windows` keeps each replica's."""
-    d = cfg.monitor.deploy
+    d, timeout = cfg.monitor.deploy, cfg.monitor.server_timeout
+    endpoints = check.endpoints or [e for e in cfg.monitor.replica_endpoints() if e.url]
     start = time.perf_counter()
     try:
-        before = _read_all(cfg, fetch)
+        before = _read_all(endpoints, timeout, fetch)
         for _ in range(d.check_windows):
             for _ in range(EXTENSIONS):
                 wait(d.check_window_seconds)
-                now = _read_all(cfg, fetch)
+                now = _read_all(endpoints, timeout, fetch)
                 windows, restarted = _windows(before, now)
                 counted = [w for w in windows.values() if not w.gauge]
                 if not counted or sum(w.draft_tokens for w in counted) >= d.min_window_draft_tokens:
@@ -191,17 +192,6 @@ def read_windows(cfg: DraftopsConfig, check: EngineCheck, wait: Callable[[float]
     return check
 
 
-def _offline(name: str, version: str, measurement: Measurement | None = None) -> Measurement | None:
-    """The version's baseline measurement: `measurement` when given (measured in this check), else its stored one."""
-    if measurement is not None:
-        return measurement
-    try:
-        stored = registry.load_baseline(registry.find_version(registry.version_uri(name, version)))
-    except registry.RegistryError:
-        return None
-    return None if stored is None else Baseline.from_dict(stored).measurement
-
-
 def _against(offline: Measurement | None, windows: list[SpecCounters], tolerance: float, level: float
              ) -> DropTest | None:
     values = offline.engine_values if offline is not None else None
@@ -211,22 +201,19 @@ def _against(offline: Measurement | None, windows: list[SpecCounters], tolerance
                                   [w.draft_tokens for w in windows], tolerance, level)
 
 
-def compare(cfg: DraftopsConfig, check: EngineCheck, champion_version: str,
-            champion_measurement: Measurement | None) -> EngineCheck:
-    """Test the windows against the offline figure of the version the engine should serve (the champion's
-    `champion_measurement` when that is the one) and, after a deploy, of the previous version."""
+def compare(check: EngineCheck, own: Measurement | None, previous: Measurement | None, tolerance: float,
+            level: float) -> EngineCheck:
+    """Test the windows against `own`, the offline figure of the version the engine should serve, and, after a
+    deploy, against `previous`, the previous version's (each a baseline's measurement, or None when it has none)."""
     if check.error:
         return check
-    name, m = cfg.tracking.registered_model, cfg.monitor
-    tolerance = m.deploy.mismatch_tolerance
-    own = _offline(name, check.version, champion_measurement if check.version == champion_version else None)
     # several replicas: each one, and their sum, against the figure at level / (replicas + 1) (Bonferroni)
     each = len(check.replica_windows) > 1 or not check.windows
-    level = m.level / (len(check.replica_windows) + bool(check.windows)) if each else m.level
-    check.test = _against(own, check.windows, tolerance, level)
+    tested_at = level / (len(check.replica_windows) + bool(check.windows)) if each else level
+    check.test = _against(own, check.windows, tolerance, tested_at)
     if each:
         check.replica_tests = {name: test for name, windows in check.replica_windows.items()
-                               for test in [_against(own, windows, tolerance, level)] if test is not None}
+                               for test in [_against(own, windows, tolerance, tested_at)] if test is not None}
     if own is not None and own.engine_values is not None:
         check.expected = own.engine_values.acceptance
     if check.test is None and not check.replica_tests:
@@ -237,7 +224,7 @@ def compare(cfg: DraftopsConfig, check: EngineCheck, champion_version: str,
         if check.post_deploy:
             check.notes.append("the post-deploy check stays pending: the next check tries again")
     if check.post_deploy and check.previous_version:
-        check.pre_drift = _against(_offline(name, check.previous_version), check.windows, tolerance, m.level)
+        check.pre_drift = _against(previous, check.windows, tolerance, level)
     return check
 
 

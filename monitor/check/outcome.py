@@ -8,9 +8,13 @@ from dataclasses import dataclass, field
 from monitor.check.decision import Decision, Status
 from monitor.check.engine_acceptance import EngineCheck
 from monitor.fleet.verdicts import FleetReading
+from monitor.registry_report import monitor_checks, monitor_history_figure
 from monitor.release.rollout import FAILED, DeployResult
 from monitor.stats.acceptance_tests import AcceptanceCheck, DropTest, TrafficDrift
 from pipeline import metrics as M
+from pipeline import registry
+from pipeline.config import DraftopsConfig
+from pipeline.tracking import log_figure, start_run
 
 
 @dataclass
@@ -196,3 +200,37 @@ def _server_metrics(server: FleetReading) -> dict[str, float]:
                    "windows": t.n_current_prompts}
         out.update({M.monitor_test("server", k): v for k, v in figures.items()})
     return out
+
+
+def log_run(cfg: DraftopsConfig, report: CheckReport, to_record: list) -> None:
+    """The check as a run in `draftops-monitor`: the baselines `to_record` ((version, Baseline)) stored, then the
+    alias moved to a promoted challenger, the metrics, the report and the history figure."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    name = report.registered_model
+    with start_run(cfg, "monitor", run_name=f"check-{report.decision.status.value.lower()}",
+                   tags=_run_tags(report)) as run:
+        report.run_id = run.info.run_id
+        for version, new in to_record:
+            registry.save_baseline(name, version, new.to_dict())
+        # the alias moves only once the new champion's baseline is stored: stopped at any point before, the old
+        # champion serves with its own baseline; after, the new one has its baseline
+        if report.retrain is not None and report.retrain.promoted:
+            report.retrain.previous_champion = registry.promote(name, report.retrain.challenger_version)
+        mlflow.log_metrics(_run_metrics(report, cfg.monitor.margin))
+        mlflow.log_dict(report.to_dict(), "monitor/report.json")
+        checks = monitor_checks(MlflowClient(), name, limit=100)  # this check included: its metrics are logged
+        log_figure(monitor_history_figure(checks), "monitor/history.png")
+
+
+def log_deploy_failure(report: CheckReport) -> None:
+    """A deploy after the run failed (the report's decision now DEPLOY_FAILED): its run tagged and its report
+    written again."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient()
+    for key, value in {**_run_tags(report), "mlflow.runName": f"check-{report.decision.status.value.lower()}"}.items():
+        client.set_tag(report.run_id, key, value)
+    client.log_metric(report.run_id, M.MONITOR_DEPLOY_FAILED, 1.0)
+    client.log_dict(report.run_id, report.to_dict(), "monitor/report.json")

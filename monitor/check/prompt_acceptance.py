@@ -32,7 +32,7 @@ from distill.data.responses import cached_responses
 from monitor.fleet.offline_expectation import engine_rounds
 from monitor.stats.acceptance_tests import PromptAcceptance
 from pipeline.config import DraftopsConfig
-from pipeline.traffic import chronological, encode_configured, load_configured_traffic
+from pipeline.traffic import encode_configured
 
 # Padded tokens per teacher-forced pass of the analytic measurement: with the prompts cut to traffic.max_prompt_tokens,
 # what bounds its logits (this many rows of the vocabulary per model) whatever the traffic holds.
@@ -103,14 +103,6 @@ class Baseline:
 
 def new_baseline(target_fingerprint: str, measurement: Measurement) -> Baseline:
     return Baseline(target_fingerprint, measurement, datetime.now(timezone.utc).isoformat(timespec="seconds"))
-
-def heldout_by_recency(cfg: DraftopsConfig) -> list:
-    """All held-out requests, oldest first (by the instant they were logged, then log order); the last N are the most
-    recent."""
-
-    traffic = load_configured_traffic(cfg.traffic)
-    return chronological(traffic.split("heldout", cfg.traffic.heldout_fraction))
-
 
 def prompt_token_counts(prompts: list[list[int]]) -> dict[int, int]:
     return dict(Counter(t for p in prompts for t in p))

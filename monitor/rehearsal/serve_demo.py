@@ -31,7 +31,6 @@ from transformers import AutoTokenizer
 from decode.serving.export import draft_source, export_format, target_gguf
 from distill.train import run_distill
 from monitor.check.decision import Status
-from monitor.check.prompt_acceptance import heldout_by_recency
 from monitor.fleet.speed import measure_speed, settings_for, speed_table
 from monitor.rehearsal.demo_engine import Replayer, ServedEngine, write_target_gguf
 from monitor.rehearsal.drift_demo import (
@@ -44,13 +43,13 @@ from monitor.rehearsal.drift_demo import (
 )
 from monitor.rehearsal.target_update import run_finetune
 from monitor.release.layout import CURRENT, PREVIOUS, DeployFolder
-from monitor.release.rollout import ensure_deployed
+from monitor.release.rollout import deploy_champion
 from pipeline import metrics as M
 from pipeline import registry
 from pipeline.config import DraftopsConfig, save_config
 from pipeline.sources import locate
 from pipeline.tracking import setup_mlflow, start_run, tracking_uri
-from pipeline.traffic import encode_prompts
+from pipeline.traffic import encode_prompts, heldout_by_recency
 
 DEFAULT_OUT = "outputs/serve-demo"
 OWNED_DIRS = ("distill", "monitor", "target-updated", "deploy", "engine", "speed")
@@ -113,7 +112,7 @@ def engine_configs(original: DraftopsConfig, updated: DraftopsConfig, engine: Se
 
 def replayed_prompts(cfg: DraftopsConfig) -> list[list[int]]:
     """The held-out prompts the checks measure (the most recent monitor.heldout_requests), as token ids."""
-    requests = heldout_by_recency(cfg)[-cfg.monitor.heldout_requests:]
+    requests = heldout_by_recency(cfg.traffic)[-cfg.monitor.heldout_requests:]
     tokenizer = AutoTokenizer.from_pretrained(locate(cfg.target).path)
     return encode_prompts(requests, tokenizer, cfg.traffic.max_prompt_tokens)[0]
 
@@ -148,7 +147,7 @@ def run_serve_demo(cfg: DraftopsConfig, out: str | Path = DEFAULT_OUT, *, champi
         replayer = Replayer(engine, replayed_prompts(original), original.decode.max_new_tokens, per_window)
         check = partial(_engine_check, result, replayer, echo)
         deployed = phase(f"llama-server on {served_target.name}; deploy version {version} to it",
-                         lambda: ensure_deployed(original))
+                         lambda: deploy_champion(original))
         echo(deployed.summary())
         phase("check, original target (expect OK: the deployed draft confirmed in the engine)",
               lambda: check(original, f"original target, version {version}"))
@@ -200,7 +199,7 @@ def _rehearse(cfg: DraftopsConfig, engine: ServedEngine, check) -> bool:
     previous = DeployFolder.of(cfg).linked(PREVIOUS)
     engine.pin_draft = previous.file
     try:
-        ensure_deployed(cfg, force=True)
+        deploy_champion(cfg, force=True)
         report = check(cfg, "wrong deployment")
     finally:
         engine.pin_draft = None

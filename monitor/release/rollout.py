@@ -37,49 +37,17 @@ from monitor.release.layout import (
     read_manifest,
     step,
 )
-from monitor.release.reload import ReloadError, ReloadPlan, check_reload, plan_reload
+from monitor.release.reload import ReloadError, check_reload, plan_reload
 from pipeline import metrics as M
 from pipeline import registry
 from pipeline.config import DraftopsConfig
+from pipeline.config.deploy import DeployConfig
 from pipeline.files import write_text_atomic
 from pipeline.tracking import setup_mlflow, start_run
 
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def export_version(cfg: DraftopsConfig, version: str, folder: Path) -> Deployment:
-    """Export registered `version` into `folder` in the configured format, then write its manifest (last)."""
-    d, name = cfg.monitor.deploy, cfg.tracking.registered_model
-    uri = registry.version_uri(name, version)
-    setup_mlflow(cfg)
-    try:
-        vocabulary = target_gguf(d.gguf_vocabulary or cfg.target) if d.format == "gguf" else None
-        vocab_size = folder_vocab_size(cfg.target) if d.format in ("vllm", "speculators") else None
-        export_format(draft_source(uri), d.format, folder, force=True, target_vocab_size=vocab_size,
-                      vocabulary=vocabulary, gguf_dtype=d.gguf_dtype)
-    except (ExportError, registry.RegistryError) as exc:
-        raise DeployError(f"export of {uri} as {d.format}: {exc}") from exc
-    except OSError as exc:
-        raise DeployError(f"deploy step export (of {uri} as {d.format} into {folder}): {exc}") from None
-    with step("manifest", str(folder / MANIFEST)):
-        files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
-        manifest = {"version": version, "format": d.format, "model": name, "source": uri, "exported_at": _now(),
-                    "files": files}
-        write_text_atomic(folder / MANIFEST, json.dumps(manifest, indent=1))
-    return read_manifest(folder)
-
-
-def _reload_plan(cfg: DraftopsConfig, folder: DeployFolder, deployment: Deployment) -> ReloadPlan:
-    """The reload action for `deployment`, built before the switch; DeployError when it cannot be."""
-    values = {"path": str(deployment.folder), "file": str(deployment.file), "version": deployment.version,
-              "current": str(folder.root / CURRENT)}
-    body = {**values, "format": deployment.format, "model": deployment.model}
-    try:
-        return plan_reload(cfg.monitor.deploy, values, body, f"{deployment.model}-v{deployment.version}")
-    except ReloadError as exc:
-        raise DeployError(f"deploy step reload (planned before the switch): {exc}") from None
 
 
 FAILED = "failed"  # the action of a DeployResult that stands for a deploy that failed (monitor.check.deploy_hooks)
@@ -114,107 +82,151 @@ class DeployResult:
                 "reloaded": self.reloaded, "notes": self.notes, "seconds": self.seconds, "run_id": self.run_id}
 
 
-def _switch_reload_record(cfg: DraftopsConfig, folder: DeployFolder, result: DeployResult, state: dict,
-                          start: float) -> DeployResult:
-    """Plan the reload, write the state (not reloaded), switch, reload, write the state again (reloaded), log the
-    run, prune old folders. A reload that fails is logged, then raised as a DeployError."""
-    d = result.deployment
-    plan = _reload_plan(cfg, folder, d)
-    folder.write_state(state)
-    folder.switch(d, result.previous)
-    try:
-        result.notes += plan.run()
-        result.reloaded, failure = True, None
-    except ReloadError as exc:
-        failure = exc
-        result.notes.append(f"reload failed: {exc}")  # said once, by whoever catches the DeployError below
-    if result.reloaded:
-        state["reloaded"] = True
+class Rollout:
+    """One deploy folder and the deploys into it (module docstring): the fleet's (`monitor.deploy`), or with
+    `deploy` another folder and reload action (a canary's), for the configured registered model."""
+
+    def __init__(self, cfg: DraftopsConfig, deploy: DeployConfig | None = None):
+        self.cfg = cfg
+        self.deploy = deploy or cfg.monitor.deploy
+        self.model = cfg.tracking.registered_model
+        self.folder = DeployFolder(Path(self.deploy.dir).resolve())
+
+    def current(self) -> Deployment | None:
+        return self.folder.linked(CURRENT)
+
+    def serves(self, version: str) -> bool:
+        """Whether `current` is `version` in the configured format, and the engine was reloaded onto it."""
+        current, state = self.current(), self.folder.read_state()
+        return (current is not None and current.version == version and current.format == self.deploy.format
+                and current.model == self.model and state.get("folder") == current.folder.name
+                and bool(state.get("reloaded")))
+
+    def ensure(self, champion: str, *, force: bool = False) -> DeployResult:
+        """Deploy `champion` unless it is deployed and the engine reloaded (then nothing; a deployment whose reload
+        a kill cut short is reloaded). A version whose post-deploy check failed is not deployed again unless
+        `force`."""
+        folder = self.folder
+        folder.own_links()
+        current, state = self.current(), folder.read_state()
+        if not force and current is not None and (current.version, current.format, current.model) == (
+                champion, self.deploy.format, self.model):
+            if state.get("folder") == current.folder.name and state.get("reloaded"):
+                return DeployResult("none", current)
+            self._check_reload()
+            with folder.locked():
+                result = DeployResult("reload", current, folder.linked(PREVIOUS))
+                state = {**state, "version": champion, "folder": current.folder.name, "format": current.format,
+                         "reloaded": False, "check": state.get("check", PENDING) if state.get("folder") ==
+                         current.folder.name else PENDING, "action": "reload"}
+                return self._switch_reload_record(result, state, time.perf_counter())
+        if not force and state.get("failed_version") == champion:
+            return DeployResult("none", current, notes=[
+                f"version {champion} failed its post-deploy check and was rolled back: not deployed again (`draftops "
+                "monitor deploy --force` does)"])
+        return self.deploy_version(champion, force=force)
+
+    def deploy_version(self, version: str, *, force: bool = False, action: str = "deploy") -> DeployResult:
+        """Export (or reuse) `version`, switch `current` to it, reload the engine, record it. With `force` the version
+        is exported again into a new folder even where one is kept."""
+        start = time.perf_counter()
+        self._check_reload()
+        with self.folder.locked() as folder:
+            fmt = self.deploy.format
+            reuse = None if force else next((k for k in folder.kept() if (k.version, k.format, k.model) == (
+                version, fmt, self.model)), None)
+            result = DeployResult(action, reuse)
+            if reuse is None:
+                result.deployment = self._export(version, folder.new_folder(version))
+                result.exported = True
+            result.previous = folder.previous_of(result.deployment)
+            state = {"version": version, "folder": result.deployment.folder.name, "format": fmt,
+                     "deployed_at": _now(), "action": action, "reloaded": False, "check": PENDING,
+                     "previous_version": result.previous.version if result.previous else None}
+            return self._switch_reload_record(result, state, start)
+
+    def roll_back(self, reason: str) -> DeployResult:
+        """Switch `current` back to `previous` and reload (the registry is left as it is); the version rolled back
+        from is remembered as failed, so that it is not deployed again by itself."""
+        start = time.perf_counter()
+        self._check_reload()
+        with self.folder.locked() as folder:
+            current, previous = folder.linked(CURRENT), folder.linked(PREVIOUS)
+            if previous is None or current is None:
+                raise DeployError(f"{folder.root}: no previous deployment to roll back to")
+            result = DeployResult("rollback", previous, current, notes=[reason])
+            state = {"version": previous.version, "folder": previous.folder.name, "format": previous.format,
+                     "deployed_at": _now(), "action": "rollback", "reloaded": False, "check": ROLLED_BACK,
+                     "previous_version": current.version, "failed_version": current.version}
+            return self._switch_reload_record(result, state, start)
+
+    def record_check(self, outcome: str) -> None:
+        """Write the post-deploy check's outcome (VERIFIED or MISMATCH) into deploy.json."""
+        state = self.folder.read_state()
+        if state and state.get("check") == PENDING:
+            self.folder.write_state({**state, "check": outcome, "checked_at": _now()})
+
+    def _export(self, version: str, folder: Path) -> Deployment:
+        """Export registered `version` into `folder` in the configured format, then write its manifest (last)."""
+        d, cfg = self.deploy, self.cfg
+        uri = registry.version_uri(self.model, version)
+        try:
+            vocabulary = target_gguf(d.gguf_vocabulary or cfg.target) if d.format == "gguf" else None
+            vocab_size = folder_vocab_size(cfg.target) if d.format in ("vllm", "speculators") else None
+            export_format(draft_source(uri), d.format, folder, force=True, target_vocab_size=vocab_size,
+                          vocabulary=vocabulary, gguf_dtype=d.gguf_dtype)
+        except (ExportError, registry.RegistryError) as exc:
+            raise DeployError(f"export of {uri} as {d.format}: {exc}") from exc
+        except OSError as exc:
+            raise DeployError(f"deploy step export (of {uri} as {d.format} into {folder}): {exc}") from None
+        with step("manifest", str(folder / MANIFEST)):
+            files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+            manifest = {"version": version, "format": d.format, "model": self.model, "source": uri,
+                        "exported_at": _now(), "files": files}
+            write_text_atomic(folder / MANIFEST, json.dumps(manifest, indent=1))
+        return read_manifest(folder)
+
+    def _check_reload(self) -> None:
+        try:
+            check_reload(self.deploy)
+        except ReloadError as exc:
+            raise DeployError(f"deploy step reload (checked before anything is written): {exc}") from None
+
+    def _switch_reload_record(self, result: DeployResult, state: dict, start: float) -> DeployResult:
+        """Plan the reload, write the state (not reloaded), switch, reload, write the state again (reloaded), log the
+        run, prune old folders. A reload that fails is logged, then raised as a DeployError."""
+        d, folder = result.deployment, self.folder
+        values = {"path": str(d.folder), "file": str(d.file), "version": d.version,
+                  "current": str(folder.root / CURRENT)}
+        try:
+            plan = plan_reload(self.deploy, values, {**values, "format": d.format, "model": d.model},
+                               f"{d.model}-v{d.version}")
+        except ReloadError as exc:
+            raise DeployError(f"deploy step reload (planned before the switch): {exc}") from None
         folder.write_state(state)
-    result.seconds = time.perf_counter() - start
-    result.run_id = log_deployment(cfg, result)
-    folder.prune(cfg.monitor.deploy.keep)
-    if failure is not None:
-        raise DeployError(f"deploy step reload: {failure}; `current` is version {d.version} ({d.folder.name}), not "
-                          "reloaded: the next deploy or check reloads it")
-    return result
+        folder.switch(d, result.previous)
+        try:
+            result.notes += plan.run()
+            result.reloaded, failure = True, None
+        except ReloadError as exc:
+            failure = exc
+            result.notes.append(f"reload failed: {exc}")  # said once, by whoever catches the DeployError below
+        if result.reloaded:
+            state["reloaded"] = True
+            folder.write_state(state)
+        result.seconds = time.perf_counter() - start
+        result.run_id = log_deployment(self.cfg, result)
+        folder.prune(self.deploy.keep)
+        if failure is not None:
+            raise DeployError(f"deploy step reload: {failure}; `current` is version {d.version} ({d.folder.name}), "
+                              "not reloaded: the next deploy or check reloads it")
+        return result
 
 
-def deploy_version(cfg: DraftopsConfig, version: str, *, force: bool = False, action: str = "deploy") -> DeployResult:
-    """Export (or reuse) `version`, switch `current` to it, reload the engine, record it. With `force` the version is
-    exported again into a new folder even where one is kept."""
-    start = time.perf_counter()
-    _check_reload(cfg)
-    with DeployFolder.of(cfg).locked() as folder:
-        fmt = cfg.monitor.deploy.format
-        reuse = None if force else next((k for k in folder.kept() if (k.version, k.format, k.model) == (
-            version, fmt, cfg.tracking.registered_model)), None)
-        result = DeployResult(action, reuse)
-        if reuse is None:
-            result.deployment = export_version(cfg, version, folder.new_folder(version))
-            result.exported = True
-        result.previous = folder.previous_of(result.deployment)
-        state = {"version": version, "folder": result.deployment.folder.name, "format": fmt, "deployed_at": _now(),
-                 "action": action, "reloaded": False, "check": PENDING,
-                 "previous_version": result.previous.version if result.previous else None}
-        return _switch_reload_record(cfg, folder, result, state, start)
-
-
-def _check_reload(cfg: DraftopsConfig) -> None:
-    try:
-        check_reload(cfg.monitor.deploy)
-    except ReloadError as exc:
-        raise DeployError(f"deploy step reload (checked before anything is written): {exc}") from None
-
-
-def ensure_deployed(cfg: DraftopsConfig, *, force: bool = False) -> DeployResult:
-    """Deploy the champion unless it is deployed and the engine reloaded (then nothing; a deployment whose reload a
-    kill cut short is reloaded). A version whose post-deploy check failed is not deployed again unless `force`."""
-    folder, name = DeployFolder.of(cfg), cfg.tracking.registered_model
+def deploy_champion(cfg: DraftopsConfig, *, force: bool = False) -> DeployResult:
+    """The registered champion deployed into the fleet's folder (`Rollout.ensure`): `draftops monitor deploy`."""
     setup_mlflow(cfg)
-    champion = registry.champion(name).version
-    folder.own_links()
-    current, state = folder.linked(CURRENT), folder.read_state()
-    if not force and current is not None and current.version == champion and current.format == \
-            cfg.monitor.deploy.format and current.model == name:
-        if state.get("folder") == current.folder.name and state.get("reloaded"):
-            return DeployResult("none", current)
-        _check_reload(cfg)
-        with folder.locked():
-            result = DeployResult("reload", current, folder.linked(PREVIOUS))
-            state = {**state, "version": champion, "folder": current.folder.name, "format": current.format,
-                     "reloaded": False, "check": state.get("check", PENDING) if state.get("folder") ==
-                     current.folder.name else PENDING, "action": "reload"}
-            return _switch_reload_record(cfg, folder, result, state, time.perf_counter())
-    if not force and state.get("failed_version") == champion:
-        return DeployResult("none", current, notes=[
-            f"version {champion} failed its post-deploy check and was rolled back: not deployed again (`draftops "
-            "monitor deploy --force` does)"])
-    return deploy_version(cfg, champion, force=force)
-
-
-def rollback_deployment(cfg: DraftopsConfig, reason: str) -> DeployResult:
-    """Switch `current` back to `previous` and reload (the registry is left as it is); the version rolled back from
-    is remembered as failed, so that it is not deployed again by itself."""
-    start = time.perf_counter()
-    _check_reload(cfg)
-    with DeployFolder.of(cfg).locked() as folder:
-        current, previous = folder.linked(CURRENT), folder.linked(PREVIOUS)
-        if previous is None or current is None:
-            raise DeployError(f"{folder.root}: no previous deployment to roll back to")
-        result = DeployResult("rollback", previous, current, notes=[reason])
-        state = {"version": previous.version, "folder": previous.folder.name, "format": previous.format,
-                 "deployed_at": _now(), "action": "rollback", "reloaded": False, "check": ROLLED_BACK,
-                 "previous_version": current.version, "failed_version": current.version}
-        return _switch_reload_record(cfg, folder, result, state, start)
-
-
-def record_check(cfg: DraftopsConfig, outcome: str) -> None:
-    """Write the post-deploy check's outcome (VERIFIED or MISMATCH) into deploy.json."""
-    folder = DeployFolder.of(cfg)
-    state = folder.read_state()
-    if state and state.get("check") == PENDING:
-        folder.write_state({**state, "check": outcome, "checked_at": _now()})
+    return Rollout(cfg).ensure(registry.champion(cfg.tracking.registered_model).version, force=force)
 
 
 def log_deployment(cfg: DraftopsConfig, result: DeployResult) -> str | None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import mlflow
 
 from monitor.release.layout import CURRENT, PREVIOUS, DeployFolder
-from monitor.release.rollout import ensure_deployed
+from monitor.release.rollout import deploy_champion
 from pipeline import registry
 from pipeline.config import load_config
 from tests.monitor.check.test_run import write_traffic
@@ -64,7 +64,7 @@ def test_kill_9_during_deploy_leaves_the_old_or_the_new_deployment_whole(tmp_pat
     register_tiny_draft(work / "drafts", seed=1)
     register_tiny_draft(work / "drafts", seed=2)
     config = write_config(work, uri, work / "traffic.jsonl")
-    assert ensure_deployed(load_config(config)).reloaded
+    assert deploy_champion(load_config(config)).reloaded
     registry.promote(NAME, "2")
     start = tmp_path / "start"
     shutil.copytree(work, start, symlinks=True)

@@ -20,7 +20,7 @@ import pytest
 
 from monitor.release.layout import CURRENT, PREVIOUS, DeployFolder
 from monitor.release.reload import GROUP_GONE_SECONDS, ReloadPlan
-from monitor.release.rollout import ensure_deployed
+from monitor.release.rollout import deploy_champion
 from pipeline import registry
 from pipeline.cli import main
 from tests.monitor.deploy_world import NAME, trickling_server, two_drafts_world, write_config
@@ -65,7 +65,7 @@ def deploy(root, capsys) -> tuple[int, str, float]:
 
 
 def deployed_v1_then_promote_v2(cfg) -> None:
-    assert ensure_deployed(cfg).reloaded
+    assert deploy_champion(cfg).reloaded
     registry.promote(NAME, "2")
 
 

@@ -26,6 +26,7 @@ from monitor.rehearsal.demo_engine import ServedEngine
 from monitor.rehearsal.serve_demo import replayed_prompts
 from monitor.rehearsal.target_update import run_finetune
 from monitor.release import canary as steps
+from monitor.release.canary import Canary
 from monitor.release.layout import CURRENT, DeployFolder, read_manifest
 from pipeline import registry
 from pipeline.config import load_config
@@ -157,14 +158,14 @@ def test_a_canary_on_three_llama_servers(tmp_path, binaries, tracking_and_alerts
         check = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "monitor", "check", "--config",
                                   str(REPO / "configs" / "serve_demo.yaml"), *overrides], env=env)
         run_cfg = load_config(REPO / "configs" / "serve_demo.yaml", overrides)
-        eventually(lambda: steps.read(run_cfg).get("version") == "4" or check.poll() is not None, timeout=900)
+        eventually(lambda: Canary(run_cfg).read().get("version") == "4" or check.poll() is not None, timeout=900)
         check.send_signal(signal.SIGKILL)
         check.wait()
         ended = None
         for _ in range(5):
             until_boundary(WINDOWS + 1)
             checked(overrides)
-            ended = steps.read(run_cfg).get("phase")
+            ended = Canary(run_cfg).read().get("phase")
             if ended in (steps.PASSED, steps.FAILED):
                 break
         assert ended in (steps.PASSED, steps.FAILED), ended

@@ -61,7 +61,7 @@ def report(tmp_path, boundary):
     cfg = load_config(None, [f"monitor.engine_boundary={tmp_path / 'engine_sweep.json'}"])
     r = CheckReport(Decision(Status.OK, None), "draft", "1", "fp", "fp", server=FleetReading("prometheus"))
     loads = {"a": EngineLoad(6.5, 40.0), "b": EngineLoad(2.0, 80.0), "c": EngineLoad(None, 10.0)}
-    watch(cfg, r, load=lambda cfg, at: (loads, None))
+    watch(cfg, r, (loads, None))
     return r
 
 
@@ -87,5 +87,5 @@ def test_a_window_past_the_boundary_is_a_note_and_a_gauge_never_a_drift(tmp_path
 def test_a_result_file_that_is_not_a_sweeps_is_a_note(tmp_path):
     cfg = load_config(None, [f"monitor.engine_boundary={tmp_path / 'missing.json'}"])
     r = CheckReport(Decision(Status.OK, None), "draft", "1", "fp", "fp", server=FleetReading("store"))
-    watch(cfg, r, load=lambda cfg, at: ({}, None))
+    watch(cfg, r, ({}, None))
     assert r.decision.status is Status.OK and "not an engine sweep's result" in r.decision.notes[0]

@@ -6,12 +6,13 @@ import pytest
 import yaml
 
 from monitor.check.decision import Cause, Status
-from monitor.check.prompt_acceptance import heldout_by_recency, measure_analytic, measure_live
+from monitor.check.prompt_acceptance import measure_analytic, measure_live
 from monitor.check.run import load_models, run_check
 from pipeline import metrics as M
 from pipeline import registry
 from pipeline.config import load_config
 from pipeline.sources import save_checkpoint
+from pipeline.traffic import heldout_by_recency
 from tests.conftest import WORDS, make_tiny_model, make_tokenizer
 
 NAME = "draftops-draft"
@@ -64,7 +65,7 @@ def test_identical_draft_has_acceptance_one(world):
     target_a, _, config = world
     cfg, _ = config(target_a)
     target, draft = load_models(cfg, str(target_a))
-    requests = heldout_by_recency(cfg)[-5:]
+    requests = heldout_by_recency(cfg.traffic)[-5:]
     analytic = measure_analytic(cfg, target, draft, requests)
     assert analytic.request_ids == [r.id for r in requests]
     assert analytic.acc == pytest.approx(analytic.n) and all(n >= 1 for n in analytic.n)

@@ -10,9 +10,11 @@ from mlflow import MlflowClient
 
 from monitor.check import canary
 from monitor.check.decision import Status
+from monitor.check.deploy_hooks import CanaryDeploys
 from monitor.check.run import run_check
 from monitor.fleet.load import EngineLoad
 from monitor.release import canary as steps
+from monitor.release.canary import Canary
 from monitor.release.layout import CURRENT, PREVIOUS, DeployFolder
 from monitor.service.alerts import report_alerts
 from pipeline import registry
@@ -89,7 +91,7 @@ def test_a_canary_catches_a_challenger_that_serves_worse_and_passes_a_good_one(f
     drift = promote_version_2(cfg, world, root)
     assert [(r.action, r.deployment.version) for r in drift.deploys] == [("canary", "2")]
     assert canary_folder.linked(CURRENT).version == "2" and fleet_folder.linked(CURRENT).version == "1"
-    assert steps.read(cfg)["phase"] == steps.JUDGING and calls_of(canary_calls)[-1][0] == "2"
+    assert Canary(cfg).read()["phase"] == steps.JUDGING and calls_of(canary_calls)[-1][0] == "2"
     if bad:
         engines["a"].acceptance = 0.3  # the canary serves the new draft worse than the others serve the old one
 
@@ -105,7 +107,7 @@ def test_a_canary_catches_a_challenger_that_serves_worse_and_passes_a_good_one(f
         assert registry.champion(NAME).version == "1"
         assert [c[0] for c in calls_of(calls)] == ["1"]  # the fleet's folder: only ever version 1
         assert os.listdir(fleet_root / "versions") == ["v1"]
-        assert steps.read(cfg)["phase"] == steps.FAILED
+        assert Canary(cfg).read()["phase"] == steps.FAILED
         alert = next(a for a in report_alerts(report) if a.name == "CanaryFailed")
         assert alert.labels == {"replica": "a", "version": "2"} and "canary a" in alert.summary
         assert "acceptance 0.3" in alert.description and "on b, c" in alert.description
@@ -115,7 +117,7 @@ def test_a_canary_catches_a_challenger_that_serves_worse_and_passes_a_good_one(f
     else:
         assert judgement.verdict == canary.PASS, judgement.summary()
         assert fleet_folder.linked(CURRENT).version == "2" and calls_of(calls)[-1][0] == "2"
-        assert registry.champion(NAME).version == "2" and steps.read(cfg)["phase"] == steps.PASSED
+        assert registry.champion(NAME).version == "2" and Canary(cfg).read()["phase"] == steps.PASSED
         assert not [a for a in report_alerts(report) if a.name == "CanaryFailed"]
     runs = MlflowClient().search_runs([MlflowClient().get_experiment_by_name("draftops-monitor").experiment_id])
     names = {r.info.run_name for r in runs}
@@ -130,7 +132,7 @@ def test_speed_below_the_others_fails_a_canary_whose_acceptance_passes(fleet):
     slow = {"a": EngineLoad(1.0, 10.0), "b": EngineLoad(1.0, 30.0), "c": EngineLoad(1.0, 31.0)}
     for _ in range(6):
         report = check(cfg, world)
-        state = steps.read(cfg)
+        state = Canary(cfg).read()
         judgement = canary.judge(cfg, state, report.server, slow)
         if judgement.verdict != canary.COLLECTING:
             break
@@ -145,27 +147,26 @@ def test_a_canary_cut_at_any_phase_is_finished_by_the_next_check(fleet, phase):
     cfg, engines, root, calls, _ = fleet
     fleet_root, canary_root = root / "deploy", root / "deploy" / "canary"
     fleet_folder, canary_folder = DeployFolder(fleet_root), DeployFolder(canary_root)
-    assert canary.before_check(cfg)  # version 1 to both folders
+    assert CanaryDeploys(cfg).before_check()  # version 1 to both folders
     assert register_tiny_draft(root, seed=2) == "2"
     registry.promote(NAME, "2")
     state = {"version": "2", "previous": "1", "replicas": ["a"], "windows": 2,
              "started_at": "2026-01-01T00:00:00+00:00"}
     if phase == steps.DEPLOYING:  # killed before the canary's folder was switched
-        steps.save(cfg, {**state, "phase": phase})
+        Canary(cfg).save({**state, "phase": phase})
     elif phase == steps.ROLLING_BACK:  # the canary's folder switched back, killed before the alias moved
-        steps.resume_deploy(cfg, {**state, "phase": steps.DEPLOYING})
-        from monitor.release.rollout import rollback_deployment
-        rollback_deployment(steps.canary_config(cfg), "canary failed")
-        steps.save(cfg, {**state, "phase": phase, "reason": "acceptance 0.3 vs 0.6"})
+        Canary(cfg).resume_deploy({**state, "phase": steps.DEPLOYING})
+        Canary(cfg).canary.roll_back("canary failed")
+        Canary(cfg).save({**state, "phase": phase, "reason": "acceptance 0.3 vs 0.6"})
     else:  # passed, killed before the fleet's folder was switched
-        steps.resume_deploy(cfg, {**state, "phase": steps.DEPLOYING})
-        steps.save(cfg, {**state, "phase": phase, "figures": {"acceptance": 0.6}})
+        Canary(cfg).resume_deploy({**state, "phase": steps.DEPLOYING})
+        Canary(cfg).save({**state, "phase": phase, "figures": {"acceptance": 0.6}})
 
     engines_now = json.dumps([e.model_dump() for e in cfg.monitor.engines])
     restarted = load_config(root / "cfg.yaml", [f"monitor.engines={engines_now}", "monitor.server_baseline_windows=2",
                                                 "monitor.server_recent_windows=2"])
-    canary.before_check(restarted)
-    ended = steps.read(restarted)
+    CanaryDeploys(restarted).before_check()
+    ended = Canary(restarted).read()
     expected = {steps.DEPLOYING: ("2", "1", "2", steps.JUDGING), steps.ROLLING_BACK: ("1", "1", "1", steps.FAILED),
                 steps.PROMOTING: ("2", "2", "2", steps.PASSED)}[phase]
     assert (canary_folder.linked(CURRENT).version, fleet_folder.linked(CURRENT).version,

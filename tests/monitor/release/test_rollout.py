@@ -9,7 +9,7 @@ import pytest
 from mlflow import MlflowClient
 
 from monitor.release.layout import CURRENT, MANIFEST, PENDING, PREVIOUS, DeployError, DeployFolder
-from monitor.release.rollout import ensure_deployed, rollback_deployment
+from monitor.release.rollout import Rollout, deploy_champion
 from pipeline import metrics as M
 from pipeline import registry
 from tests.monitor.deploy_world import NAME, calls_of, recorder
@@ -18,7 +18,7 @@ from tests.monitor.deploy_world import NAME, calls_of, recorder
 def test_deploy_switches_current_atomically_and_keeps_the_previous(world):
     cfg, root = world
     deploy_root, (_, calls) = root / "deploy", recorder(root)
-    first = ensure_deployed(cfg)
+    first = deploy_champion(cfg)
     assert first.action == "deploy" and first.exported and first.reloaded and first.previous is None
     assert os.readlink(deploy_root / CURRENT) == "versions/v1"  # a relative link, flipped by one rename
     v1 = DeployFolder(deploy_root).linked(CURRENT)
@@ -28,10 +28,10 @@ def test_deploy_switches_current_atomically_and_keeps_the_previous(world):
     state = DeployFolder(deploy_root).read_state()
     assert state["check"] == PENDING and state["reloaded"]
 
-    assert ensure_deployed(cfg).action == "none" and len(calls_of(calls)) == 1  # deployed: nothing to do
+    assert deploy_champion(cfg).action == "none" and len(calls_of(calls)) == 1  # deployed: nothing to do
 
     registry.promote(NAME, "2")
-    second = ensure_deployed(cfg)
+    second = deploy_champion(cfg)
     assert second.exported and second.previous.version == "1"
     assert os.readlink(deploy_root / CURRENT) == "versions/v2"
     assert os.readlink(deploy_root / PREVIOUS) == "versions/v1"
@@ -54,9 +54,9 @@ def test_rollback_switches_back_to_the_kept_folder(world, capsys):
 
     cfg, root = world
     deploy_root, (_, calls) = root / "deploy", recorder(root)
-    ensure_deployed(cfg)
+    deploy_champion(cfg)
     registry.promote(NAME, "2")
-    ensure_deployed(cfg)
+    deploy_champion(cfg)
     assert main(["monitor", "rollback", "--config", str(root / "cfg.yaml")]) == 0
     out = capsys.readouterr().out
     assert "@champion -> version 1" in out and "deploy (deploy): version 1" in out
@@ -76,10 +76,10 @@ def test_the_previous_deployment_survives_pruning_and_old_ones_go(world):
     cfg = cfg.model_copy(update={"monitor": cfg.monitor.model_copy(update={
         "deploy": cfg.monitor.deploy.model_copy(update={"keep": 2})})})
     deploy_root = root / "deploy"
-    ensure_deployed(cfg)
+    deploy_champion(cfg)
     registry.promote(NAME, "2")
-    ensure_deployed(cfg)
-    ensure_deployed(cfg, force=True)  # exported again: into a new folder, current and previous stay whole
+    deploy_champion(cfg)
+    deploy_champion(cfg, force=True)  # exported again: into a new folder, current and previous stay whole
     assert os.readlink(deploy_root / CURRENT) == "versions/v2-2"
     assert os.readlink(deploy_root / PREVIOUS) == "versions/v2"
     assert sorted(p.name for p in (deploy_root / "versions").iterdir()) == ["v2", "v2-2"]  # v1 pruned (keep 2)
@@ -91,11 +91,11 @@ def test_a_failed_reload_is_reported_and_done_by_the_next_deploy(world):
     (root / "reloads.txt.fail").write_text("")
     with pytest.raises(DeployError, match=r"^deploy step reload: reload command .* exited with 1: engine refused "
                                           r"the reload; `current` is version 1 \(v1\), not reloaded"):
-        ensure_deployed(cfg)
+        deploy_champion(cfg)
     folder = DeployFolder(deploy_root)
     assert folder.linked(CURRENT).version == "1" and not folder.read_state()["reloaded"]
     (root / "reloads.txt.fail").unlink()
-    again = ensure_deployed(cfg)
+    again = deploy_champion(cfg)
     assert again.action == "reload" and again.reloaded and not again.exported
     assert [c[0] for c in calls_of(calls)] == ["1"] and DeployFolder(deploy_root).read_state()["reloaded"]
 
@@ -120,7 +120,7 @@ def test_reload_by_http_request(world):
         deploy = cfg.monitor.deploy.model_copy(update={"reload_command": [], "reload_url": f"{url}/reload",
                                                        "reload_method": "PUT"})
         cfg = cfg.model_copy(update={"monitor": cfg.monitor.model_copy(update={"deploy": deploy})})
-        result = ensure_deployed(cfg)
+        result = deploy_champion(cfg)
         assert result.reloaded and result.notes == [f"PUT {url}/reload: HTTP 204"]
         assert server.bodies == [{"path": str(root / "deploy" / "versions" / "v1"), "file": str(
             root / "deploy" / "versions" / "v1"), "version": "1", "current": str(root / "deploy" / CURRENT),
@@ -128,7 +128,7 @@ def test_reload_by_http_request(world):
         deploy = deploy.model_copy(update={"reload_url": f"{url}/elsewhere"})
         cfg = cfg.model_copy(update={"monitor": cfg.monitor.model_copy(update={"deploy": deploy})})
         with pytest.raises(DeployError, match=r"reload request: .*/elsewhere answered HTTP 404 Not Found"):
-            ensure_deployed(cfg, force=True)
+            deploy_champion(cfg, force=True)
         assert not DeployFolder(root / "deploy").read_state()["reloaded"]
     finally:
         server.shutdown()
@@ -140,15 +140,15 @@ def test_a_draft_that_cannot_be_exported_names_why_and_nothing_switches(world):
     deploy = cfg.monitor.deploy.model_copy(update={"format": "gguf", "gguf_vocabulary": str(root / "none.gguf")})
     cfg = cfg.model_copy(update={"monitor": cfg.monitor.model_copy(update={"deploy": deploy})})
     with pytest.raises(DeployError, match=r"export of models:/draftops-draft/1 as gguf: .*none\.gguf"):
-        ensure_deployed(cfg)
+        deploy_champion(cfg)
     assert not (root / "deploy" / CURRENT).exists()
     with pytest.raises(DeployError, match="no previous deployment"):
-        rollback_deployment(cfg, "test")
+        Rollout(cfg).roll_back("test")
 
 
 def test_a_folder_missing_a_file_is_not_a_deployment(world):
     cfg, root = world
-    ensure_deployed(cfg)
+    deploy_champion(cfg)
     folder = DeployFolder(root / "deploy").linked(CURRENT).folder
     assert json.loads((folder / MANIFEST).read_text())["version"] == "1"
     (folder / "config.json").unlink()
