@@ -1,8 +1,8 @@
 """A monitor check's measurements and decision, from what it read (monitor.check.observe): the champion measured on
 the held-out traffic (paired with its baseline, unpaired on recent requests, live on a few), the engine check against
 the offline figures, the tests and the decision (monitor.check.decision), and on DRIFT with retraining on, a
-challenger distilled and gated. Nothing here reads the registry or the engines, and nothing is written: what is to be
-recorded is returned (monitor.check.outcome logs it)."""
+challenger distilled, loaded and gated. Apart from that challenger, nothing here reads the registry or the engines,
+and nothing is logged: the baselines to record are returned (monitor.check.outcome logs them with the run)."""
 from __future__ import annotations
 
 import logging

@@ -24,10 +24,11 @@ from pipeline.config import DraftopsConfig
 log = logging.getLogger("draftops.monitor")
 
 
-def _safely(what: str, fn: Callable[[], list[DeployResult]]) -> list[DeployResult]:
-    """`fn`'s results, or one FAILED result naming `what` and why (logged): a deploy never stops the check."""
+def _safely(what: str, fn: Callable[[], list[DeployResult] | None]) -> list[DeployResult]:
+    """`fn`'s results (none for None), or one FAILED result naming `what` and why (logged): a deploy never stops the
+    check."""
     try:
-        return fn()
+        return fn() or []
     except (DeployError, registry.RegistryError, OSError) as exc:
         log.error("%s failed: %s", what, exc)
         return [DeployResult(FAILED, None, notes=[f"{what} failed: {exc}"])]
@@ -76,7 +77,7 @@ class FleetDeploys:
         if engine is None or not engine.post_deploy or engine.test is None:
             return
         report.deploys += _safely("record of the post-deploy check",
-                                  lambda: self.fleet.record_check(MISMATCH if engine.mismatch else VERIFIED) or [])
+                                  lambda: self.fleet.record_check(MISMATCH if engine.mismatch else VERIFIED))
         if engine.mismatch and self.cfg.monitor.deploy.rollback_on_mismatch:
             report.deploys += _safely("rollback of the deployment", lambda: [self.fleet.roll_back(
                 f"post-deploy check: DEPLOY_MISMATCH on version {engine.version}")])

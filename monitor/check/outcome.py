@@ -1,5 +1,5 @@
-"""A monitor check's report: what it decided and measured, its printed summary, and its MLflow tags and metrics (under
-`pipeline.metrics` names)."""
+"""A monitor check's report: what it decided and measured, its printed summary, its MLflow tags and metrics (under
+`pipeline.metrics` names), and its run in MLflow (`log_run`: the baselines stored with it, then a promotion)."""
 
 from __future__ import annotations
 
