@@ -12,13 +12,13 @@ from pipeline.config.engine import ResponsesConfig
 LossName = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "argmax_ce", "ce", "log_acceptance", "kl_tv"]
 # What each family trains with where a key is unset: the best of docs/results.md's ablation on the default job. A
 # layer draft keeps the fields' own defaults; a feature draft starts as speculators' EAGLE-3 head does (random layer,
-# the target's head rows frozen, norm before the residual, Muon + AdamW at 1e-3 on a linear schedule), trains for
-# acceptance (kl_tv, each unrolled step weighted by its reach) and takes half the batch for 1.5 epochs: the layer
-# draft's number of steps in about its training time.
+# the target's head rows frozen, norm before the residual, Muon + AdamW on a linear schedule, at 2e-3 where the peer
+# takes 1e-3), trains for acceptance (kl_tv, each unrolled step weighted by its reach) and takes half the batch for
+# 1.5 epochs: the layer draft's number of steps in about its training time.
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "layers": {"loss": "forward_kl", "ttt_weighting": "uniform", "batch_size": 16, "epochs": 3},
     "features": {"loss": "kl_tv", "ttt_weighting": "reach", "init": "config", "train_head": False,
-                 "norm_before_residual": True, "optimizer": "muon", "learning_rate": 1e-3, "lr_schedule": "linear",
+                 "norm_before_residual": True, "optimizer": "muon", "learning_rate": 2e-3, "lr_schedule": "linear",
                  "warmup_steps": 5, "min_lr_ratio": 0.0, "weight_decay": 0.01, "batch_size": 8, "epochs": 1.5},
 }
 
@@ -109,7 +109,7 @@ class DistillConfig(Section):
                             "for features.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     optimizer: Literal["adamw", "muon"] = Field(
-        "adamw", description="adamw: AdamW over every trained parameter; muon (features' default, with lr 1e-3 on a "
+        "adamw", description="adamw: AdamW over every trained parameter; muon (features' default, with lr 2e-3 on a "
         "linear schedule to 0 after 5 warmup steps, weight decay 0.01): Muon over the draft layers' weight matrices "
         "and AdamW over the rest (embeddings, head, norms), both at learning_rate.")
     lr_schedule: Literal["cosine", "linear"] = Field(
