@@ -86,8 +86,8 @@ def test_a_bare_off_reads_as_the_word_not_as_false():
 def test_each_family_trains_with_its_measured_best_recipe_unless_set():
     """Unset, a family's keys are its defaults (docs/results.md): forward KL from the target's layers under AdamW for a
     layer draft; for a feature draft speculators' start and optimizer (random layer, frozen head rows, norm before the
-    residual, Muon + AdamW 1e-3 linear) with kl_tv and reach weights, at half the batch for 1.5 epochs; a value given
-    is kept. configs/default.yaml distills a feature draft."""
+    residual, Muon + AdamW linear, at 2e-3) with kl_tv and reach weights, at half the batch for 1.5 epochs; a value
+    given is kept. configs/default.yaml distills a feature draft."""
     layers = load_config(None, ["distill.family=layers"]).distill
     features = load_config(None, []).distill
     assert features.family == "features" and DraftopsConfig().distill.family == "layers"
@@ -100,7 +100,7 @@ def test_each_family_trains_with_its_measured_best_recipe_unless_set():
                                                           3e-3, "cosine")
     assert (features.loss, features.ttt_weighting, features.init, features.train_head, features.norm_before_residual,
             features.optimizer, features.learning_rate, features.lr_schedule, features.min_lr_ratio,
-            features.weight_decay) == ("kl_tv", "reach", "config", False, True, "muon", 1e-3, "linear", 0.0, 0.01)
+            features.weight_decay) == ("kl_tv", "reach", "config", False, True, "muon", 2e-3, "linear", 0.0, 0.01)
     assert (chosen.loss, chosen.ttt_weighting, chosen.init, chosen.train_head, chosen.optimizer,
             chosen.learning_rate) == ("forward_kl", "uniform", "target_layers", True, "adamw", 3e-3)
     assert chosen.norm_before_residual and chosen.lr_schedule == "linear"  # the keys not given: the family's
