@@ -95,11 +95,15 @@ class Rollout:
     def current(self) -> Deployment | None:
         return self.folder.linked(CURRENT)
 
+    def _holds(self, current: Deployment | None, version: str) -> bool:
+        """Whether `current` is `version` of this model in the configured format."""
+        return current is not None and (current.version, current.format, current.model) == (
+            version, self.deploy.format, self.model)
+
     def serves(self, version: str) -> bool:
         """Whether `current` is `version` in the configured format, and the engine was reloaded onto it."""
         current, state = self.current(), self.folder.read_state()
-        return (current is not None and current.version == version and current.format == self.deploy.format
-                and current.model == self.model and state.get("folder") == current.folder.name
+        return (self._holds(current, version) and state.get("folder") == current.folder.name
                 and bool(state.get("reloaded")))
 
     def ensure(self, champion: str, *, force: bool = False) -> DeployResult:
@@ -109,8 +113,7 @@ class Rollout:
         folder = self.folder
         folder.own_links()
         current, state = self.current(), folder.read_state()
-        if not force and current is not None and (current.version, current.format, current.model) == (
-                champion, self.deploy.format, self.model):
+        if not force and self._holds(current, champion):
             if state.get("folder") == current.folder.name and state.get("reloaded"):
                 return DeployResult("none", current)
             self._check_reload()
