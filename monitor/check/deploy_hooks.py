@@ -17,7 +17,7 @@ from monitor.fleet.load import read_load
 from monitor.release import canary as steps
 from monitor.release.canary import Canary
 from monitor.release.layout import MISMATCH, VERIFIED, DeployError
-from monitor.release.rollout import FAILED, DeployResult, Rollout
+from monitor.release.rollout import FAILED, DeployResult, Rollout, reported
 from pipeline import registry
 from pipeline.config import DraftopsConfig
 
@@ -32,11 +32,6 @@ def _safely(what: str, fn: Callable[[], list[DeployResult] | None]) -> list[Depl
     except (DeployError, registry.RegistryError, OSError) as exc:
         log.error("%s failed: %s", what, exc)
         return [DeployResult(FAILED, None, notes=[f"{what} failed: {exc}"])]
-
-
-def _done(results: list[DeployResult]) -> list[DeployResult]:
-    """What was done, or what has a note: a deploy that found nothing to do is left out of the report."""
-    return [r for r in results if r.action != "none" or r.notes]
 
 
 class NoDeploys:
@@ -60,7 +55,7 @@ class FleetDeploys:
 
     def before_check(self) -> list[DeployResult]:
         """The champion deployed (and the engine reloaded) before the check reads the engine."""
-        return _done(_safely("deploy of the champion", lambda: [self.fleet.ensure(self.champion())]))
+        return reported(_safely("deploy of the champion", lambda: [self.fleet.ensure(self.champion())]))
 
     def after_check(self, report) -> None:
         """The post-deploy check recorded (and acted on), then a promoted challenger deployed. Appends to

@@ -24,7 +24,7 @@ import logging
 from datetime import datetime, timezone
 from pathlib import Path
 
-from monitor.release.rollout import DeployResult, Rollout
+from monitor.release.rollout import DeployResult, Rollout, reported
 from pipeline import metrics as M
 from pipeline import registry
 from pipeline.config import DraftopsConfig
@@ -97,7 +97,7 @@ class Canary:
         if current is not None and current.version != champion and int(champion) > int(current.version):
             return self.begin(champion, current.version)
         results = [self.fleet.ensure(champion)] + self._on_canary(champion)
-        return [r for r in results if r.action != "none" or r.notes]
+        return reported(results)
 
     def begin(self, version: str, previous: str | None) -> list[DeployResult]:
         """Start a canary of `version` (the old champion `previous`, what the other replicas keep serving): the
@@ -135,7 +135,7 @@ class Canary:
         result = self.fleet.ensure(champion)
         state = self.save({**state, "phase": PASSED, "ended_at": _now()})
         self.log_step(state, state["figures"])
-        return [] if result.action == "none" and not result.notes else [result]
+        return reported([result])
 
     def roll_back(self, state: dict, figures: dict, reason: str) -> list[DeployResult]:
         """The canary failed: its folder switched back to the old champion, the champion alias moved back to it

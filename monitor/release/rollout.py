@@ -82,6 +82,11 @@ class DeployResult:
                 "reloaded": self.reloaded, "notes": self.notes, "seconds": self.seconds, "run_id": self.run_id}
 
 
+def reported(results: list[DeployResult]) -> list[DeployResult]:
+    """What was done, or what has a note: a deploy that found nothing to do is left out of a check's report."""
+    return [r for r in results if r.action != "none" or r.notes]
+
+
 class Rollout:
     """One deploy folder and the deploys into it (module docstring): the fleet's (`monitor.deploy`), or with
     `deploy` another folder and reload action (a canary's), for the configured registered model."""
