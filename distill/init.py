@@ -70,9 +70,14 @@ def init_draft(cfg: DistillConfig, target, *, token_ids: torch.Tensor | None = N
     if cfg.family == FEATURES:
         if cfg.init == "checkpoint":
             draft = feature_draft_from_checkpoint(cfg, target, token_ids)
+        elif cfg.init == "config":
+            draft = random_feature_draft(target, token_ids, norm_before_residual=cfg.norm_before_residual,
+                                         intermediate_size=cfg.draft_intermediate_size)
         else:
-            start = random_feature_draft if cfg.init == "config" else feature_draft_from_target
-            draft = start(target, token_ids, norm_before_residual=cfg.norm_before_residual)
+            if cfg.draft_intermediate_size is not None:
+                raise ValueError("distill.draft_intermediate_size: a feature draft from the target's layers keeps "
+                                 "their MLP width; a wider one starts from init=config")
+            draft = feature_draft_from_target(target, token_ids, norm_before_residual=cfg.norm_before_residual)
         return float32_weights(draft, target).train()
     if cfg.init == "target_layers":
         draft = draft_from_target_layers(target, cfg.init_layers)

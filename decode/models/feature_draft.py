@@ -49,14 +49,17 @@ class FeatureDraft(nn.Module):
     EAGLE-3 drafts."""
 
     def __init__(self, target_config, embed_tokens: nn.Embedding, *, feature_layers: tuple[int, ...] | None = None,
-                 token_ids: torch.Tensor | None = None, norm_before_residual: bool = False):
+                 token_ids: torch.Tensor | None = None, norm_before_residual: bool = False,
+                 intermediate_size: int | None = None):
         """target_config: the target's config (the Llama layer takes its shapes, `draft_layer_config`), or a saved
         draft's layer config; embed_tokens: the target's embeddings (shared, not trained, not saved); token_ids: the
         target ids of a reduced head's rows (None: full vocab); norm_before_residual: the layer adds its attention
         output to the normed features rather than to the features themselves (speculators' option of that name, its
-        trainer's default; EAGLE-3's own layer does not)."""
+        trainer's default; EAGLE-3's own layer does not); intermediate_size: the layer's MLP width (None: the
+        config's)."""
         super().__init__()
         config = draft_layer_config(target_config)
+        config.intermediate_size = intermediate_size or config.intermediate_size
         hidden = config.hidden_size
         self.config = config
         self.target_architectures = list(getattr(target_config, "architectures", None) or [])
@@ -228,12 +231,13 @@ def feature_draft_from_target(target, token_ids: torch.Tensor | None = None,
 
 def random_feature_draft(target, token_ids: torch.Tensor | None = None,
                          feature_layers: tuple[int, ...] | None = None,
-                         norm_before_residual: bool = False) -> FeatureDraft:
+                         norm_before_residual: bool = False, intermediate_size: int | None = None) -> FeatureDraft:
     """A feature draft whose `fc` and decoder layer start from random weights (normal with the target's
     `initializer_range`, biases 0) and its norms at 1, as speculators' EAGLE-3 heads start; only the head rows are the
-    target's (the embeddings are shared)."""
+    target's (the embeddings are shared). intermediate_size: the layer's MLP width (None: the target's)."""
     draft = FeatureDraft(target.config, target.get_input_embeddings(), feature_layers=feature_layers,
-                         token_ids=token_ids, norm_before_residual=norm_before_residual).to(
+                         token_ids=token_ids, norm_before_residual=norm_before_residual,
+                         intermediate_size=intermediate_size).to(
         device=target.device, dtype=target.dtype)
     std = getattr(target.config.get_text_config(decoder=True), "initializer_range", 0.02)
     with torch.no_grad():

@@ -53,6 +53,9 @@ class DistillConfig(Section):
         False, description="Also train the input embeddings (always, when tied to the head).")
     train_head: bool = Field(
         True, description="Train the head's rows; false (features' default) keeps the target's, as speculators does.")
+    draft_intermediate_size: int | None = Field(
+        None, ge=1, description="features only, with init=config: the draft layer's MLP width (null: the target's). "
+        "A wider MLP is still an EAGLE-3 head: its layer config carries the width.")
     norm_before_residual: bool = Field(
         False, description="features only (their default: true): the draft layer adds its attention output to the "
         "normed features rather than the raw ones (speculators' EAGLE-3 default).")

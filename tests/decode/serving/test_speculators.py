@@ -25,11 +25,13 @@ def target():
     return make_tiny_model(VOCAB, seed=3, layers=4)
 
 
-def random_draft(target, token_ids=None, feature_layers=LAYERS, norm_before_residual=False) -> FeatureDraft:
+def random_draft(target, token_ids=None, feature_layers=LAYERS, norm_before_residual=False,
+                 intermediate_size=None) -> FeatureDraft:
     """Every own parameter moved off its initial value, so a weight the format drops or swaps shows up."""
     torch.manual_seed(1)
     draft = FeatureDraft(target.config, target.get_input_embeddings(), feature_layers=feature_layers,
-                         token_ids=token_ids, norm_before_residual=norm_before_residual)
+                         token_ids=token_ids, norm_before_residual=norm_before_residual,
+                         intermediate_size=intermediate_size)
     with torch.no_grad():
         for name, parameter in draft.named_parameters():
             if not name.startswith("embed_tokens"):
@@ -84,6 +86,18 @@ def test_round_trip_gives_the_same_weights_and_the_same_unrolled_logits(target, 
         "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 4}],
         "verifier": {"name_or_path": "org/tiny-llama", "architectures": ["LlamaForCausalLM"]}}
     assert "embed_tokens.weight" not in load_file(out / "model.safetensors")
+
+
+@torch.no_grad()
+def test_a_wider_mlp_is_saved_in_the_layer_config_and_comes_back(target, tmp_path):
+    draft = random_draft(target, REDUCED, intermediate_size=3 * target.config.intermediate_size)
+    out = save_speculators(draft, tmp_path / "wide", verifier_name_or_path="t")
+    layer = json.loads((out / "config.json").read_text())["transformer_layer_config"]
+    assert layer["intermediate_size"] == 3 * target.config.intermediate_size
+    loaded = load_speculators(out, target)
+    assert loaded.layer.mlp.up_proj.weight.shape == draft.layer.mlp.up_proj.weight.shape
+    for a, b in zip(unrolled(draft, target), unrolled(loaded, target)):
+        assert torch.equal(a, b)
 
 
 def test_vocabulary_maps_are_speculators_offsets_and_mask(target, tmp_path):
