@@ -26,6 +26,7 @@ from distill.heldout_eval import cached_eval, feature_eval
 from distill.optimizers import build_optimizers, build_schedules
 from distill.step import chain_loss_step, draft_module, feature_loss_step, loss_step
 from distill.timings import Timings
+from distill.weight_average import WeightAverage
 from pipeline.config import DistillConfig, DraftopsConfig
 from pipeline.sources import eos_token_ids
 
@@ -83,12 +84,18 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 @dataclass
 class Prepared:
     """What accelerate prepared: the draft's training module, its optimizers (one, or Muon's and AdamW's), their lr
-    schedules (stepped here, once per optimizer step) and the parameters clipped."""
+    schedules (stepped here, once per optimizer step), the parameters clipped, and their moving average where
+    `ema_decay` asks for one (what is evaluated and kept)."""
 
     model: torch.nn.Module
     optimizers: list[torch.optim.Optimizer]
     schedulers: list[torch.optim.lr_scheduler.LRScheduler]
     trainable: list[torch.nn.Parameter]
+    average: WeightAverage | None = None
+
+    def evaluated(self):
+        """The weights held while evaluating and saving: the moving average, else the trained ones."""
+        return self.average.applied() if self.average else nullcontext()
 
 
 def prepare_training(d: DistillConfig, accelerator, draft, total_steps: int) -> Prepared:
@@ -104,7 +111,11 @@ def prepare_training(d: DistillConfig, accelerator, draft, total_steps: int) -> 
     model, *optimizers = accelerator.prepare(draft_module(d, draft), *optimizers)
     for scheduler in schedulers:
         accelerator.register_for_checkpointing(scheduler)
-    return Prepared(model, optimizers, schedulers, trainable_parameters(model))
+    trainable = trainable_parameters(model)
+    average = WeightAverage(trainable, d.ema_decay) if d.ema_decay else None
+    if average:
+        accelerator.register_for_checkpointing(average)
+    return Prepared(model, optimizers, schedulers, trainable, average)
 
 
 def resumed_state(d: DistillConfig, accelerator, job_dir: Path, total_steps: int) -> dict:
@@ -149,6 +160,8 @@ def optimizer_step(d: DistillConfig, accelerator, prepared: Prepared, target, dr
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+    if prepared.average:
+        prepared.average.update()
     return step_loss, grad_norm, int(global_tokens)
 
 
@@ -203,7 +216,7 @@ def train_loop(cfg: DraftopsConfig, accelerator, target, tokenizer, draft, data:
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_seen / max(time.perf_counter() - started, 1e-9):.0f}")
         bar.update(1)
         if state["step"] % d.eval_every == 0 or state["step"] == total_steps:
-            with timings.measure("eval"):
+            with timings.measure("eval"), prepared.evaluated():
                 metrics = heldout_metrics(cfg, prepared.model, target, data, state["step"])
                 state["evals"].append(metrics)
                 if state["best"] is None or metrics[select] > state["best"][select]:

@@ -122,6 +122,9 @@ class DistillConfig(Section):
     warmup_steps: int = Field(10, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="The decay ends at this share of the lr.")
     max_grad_norm: float = Field(1.0, gt=0.0)
+    ema_decay: float = Field(0.0, ge=0.0, lt=1.0, description=(
+        "Evaluate, keep and export an exponential moving average of the trained weights with this decay per "
+        "optimizer step (e.g. 0.99); 0: the weights as trained."))
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description=(
         "Autocast of the draft's products (weights, optimizer and loss stay fp32), used where the device supports it. "
         "auto: bf16 on a CPU with bf16 units (AVX512_BF16 or AMX-BF16) where one training step of the draft, timed "
