@@ -74,9 +74,6 @@ def init_draft(cfg: DistillConfig, target, *, token_ids: torch.Tensor | None = N
             draft = random_feature_draft(target, token_ids, norm_before_residual=cfg.norm_before_residual,
                                          intermediate_size=cfg.draft_intermediate_size)
         else:
-            if cfg.draft_intermediate_size is not None:
-                raise ValueError("distill.draft_intermediate_size: a feature draft from the target's layers keeps "
-                                 "their MLP width; a wider one starts from init=config")
             draft = feature_draft_from_target(target, token_ids, norm_before_residual=cfg.norm_before_residual)
         return float32_weights(draft, target).train()
     if cfg.init == "target_layers":

@@ -55,7 +55,7 @@ class DistillConfig(Section):
         True, description="Train the head's rows; false (features' default) keeps the target's, as speculators does.")
     draft_intermediate_size: int | None = Field(
         None, ge=1, description="features only, with init=config: the draft layer's MLP width (null: the target's). "
-        "A wider MLP is still an EAGLE-3 head: its layer config carries the width.")
+        "A wider MLP is still an EAGLE-3 head: its layer config carries the width. A checkpoint keeps its own.")
     norm_before_residual: bool = Field(
         False, description="features only (their default: true): the draft layer adds its attention output to the "
         "normed features rather than the raw ones (speculators' EAGLE-3 default).")
@@ -161,6 +161,10 @@ class DistillConfig(Section):
                              "continuations without the target's features")
         if self.family != "features" and self.teacher == "final":
             raise ValueError("distill.teacher=final applies to family 'features': it is cached beside the features")
+        if self.draft_intermediate_size is not None and (self.family != "features" or self.init == "target_layers"):
+            # a checkpoint keeps its saved width: the monitor's warm starts reuse a config that may set one
+            raise ValueError("distill.draft_intermediate_size applies to a feature draft from init=config: a draft "
+                             "from the target's layers keeps their MLP width")
         return self
 
 
