@@ -96,8 +96,11 @@ class FloatMuon(torch.optim.Muon):
 
 
 def build_schedules(d: DistillConfig, optimizers: list, total_steps: int) -> list:
-    """One warmup-then-decay schedule per optimizer over `total_steps` (`lr_factor`)."""
+    """One warmup-then-decay schedule per optimizer over the epochs' `total_steps` (`lr_factor`); the on-policy
+    stage after them at its own constant share, `onpolicy_lr_ratio`."""
     def factor(step: int) -> float:
+        if step >= total_steps:  # a schedule that ends at 0 (the feature default) would leave the stage untrained
+            return d.onpolicy_lr_ratio
         return lr_factor(step, warmup=d.warmup_steps, total=total_steps, min_ratio=d.min_lr_ratio,
                          schedule=d.lr_schedule)
     return [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in optimizers]

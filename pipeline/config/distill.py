@@ -91,6 +91,8 @@ class DistillConfig(Section):
         "tokens from every response position (greedy and sampled), scored by the target and weighted by the chance "
         "of being reached (docs/concepts.md#training-for-acceptance).")
     onpolicy_k: int = Field(3, ge=2, le=8, description="The chains' length in the on-policy stage.")
+    onpolicy_lr_ratio: float = Field(0.1, gt=0.0, le=1.0, description="The on-policy stage's learning rate, constant, "
+                                     "as a share of learning_rate (the epochs' schedule may end at 0).")
     # objective
     loss: LossName = Field(None, description=(
         "Divergence to the teacher; 'argmax_ce': cross-entropy on the teacher's most likely token at every position; "

@@ -28,6 +28,19 @@ def test_lr_factor_warms_up_then_decays_to_the_floor():
         assert lr_factor(500, **kw, schedule=schedule) == pytest.approx(0.1)
 
 
+def test_the_on_policy_stage_trains_at_its_own_share_where_the_epochs_decay_to_zero():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2e-3)
+    d = DistillConfig(family="features", onpolicy_steps=3, onpolicy_lr_ratio=0.25)  # linear to 0 over the epochs
+    schedule = build_schedules(d, [opt], total_steps=20)[0]
+    lrs = []
+    for _ in range(23):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        schedule.step()
+    assert lrs[19] == pytest.approx(2e-3 * (1 - 14 / 15))  # the epochs' last step, on the way to 0
+    assert lrs[20:] == pytest.approx([2e-3 * 0.25] * 3)
+
+
 def test_muon_takes_the_layers_matrices_and_adamw_the_vocabulary_and_norms():
     draft = make_tiny_model(40, seed=0, layers=2)
     draft.get_input_embeddings().weight.requires_grad_(False)
