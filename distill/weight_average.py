@@ -35,7 +35,7 @@ class WeightAverage:
                 p.copy_(w)
 
     def state_dict(self) -> dict:
-        return {"decay": self.decay, "average": self.average}
+        return {"average": self.average}
 
     def load_state_dict(self, state: dict) -> None:
         for avg, saved in zip(self.average, state["average"]):

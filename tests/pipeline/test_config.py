@@ -115,7 +115,8 @@ def test_the_final_states_teacher_is_a_feature_drafts_alone():
 def test_an_mlp_width_is_refused_at_load_where_the_draft_keeps_the_targets_layers():
     width = "distill.draft_intermediate_size=6144"
     assert load_config(None, ["distill.family=features", width]).distill.draft_intermediate_size == 6144
-    assert load_config(None, ["distill.family=features", "distill.init=checkpoint", width])  # it keeps its own
+    checkpoint = load_config(None, ["distill.family=features", "distill.init=checkpoint", width])  # keeps its own
+    assert checkpoint.distill.draft_intermediate_size == 6144
     for refused in (["distill.family=layers", width], ["distill.family=features", "distill.init=target_layers", width]):
         with pytest.raises(ConfigError, match="draft_intermediate_size applies to a feature draft from init=config"):
             load_config(None, refused)
